@@ -1,0 +1,124 @@
+"""A schedule: every rank's order plus the stage→rank placement that routes P2P."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from enum import Enum
+
+from pipeswap.schedule.errors import ScheduleError
+from pipeswap.schedule.steps import Order, Step
+
+
+class StageMapping(Enum):
+    """How stages are laid out on ranks.
+
+    ``LOOP``: stage s on rank s mod P. ``V``: a zig-zag, chunk 0 on ranks 0..P-1, chunk 1 on
+    ranks P-1..0, chunk 2 on 0..P-1 again, and so on.
+    """
+
+    LOOP = "loop"
+    V = "v"
+
+
+def stage_to_rank(ranks: int, num_stages: int, mapping: StageMapping | str) -> tuple[int, ...]:
+    """The rank of every stage under ``mapping``."""
+    style = _mapping(mapping)
+    if ranks < 1:
+        raise ScheduleError(f"ranks must be >= 1, got {ranks}")
+    if num_stages < 1:
+        raise ScheduleError(f"num_stages must be >= 1, got {num_stages}")
+    if style is StageMapping.LOOP:
+        return tuple(stage % ranks for stage in range(num_stages))
+    if num_stages % ranks:
+        raise ScheduleError(
+            f"the 'v' mapping needs num_stages to be a multiple of ranks; got {num_stages} "
+            f"stages on {ranks} ranks (use {ranks * (num_stages // ranks + 1)} stages, or 'loop')"
+        )
+    return tuple(
+        stage % ranks if (stage // ranks) % 2 == 0 else ranks - 1 - stage % ranks
+        for stage in range(num_stages)
+    )
+
+
+def _mapping(mapping: StageMapping | str) -> StageMapping:
+    if isinstance(mapping, StageMapping):
+        return mapping
+    try:
+        return StageMapping(mapping)
+    except ValueError:
+        allowed = ", ".join(repr(m.value) for m in StageMapping)
+        raise ScheduleError(f"unknown stage mapping {mapping!r}; allowed: {allowed}") from None
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """All ranks' orders (indexed by rank) and the rank of every stage."""
+
+    orders: tuple[Order, ...]
+    stage_ranks: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if not self.orders:
+            raise ScheduleError("a schedule needs at least one rank")
+        bad = [r for r in self.stage_ranks if not 0 <= r < len(self.orders)]
+        if bad:
+            raise ScheduleError(
+                f"stage_ranks names rank(s) {sorted(set(bad))} but the schedule has "
+                f"{len(self.orders)} ranks"
+            )
+
+    @classmethod
+    def from_orders(cls, orders: Sequence[Iterable[Step | None]]) -> Schedule:
+        """Build a schedule, reading each stage's rank off the steps that name it."""
+        frozen = tuple(tuple(order) for order in orders)
+        return cls(frozen, infer_stage_ranks(frozen))
+
+    @property
+    def num_ranks(self) -> int:
+        return len(self.orders)
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.stage_ranks)
+
+    def rank_of(self, stage: int) -> int:
+        if not 0 <= stage < len(self.stage_ranks):
+            raise ScheduleError(f"stage {stage} is not in this {self.num_stages}-stage schedule")
+        return self.stage_ranks[stage]
+
+    def stages_of(self, rank: int) -> tuple[int, ...]:
+        return tuple(s for s, r in enumerate(self.stage_ranks) if r == rank)
+
+    def map_orders(self, rewrite: Callable[[int, Order], Iterable[Step | None]]) -> Schedule:
+        """A new schedule whose order for rank r is ``rewrite(r, order)``."""
+        return Schedule(
+            tuple(tuple(rewrite(rank, order)) for rank, order in enumerate(self.orders)),
+            self.stage_ranks,
+        )
+
+
+def infer_stage_ranks(orders: Sequence[Sequence[Step | None]]) -> tuple[int, ...]:
+    """Which rank runs each stage, from the stages named in each rank's order."""
+    owner: dict[int, int] = {}
+    for rank, order in enumerate(orders):
+        for step in order:
+            if step is None:
+                continue
+            for leaf in step.sub_steps or (step,):
+                stage = leaf.stage
+                assert stage is not None
+                seen = owner.setdefault(stage, rank)
+                if seen != rank:
+                    raise ScheduleError(
+                        f"stage {stage} appears on rank {seen} and on rank {rank} ({leaf}); "
+                        "each stage must live on exactly one rank"
+                    )
+    if not owner:
+        return ()
+    missing = sorted(set(range(max(owner) + 1)) - set(owner))
+    if missing:
+        raise ScheduleError(
+            f"stages must be numbered 0..S-1; no rank runs stage(s) {missing}"
+        )
+    return tuple(owner[stage] for stage in range(len(owner)))

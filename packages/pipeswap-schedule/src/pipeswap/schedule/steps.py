@@ -1,0 +1,156 @@
+"""The step IR: what one rank does at one point of a pipeline schedule.
+
+A :class:`Step` is an immutable, hashable value. Leaves name a stage (and, for everything but
+FSDP control, a microbatch); composites hold leaves. The text form of a step is its ``str``;
+:mod:`pipeswap.schedule.text` parses it back.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+from pipeswap.schedule.errors import StepError
+
+
+class StepType(Enum):
+    """Every kind of step. The value is the code used in the text form."""
+
+    FWD = "F"
+    BWD = "B"
+    BWD_INPUT = "I"
+    BWD_WEIGHT = "W"
+    FWD_SEND = "SEND_F"
+    FWD_RECV = "RECV_F"
+    BWD_SEND = "SEND_B"
+    BWD_RECV = "RECV_B"
+    BATCH_SEND_RECV = "BATCH_P2P"
+    OVERLAP_F_B = "OVERLAP_F_B"
+    OVERLAP_B_F = "OVERLAP_B_F"
+    FSDP_UNSHARD = "UNSHARD"
+    FSDP_RESHARD = "RESHARD"
+    FSDP_REDUCE_GRAD = "REDUCE_GRAD"
+    SWAP_LAUNCH_OFFLOAD = "LO"
+    SWAP_WAIT_OFFLOAD = "WO"
+    SWAP_LAUNCH_LOAD = "LL"
+    SWAP_WAIT_LOAD = "WL"
+
+    @property
+    def code(self) -> str:
+        return self.value
+
+
+#: Steps that run a model chunk on the compute stream; each occupies one compute slot.
+COMPUTE = frozenset({StepType.FWD, StepType.BWD, StepType.BWD_INPUT, StepType.BWD_WEIGHT})
+#: Backward steps that consume a chunk's saved activations (dw works from dx's kept state).
+ACTIVATION_CONSUMERS = frozenset({StepType.BWD, StepType.BWD_INPUT})
+#: Point-to-point leaves between neighbouring stages.
+P2P = frozenset({StepType.FWD_SEND, StepType.FWD_RECV, StepType.BWD_SEND, StepType.BWD_RECV})
+SENDS = frozenset({StepType.FWD_SEND, StepType.BWD_SEND})
+RECVS = frozenset({StepType.FWD_RECV, StepType.BWD_RECV})
+#: P2P leaves and their batched form.
+COMM = P2P | {StepType.BATCH_SEND_RECV}
+OVERLAPS = frozenset({StepType.OVERLAP_F_B, StepType.OVERLAP_B_F})
+COMPOSITES = OVERLAPS | {StepType.BATCH_SEND_RECV}
+FSDP = frozenset({StepType.FSDP_UNSHARD, StepType.FSDP_RESHARD, StepType.FSDP_REDUCE_GRAD})
+SWAP = frozenset(
+    {
+        StepType.SWAP_LAUNCH_OFFLOAD,
+        StepType.SWAP_WAIT_OFFLOAD,
+        StepType.SWAP_LAUNCH_LOAD,
+        StepType.SWAP_WAIT_LOAD,
+    }
+)
+#: Local control steps that take no compute slot and exchange nothing with pipeline peers.
+#: Passes that look for "the P2P right after a compute" see through them.
+ZERO_WIDTH = FSDP | SWAP
+_WITH_MICRO = COMPUTE | P2P | SWAP
+
+
+@dataclass(frozen=True, slots=True)
+class Step:
+    """One step of a rank's order.
+
+    Leaves carry ``stage`` and ``micro`` (FSDP control steps have no micro); composites carry
+    only ``sub_steps``: an overlap holds one forward and one backward leaf (in the order its
+    name says), a P2P batch holds P2P leaves.
+    """
+
+    type: StepType
+    stage: int | None = None
+    micro: int | None = None
+    sub_steps: tuple[Step, ...] = ()
+
+    def __post_init__(self) -> None:
+        kind = self.type
+        if kind in COMPOSITES:
+            self._check_composite()
+            return
+        if self.sub_steps:
+            raise StepError(f"{kind.name} is a leaf step and cannot hold sub-steps")
+        if not isinstance(self.stage, int) or self.stage < 0:
+            raise StepError(f"{kind.name} needs a stage index >= 0, got {self.stage!r}")
+        if kind in _WITH_MICRO:
+            if not isinstance(self.micro, int) or self.micro < 0:
+                raise StepError(f"{kind.name} needs a microbatch index >= 0, got {self.micro!r}")
+        elif self.micro is not None:
+            raise StepError(f"{kind.name} applies to a whole stage and takes no microbatch")
+
+    def _check_composite(self) -> None:
+        kind = self.type
+        if self.stage is not None or self.micro is not None:
+            raise StepError(f"{kind.name} is a composite: put stage and micro on its sub-steps")
+        subs = self.sub_steps
+        if kind is StepType.BATCH_SEND_RECV:
+            if not subs or any(s.type not in P2P for s in subs):
+                raise StepError(
+                    f"BATCH_P2P holds one or more P2P leaves (SEND_F, RECV_F, SEND_B, RECV_B), "
+                    f"got ({';'.join(str(s) for s in subs)})"
+                )
+            return
+        if len(subs) != 2:
+            raise StepError(f"{kind.name} holds exactly two sub-steps, got {len(subs)}")
+        f_first = kind is StepType.OVERLAP_F_B
+        fwd, bwd = subs if f_first else (subs[1], subs[0])
+        if fwd.type is not StepType.FWD or bwd.type not in ACTIVATION_CONSUMERS:
+            shape = "(forward;backward)" if f_first else "(backward;forward)"
+            raise StepError(
+                f"{kind.name} holds {shape}: one F leaf and one B or I leaf, "
+                f"got ({';'.join(str(s) for s in subs)})"
+            )
+
+    def __str__(self) -> str:
+        if self.sub_steps:
+            return f"({';'.join(str(s) for s in self.sub_steps)}){self.type.value}"
+        if self.micro is None:
+            return f"{self.stage}{self.type.value}"
+        return f"{self.stage}{self.type.value}{self.micro}"
+
+    @property
+    def key(self) -> tuple[int, int]:
+        """The (stage, micro) chunk a leaf step belongs to."""
+        if self.stage is None or self.micro is None:
+            raise StepError(f"{self} does not belong to a single (stage, micro) chunk")
+        return (self.stage, self.micro)
+
+    @property
+    def compute_leaves(self) -> tuple[Step, ...]:
+        """The compute leaves this step runs (an overlap runs two)."""
+        if self.type in COMPUTE:
+            return (self,)
+        if self.type in OVERLAPS:
+            return self.sub_steps
+        return ()
+
+    @property
+    def p2p_leaves(self) -> tuple[Step, ...]:
+        """The P2P leaves this step issues (a batch issues several)."""
+        if self.type in P2P:
+            return (self,)
+        if self.type is StepType.BATCH_SEND_RECV:
+            return self.sub_steps
+        return ()
+
+
+#: One rank's list of steps; ``None`` is an idle slot.
+Order = tuple["Step | None", ...]

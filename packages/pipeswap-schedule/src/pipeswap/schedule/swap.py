@@ -1,0 +1,245 @@
+"""The swap-injection pass: offload a chunk's activations after its forward, reload before its backward.
+
+For every chunk (stage, micro) the policy picks on a rank, four steps go between the rank's
+existing steps, never inside one:
+
+============  ==============================================================================
+``LO``        launch the device→host copy, right after the forward's step
+``WO``        wait for that copy and free device memory, after the first compute that follows
+              (and after that compute's own send, so a P2P block is never split)
+``LL``        launch the host→device copy one compute before the backward (with FSDP: before
+              the backward stage's last all-gather, so the two overlap)
+``WL``        make compute wait for the copy, right before the backward
+============  ==============================================================================
+
+Compute slots count containers: an overlap of a backward and a forward is one slot.
+Differences from the seed system: local control steps (FSDP, swap) are transparent when
+looking for a compute's P2P block, FSDP placement applies per stage, and a reload never
+precedes the offload wait. The pass is linear in the order length.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from pipeswap.schedule.errors import ScheduleError
+from pipeswap.schedule.schedule import Schedule
+from pipeswap.schedule.steps import (
+    ACTIVATION_CONSUMERS,
+    COMM,
+    SWAP,
+    ZERO_WIDTH,
+    Order,
+    Step,
+    StepType,
+)
+
+ChunkKey = tuple[int, int]
+#: The fewest compute slots between a forward and its backward that leave room for
+#: WO (after the first slot in between) to come before LL (before the last one).
+MIN_FEASIBLE_GAP = 3
+_OWN_SEND = {StepType.FWD: StepType.FWD_SEND, StepType.BWD: StepType.BWD_SEND,
+             StepType.BWD_INPUT: StepType.BWD_SEND}
+
+
+@dataclass(frozen=True)
+class SwapCandidate:
+    """A chunk whose forward and activation-consuming backward both run on ``rank``.
+
+    Slots are compute-slot indices in the rank's order; ``gap`` is how many slots the
+    backward comes after the forward.
+    """
+
+    rank: int
+    stage: int
+    micro: int
+    forward_slot: int
+    backward_slot: int
+
+    @property
+    def key(self) -> ChunkKey:
+        return (self.stage, self.micro)
+
+    @property
+    def gap(self) -> int:
+        return self.backward_slot - self.forward_slot
+
+
+class SwapPolicy(Protocol):
+    """Chooses which candidate chunks of one rank get swapped."""
+
+    def select(self, candidates: Sequence[SwapCandidate]) -> Collection[ChunkKey]: ...
+
+
+@dataclass(frozen=True)
+class MinGapPolicy:
+    """Swap every chunk whose backward is at least ``min_gap`` compute slots after its forward.
+
+    ``min_gap=4`` is the seed system's rule: three computes in between leave one to hide the
+    offload, one to hide the reload and one to spare.
+    """
+
+    min_gap: int = 4
+
+    def __post_init__(self) -> None:
+        if isinstance(self.min_gap, bool) or not isinstance(self.min_gap, int) or (
+            self.min_gap < MIN_FEASIBLE_GAP
+        ):
+            raise ScheduleError(
+                f"min_gap must be an integer >= {MIN_FEASIBLE_GAP} (the offload wait needs a "
+                f"compute before the reload launch), got {self.min_gap!r}"
+            )
+
+    def select(self, candidates: Sequence[SwapCandidate]) -> Collection[ChunkKey]:
+        return {c.key for c in candidates if c.gap >= self.min_gap}
+
+
+def inject_swap(schedule: Schedule, policy: SwapPolicy | None = None) -> Schedule:
+    """Insert swap steps into every rank's order for the chunks ``policy`` selects."""
+    chosen = MinGapPolicy() if policy is None else policy
+    return schedule.map_orders(lambda rank, order: inject_swap_order(order, chosen, rank=rank))
+
+
+def swap_candidates(order: Order, rank: int = 0) -> list[SwapCandidate]:
+    """Every chunk of ``order`` that could be swapped, in order of first forward."""
+    return _Slots(order).candidates(rank)
+
+
+def swapped_chunks(schedule: Schedule) -> tuple[tuple[ChunkKey, ...], ...]:
+    """Per rank, the chunks that have a launch-offload step, in execution order."""
+    return tuple(
+        tuple(s.key for s in order if s is not None and s.type is StepType.SWAP_LAUNCH_OFFLOAD)
+        for order in schedule.orders
+    )
+
+
+class _Slots:
+    """Compute slots of one order: which container holds each, and each chunk's F and B."""
+
+    def __init__(self, order: Order) -> None:
+        self.container: list[int] = []  # slot -> container index
+        self.fwd: dict[ChunkKey, tuple[int, int, Step]] = {}  # key -> (slot, container, leaf)
+        self.bwd: dict[ChunkKey, tuple[int, int, Step]] = {}
+        for index, step in enumerate(order):
+            if step is None:
+                continue
+            if step.type in SWAP:
+                raise ScheduleError(f"the order already has swap steps ({step}); inject them once")
+            leaves = step.compute_leaves
+            if not leaves:
+                continue
+            slot = len(self.container)
+            self.container.append(index)
+            for leaf in leaves:
+                if leaf.type is StepType.FWD:
+                    self.fwd[leaf.key] = (slot, index, leaf)
+                elif leaf.type in ACTIVATION_CONSUMERS:
+                    self.bwd[leaf.key] = (slot, index, leaf)
+
+    def candidates(self, rank: int) -> list[SwapCandidate]:
+        out = []
+        for key, (f_slot, _, _) in self.fwd.items():
+            b = self.bwd.get(key)
+            if b is not None and b[0] > f_slot:
+                out.append(SwapCandidate(rank, key[0], key[1], f_slot, b[0]))
+        return out
+
+
+def inject_swap_order(order: Order, policy: SwapPolicy, *, rank: int = 0) -> list[Step | None]:
+    """Insert swap steps into one rank's order (see the module docstring for the anchors)."""
+    slots = _Slots(order)
+    candidates = slots.candidates(rank)
+    selected = set(policy.select(candidates))
+    unknown = selected - {c.key for c in candidates}
+    if unknown:
+        raise ScheduleError(
+            f"the swap policy selected chunk(s) {sorted(unknown)} on rank {rank}, which are not "
+            "candidates (forward and backward must both run on this rank, backward later)"
+        )
+    n = len(order)
+    # last_comm[j]: index of the last P2P step in the run of P2P/zero-width steps starting at j.
+    last_comm = [-1] * (n + 1)
+    for j in range(n - 1, -1, -1):
+        step = order[j]
+        if step is None:
+            continue
+        if step.type in COMM:
+            last_comm[j] = last_comm[j + 1] if last_comm[j + 1] >= 0 else j
+        elif step.type in ZERO_WIDTH:
+            last_comm[j] = last_comm[j + 1]
+    anchors: dict[int, int] = {}
+
+    def after_compute(index: int) -> int:
+        """Where a wait goes after the compute at ``index``: after its own send, else its block."""
+        if index in anchors:
+            return anchors[index]
+        end = last_comm[index + 1] if last_comm[index + 1] >= 0 else index
+        found = end
+        step = order[index]
+        assert step is not None
+        own = _OWN_SEND.get(step.type)
+        if own is not None:
+            for j in range(index + 1, end + 1):
+                nxt = order[j]
+                if nxt is not None and any(
+                    p.type is own and p.stage == step.stage and p.micro == step.micro
+                    for p in nxt.p2p_leaves
+                ):
+                    found = j
+                    break
+        anchors[index] = found
+        return found
+
+    # unshard_before[bwd container] = latest UNSHARD of the backward's stage before it.
+    fsdp_stages = {s.stage for s in order if s is not None and s.type is StepType.FSDP_UNSHARD}
+    unshard_before: dict[int, int] = {}
+    if fsdp_stages:
+        latest: dict[int, int] = {}
+        bwd_containers = {(c, leaf.stage) for _, c, leaf in slots.bwd.values()}
+        for index, step in enumerate(order):
+            if step is None:
+                continue
+            if step.type is StepType.FSDP_UNSHARD:
+                assert step.stage is not None
+                latest[step.stage] = index
+            for leaf in step.compute_leaves:
+                if (index, leaf.stage) in bwd_containers and leaf.stage in latest:
+                    unshard_before[index] = latest[leaf.stage]  # type: ignore[index]
+
+    before: list[tuple[list[Step], list[Step]]] = [([], []) for _ in range(n)]
+    after: list[tuple[list[Step], list[Step]]] = [([], []) for _ in range(n)]
+    for cand in candidates:
+        if cand.key not in selected:
+            continue
+        if cand.gap < MIN_FEASIBLE_GAP:
+            raise ScheduleError(
+                f"the swap policy selected chunk {cand.key} on rank {rank}, whose backward is "
+                f"only {cand.gap} compute slot(s) after its forward; swapping needs >= "
+                f"{MIN_FEASIBLE_GAP} so the offload completes before the reload starts"
+            )
+        stage, micro = cand.key
+        f_container = slots.container[cand.forward_slot]
+        b_container = slots.container[cand.backward_slot]
+        wait_offload_at = after_compute(slots.container[cand.forward_slot + 1])
+        if stage in fsdp_stages:
+            gather = unshard_before.get(b_container, -1)
+            load_at = gather if gather > wait_offload_at else b_container
+        else:
+            load_at = slots.container[cand.backward_slot - 1]
+        after[f_container][0].append(Step(StepType.SWAP_LAUNCH_OFFLOAD, stage, micro))
+        after[wait_offload_at][1].append(Step(StepType.SWAP_WAIT_OFFLOAD, stage, micro))
+        before[load_at][0].append(Step(StepType.SWAP_LAUNCH_LOAD, stage, micro))
+        before[b_container][1].append(Step(StepType.SWAP_WAIT_LOAD, stage, micro))
+
+    out: list[Step | None] = []
+    for index, step in enumerate(order):
+        first, second = before[index]
+        out += first
+        out += second
+        out.append(step)
+        first, second = after[index]
+        out += first
+        out += second
+    return out

@@ -1,0 +1,112 @@
+"""The canonical text form of steps, orders and schedules.
+
+A leaf is ``{stage}{CODE}{micro}`` (``0F3``, ``2LO5``, ``3SEND_F1``), or ``{stage}{CODE}`` for
+FSDP control (``1UNSHARD``); a composite is ``(a;b;...)NAME`` (``(0B4;0F7)OVERLAP_B_F``). An
+order is whitespace-separated steps with ``_`` for an idle slot; a schedule is one
+``rank N: <order>`` line per rank. PyTorch pipelining's action strings for the kinds it has
+parse unchanged.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Sequence
+
+from pipeswap.schedule.errors import ParseError, StepError
+from pipeswap.schedule.steps import COMPOSITES, Step, StepType
+
+IDLE = "_"
+_LEAF_CODES = {t.value: t for t in StepType if t not in COMPOSITES}
+_COMPOSITE_CODES = {t.value: t for t in COMPOSITES}
+# Longest codes first so "SEND_F" is not read as "S" + garbage.
+_CODE_ALTERNATIVES = "|".join(sorted(map(re.escape, _LEAF_CODES), key=len, reverse=True))
+_LEAF = re.compile(rf"(\d+)({_CODE_ALTERNATIVES})(\d*)")
+_COMPOSITE = re.compile(r"\((.*)\)([A-Z_0-9]+)")
+_RANK_LINE = re.compile(r"\s*rank\s+(\d+)\s*:(.*)")
+
+EXPECTED_STEP = (
+    "expected {stage}{CODE}{micro} with CODE one of F B I W SEND_F RECV_F SEND_B RECV_B "
+    "LO WO LL WL (e.g. 0F3, 2LO5), {stage}UNSHARD|RESHARD|REDUCE_GRAD (e.g. 1UNSHARD), "
+    "or (a;b;...)OVERLAP_F_B|OVERLAP_B_F|BATCH_P2P (e.g. (0B4;0F7)OVERLAP_B_F)"
+)
+
+
+def parse_step(text: str) -> Step:
+    """Parse one step; raise :class:`ParseError` quoting the bad token."""
+    token = text.strip()
+    composite = _COMPOSITE.fullmatch(token)
+    if composite:
+        inner, name = composite.groups()
+        kind = _COMPOSITE_CODES.get(name)
+        if kind is None:
+            raise ParseError(f"bad step {token!r}: unknown composite {name!r}; {EXPECTED_STEP}")
+        if "(" in inner or ")" in inner:
+            raise ParseError(f"bad step {token!r}: composites cannot be nested; {EXPECTED_STEP}")
+        subs = tuple(_parse_leaf(part.strip(), token) for part in inner.split(";"))
+        return _build(token, kind, None, None, subs)
+    return _parse_leaf(token, token)
+
+
+def _parse_leaf(token: str, whole: str) -> Step:
+    match = _LEAF.fullmatch(token)
+    if match is None:
+        where = "" if token == whole else f" in {whole!r}"
+        raise ParseError(f"bad step {token!r}{where}: {EXPECTED_STEP}")
+    stage, code, micro = match.groups()
+    return _build(whole, _LEAF_CODES[code], int(stage), int(micro) if micro else None, ())
+
+
+def _build(
+    token: str, kind: StepType, stage: int | None, micro: int | None, subs: tuple[Step, ...]
+) -> Step:
+    try:
+        return Step(kind, stage, micro, subs)
+    except StepError as exc:
+        raise ParseError(f"bad step {token!r}: {exc}") from exc
+
+
+def parse_order(text: str | Iterable[str | None]) -> tuple[Step | None, ...]:
+    """Parse an order: a whitespace-separated string, or a list of tokens (``None``/``_`` idle)."""
+    tokens: Iterable[str | None] = text.split() if isinstance(text, str) else text
+    return tuple(None if tok is None or tok == IDLE else parse_step(tok) for tok in tokens)
+
+
+def format_step(step: Step | None) -> str:
+    return IDLE if step is None else str(step)
+
+
+def format_order(order: Iterable[Step | None]) -> str:
+    return " ".join(format_step(step) for step in order)
+
+
+def parse_rank_lines(text: str) -> tuple[tuple[Step | None, ...], ...]:
+    """Parse ``rank N: <order>`` lines (blank lines and ``#`` comments are skipped)."""
+    orders: dict[int, tuple[Step | None, ...]] = {}
+    for number, line in enumerate(text.splitlines(), start=1):
+        if not line.strip() or line.lstrip().startswith("#"):
+            continue
+        match = _RANK_LINE.fullmatch(line)
+        if match is None:
+            raise ParseError(f"line {number}: expected 'rank N: <steps>', got {line.strip()!r}")
+        rank = int(match.group(1))
+        if rank in orders:
+            raise ParseError(f"line {number}: rank {rank} appears twice")
+        try:
+            orders[rank] = parse_order(match.group(2))
+        except ParseError as exc:
+            raise ParseError(f"line {number} (rank {rank}): {exc}") from exc
+    return dense_orders(orders)
+
+
+def format_rank_lines(orders: Sequence[Iterable[Step | None]]) -> str:
+    return "\n".join(f"rank {rank}: {format_order(order)}" for rank, order in enumerate(orders))
+
+
+def dense_orders(orders: dict[int, tuple[Step | None, ...]]) -> tuple[tuple[Step | None, ...], ...]:
+    """Turn ``{rank: order}`` into a tuple indexed by rank, refusing gaps in the numbering."""
+    if not orders:
+        raise ParseError("no ranks found: expected one order per rank")
+    missing = sorted(set(range(max(orders) + 1)) - set(orders))
+    if missing:
+        raise ParseError(f"ranks must be numbered 0..P-1; missing rank(s) {missing}")
+    return tuple(orders[rank] for rank in range(len(orders)))
