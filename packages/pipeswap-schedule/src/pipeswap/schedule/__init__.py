@@ -1,0 +1,78 @@
+"""Pipeline schedules as data: the step IR, generators, passes (swap injection included) and validation.
+
+Pure Python with no dependencies: install ``pipeswap-schedule`` alone to build and analyse
+schedules without torch or a GPU.
+"""
+
+from pipeswap.schedule.__about__ import __version__
+from pipeswap.schedule.build import ScheduleKind, ScheduleSpec, build_schedule
+from pipeswap.schedule.dxdw import split_dxdw
+from pipeswap.schedule.errors import (
+    ChunkOrderError,
+    DeadlockError,
+    P2PError,
+    ParseError,
+    ScheduleError,
+    StepError,
+    SwapLifecycleError,
+    ValidationError,
+)
+from pipeswap.schedule.formats import from_json, loads, to_json
+from pipeswap.schedule.fsdp import add_fsdp_steps
+from pipeswap.schedule.generators import gpipe, interleaved_1f1b_compute, one_f_one_b
+from pipeswap.schedule.p2p import coalesce_p2p, insert_send_recv
+from pipeswap.schedule.schedule import Schedule, StageMapping, stage_to_rank
+from pipeswap.schedule.steps import Order, Step, StepType
+from pipeswap.schedule.swap import (
+    MinGapPolicy,
+    SwapCandidate,
+    SwapPolicy,
+    inject_swap,
+    swap_candidates,
+    swapped_chunks,
+)
+from pipeswap.schedule.text import format_order, parse_order, parse_step
+from pipeswap.schedule.validation import simulate_p2p, validate, validate_rank
+
+__all__ = [
+    "ChunkOrderError",
+    "DeadlockError",
+    "MinGapPolicy",
+    "Order",
+    "P2PError",
+    "ParseError",
+    "Schedule",
+    "ScheduleError",
+    "ScheduleKind",
+    "ScheduleSpec",
+    "StageMapping",
+    "Step",
+    "StepError",
+    "StepType",
+    "SwapCandidate",
+    "SwapLifecycleError",
+    "SwapPolicy",
+    "ValidationError",
+    "__version__",
+    "add_fsdp_steps",
+    "build_schedule",
+    "coalesce_p2p",
+    "format_order",
+    "from_json",
+    "gpipe",
+    "inject_swap",
+    "insert_send_recv",
+    "interleaved_1f1b_compute",
+    "loads",
+    "one_f_one_b",
+    "parse_order",
+    "parse_step",
+    "simulate_p2p",
+    "split_dxdw",
+    "stage_to_rank",
+    "swap_candidates",
+    "swapped_chunks",
+    "to_json",
+    "validate",
+    "validate_rank",
+]

@@ -1,0 +1,107 @@
+"""Build a finished schedule: generate, then run the passes in the seed system's order.
+
+generate (+ send/recv, + dx/dw split) → FSDP → P2P batching → swap injection. Swap comes last
+so it sees the final FSDP steps and P2P batches and never splits one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+from pipeswap.schedule.dxdw import split_dxdw
+from pipeswap.schedule.errors import ScheduleError
+from pipeswap.schedule.fsdp import add_fsdp_steps
+from pipeswap.schedule.generators import (
+    check_positive,
+    gpipe,
+    interleaved_1f1b_compute,
+    one_f_one_b,
+)
+from pipeswap.schedule.p2p import coalesce_p2p, insert_send_recv
+from pipeswap.schedule.schedule import Schedule
+from pipeswap.schedule.swap import SwapPolicy, inject_swap
+
+
+class ScheduleKind(Enum):
+    GPIPE = "gpipe"
+    ONE_F_ONE_B = "1f1b"
+    INTERLEAVED_1F1B = "interleaved-1f1b"
+
+
+def schedule_kind(name: str | ScheduleKind) -> ScheduleKind:
+    if isinstance(name, ScheduleKind):
+        return name
+    try:
+        return ScheduleKind(name)
+    except ValueError:
+        allowed = ", ".join(k.value for k in ScheduleKind)
+        raise ScheduleError(f"unknown schedule {name!r}; allowed: {allowed}") from None
+
+
+@dataclass(frozen=True)
+class ScheduleSpec:
+    """What to build. Invalid combinations raise :class:`ScheduleError` naming the option."""
+
+    kind: ScheduleKind
+    ranks: int
+    microbatches: int
+    stages_per_rank: int = 1
+    overlap_b_f: bool = False
+    dxdw_split: bool = False
+    less_memory: bool = False
+    fsdp: bool = False
+    batch_p2p: bool = False
+    swap: bool = False
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "kind", schedule_kind(self.kind))
+        check_positive("ranks", self.ranks)
+        check_positive("microbatches", self.microbatches)
+        check_positive("stages_per_rank", self.stages_per_rank)
+        interleaved = self.kind is ScheduleKind.INTERLEAVED_1F1B
+        if not interleaved:
+            for option in ("overlap_b_f", "less_memory"):
+                if getattr(self, option):
+                    raise ScheduleError(
+                        f"{option} applies to interleaved-1f1b only, not {self.kind.value}")
+            if self.stages_per_rank != 1:
+                raise ScheduleError(
+                    f"{self.kind.value} runs one stage per rank: stages_per_rank must be 1, got "
+                    f"{self.stages_per_rank} (use interleaved-1f1b for several)")
+        if self.dxdw_split and not self.overlap_b_f:
+            raise ScheduleError(
+                "dxdw_split=True requires overlap_b_f=True: the split applies to the backward "
+                "inside each OVERLAP_B_F step")
+        if self.less_memory and self.overlap_b_f:
+            raise ScheduleError(
+                "less_memory=True cannot be combined with overlap_b_f=True: the shallow warm-up "
+                "leaves no time slot between a forward and the overlap that consumes its output, "
+                "so the receive would land after its consumer; choose one of the two")
+
+
+def build_schedule(spec: ScheduleSpec, swap_policy: SwapPolicy | None = None) -> Schedule:
+    """Generate ``spec.kind`` and apply the passes ``spec`` asks for."""
+    if spec.kind is ScheduleKind.GPIPE:
+        schedule = gpipe(spec.ranks, spec.microbatches)
+    elif spec.kind is ScheduleKind.ONE_F_ONE_B:
+        schedule = one_f_one_b(spec.ranks, spec.microbatches)
+    else:
+        schedule = insert_send_recv(
+            interleaved_1f1b_compute(
+                spec.ranks,
+                spec.microbatches,
+                spec.stages_per_rank,
+                overlap_b_f=spec.overlap_b_f,
+                less_memory=spec.less_memory,
+            )
+        )
+        if spec.dxdw_split:
+            schedule = split_dxdw(schedule)
+    if spec.fsdp:
+        schedule = add_fsdp_steps(schedule)
+    if spec.batch_p2p:
+        schedule = coalesce_p2p(schedule)
+    if spec.swap:
+        schedule = inject_swap(schedule, swap_policy)
+    return schedule

@@ -1,0 +1,180 @@
+"""The ``pipeswap-schedule`` command line: build, print, check and look at schedules."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from pipeswap.schedule.__about__ import __version__
+from pipeswap.schedule.build import ScheduleKind, ScheduleSpec, build_schedule
+from pipeswap.schedule.errors import ScheduleError
+from pipeswap.schedule.formats import (
+    describe,
+    dumps_json,
+    dumps_lines,
+    loads,
+    render_grid,
+    swap_summary,
+)
+from pipeswap.schedule.schedule import Schedule
+from pipeswap.schedule.swap import MinGapPolicy
+from pipeswap.schedule.validation import validate
+
+PROG = "pipeswap-schedule"
+DESCRIPTION = """\
+Build pipeline-parallel schedules, inject activation-swap steps, check them, and look at them.
+No GPU or torch needed.
+
+A schedule is one order of steps per rank. Steps are written {stage}{CODE}{micro}:
+  F  forward          B  backward            I  backward, input grads (dx)   W  weight grads (dw)
+  SEND_F / RECV_F     activations to / from the next stage
+  SEND_B / RECV_B     gradients to / from the previous stage
+  LO / WO             launch / wait the device-to-host offload of a chunk's activations
+  LL / WL             launch / wait the host-to-device reload before its backward
+  {stage}UNSHARD, RESHARD, REDUCE_GRAD      FSDP parameter gather, free, grad reduction
+  (a;b)OVERLAP_B_F, (a;b)OVERLAP_F_B, (a;b;...)BATCH_P2P   composite steps
+  _ (null in JSON)    an idle slot
+so 0F3 is stage 0's forward of microbatch 3 and 2LO5 offloads stage 2, microbatch 5.
+"""
+EPILOG = f"""\
+examples:
+  {PROG} show --schedule 1f1b --ranks 4 --microbatches 8 --swap
+  {PROG} orders --schedule interleaved-1f1b --ranks 4 --stages-per-rank 2 \\
+      --microbatches 8 --overlap-b-f --dxdw-split --swap --format json > plan.json
+  {PROG} validate plan.json
+
+Run '{PROG} COMMAND --help' for the options of each command.
+"""
+
+
+def _spec_arguments() -> argparse.ArgumentParser:
+    parent = argparse.ArgumentParser(add_help=False)
+    group = parent.add_argument_group("what to build")
+    group.add_argument(
+        "--schedule", required=True, choices=[k.value for k in ScheduleKind],
+        help="gpipe: all forwards then all backwards; 1f1b: one forward one backward after a "
+             "warm-up of P-r forwards; interleaved-1f1b: several stages per rank (--stages-per-rank)")
+    group.add_argument("--ranks", "-P", type=int, required=True, metavar="P",
+                       help="pipeline ranks")
+    group.add_argument("--microbatches", "-M", type=int, required=True, metavar="M",
+                       help="microbatches per step")
+    group.add_argument("--stages-per-rank", "-V", type=int, default=1, metavar="V",
+                       help="stages per rank, interleaved-1f1b only (default 1); rank r owns "
+                            "stages r, r+P, ..., r+(V-1)P")
+    group.add_argument("--overlap-b-f", action="store_true",
+                       help="interleaved-1f1b: pair each steady-state backward with the next "
+                            "forward in one OVERLAP_B_F step")
+    group.add_argument("--dxdw-split", action="store_true",
+                       help="split the backward inside each overlap into dx (I) and a later dw "
+                            "(W); needs --overlap-b-f")
+    group.add_argument("--less-memory", action="store_true",
+                       help="interleaved-1f1b: half-depth warm-up (fewer live activations)")
+    group.add_argument("--fsdp", action="store_true",
+                       help="every stage is FSDP-managed: add UNSHARD/RESHARD/REDUCE_GRAD")
+    group.add_argument("--batch-p2p", action="store_true",
+                       help="coalesce adjacent sends/receives into BATCH_P2P steps")
+    group.add_argument("--swap", action="store_true",
+                       help="inject activation swap steps (LO, WO, LL, WL) as the last pass")
+    group.add_argument("--swap-min-gap", type=int, default=4, metavar="N",
+                       help="with --swap: swap a chunk when its backward is at least N compute "
+                            "slots after its forward (default 4, the seed system's rule; min 3)")
+    return parent
+
+
+def _build(args: argparse.Namespace) -> Schedule:
+    spec = ScheduleSpec(
+        kind=ScheduleKind(args.schedule),
+        ranks=args.ranks,
+        microbatches=args.microbatches,
+        stages_per_rank=args.stages_per_rank,
+        overlap_b_f=args.overlap_b_f,
+        dxdw_split=args.dxdw_split,
+        less_memory=args.less_memory,
+        fsdp=args.fsdp,
+        batch_p2p=args.batch_p2p,
+        swap=args.swap,
+    )
+    return build_schedule(spec, MinGapPolicy(args.swap_min_gap) if args.swap else None)
+
+
+def _read(path: str) -> str:
+    if path == "-":
+        return sys.stdin.read()
+    return Path(path).read_text(encoding="utf-8")
+
+
+def _parser() -> argparse.ArgumentParser:
+    spec = _spec_arguments()
+    parser = argparse.ArgumentParser(
+        prog=PROG, description=DESCRIPTION, epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    orders = commands.add_parser(
+        "orders", parents=[spec], help="print every rank's final order",
+        description="Build a schedule and print every rank's final order.",
+        epilog="The JSON form is {\"orders\": {\"0\": [\"0F0\", \"0LO0\", null, ...], ...}}: rank "
+               "keys are strings, idle slots null. The grid form is one 'rank N: steps' line per "
+               "rank. 'validate' reads both.")
+    orders.add_argument("--format", choices=["grid", "json"], default="grid",
+                        help="grid: 'rank N: <steps>' lines (default); json: machine-readable")
+
+    check = commands.add_parser(
+        "validate", help="check a schedule file; exit 0 if valid, 1 if not",
+        description="Check a schedule (the JSON or grid that 'orders' prints): each rank's "
+                    "chunks are forwarded and backwarded once in order, dx precedes dw, swap "
+                    "steps run F < LO < WO < LL < WL < backward, and a simulation of all ranks "
+                    "pairs every send with its receive without deadlock.")
+    check.add_argument("file", help="schedule file, or - for standard input")
+
+    show = commands.add_parser(
+        "show", parents=[spec], help="render all ranks side by side with a swap summary",
+        description="Build a schedule and render it: one column per rank (swap steps marked *), "
+                    "then which (stage, micro) chunks each rank swaps.")
+    show.add_argument("--no-grid", action="store_true", help="print only the summary")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "validate":
+            return _validate(args.file)
+        schedule = _build(args)
+    except ScheduleError as exc:
+        parser.exit(2, f"{PROG}: error: {exc}\n")
+    if args.command == "orders":
+        print(dumps_json(schedule) if args.format == "json" else dumps_lines(schedule))
+    else:
+        if not args.no_grid:
+            print(render_grid(schedule))
+            print("\n* = swap step\n")
+        print(describe(schedule))
+        print()
+        print(swap_summary(schedule))
+    return 0
+
+
+def _validate(path: str) -> int:
+    try:
+        text = _read(path)
+    except OSError as exc:
+        print(f"{PROG}: error: cannot read {path}: {exc.strerror}", file=sys.stderr)
+        return 2
+    try:
+        schedule = loads(text)
+        validate(schedule)
+    except ScheduleError as exc:
+        print(f"invalid: {exc}", file=sys.stderr)
+        return 1
+    steps = sum(1 for order in schedule.orders for s in order if s is not None)
+    print(f"valid: {schedule.num_ranks} ranks, {schedule.num_stages} stages, {steps} steps")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

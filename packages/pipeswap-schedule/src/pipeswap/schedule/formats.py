@@ -1,0 +1,144 @@
+"""Reading and writing whole schedules: JSON, ``rank N:`` lines, and the side-by-side view."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping
+
+from pipeswap.schedule.errors import ParseError, ScheduleError
+from pipeswap.schedule.schedule import Schedule
+from pipeswap.schedule.steps import COMPUTE, OVERLAPS, SWAP, Step, StepType
+from pipeswap.schedule.swap import swapped_chunks
+from pipeswap.schedule.text import (
+    IDLE,
+    dense_orders,
+    format_rank_lines,
+    format_step,
+    parse_order,
+    parse_rank_lines,
+)
+
+JsonOrders = dict[str, dict[str, list[str | None]]]
+
+
+def to_json(schedule: Schedule) -> JsonOrders:
+    """``{"orders": {"0": ["0F0", null, ...], ...}}``: rank keys as strings, idle slots null."""
+    return {
+        "orders": {
+            str(rank): [None if s is None else str(s) for s in order]
+            for rank, order in enumerate(schedule.orders)
+        }
+    }
+
+
+def dumps_json(schedule: Schedule) -> str:
+    return json.dumps(to_json(schedule))
+
+
+def from_json(data: object) -> Schedule:
+    """The inverse of :func:`to_json`; stage placement is read off the steps."""
+    if not isinstance(data, Mapping) or not isinstance(data.get("orders"), Mapping):
+        raise ParseError('expected a JSON object {"orders": {"0": [steps...], "1": [...]}}')
+    orders = {}
+    for key, steps in data["orders"].items():
+        if not (isinstance(key, str) and key.isdigit()):
+            raise ParseError(f"rank keys must be non-negative integers as strings, got {key!r}")
+        if not isinstance(steps, list) or any(
+            s is not None and not isinstance(s, str) for s in steps
+        ):
+            raise ParseError(f"rank {key}: expected a list of step strings and nulls")
+        try:
+            orders[int(key)] = parse_order(steps)
+        except ParseError as exc:
+            raise ParseError(f"rank {key}: {exc}") from exc
+    return _schedule(dense_orders(orders))
+
+
+def loads(text: str) -> Schedule:
+    """Read a schedule from JSON or from ``rank N: <steps>`` lines, whichever ``text`` is."""
+    if text.lstrip().startswith("{"):
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ParseError(f"not valid JSON: {exc}") from exc
+        return from_json(data)
+    return _schedule(parse_rank_lines(text))
+
+
+def _schedule(orders: tuple[tuple[Step | None, ...], ...]) -> Schedule:
+    try:
+        return Schedule.from_orders(orders)
+    except ScheduleError as exc:
+        raise ParseError(str(exc)) from exc
+
+
+def dumps_lines(schedule: Schedule) -> str:
+    return format_rank_lines(schedule.orders)
+
+
+def _ranges(numbers: Iterable[int]) -> str:
+    """``[0, 1, 2, 5]`` → ``0-2,5``."""
+    spans: list[list[int]] = []
+    for n in sorted(numbers):
+        if spans and n == spans[-1][1] + 1:
+            spans[-1][1] = n
+        else:
+            spans.append([n, n])
+    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in spans)
+
+
+def swap_summary(schedule: Schedule) -> str:
+    """One line per rank: which (stage, micro) chunks are swapped, grouped by stage."""
+    lines = []
+    for rank, chunks in enumerate(swapped_chunks(schedule)):
+        by_stage: dict[int, list[int]] = {}
+        for stage, micro in chunks:
+            by_stage.setdefault(stage, []).append(micro)
+        forwards = sum(
+            1 for s in schedule.orders[rank] if s is not None
+            for leaf in s.compute_leaves if leaf.type is StepType.FWD
+        )
+        listing = "; ".join(f"stage {s} micro {_ranges(m)}" for s, m in sorted(by_stage.items()))
+        lines.append(
+            f"rank {rank}: {len(chunks)} of {forwards} chunks swapped"
+            + (f" ({listing})" if listing else "")
+        )
+    return "\n".join(lines)
+
+
+def render_grid(schedule: Schedule) -> str:
+    """All ranks side by side, one column per rank, swap steps marked with ``*``."""
+    cells = [[_cell(step) for step in order] for order in schedule.orders]
+    width = max([len(c) for col in cells for c in col] + [len(f"rank {len(cells) - 1}")])
+    index_width = len(str(max(len(col) for col in cells)))
+    header = " " * index_width + " | " + " | ".join(
+        f"rank {r}".ljust(width) for r in range(len(cells)))
+    rows = [header, "-" * len(header)]
+    for i in range(max(len(col) for col in cells)):
+        row = [(col[i] if i < len(col) else "").ljust(width) for col in cells]
+        rows.append(f"{i:>{index_width}} | " + " | ".join(row).rstrip())
+    return "\n".join(rows)
+
+
+def _cell(step: Step | None) -> str:
+    if step is None:
+        return IDLE
+    text = format_step(step)
+    return f"{text}*" if step.type in SWAP else text
+
+
+def describe(schedule: Schedule) -> str:
+    """Counts per rank: compute slots, overlaps, P2P, swap, idle."""
+    lines = []
+    for rank, order in enumerate(schedule.orders):
+        steps = [s for s in order if s is not None]
+        compute = sum(1 for s in steps if s.type in COMPUTE or s.type in OVERLAPS)
+        swap = sum(1 for s in steps if s.type in SWAP)
+        p2p = sum(len(s.p2p_leaves) for s in steps)
+        idle = len(order) - len(steps)
+        lines.append(
+            f"rank {rank}: {len(order)} steps: {compute} compute slots, {p2p} P2P, "
+            f"{swap} swap, {idle} idle"
+        )
+    return "\n".join(lines)
+
