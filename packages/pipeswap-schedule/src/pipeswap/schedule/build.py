@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 
+from pipeswap.schedule._gc import gc_paused
 from pipeswap.schedule.dxdw import split_dxdw
 from pipeswap.schedule.errors import ScheduleError
 from pipeswap.schedule.fsdp import add_fsdp_steps
@@ -80,6 +81,7 @@ class ScheduleSpec:
                 "so the receive would land after its consumer; choose one of the two")
 
 
+@gc_paused
 def build_schedule(spec: ScheduleSpec, swap_policy: SwapPolicy | None = None) -> Schedule:
     """Generate ``spec.kind`` and apply the passes ``spec`` asks for."""
     if spec.kind is ScheduleKind.GPIPE:

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from pipeswap.schedule._gc import gc_paused
 from pipeswap.schedule.schedule import Schedule
 from pipeswap.schedule.steps import Order, Step, StepType
 
 _GRADIENT_P2P = frozenset({StepType.BWD_SEND, StepType.BWD_RECV})
 
 
+@gc_paused
 def split_dxdw(schedule: Schedule) -> Schedule:
     """Split the backward inside every ``OVERLAP_B_F`` into dx (I) and dw (W).
 

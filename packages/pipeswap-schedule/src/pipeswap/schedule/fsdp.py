@@ -4,14 +4,17 @@ from __future__ import annotations
 
 from collections.abc import Collection
 
+from pipeswap.schedule._gc import gc_paused
 from pipeswap.schedule.errors import ScheduleError
 from pipeswap.schedule.schedule import Schedule
-from pipeswap.schedule.steps import FSDP, Order, Step, StepType
+from pipeswap.schedule.steps import COMM, FSDP, Order, Step, StepType
 
 DEFAULT_WINDOW = 3
 _PARAM_GRADS = frozenset({StepType.BWD, StepType.BWD_WEIGHT})
+_NOT_COMPUTE = COMM | FSDP
 
 
+@gc_paused
 def add_fsdp_steps(
     schedule: Schedule,
     managed_stages: Collection[int] | None = None,
@@ -42,42 +45,43 @@ def add_fsdp_steps(
     return schedule.map_orders(lambda _rank, order: _add(order, managed, window))
 
 
-def _managed_compute_stages(step: Step | None, managed: frozenset[int]) -> list[int]:
-    if step is None:
-        return []
-    return [leaf.stage for leaf in step.compute_leaves if leaf.stage in managed]  # type: ignore[misc]
-
-
 def _add(order: Order, managed: frozenset[int], window: int) -> list[Step | None]:
-    # lookahead[i]: the first `window` distinct managed stages computing at or after step i.
-    lookahead: list[tuple[int, ...]] = [()] * (len(order) + 1)
-    for i in range(len(order) - 1, -1, -1):
-        ahead = list(dict.fromkeys(_managed_compute_stages(order[i], managed) +
-                                   list(lookahead[i + 1])))
-        lookahead[i] = tuple(ahead[:window])
+    # Walk backwards once: lookahead[i] holds the first `window` distinct managed stages
+    # computing at or after step i (one shared tuple while it does not change), and the
+    # first B/W met for a stage is its last parameter-gradient step.
+    lookahead: list[tuple[int, ...]] = [()] * len(order)
     last_grad: dict[int, int] = {}
-    for i, step in enumerate(order):
-        for leaf in step.compute_leaves if step is not None else ():
+    ahead: tuple[int, ...] = ()
+    for i in range(len(order) - 1, -1, -1):
+        step = order[i]
+        leaves = step.compute_leaves if step is not None else ()
+        stages = [leaf.stage for leaf in leaves if leaf.stage in managed]
+        if stages and tuple(stages) != ahead[: len(stages)]:
+            ahead = tuple(dict.fromkeys([*stages, *ahead]))[:window]  # type: ignore[list-item]
+        lookahead[i] = ahead
+        for leaf in leaves:
             if leaf.type in _PARAM_GRADS and leaf.stage in managed:
-                assert leaf.stage is not None
-                last_grad[leaf.stage] = i
+                last_grad.setdefault(leaf.stage, i)  # type: ignore[arg-type]
 
     out: list[Step | None] = []
     active: list[int] = []
+    wanted: tuple[int, ...] = ()
     for i, step in enumerate(order):
-        wanted = lookahead[i]
-        for stage in [s for s in active if s not in wanted]:
-            active.remove(stage)
-            out.append(Step(StepType.FSDP_RESHARD, stage))
-        for stage in wanted:
-            if stage not in active:
-                active.append(stage)
-                out.append(Step(StepType.FSDP_UNSHARD, stage))
+        if lookahead[i] is not wanted:
+            wanted = lookahead[i]
+            for stage in [s for s in active if s not in wanted]:
+                active.remove(stage)
+                out.append(Step(StepType.FSDP_RESHARD, stage))
+            for stage in wanted:
+                if stage not in active:
+                    active.append(stage)
+                    out.append(Step(StepType.FSDP_UNSHARD, stage))
         out.append(step)
-        reduced = {
-            leaf.stage for leaf in (step.compute_leaves if step is not None else ())
-            if leaf.stage is not None and last_grad.get(leaf.stage) == i
-        }
-        out += [Step(StepType.FSDP_REDUCE_GRAD, stage) for stage in sorted(reduced)]
+        if step is not None and step.type not in _NOT_COMPUTE:
+            reduced = {
+                leaf.stage for leaf in step.compute_leaves
+                if leaf.stage is not None and last_grad.get(leaf.stage) == i
+            }
+            out += [Step(StepType.FSDP_REDUCE_GRAD, stage) for stage in sorted(reduced)]
     out += [Step(StepType.FSDP_RESHARD, stage) for stage in active]
     return out

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from bisect import bisect_right
 
+from pipeswap.schedule._gc import gc_paused
 from pipeswap.schedule.errors import ScheduleError
 from pipeswap.schedule.schedule import Schedule, StageMapping, stage_to_rank
 from pipeswap.schedule.steps import Step, StepType
@@ -23,6 +24,7 @@ def check_positive(name: str, value: int) -> None:
         raise ScheduleError(f"{name} must be an integer >= 1, got {value!r}")
 
 
+@gc_paused
 def gpipe(ranks: int, microbatches: int) -> Schedule:
     """All forwards, then all backwards; every send right after its compute."""
     check_positive("ranks", ranks)
@@ -46,6 +48,7 @@ def gpipe(ranks: int, microbatches: int) -> Schedule:
     return Schedule(tuple(orders), stage_to_rank(ranks, ranks, StageMapping.LOOP))
 
 
+@gc_paused
 def one_f_one_b(ranks: int, microbatches: int) -> Schedule:
     """1F1B: rank r runs ``min(P - r, M)`` warm-up forwards, then alternates B and F.
 
@@ -100,6 +103,7 @@ def _one_f_one_b_rank(r: int, ranks: int, micros: int) -> tuple[Step | None, ...
     return tuple(order)
 
 
+@gc_paused
 def interleaved_1f1b_compute(
     ranks: int,
     microbatches: int,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pipeswap.schedule._gc import gc_paused
 from pipeswap.schedule.errors import ScheduleError
 from pipeswap.schedule.schedule import Schedule
 from pipeswap.schedule.steps import ACTIVATION_CONSUMERS, COMPUTE, OVERLAPS, P2P, Order, Step, StepType
@@ -9,6 +10,7 @@ from pipeswap.schedule.steps import ACTIVATION_CONSUMERS, COMPUTE, OVERLAPS, P2P
 _SKIP = object()  # second column of an overlap: its P2P is placed, the composite is not re-emitted
 
 
+@gc_paused
 def insert_send_recv(schedule: Schedule) -> Schedule:
     """Add sends and receives to aligned compute columns (column t = time t on every rank).
 
@@ -59,6 +61,7 @@ def insert_send_recv(schedule: Schedule) -> Schedule:
     return Schedule(tuple(tuple(o) for o in out), schedule.stage_ranks)
 
 
+@gc_paused
 def coalesce_p2p(schedule: Schedule) -> Schedule:
     """Replace each run of two or more adjacent P2P leaves by one ``BATCH_P2P`` step.
 

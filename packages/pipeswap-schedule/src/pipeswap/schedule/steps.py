@@ -35,6 +35,10 @@ class StepType(Enum):
     SWAP_LAUNCH_LOAD = "LL"
     SWAP_WAIT_LOAD = "WL"
 
+    # Members are singletons, so identity hashing agrees with equality; it runs in C, which
+    # keeps the passes' many `step.type in CATEGORY` tests cheap (Enum's default is Python).
+    __hash__ = object.__hash__
+
     @property
     def code(self) -> str:
         return self.value

@@ -24,6 +24,7 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from pipeswap.schedule._gc import gc_paused
 from pipeswap.schedule.errors import ScheduleError
 from pipeswap.schedule.schedule import Schedule
 from pipeswap.schedule.steps import (
@@ -96,6 +97,7 @@ class MinGapPolicy:
         return {c.key for c in candidates if c.gap >= self.min_gap}
 
 
+@gc_paused
 def inject_swap(schedule: Schedule, policy: SwapPolicy | None = None) -> Schedule:
     """Insert swap steps into every rank's order for the chunks ``policy`` selects."""
     chosen = MinGapPolicy() if policy is None else policy
@@ -158,36 +160,27 @@ def inject_swap_order(order: Order, policy: SwapPolicy, *, rank: int = 0) -> lis
             f"the swap policy selected chunk(s) {sorted(unknown)} on rank {rank}, which are not "
             "candidates (forward and backward must both run on this rank, backward later)"
         )
-    n = len(order)
-    # last_comm[j]: index of the last P2P step in the run of P2P/zero-width steps starting at j.
-    last_comm = [-1] * (n + 1)
-    for j in range(n - 1, -1, -1):
-        step = order[j]
-        if step is None:
-            continue
-        if step.type in COMM:
-            last_comm[j] = last_comm[j + 1] if last_comm[j + 1] >= 0 else j
-        elif step.type in ZERO_WIDTH:
-            last_comm[j] = last_comm[j + 1]
     anchors: dict[int, int] = {}
 
     def after_compute(index: int) -> int:
-        """Where a wait goes after the compute at ``index``: after its own send, else its block."""
+        """Where a wait goes after the compute at ``index``: after the compute's own send in
+        the run of P2P (and zero-width) steps that follows it, else after the run's last P2P."""
         if index in anchors:
             return anchors[index]
-        end = last_comm[index + 1] if last_comm[index + 1] >= 0 else index
-        found = end
         step = order[index]
         assert step is not None
         own = _OWN_SEND.get(step.type)
-        if own is not None:
-            for j in range(index + 1, end + 1):
-                nxt = order[j]
-                if nxt is not None and any(
+        found = index
+        for j in range(index + 1, len(order)):
+            nxt = order[j]
+            if nxt is None or (nxt.type not in COMM and nxt.type not in ZERO_WIDTH):
+                break
+            if nxt.type in COMM:
+                found = j
+                if own is not None and any(
                     p.type is own and p.stage == step.stage and p.micro == step.micro
                     for p in nxt.p2p_leaves
                 ):
-                    found = j
                     break
         anchors[index] = found
         return found
@@ -208,8 +201,9 @@ def inject_swap_order(order: Order, policy: SwapPolicy, *, rank: int = 0) -> lis
                 if (index, leaf.stage) in bwd_containers and leaf.stage in latest:
                     unshard_before[index] = latest[leaf.stage]  # type: ignore[index]
 
-    before: list[tuple[list[Step], list[Step]]] = [([], []) for _ in range(n)]
-    after: list[tuple[list[Step], list[Step]]] = [([], []) for _ in range(n)]
+    # Steps to place before / after a container, as (launch, wait) lists: launches go first.
+    before: dict[int, tuple[list[Step], list[Step]]] = {}
+    after: dict[int, tuple[list[Step], list[Step]]] = {}
     for cand in candidates:
         if cand.key not in selected:
             continue
@@ -228,18 +222,32 @@ def inject_swap_order(order: Order, policy: SwapPolicy, *, rank: int = 0) -> lis
             load_at = gather if gather > wait_offload_at else b_container
         else:
             load_at = slots.container[cand.backward_slot - 1]
-        after[f_container][0].append(Step(StepType.SWAP_LAUNCH_OFFLOAD, stage, micro))
-        after[wait_offload_at][1].append(Step(StepType.SWAP_WAIT_OFFLOAD, stage, micro))
-        before[load_at][0].append(Step(StepType.SWAP_LAUNCH_LOAD, stage, micro))
-        before[b_container][1].append(Step(StepType.SWAP_WAIT_LOAD, stage, micro))
+        _at(after, f_container)[0].append(Step(StepType.SWAP_LAUNCH_OFFLOAD, stage, micro))
+        _at(after, wait_offload_at)[1].append(Step(StepType.SWAP_WAIT_OFFLOAD, stage, micro))
+        _at(before, load_at)[0].append(Step(StepType.SWAP_LAUNCH_LOAD, stage, micro))
+        _at(before, b_container)[1].append(Step(StepType.SWAP_WAIT_LOAD, stage, micro))
 
     out: list[Step | None] = []
-    for index, step in enumerate(order):
-        first, second = before[index]
-        out += first
-        out += second
-        out.append(step)
-        first, second = after[index]
-        out += first
-        out += second
+    done = 0
+    for index in sorted(before.keys() | after.keys()):
+        out += order[done:index]
+        if index in before:
+            launches, waits = before[index]
+            out += launches
+            out += waits
+        out.append(order[index])
+        if index in after:
+            launches, waits = after[index]
+            out += launches
+            out += waits
+        done = index + 1
+    out += order[done:]
     return out
+
+
+def _at(
+    places: dict[int, tuple[list[Step], list[Step]]], index: int
+) -> tuple[list[Step], list[Step]]:
+    if index not in places:
+        places[index] = ([], [])
+    return places[index]

@@ -62,7 +62,7 @@ def _build(
     try:
         return Step(kind, stage, micro, subs)
     except StepError as exc:
-        raise ParseError(f"bad step {token!r}: {exc}") from exc
+        raise ParseError(f"bad step {token!r}: {exc}; {EXPECTED_STEP}") from exc
 
 
 def parse_order(text: str | Iterable[str | None]) -> tuple[Step | None, ...]:

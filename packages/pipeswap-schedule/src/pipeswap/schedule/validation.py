@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+from pipeswap.schedule._gc import gc_paused
 from pipeswap.schedule.errors import (
     ChunkOrderError,
     DeadlockError,
@@ -20,7 +21,7 @@ from pipeswap.schedule.errors import (
     ValidationError,
 )
 from pipeswap.schedule.schedule import Schedule
-from pipeswap.schedule.steps import COMPOSITES, P2P, SENDS, SWAP, Order, Step, StepType
+from pipeswap.schedule.steps import COMM, P2P, SENDS, Order, Step, StepType
 
 ChunkKey = tuple[int, int]
 _SWAP_SEQUENCE = (
@@ -31,6 +32,7 @@ _SWAP_SEQUENCE = (
 )
 
 
+@gc_paused
 def validate(schedule: Schedule) -> None:
     """Check every rank's order, then simulate all ranks' P2P together."""
     for rank in range(schedule.num_ranks):
@@ -38,15 +40,7 @@ def validate(schedule: Schedule) -> None:
     simulate_p2p(schedule)
 
 
-@dataclass
-class _Chunk:
-    """Where a chunk's steps sit in one order (container indices)."""
-
-    fwd: list[int] = field(default_factory=list)
-    consumer: list[tuple[int, StepType]] = field(default_factory=list)  # B or I
-    weight: list[int] = field(default_factory=list)
-    swap: dict[StepType, list[int]] = field(default_factory=dict)
-    p2p: dict[StepType, list[int]] = field(default_factory=dict)
+Where = dict[tuple[StepType, int, int], int]  # (type, stage, micro) -> position in the order
 
 
 def validate_rank(schedule: Schedule, rank: int) -> None:
@@ -55,129 +49,146 @@ def validate_rank(schedule: Schedule, rank: int) -> None:
     Every step's stage lives on this rank; each forwarded chunk has exactly one backward
     after it (B, or I followed by W); swapped chunks run ``F < LO < WO < LL < WL <
     backward``; P2P steps go to a remote neighbour, receives precede the compute that needs
-    them and sends follow the compute that produces them.
+    them and sends follow the compute that produces them. (Swap steps inside a composite
+    cannot be built at all: :class:`Step` refuses them.)
     """
     order = schedule.orders[rank]
-    chunks: dict[ChunkKey, _Chunk] = {}
+    local = frozenset(schedule.stages_of(rank))
+    remote_p2p = _remote_p2p(schedule, rank)
+    where: Where = {}
     for index, step in enumerate(order):
         if step is None:
             continue
         for leaf in step.sub_steps or (step,):
-            _check_placement(schedule, rank, leaf, step)
-            if leaf.micro is None:
+            kind, stage, micro = leaf.type, leaf.stage, leaf.micro
+            if stage not in local:
+                _misplaced(schedule, rank, leaf, step)
+            if micro is None:
                 continue
-            chunk = chunks.setdefault(leaf.key, _Chunk())
-            kind = leaf.type
-            if kind is StepType.FWD:
-                chunk.fwd.append(index)
-            elif kind in (StepType.BWD, StepType.BWD_INPUT):
-                chunk.consumer.append((index, kind))
-            elif kind is StepType.BWD_WEIGHT:
-                chunk.weight.append(index)
-            elif kind in SWAP:
-                if step.type in COMPOSITES:
-                    raise SwapLifecycleError(
-                        f"rank {rank}: swap step {leaf} sits inside {step}; swap steps go "
-                        "between steps, never inside a composite", rank=rank)
-                chunk.swap.setdefault(kind, []).append(index)
-            else:
-                chunk.p2p.setdefault(kind, []).append(index)
-    for key, chunk in chunks.items():
-        _check_compute(rank, order, key, chunk)
-        if chunk.swap:
-            _check_swap(rank, order, key, chunk)
-        _check_p2p(schedule, rank, order, key, chunk)
+            if kind in P2P and (kind, stage) not in remote_p2p:
+                _needless_p2p(schedule, rank, leaf)
+            slot = (kind, stage, micro)  # type: ignore[assignment]
+            if slot in where:
+                raise ChunkOrderError(
+                    f"rank {rank}: {leaf} appears twice (positions {where[slot]} and {index}); "
+                    "each step of a chunk runs once", rank=rank)
+            where[slot] = index  # type: ignore[index]
+    for stage, micro in dict.fromkeys((s, m) for _, s, m in where):
+        _check_compute(rank, order, stage, micro, where)
+        _check_swap(rank, order, stage, micro, where)
+        _check_p2p(schedule, rank, order, stage, micro, where)
 
 
-def _check_placement(schedule: Schedule, rank: int, leaf: Step, container: Step) -> None:
-    assert leaf.stage is not None
-    if leaf.stage >= schedule.num_stages or schedule.stage_ranks[leaf.stage] != rank:
-        where = (f"runs on rank {schedule.stage_ranks[leaf.stage]}"
-                 if leaf.stage < schedule.num_stages
-                 else f"does not exist (stages 0..{schedule.num_stages - 1})")
-        raise ChunkOrderError(
-            f"rank {rank}: {container} names stage {leaf.stage}, which {where}; each rank's "
-            "order holds only its own stages' steps", rank=rank)
-    if leaf.type not in P2P:
-        return
-    peer_stage = leaf.stage + (1 if leaf.type in (StepType.FWD_SEND, StepType.BWD_RECV) else -1)
-    if not 0 <= peer_stage < schedule.num_stages:
-        raise P2PError(
-            f"rank {rank}: {leaf} talks to stage {peer_stage}, which does not exist; drop it",
-            rank=rank)
-    if schedule.stage_ranks[peer_stage] == rank:
-        raise P2PError(
-            f"rank {rank}: {leaf} talks to stage {peer_stage} on the same rank; local "
-            "neighbours exchange tensors without P2P, drop it", rank=rank)
+def _remote_p2p(schedule: Schedule, rank: int) -> frozenset[tuple[StepType, int]]:
+    """The P2P leaves this rank's stages may issue: only towards neighbours on other ranks."""
+    ranks, allowed = schedule.stage_ranks, set()
+    for stage in schedule.stages_of(rank):
+        if stage + 1 < schedule.num_stages and ranks[stage + 1] != rank:
+            allowed |= {(StepType.FWD_SEND, stage), (StepType.BWD_RECV, stage)}
+        if stage > 0 and ranks[stage - 1] != rank:
+            allowed |= {(StepType.FWD_RECV, stage), (StepType.BWD_SEND, stage)}
+    return frozenset(allowed)
+
+
+def _misplaced(schedule: Schedule, rank: int, leaf: Step, container: Step) -> None:
+    stage = leaf.stage
+    assert stage is not None
+    where = (f"runs on rank {schedule.stage_ranks[stage]}" if stage < schedule.num_stages
+             else f"does not exist (stages 0..{schedule.num_stages - 1})")
+    raise ChunkOrderError(
+        f"rank {rank}: {container} names stage {stage}, which {where}; each rank's "
+        "order holds only its own stages' steps", rank=rank)
+
+
+def _needless_p2p(schedule: Schedule, rank: int, leaf: Step) -> None:
+    stage = leaf.stage
+    assert stage is not None
+    peer = stage + (1 if leaf.type in (StepType.FWD_SEND, StepType.BWD_RECV) else -1)
+    why = ("does not exist" if not 0 <= peer < schedule.num_stages
+           else "is on the same rank; local neighbours exchange tensors without P2P")
+    raise P2PError(f"rank {rank}: {leaf} talks to stage {peer}, which {why}; drop it", rank=rank)
 
 
 def _fmt(order: Order, index: int) -> str:
     return f"{order[index]} (position {index})"
 
 
-def _check_compute(rank: int, order: Order, key: ChunkKey, chunk: _Chunk) -> None:
-    stage, micro = key
+def _check_compute(rank: int, order: Order, stage: int, micro: int, where: Where) -> None:
     name = f"rank {rank}: chunk (stage {stage}, micro {micro})"
-    if len(chunk.fwd) > 1 or len(chunk.consumer) > 1 or len(chunk.weight) > 1:
-        raise ChunkOrderError(f"{name} runs a forward or backward step twice", rank=rank)
-    if not chunk.fwd and (chunk.consumer or chunk.weight):
-        raise ChunkOrderError(f"{name} has a backward but no forward on this rank", rank=rank)
-    if not chunk.fwd:
-        return
-    if not chunk.consumer:
+    fwd = where.get((StepType.FWD, stage, micro))
+    full = where.get((StepType.BWD, stage, micro))
+    dx = where.get((StepType.BWD_INPUT, stage, micro))
+    dw = where.get((StepType.BWD_WEIGHT, stage, micro))
+    if full is not None and (dx is not None or dw is not None):
         raise ChunkOrderError(
-            f"{name} is forwarded at {_fmt(order, chunk.fwd[0])} but never backwarded: add "
-            f"{stage}B{micro} (or {stage}I{micro} then {stage}W{micro})", rank=rank)
-    (c_index, c_kind), f_index = chunk.consumer[0], chunk.fwd[0]
-    if c_index <= f_index:
-        raise ChunkOrderError(
-            f"{name}: backward {_fmt(order, c_index)} must come after forward "
-            f"{_fmt(order, f_index)}", rank=rank)
-    if c_kind is StepType.BWD and chunk.weight:
-        raise ChunkOrderError(
-            f"{name} has a full backward B and a weight backward W; use B alone, or I then W",
+            f"{name} has a full backward B and a split one (I/W); use B alone, or I then W",
             rank=rank)
-    if c_kind is StepType.BWD_INPUT:
-        if not chunk.weight:
+    consumer = full if full is not None else dx
+    if fwd is None:
+        if consumer is not None or dw is not None:
+            raise ChunkOrderError(f"{name} has a backward but no forward on this rank",
+                                  rank=rank)
+        return
+    if consumer is None:
+        raise ChunkOrderError(
+            f"{name} is forwarded at {_fmt(order, fwd)} but never backwarded: add "
+            f"{stage}B{micro} (or {stage}I{micro} then {stage}W{micro})", rank=rank)
+    if consumer <= fwd:
+        raise ChunkOrderError(
+            f"{name}: backward {_fmt(order, consumer)} must come after forward "
+            f"{_fmt(order, fwd)}", rank=rank)
+    if dx is not None:
+        if dw is None:
             raise ChunkOrderError(
                 f"{name} computes dx ({stage}I{micro}) but never dw: add {stage}W{micro} after it",
                 rank=rank)
-        if chunk.weight[0] <= c_index:
+        if dw <= dx:
             raise ChunkOrderError(
-                f"{name}: dw {_fmt(order, chunk.weight[0])} must come after dx "
-                f"{_fmt(order, c_index)}", rank=rank)
+                f"{name}: dw {_fmt(order, dw)} must come after dx {_fmt(order, dx)}", rank=rank)
+    elif dw is not None:
+        raise ChunkOrderError(f"{name} has dw ({stage}W{micro}) without dx ({stage}I{micro})",
+                              rank=rank)
 
 
-def _check_swap(rank: int, order: Order, key: ChunkKey, chunk: _Chunk) -> None:
-    stage, micro = key
+def _consumer(stage: int, micro: int, where: Where) -> int | None:
+    full = where.get((StepType.BWD, stage, micro))
+    return full if full is not None else where.get((StepType.BWD_INPUT, stage, micro))
+
+
+def _check_swap(rank: int, order: Order, stage: int, micro: int, where: Where) -> None:
+    swaps = [where.get((kind, stage, micro)) for kind in _SWAP_SEQUENCE]
+    if swaps == [None, None, None, None]:
+        return
+    fwd, consumer = where.get((StepType.FWD, stage, micro)), _consumer(stage, micro, where)
+    positions = [fwd, *swaps, consumer]
+    if None not in positions and all(a < b for a, b in zip(positions, positions[1:])):  # type: ignore[operator]
+        return
     name = f"rank {rank}: swapped chunk (stage {stage}, micro {micro})"
     codes = " < ".join(f"{stage}{t.value}{micro}" for t in _SWAP_SEQUENCE)
     expected = f"{stage}F{micro} < {codes} < its backward"
-    for kind in _SWAP_SEQUENCE:
-        count = len(chunk.swap.get(kind, []))
-        if count != 1:
-            raise SwapLifecycleError(
-                f"{name} has {count} {stage}{kind.value}{micro} step(s); a swapped chunk needs "
-                f"exactly one of each: {expected}", rank=rank)
-    if not chunk.fwd or not chunk.consumer:
+    missing = [f"{stage}{k.value}{micro}" for k, p in zip(_SWAP_SEQUENCE, swaps) if p is None]
+    if missing:
+        raise SwapLifecycleError(
+            f"{name} lacks {', '.join(missing)}; a swapped chunk needs exactly one of each: "
+            f"{expected}", rank=rank)
+    if fwd is None or consumer is None:
         raise SwapLifecycleError(
             f"{name} needs its forward and backward on this rank: {expected}", rank=rank)
-    positions = [chunk.fwd[0]] + [chunk.swap[k][0] for k in _SWAP_SEQUENCE]
-    positions.append(chunk.consumer[0][0])
     for earlier, later in zip(positions, positions[1:]):
+        assert earlier is not None and later is not None
         if later <= earlier:
             raise SwapLifecycleError(
                 f"{name}: {_fmt(order, later)} comes before {_fmt(order, earlier)}; "
                 f"the order must be {expected}", rank=rank)
 
 
-def _check_p2p(schedule: Schedule, rank: int, order: Order, key: ChunkKey, chunk: _Chunk) -> None:
-    stage, micro = key
+def _check_p2p(
+    schedule: Schedule, rank: int, order: Order, stage: int, micro: int, where: Where
+) -> None:
     ranks = schedule.stage_ranks
     remote_prev = stage > 0 and ranks[stage - 1] != rank
     remote_next = stage + 1 < schedule.num_stages and ranks[stage + 1] != rank
-    consumer = chunk.consumer[0][0] if chunk.consumer else None
-    fwd = chunk.fwd[0] if chunk.fwd else None
+    fwd, consumer = where.get((StepType.FWD, stage, micro)), _consumer(stage, micro, where)
     expectations = (
         (StepType.FWD_RECV, remote_prev, fwd, "before", "forward"),
         (StepType.FWD_SEND, remote_next, fwd, "after", "forward"),
@@ -185,72 +196,98 @@ def _check_p2p(schedule: Schedule, rank: int, order: Order, key: ChunkKey, chunk
         (StepType.BWD_SEND, remote_prev, consumer, "after", "backward"),
     )
     for kind, needed, compute, side, what in expectations:
-        found = chunk.p2p.get(kind, [])
-        token = f"{stage}{kind.value}{micro}"
+        found = where.get((kind, stage, micro))
         if compute is None:
-            if found:
-                raise P2PError(f"rank {rank}: {token} has no {what} of (stage {stage}, micro "
-                               f"{micro}) on this rank", rank=rank)
+            if found is not None:
+                raise P2PError(f"rank {rank}: {order[found]} has no {what} of (stage {stage}, "
+                               f"micro {micro}) on this rank", rank=rank)
             continue
-        if needed and len(found) != 1:
+        if found is None:
+            if needed:
+                raise P2PError(
+                    f"rank {rank}: the {what} {_fmt(order, compute)} needs "
+                    f"{stage}{kind.value}{micro} {side} it", rank=rank)
+        elif found > compute if side == "before" else found < compute:
             raise P2PError(
-                f"rank {rank}: the {what} {_fmt(order, compute)} needs exactly one {token} "
-                f"{side} it, found {len(found)}", rank=rank)
-        if not needed and found:
-            raise P2PError(f"rank {rank}: {token} is not needed here", rank=rank)
-        if found and (found[0] > compute if side == "before" else found[0] < compute):
-            raise P2PError(
-                f"rank {rank}: {_fmt(order, found[0])} must come {side} the {what} "
+                f"rank {rank}: {_fmt(order, found)} must come {side} the {what} "
                 f"{_fmt(order, compute)}", rank=rank)
+
+
+@dataclass
+class _Pending:
+    """A posted P2P leaf whose counterpart is not posted yet."""
+
+    leaf: Step
+    peer: int
+    counterparts: list[Step]  # the peer's posted leaves on this channel, in order
+    index: int  # this leaf's place on the channel
 
 
 @dataclass
 class _RankState:
     pc: int = 0
-    pending: list[tuple[tuple[int, int], int, bool]] = field(default_factory=list)
-    posted: bool = False
+    posted: bool = False  # the step at pc has posted its P2P leaves
+    pending: list[_Pending] = field(default_factory=list)
 
 
+def _payload(step: Step) -> tuple[bool, int, int]:
+    """What a P2P leaf carries: (activation?, sending stage, micro)."""
+    stage, micro, kind = step.stage, step.micro, step.type
+    assert stage is not None and micro is not None
+    if kind is StepType.FWD_SEND:
+        return (True, stage, micro)
+    if kind is StepType.FWD_RECV:
+        return (True, stage - 1, micro)
+    if kind is StepType.BWD_SEND:
+        return (False, stage, micro)
+    return (False, stage + 1, micro)
+
+
+@gc_paused
 def simulate_p2p(schedule: Schedule) -> None:
-    """Run all ranks' P2P as rendezvous and raise on a mismatch, a dangling op or a deadlock."""
-    ranks = schedule.stage_ranks
-    orders = schedule.orders
-    # Per ordered rank pair: what each send carries and what each receive expects, in order.
-    sent: dict[tuple[int, int], list[Step]] = {}
-    received: dict[tuple[int, int], list[Step]] = {}
+    """Run all ranks' P2P as rendezvous and raise on a mismatch, a dangling op or a deadlock.
+
+    Each rank advances until a P2P step has a leaf whose counterpart the peer has not posted;
+    posting a counterpart wakes the waiting rank. Work is linear in the number of steps.
+    """
+    stage_ranks, orders = schedule.stage_ranks, schedule.orders
+    sent: dict[tuple[int, int], list[Step]] = {}  # (src, dst) -> sends posted, in order
+    received: dict[tuple[int, int], list[Step]] = {}  # (src, dst) -> receives posted
     states = [_RankState() for _ in orders]
     queue = deque(range(len(orders)))
-
     while queue:
         rank = queue.popleft()
         state, order = states[rank], orders[rank]
         while state.pc < len(order):
             step = order[state.pc]
-            leaves = step.p2p_leaves if step is not None else ()
-            if not leaves:
+            if step is None or step.type not in COMM:
                 state.pc += 1
                 continue
             if not state.posted:
                 state.posted = True
-                for leaf in leaves:
-                    peer = _peer(ranks, leaf)
-                    is_send = leaf.type in SENDS
+                for leaf in step.sub_steps or (step,):
+                    kind, stage = leaf.type, leaf.stage
+                    assert stage is not None
+                    is_send = kind is StepType.FWD_SEND or kind is StepType.BWD_SEND
+                    to_next = kind is StepType.FWD_SEND or kind is StepType.BWD_RECV
+                    peer = stage_ranks[stage + 1 if to_next else stage - 1]
                     channel = (rank, peer) if is_send else (peer, rank)
                     mine, theirs = (sent, received) if is_send else (received, sent)
-                    queue_mine = mine.setdefault(channel, [])
-                    queue_mine.append(leaf)
-                    index = len(queue_mine) - 1
-                    other = theirs.get(channel, [])
-                    if index < len(other):
-                        _check_match(leaf, other[index], channel, index, is_send)
+                    posted = mine.setdefault(channel, [])
+                    posted.append(leaf)
+                    counterparts = theirs.setdefault(channel, [])
+                    index = len(posted) - 1
+                    if index < len(counterparts):
+                        other = counterparts[index]
+                        if _payload(leaf) != _payload(other):
+                            _mismatch(leaf, other, channel, index, is_send)
                         queue.append(peer)
-                    state.pending.append((channel, index, is_send))
-            state.pending = [
-                p for p in state.pending
-                if len((received if p[2] else sent).get(p[0], [])) <= p[1]
-            ]
+                    else:
+                        state.pending.append(_Pending(leaf, peer, counterparts, index))
             if state.pending:
-                break
+                state.pending = [p for p in state.pending if len(p.counterparts) <= p.index]
+                if state.pending:
+                    break
             state.posted = False
             state.pc += 1
     blocked = [r for r, s in enumerate(states) if s.pc < len(orders[r])]
@@ -258,34 +295,19 @@ def simulate_p2p(schedule: Schedule) -> None:
         _report_stuck(schedule, states, blocked[0])
 
 
-def _peer(stage_ranks: tuple[int, ...], step: Step) -> int:
-    stage = step.stage
-    assert stage is not None
-    to_next = step.type in (StepType.FWD_SEND, StepType.BWD_RECV)
-    return stage_ranks[stage + 1 if to_next else stage - 1]
+def _describe(step: Step) -> str:
+    activation, stage, micro = _payload(step)
+    return f"{'activation' if activation else 'gradient'} of stage {stage} micro {micro}"
 
 
-def _payload(step: Step) -> str:
-    """What a P2P leaf carries: the activation or gradient of one sending stage and micro."""
-    stage, micro = step.key
-    if step.type in (StepType.FWD_SEND, StepType.FWD_RECV):
-        sender = stage if step.type is StepType.FWD_SEND else stage - 1
-        return f"activation of stage {sender} micro {micro}"
-    sender = stage if step.type is StepType.BWD_SEND else stage + 1
-    return f"gradient of stage {sender} micro {micro}"
-
-
-def _check_match(
-    leaf: Step, other: Step, channel: tuple[int, int], index: int, is_send: bool
-) -> None:
+def _mismatch(leaf: Step, other: Step, channel: tuple[int, int], index: int, is_send: bool) -> None:
     send, recv = (leaf, other) if is_send else (other, leaf)
-    if _payload(send) != _payload(recv):
-        src, dst = channel
-        nth = _ordinal(index + 1)
-        raise P2PError(
-            f"rank {src}'s {nth} send to rank {dst} is {send} (the {_payload(send)}) but rank "
-            f"{dst}'s {nth} receive from rank {src} is {recv} (expecting the {_payload(recv)}); "
-            "sends and receives between two ranks must come in the same order", rank=dst)
+    src, dst = channel
+    nth = _ordinal(index + 1)
+    raise P2PError(
+        f"rank {src}'s {nth} send to rank {dst} is {send} (the {_describe(send)}) but rank "
+        f"{dst}'s {nth} receive from rank {src} is {recv} (expecting the {_describe(recv)}); "
+        "sends and receives between two ranks must come in the same order", rank=dst)
 
 
 def _ordinal(n: int) -> str:
@@ -296,9 +318,7 @@ def _ordinal(n: int) -> str:
 def _report_stuck(schedule: Schedule, states: list[_RankState], start: int) -> None:
     def waiting(rank: int) -> tuple[str, int]:
         state = states[rank]
-        channel, _, is_send = state.pending[0]
-        step = schedule.orders[rank][state.pc]
-        return str(step), channel[1] if is_send else channel[0]
+        return str(schedule.orders[rank][state.pc]), state.pending[0].peer
 
     path: list[int] = []
     seen: dict[int, int] = {}
@@ -308,13 +328,13 @@ def _report_stuck(schedule: Schedule, states: list[_RankState], start: int) -> N
         path.append(rank)
         step, peer = waiting(rank)
         if states[peer].pc >= len(schedule.orders[peer]):
+            leaf = states[rank].pending[0].leaf
+            missing = "receive" if leaf.type in SENDS else "send"
             raise P2PError(
                 f"rank {rank} waits at {step} for rank {peer}, whose order ends without the "
-                f"matching {'receive' if 'SEND' in step else 'send'}; add it to rank {peer} or "
-                f"drop {step}", rank=rank)
+                f"matching {missing} of {leaf}; add it to rank {peer} or drop {leaf}", rank=rank)
         rank = peer
-    cycle_ranks = path[seen[rank]:]
-    cycle = tuple((r, *waiting(r)) for r in cycle_ranks)
+    cycle = tuple((r, *waiting(r)) for r in path[seen[rank]:])
     links = "; ".join(f"rank {r} waits at {s} for rank {p}" for r, s, p in cycle)
     raise DeadlockError(
         f"deadlock: {links}. Reorder these steps so that one side of each pair posts its "

@@ -1,0 +1,23 @@
+"""Shared fixtures for the schedule tests: the seed's worked examples as data."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from pipeswap.schedule import Schedule
+from pipeswap.schedule.text import parse_rank_lines
+
+WORKED = Path(__file__).parent / "worked"
+
+
+@pytest.fixture
+def worked() -> Callable[[str], Schedule]:
+    """Load one of the seed's exact schedules from ``tests/worked/<name>.txt``."""
+
+    def load(name: str) -> Schedule:
+        return Schedule.from_orders(parse_rank_lines((WORKED / f"{name}.txt").read_text()))
+
+    return load

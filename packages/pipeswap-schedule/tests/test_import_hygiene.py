@@ -1,0 +1,59 @@
+"""pipeswap.schedule is pure Python: importing it, or any of its modules, never imports torch."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+# Runs in a fresh interpreter: another test (or a plugin) may already have imported torch here.
+_IMPORT_EVERYTHING_WITHOUT_TORCH = textwrap.dedent(
+    """
+    import importlib, pkgutil, sys
+
+    BLOCKED = ("torch", "torchvision", "torchaudio")
+    for name in BLOCKED:
+        sys.modules[name] = None  # `import torch` now raises ImportError
+
+    import pipeswap.schedule as package
+
+    modules = [package.__name__]
+    for info in pkgutil.walk_packages(package.__path__, package.__name__ + "."):
+        importlib.import_module(info.name)
+        modules.append(info.name)
+
+    leaked = sorted(
+        name for name, module in sys.modules.items()
+        if module is not None and name.split(".")[0] in BLOCKED
+    )
+    assert not leaked, f"torch modules imported: {leaked}"
+    print("\\n".join(modules))
+    """
+)
+
+
+def test_every_module_imports_with_torch_blocked() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-c", _IMPORT_EVERYTHING_WITHOUT_TORCH],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr
+    imported = proc.stdout.split()
+    assert "pipeswap.schedule" in imported
+    assert "pipeswap.schedule.cli" in imported, imported
+
+
+@pytest.mark.skipif(
+    os.environ.get("PIPESWAP_EXPECT_NO_TORCH") != "1",
+    reason="only the isolated schedule env (pkg.schedule) sets PIPESWAP_EXPECT_NO_TORCH=1",
+)
+def test_torch_is_not_installed_in_the_isolated_env() -> None:
+    assert importlib.util.find_spec("torch") is None, (
+        "torch is installed next to pipeswap-schedule alone: some dependency pulls it in"
+    )

@@ -1,0 +1,137 @@
+"""P2P batching, the dx/dw split, FSDP placement, and send/recv insertion."""
+
+from __future__ import annotations
+
+import pytest
+
+from pipeswap.schedule import (
+    Schedule,
+    ScheduleError,
+    StepType,
+    add_fsdp_steps,
+    coalesce_p2p,
+    insert_send_recv,
+    interleaved_1f1b_compute,
+    one_f_one_b,
+    parse_order,
+    split_dxdw,
+)
+from pipeswap.schedule.steps import COMM, COMPUTE, Step
+from pipeswap.schedule.text import format_order
+
+
+def _rank0(text: str) -> Schedule:
+    """Rank 0's order of a two-stage pipeline whose rank 1 is left empty."""
+    return Schedule((parse_order(text), ()), (0, 1))
+
+
+def _flat_p2p(order: tuple[Step | None, ...]) -> list[Step]:
+    return [leaf for s in order if s is not None for leaf in s.p2p_leaves]
+
+
+def test_coalesce_batches_runs_of_two_or_more_and_keeps_singletons() -> None:
+    before = "0F0 0SEND_F0 0F1 0RECV_B0 0SEND_F1 0F2 0SEND_F2 _ 0RECV_B1 0SEND_F3 0B0"
+    after = coalesce_p2p(_rank0(before))
+    assert format_order(after.orders[0]) == (
+        "0F0 0SEND_F0 0F1 (0RECV_B0;0SEND_F1)BATCH_P2P 0F2 0SEND_F2 _ "
+        "(0RECV_B1;0SEND_F3)BATCH_P2P 0B0")
+
+
+def test_coalesce_never_changes_the_p2p_sequence() -> None:
+    schedule = insert_send_recv(interleaved_1f1b_compute(4, 8, 2, overlap_b_f=True))
+    batched = coalesce_p2p(schedule)
+    assert any(s is not None and s.type is StepType.BATCH_SEND_RECV
+               for order in batched.orders for s in order)
+    for plain, packed in zip(schedule.orders, batched.orders):
+        assert _flat_p2p(plain) == _flat_p2p(packed)
+        assert [s for s in plain if s is None or s.type not in COMM] == [
+            s for s in packed if s is None or s.type not in COMM]
+
+
+def test_dxdw_split_follows_the_seed() -> None:
+    schedule = insert_send_recv(interleaved_1f1b_compute(4, 8, 2, overlap_b_f=True))
+    split = split_dxdw(schedule)
+    for rank, (plain, done) in enumerate(zip(schedule.orders, split.orders)):
+        assert _flat_p2p(plain) == _flat_p2p(done)  # P2P order untouched
+        inputs = [leaf for s in done if s is not None for leaf in s.compute_leaves
+                  if leaf.type is StepType.BWD_INPUT]
+        weights = [s for s in done if s is not None and s.type is StepType.BWD_WEIGHT]
+        assert [s.key for s in inputs] == [s.key for s in weights]  # one W per I, same order
+        for step in done:
+            if step is not None and step.type is StepType.OVERLAP_B_F:
+                bwd = step.sub_steps[0]
+                # stage 0 keeps whole backwards: it has no input gradient to send
+                assert (bwd.type is StepType.BWD) == (bwd.stage == 0)
+        for w in weights:
+            index = done.index(w)
+            container = max(i for i in range(index) if done[i] is not None and any(
+                leaf.type is StepType.BWD_INPUT and leaf.key == w.key
+                for leaf in done[i].compute_leaves))  # type: ignore[union-attr]
+            between = done[container + 1:index]
+            # W follows the gradient P2P right after its overlap (its own SEND_B included)
+            assert all(s is not None and s.type in (StepType.BWD_SEND, StepType.BWD_RECV)
+                       for s in between)
+            own_send = Step(StepType.BWD_SEND, *w.key)
+            if own_send in done:
+                assert done.index(own_send) < index
+
+
+def test_fsdp_single_stage_matches_the_seed() -> None:
+    order = ("0F0 0SEND_F0 0F1 0SEND_F1 0F2 0SEND_F2 0F3 0SEND_F3 "
+             "0RECV_B0 0B0 0RECV_B1 0B1 0RECV_B2 0B2 0RECV_B3 0B3")
+    done = add_fsdp_steps(_rank0(order), managed_stages=[0])
+    assert format_order(done.orders[0]) == f"0UNSHARD {order} 0REDUCE_GRAD 0RESHARD"
+
+
+def test_fsdp_window_keeps_at_most_three_stages_gathered_and_each_compute_gathered() -> None:
+    schedule = insert_send_recv(interleaved_1f1b_compute(2, 8, 4))  # 4 stages per rank
+    done = add_fsdp_steps(schedule)
+    for order in done.orders:
+        gathered: list[int] = []
+        reduced: set[int] = set()
+        for step in order:
+            if step is None:
+                continue
+            if step.type is StepType.FSDP_UNSHARD:
+                assert step.stage not in gathered
+                gathered.append(step.stage)  # type: ignore[arg-type]
+                assert len(gathered) <= 3
+            elif step.type is StepType.FSDP_RESHARD:
+                gathered.remove(step.stage)  # type: ignore[arg-type]
+            elif step.type is StepType.FSDP_REDUCE_GRAD:
+                reduced.add(step.stage)  # type: ignore[arg-type]
+            for leaf in step.compute_leaves:
+                assert leaf.stage in gathered and leaf.stage not in reduced
+        assert gathered == []
+        assert len(reduced) == 4
+
+
+def test_fsdp_leaves_unmanaged_stages_alone() -> None:
+    schedule = insert_send_recv(interleaved_1f1b_compute(2, 4, 2))
+    done = add_fsdp_steps(schedule, managed_stages=[1, 3])
+    stages = {s.stage for order in done.orders for s in order
+              if s is not None and s.type in (StepType.FSDP_UNSHARD, StepType.FSDP_REDUCE_GRAD)}
+    assert stages == {1, 3}
+    assert not any(s is not None and s.stage in (1, 3) and s.type in COMPUTE
+                   for s in done.orders[0])
+
+
+@pytest.mark.parametrize(
+    ("call", "message"),
+    [
+        (lambda s: add_fsdp_steps(s, window=0), "window must be an integer >= 1"),
+        (lambda s: add_fsdp_steps(s, managed_stages=[7]), r"stage\(s\) \[7\]"),
+        (lambda s: add_fsdp_steps(add_fsdp_steps(s)), "already has FSDP steps"),
+        (lambda s: insert_send_recv(s), "compute-only orders"),
+    ],
+)
+def test_pass_misuse_is_refused(call: object, message: str) -> None:
+    with pytest.raises(ScheduleError, match=message):
+        call(one_f_one_b(2, 4))  # type: ignore[operator]
+
+
+def test_send_recv_insertion_pairs_even_and_odd_ranks() -> None:
+    schedule = insert_send_recv(interleaved_1f1b_compute(2, 2, 1))
+    # Rank 0 sends right after its forward; rank 1's receive lands before its own forward.
+    assert format_order(schedule.orders[0])[:20] == "0F0 0SEND_F0 0F1 0SE"
+    assert format_order(schedule.orders[1]).startswith("_ 1RECV_F0 1F0")
