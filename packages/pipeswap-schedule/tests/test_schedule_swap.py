@@ -1,0 +1,247 @@
+"""Swap injection: the seed's exact placements, its asserted behaviours, and the fixed bugs."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection, Sequence
+
+import pytest
+
+from pipeswap.schedule import (
+    MinGapPolicy,
+    Schedule,
+    ScheduleError,
+    ScheduleKind,
+    ScheduleSpec,
+    Step,
+    StepType,
+    SwapCandidate,
+    add_fsdp_steps,
+    build_schedule,
+    coalesce_p2p,
+    gpipe,
+    inject_swap,
+    insert_send_recv,
+    interleaved_1f1b_compute,
+    one_f_one_b,
+    parse_order,
+    split_dxdw,
+    swap_candidates,
+    swapped_chunks,
+    validate,
+    validate_rank,
+)
+from pipeswap.schedule.swap import inject_swap_order
+from pipeswap.schedule.text import format_order, parse_step
+
+Load = Callable[[str], Schedule]
+
+
+def _strip_swap(schedule: Schedule) -> Schedule:
+    swap = {StepType.SWAP_LAUNCH_OFFLOAD, StepType.SWAP_WAIT_OFFLOAD,
+            StepType.SWAP_LAUNCH_LOAD, StepType.SWAP_WAIT_LOAD}
+    return schedule.map_orders(lambda _r, o: [s for s in o if s is None or s.type not in swap])
+
+
+@pytest.mark.parametrize(
+    ("name", "build"),
+    [
+        ("1f1b_p4_m8_plain", lambda: one_f_one_b(4, 8)),
+        ("1f1b_p4_m8_swap", lambda: inject_swap(one_f_one_b(4, 8))),
+        ("gpipe_p2_m4_swap", lambda: inject_swap(gpipe(2, 4))),
+        ("interleaved_p4_v2_m8_swap",
+         lambda: inject_swap(insert_send_recv(interleaved_1f1b_compute(4, 8, 2)))),
+        ("interleaved_p2_v2_m4_overlap_dxdw_swap",
+         lambda: inject_swap(split_dxdw(insert_send_recv(
+             interleaved_1f1b_compute(2, 4, 2, overlap_b_f=True))))),
+        ("1f1b_p4_m8_fsdp_swap", lambda: inject_swap(add_fsdp_steps(one_f_one_b(4, 8)))),
+    ],
+)
+def test_worked_examples_reproduce_exactly(
+    worked: Load, name: str, build: Callable[[], Schedule]
+) -> None:
+    expected = worked(name)
+    got = build()
+    for rank, (want, have) in enumerate(zip(expected.orders, got.orders)):
+        assert format_order(have) == format_order(want), f"rank {rank}"
+    assert got == expected
+    validate(got)
+
+
+def test_build_schedule_runs_the_passes_in_the_seed_order(worked: Load) -> None:
+    spec = ScheduleSpec(ScheduleKind.INTERLEAVED_1F1B, 2, 4, 2, overlap_b_f=True,
+                        dxdw_split=True, swap=True)
+    assert build_schedule(spec) == worked("interleaved_p2_v2_m4_overlap_dxdw_swap")
+    fsdp = ScheduleSpec(ScheduleKind.ONE_F_ONE_B, 4, 8, fsdp=True, swap=True)
+    assert build_schedule(fsdp) == worked("1f1b_p4_m8_fsdp_swap")
+
+
+def test_injection_only_adds_swap_steps(worked: Load) -> None:
+    for name in ("1f1b_p4_m8_swap", "interleaved_p4_v2_m8_swap", "1f1b_p4_m8_fsdp_swap"):
+        swapped = worked(name)
+        assert inject_swap(_strip_swap(swapped)) == swapped
+
+
+def test_1f1b_swaps_the_seeds_chunks() -> None:
+    chunks = swapped_chunks(inject_swap(one_f_one_b(4, 8)))
+    assert [[m for _, m in c] for c in chunks] == [list(range(8)), list(range(1, 7)), [], []]
+
+
+def test_interleaved_swaps_the_seeds_chunks() -> None:
+    chunks = swapped_chunks(inject_swap(insert_send_recv(interleaved_1f1b_compute(4, 8, 2))))
+
+    def keys(*groups: tuple[int, Sequence[int]]) -> list[tuple[int, int]]:
+        return [(stage, m) for stage, micros in groups for m in micros]
+
+    assert chunks[0] == tuple(keys((0, range(4)), (4, range(4)), (0, range(4, 8)), (4, range(4, 8))))
+    assert chunks[1] == tuple(keys((1, range(4)), (5, range(4)), (1, range(4, 8)), (5, range(4, 8))))
+    assert chunks[2] == tuple(keys((2, range(4)), (6, range(1, 4)), (2, range(4, 8)), (6, range(4, 7))))
+    assert chunks[3] == tuple(keys((3, range(8))))
+
+
+def _pos(order: Sequence[Step | None], text: str) -> int:
+    return order.index(parse_step(text))
+
+
+def test_gpipe_lifecycle_per_micro() -> None:
+    order = inject_swap(gpipe(2, 4)).orders[0]
+    for m in range(4):
+        f, lo, wo, ll, wl, b = (_pos(order, f"0{c}{m}") for c in ("F", "LO", "WO", "LL", "WL", "B"))
+        assert f < lo < _pos(order, f"0SEND_F{m}")
+        assert lo < wo < ll < wl
+        assert _pos(order, f"0RECV_B{m}") < wl < b
+
+
+def test_load_is_launched_one_compute_ahead_of_the_backward() -> None:
+    order = inject_swap(one_f_one_b(4, 8)).orders[0]
+    assert _pos(order, "0WO0") < _pos(order, "0LL0") < _pos(order, "0F3")
+    assert _pos(order, "0LL0") < _pos(order, "0SEND_F3")
+
+
+def test_coalesced_batches_are_never_split() -> None:
+    order = parse_order("0F0 0SEND_F0 0F1 0RECV_B0 0SEND_F1 0F2 0SEND_F2 0F3 0SEND_F3 0B0")
+    batched = coalesce_p2p(Schedule((order, ()), (0, 1)))
+    done = inject_swap(batched).orders[0]
+    assert format_order(done) == ("0F0 0LO0 0SEND_F0 0F1 (0RECV_B0;0SEND_F1)BATCH_P2P 0WO0 "
+                                  "0F2 0SEND_F2 0LL0 0F3 0SEND_F3 0WL0 0B0")
+
+
+def test_overlap_containers_are_one_slot_and_get_waits_around_them() -> None:
+    schedule = inject_swap(split_dxdw(insert_send_recv(
+        interleaved_1f1b_compute(4, 8, 2, overlap_b_f=True))))
+    validate(schedule)
+    order = schedule.orders[0]
+    for step in order:
+        if step is not None and step.type in (StepType.SWAP_LAUNCH_OFFLOAD,
+                                              StepType.SWAP_WAIT_LOAD):
+            assert step.stage is not None and step.micro is not None
+    overlap = next(i for i, s in enumerate(order) if s is not None and
+                   Step(StepType.BWD, 4, 0) in s.sub_steps + tuple(
+                       Step(StepType.BWD, l.stage, l.micro) for l in s.sub_steps
+                       if l.type is StepType.BWD_INPUT))
+    assert Step(StepType.FWD, 0, 7) in order[overlap].sub_steps  # type: ignore[union-attr]
+    assert _pos(order, "4LL0") < _pos(order, "4WL0") < overlap
+    assert _pos(order, "4RECV_B0") < _pos(order, "4WL0")
+    assert overlap < _pos(order, "0LO7") < _pos(order, "0WO7")
+
+
+def test_fsdp_orders_reload_right_before_the_backward(worked: Load) -> None:
+    order = worked("1f1b_p4_m8_fsdp_swap").orders[0]
+    assert _pos(order, "0LO0") < order.index(Step(StepType.FSDP_RESHARD, 0))
+    assert order.index(Step(StepType.FSDP_UNSHARD, 0)) < _pos(order, "0F0")
+    assert _pos(order, "0WO0") < _pos(order, "0LL0")
+    assert _pos(order, "0LL0") + 1 == _pos(order, "0WL0") == _pos(order, "0B0") - 1
+
+
+def test_fsdp_reload_overlaps_the_backward_stages_gather() -> None:
+    # Stage 1's parameters are gathered again right before its backward: the reload goes first.
+    order = parse_order("0UNSHARD 0F0 0F1 0F2 0F3 1UNSHARD 0B0 0B1 0B2 0B3 0RESHARD")
+    done = inject_swap_order(order, MinGapPolicy())
+    assert format_order(done).startswith("0UNSHARD 0F0 0LO0 0F1 0LO1 0WO0")
+    schedule = Schedule.from_orders([done])
+    assert format_order(done[_pos(done, "0LL0"):_pos(done, "0B0") + 1]) == "0LL0 0WL0 0B0"
+    validate_rank(schedule, 0)
+
+    gather_before = parse_order("0UNSHARD 0F0 0F1 0F2 0F3 0RESHARD 0UNSHARD 0B0 0B1 0B2 0B3 0RESHARD")
+    done = inject_swap_order(gather_before, MinGapPolicy())
+    # every reload whose offload wait came before the re-gather launches ahead of it
+    assert format_order(done[_pos(done, "0LL0"):_pos(done, "0B0") + 1]) == (
+        "0LL0 0LL1 0LL2 0UNSHARD 0WL0 0B0")
+    validate_rank(Schedule.from_orders([done]), 0)
+
+
+def test_fsdp_with_dxdw_reloads_before_the_input_gradient() -> None:
+    order = parse_order(
+        "0UNSHARD 0F0 0SEND_F0 0F1 0SEND_F1 0F2 0SEND_F2 0F3 0SEND_F3 0RECV_B0 0I0 0W0 "
+        "0RECV_B1 0I1 0W1 0RECV_B2 0I2 0W2 0RECV_B3 0I3 0W3 0REDUCE_GRAD 0RESHARD")
+    done = inject_swap_order(order, MinGapPolicy())
+    lifecycle = [str(s) for s in done if s is not None and s.micro == 0 and s.stage == 0
+                 and s.type not in (StepType.FWD_SEND, StepType.BWD_RECV)]
+    assert lifecycle == ["0F0", "0LO0", "0WO0", "0LL0", "0WL0", "0I0", "0W0"]
+    for i, step in enumerate(done):
+        if step is not None and step.type is StepType.SWAP_LAUNCH_LOAD:
+            nxt = next(s for s in done[i:] if s is not None and s.compute_leaves)
+            assert nxt.type is StepType.BWD_INPUT
+
+
+def test_zero_width_steps_are_transparent_to_the_offload_wait() -> None:
+    # Seed bug (its DATA_* tokens): a local control step between F1 and F1's send made the
+    # offload wait of micro 0 run before that send was issued.
+    order = parse_order("0F0 0SEND_F0 0F1 0REDUCE_GRAD 0SEND_F1 0F2 0SEND_F2 0F3 0SEND_F3 "
+                        "0RECV_B0 0B0 0RECV_B1 0B1 0RECV_B2 0B2 0RECV_B3 0B3")
+    done = inject_swap_order(order, MinGapPolicy())
+    assert _pos(done, "0SEND_F1") + 1 == _pos(done, "0WO0")
+
+
+def test_reload_never_precedes_the_offload_wait() -> None:
+    # Seed bug: the search for the backward stage's UNSHARD was bounded by the forward, so an
+    # UNSHARD before the first compute in between put LL before WO.
+    order = parse_order("0F0 0UNSHARD 0F1 0F2 0F3 0B0 0B1 0B2 0B3")
+    done = inject_swap_order(order, MinGapPolicy())
+    assert _pos(done, "0WO0") < _pos(done, "0LL0") < _pos(done, "0WL0")
+    validate_rank(Schedule.from_orders([done]), 0)
+
+
+def test_policy_decides_which_chunks_swap() -> None:
+    base = one_f_one_b(4, 8)
+    default = swapped_chunks(inject_swap(base))
+    looser = swapped_chunks(inject_swap(base, MinGapPolicy(3)))
+    assert [len(c) for c in default] == [8, 6, 0, 0]
+    assert [len(c) for c in looser] == [8, 8, 6, 0]  # rank 2's steady gap is 3
+    validate(inject_swap(base, MinGapPolicy(3)))
+
+    class Nothing:
+        def select(self, candidates: Sequence[SwapCandidate]) -> Collection[tuple[int, int]]:
+            return ()
+
+    assert inject_swap(base, Nothing()) == base
+
+
+def test_candidates_report_slots_and_gaps() -> None:
+    candidates = swap_candidates(one_f_one_b(4, 8).orders[1], rank=1)
+    assert [(c.micro, c.forward_slot, c.backward_slot, c.gap) for c in candidates][:3] == [
+        (0, 0, 3, 3), (1, 1, 5, 4), (2, 2, 7, 5)]
+    assert all(c.rank == 1 and c.stage == 1 for c in candidates)
+
+
+def test_policies_that_ask_for_the_impossible_are_refused() -> None:
+    with pytest.raises(ScheduleError, match="min_gap must be an integer >= 3"):
+        MinGapPolicy(2)
+
+    class Greedy:
+        def select(self, candidates: Sequence[SwapCandidate]) -> Collection[tuple[int, int]]:
+            return {c.key for c in candidates}
+
+    with pytest.raises(ScheduleError, match=r"chunk \(2, 0\) on rank 2.*only 2 compute slot"):
+        inject_swap(one_f_one_b(4, 8), Greedy())
+
+    class Stranger:
+        def select(self, candidates: Sequence[SwapCandidate]) -> Collection[tuple[int, int]]:
+            return {(9, 9)}
+
+    with pytest.raises(ScheduleError, match=r"\(9, 9\).*not candidates"):
+        inject_swap(one_f_one_b(2, 4), Stranger())
+
+
+def test_injecting_twice_is_refused() -> None:
+    with pytest.raises(ScheduleError, match="already has swap steps"):
+        inject_swap(inject_swap(one_f_one_b(4, 8)))
