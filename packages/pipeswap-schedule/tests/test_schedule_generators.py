@@ -125,7 +125,7 @@ Spec = Callable[[], ScheduleSpec]
     [
         (lambda: ScheduleSpec(ScheduleKind.ONE_F_ONE_B, 0, 8), "ranks must be an integer >= 1, got 0"),
         (lambda: ScheduleSpec(ScheduleKind.GPIPE, 2, 0), "microbatches must be an integer >= 1"),
-        (lambda: ScheduleSpec(ScheduleKind.GPIPE, 2, True), "microbatches"),  # type: ignore[arg-type]
+        (lambda: ScheduleSpec(ScheduleKind.GPIPE, 2, True), "microbatches"),
         (lambda: ScheduleSpec(ScheduleKind.INTERLEAVED_1F1B, 2, 4, 0), "stages_per_rank"),
         (lambda: ScheduleSpec(ScheduleKind.ONE_F_ONE_B, 2, 4, 2), "stages_per_rank must be 1"),
         (lambda: ScheduleSpec(ScheduleKind.ONE_F_ONE_B, 2, 4, overlap_b_f=True),

@@ -57,11 +57,11 @@ def _add(order: Order, managed: frozenset[int], window: int) -> list[Step | None
         leaves = step.compute_leaves if step is not None else ()
         stages = [leaf.stage for leaf in leaves if leaf.stage in managed]
         if stages and tuple(stages) != ahead[: len(stages)]:
-            ahead = tuple(dict.fromkeys([*stages, *ahead]))[:window]  # type: ignore[list-item]
+            ahead = tuple(dict.fromkeys([*stages, *ahead]))[:window]
         lookahead[i] = ahead
         for leaf in leaves:
             if leaf.type in _PARAM_GRADS and leaf.stage in managed:
-                last_grad.setdefault(leaf.stage, i)  # type: ignore[arg-type]
+                last_grad.setdefault(leaf.stage, i)
 
     out: list[Step | None] = []
     active: list[int] = []

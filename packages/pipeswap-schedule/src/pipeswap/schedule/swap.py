@@ -199,7 +199,7 @@ def inject_swap_order(order: Order, policy: SwapPolicy, *, rank: int = 0) -> lis
                 latest[step.stage] = index
             for leaf in step.compute_leaves:
                 if (index, leaf.stage) in bwd_containers and leaf.stage in latest:
-                    unshard_before[index] = latest[leaf.stage]  # type: ignore[index]
+                    unshard_before[index] = latest[leaf.stage]
 
     # Steps to place before / after a container, as (launch, wait) lists: launches go first.
     before: dict[int, tuple[list[Step], list[Step]]] = {}

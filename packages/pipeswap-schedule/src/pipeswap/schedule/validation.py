@@ -67,7 +67,7 @@ def validate_rank(schedule: Schedule, rank: int) -> None:
                 continue
             if kind in P2P and (kind, stage) not in remote_p2p:
                 _needless_p2p(schedule, rank, leaf)
-            slot = (kind, stage, micro)  # type: ignore[assignment]
+            slot = (kind, stage, micro)
             if slot in where:
                 raise ChunkOrderError(
                     f"rank {rank}: {leaf} appears twice (positions {where[slot]} and {index}); "
