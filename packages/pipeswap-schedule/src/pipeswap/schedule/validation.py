@@ -43,6 +43,7 @@ def validate(schedule: Schedule) -> None:
 Where = dict[tuple[StepType, int, int], int]  # (type, stage, micro) -> position in the order
 
 
+@gc_paused
 def validate_rank(schedule: Schedule, rank: int) -> None:
     """Check one rank's order on its own.
 

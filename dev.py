@@ -1,0 +1,320 @@
+#!/usr/bin/env python3
+"""The one entry point for working on pipeswap: set up, test, demo, benchmark.
+
+Needs only Python >= 3.10 with pip. What it sets up itself stays inside this checkout:
+
+  .venv/                  pinned tools: hatch and uv
+  .cache/wheels/          the CPU build of torch that every Hatch env takes torch from
+  .cache/constraints.txt  pins torch to that wheel's exact version, so no env ever resolves
+                          torch from the index (that would pull a CUDA build of several GB)
+
+Hatch keeps its envs in its own data directory and installs with uv, which hard-links torch
+from its cache, so an extra env costs seconds and little disk. The envs themselves are
+defined in pyproject.toml; after `setup`, `.venv/bin/hatch ...` works directly too.
+
+commands:
+  setup              create .venv, install hatch and uv, fetch the torch wheel (idempotent)
+  test               the full check, phases in order, stopping at the first failure:
+                       a. layout: no packages/*/src/pipeswap/__init__.py (PEP 420), py.typed
+                          and __about__.py in every package, unique test file names
+                       b. `hatch test`: the whole suite, all packages installed together
+                       c. `hatch run types`: mypy --strict over all packages as one program
+                       d. `hatch run pkg:test`, `hatch run pkg:types`: each package alone,
+                          with only the siblings it declares
+                       e. build every package (sdist + wheel) into dist/, install the wheels
+                          into a fresh venv, import them, run `pipeswap-schedule --help`
+                          and the integration suite tests/ against them
+                     Hatch envs are deleted first on CI (CI=true) and whenever a
+                     pyproject.toml or __about__.py changed since they were built.
+  test ARGS...       only phase b, with ARGS passed to pytest
+                     (e.g. `python3 dev.py test -k hygiene -x`)
+  demo               run `pipeswap-schedule show --schedule 1f1b --ranks 4 --microbatches 8
+                     --swap` in the default env
+  bench [ARGS...]    run benchmarks/schedule_passes.py in the default env
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent
+VENV = ROOT / ".venv"
+BIN = VENV / "bin"
+CACHE = ROOT / ".cache"
+WHEELS = CACHE / "wheels"
+CONSTRAINTS = CACHE / "constraints.txt"
+WHEEL_CHECK_VENV = CACHE / "wheel-check"
+ENVS_FINGERPRINT = CACHE / "envs-fingerprint"
+DIST = ROOT / "dist"
+
+HATCH = "1.18.2"
+UV = "0.13.9"
+TORCH = "2.13.0+cpu"  # a CPU build: its dependencies hold no nvidia-* packages
+PYTEST = "pytest~=9.2"
+DEMO = ["pipeswap-schedule", "show", "--schedule", "1f1b", "--ranks", "4", "--microbatches", "8", "--swap"]
+
+
+class Failure(Exception):
+    """A step failed; the message says which and how to retry it."""
+
+
+def say(message: str) -> None:
+    print(f"dev.py: {message}", flush=True)
+
+
+def run(
+    cmd: Sequence[str | Path],
+    *,
+    cwd: Path = ROOT,
+    env: dict[str, str] | None = None,
+    label: str | None = None,
+) -> None:
+    """Run a command in the foreground, echoing it (or its label); raise Failure when it fails."""
+    args = [str(c) for c in cmd]
+    where = "" if cwd == ROOT else f"(in {cwd.relative_to(ROOT)}) "
+    print(f"$ {where}{label or shlex.join(args)}", flush=True)
+    code = subprocess.run(args, cwd=cwd, env=env, check=False).returncode
+    if code != 0:
+        raise Failure(f"`{label or shlex.join(args)}` exited with {code}")
+
+
+def run_quietly(cmd: Sequence[str | Path]) -> None:
+    """Run a command, showing its output only if it fails."""
+    args = [str(c) for c in cmd]
+    print(f"$ {shlex.join(args)}", flush=True)
+    proc = subprocess.run(args, capture_output=True, text=True, check=False)
+    if proc.returncode != 0:
+        print(proc.stdout + proc.stderr, file=sys.stderr)
+        raise Failure(f"`{shlex.join(args)}` exited with {proc.returncode}")
+
+
+def tools_env() -> dict[str, str]:
+    """The environment for hatch and uv: the pinned tools first on PATH, torch from the cache."""
+    env = dict(os.environ)
+    env["PATH"] = f"{BIN}{os.pathsep}{env.get('PATH', '')}"
+    env["UV_FIND_LINKS"] = str(WHEELS)  # pyproject.toml sets the same for the Hatch envs
+    env["UV_CONSTRAINT"] = str(CONSTRAINTS)
+    return env
+
+
+def hatch(*args: str, cwd: Path = ROOT) -> None:
+    run([BIN / "hatch", *args], cwd=cwd, env=tools_env())
+
+
+def venv_facts() -> tuple[str, str, str]:
+    """(hatch version, uv version, CPython wheel tag) of .venv; "" for a missing tool."""
+    probe = (
+        "import sys\n"
+        "from importlib.metadata import version, PackageNotFoundError\n"
+        "def v(name):\n"
+        "    try: return version(name)\n"
+        "    except PackageNotFoundError: return ''\n"
+        "print(v('hatch'), v('uv'), f'cp{sys.version_info[0]}{sys.version_info[1]}', sep=',')\n"
+    )
+    out = subprocess.run([BIN / "python", "-c", probe], capture_output=True, text=True, check=True)
+    hatch_version, uv_version, tag = out.stdout.strip().split(",")
+    return hatch_version, uv_version, tag
+
+
+def setup() -> None:
+    """Make .venv and .cache ready; does nothing that is already done."""
+    if not (BIN / "python").exists():
+        say(f"creating {VENV.relative_to(ROOT)} with {sys.executable}")
+        run([sys.executable, "-m", "venv", VENV])
+    hatch_version, uv_version, tag = venv_facts()
+    if (hatch_version, uv_version) != (HATCH, UV):
+        say(f"installing hatch {HATCH} and uv {UV} into .venv")
+        run_quietly([BIN / "python", "-m", "pip", "install", "-q", f"hatch=={HATCH}", f"uv=={UV}"])
+    if not list(WHEELS.glob(f"torch-{TORCH}-{tag}-*.whl")):
+        say(f"fetching the torch {TORCH} wheel for {tag} into {WHEELS.relative_to(ROOT)}/")
+        try:
+            run_quietly(
+                [BIN / "python", "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
+                 "-d", WHEELS, f"torch=={TORCH}"]
+            )
+        except Failure as e:
+            raise Failure(
+                f"{e}.\npip found no torch {TORCH} wheel for {tag}. Point pip at an index or a folder "
+                f"that has one (PIP_EXTRA_INDEX_URL or PIP_FIND_LINKS), or copy the wheel into "
+                f"{WHEELS}/, then run `python3 dev.py setup` again. Plain `torch` from PyPI is a "
+                "CUDA build of several GB, which this project never installs."
+            ) from None
+    CACHE.mkdir(exist_ok=True)
+    wanted = f"torch=={TORCH}\n"
+    if not CONSTRAINTS.exists() or CONSTRAINTS.read_text() != wanted:
+        CONSTRAINTS.write_text(wanted)
+        say(f"wrote {CONSTRAINTS.relative_to(ROOT)}: {wanted.strip()}")
+    say(f"ready: hatch {HATCH}, uv {UV}, torch {TORCH} ({tag})")
+
+
+def package_dirs() -> list[Path]:
+    return sorted(p.parent for p in ROOT.glob("packages/pipeswap-*/pyproject.toml"))
+
+
+def metadata_fingerprint() -> str:
+    """A hash of everything that decides what the Hatch envs install."""
+    digest = hashlib.sha256()
+    files = [ROOT / "pyproject.toml", *ROOT.glob("packages/*/pyproject.toml")]
+    for path in sorted([*files, *ROOT.glob("packages/*/src/pipeswap/*/__about__.py")]):
+        digest.update(f"{path.relative_to(ROOT)}\n".encode() + path.read_bytes())
+    return digest.hexdigest()
+
+
+def envs_are_stale() -> bool:
+    """True on CI, or when a package's metadata changed since the envs were last rebuilt.
+
+    Hatch does not notice a sibling's version bump: its envs would keep the old metadata.
+    """
+    if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
+        return True
+    return not ENVS_FINGERPRINT.exists() or ENVS_FINGERPRINT.read_text() != metadata_fingerprint()
+
+
+def remove_envs() -> None:
+    """Delete every Hatch env of the project; each is rebuilt when next used."""
+    hatch("env", "prune")
+    hatch("env", "remove", "hatch-test")  # prune misses internal matrix envs (hatch 1.18.2)
+    ENVS_FINGERPRINT.write_text(metadata_fingerprint())
+
+
+def check_layout() -> None:
+    problems: list[str] = []
+    for init in ROOT.glob("packages/*/src/pipeswap/__init__.py"):
+        problems.append(f"{init.relative_to(ROOT)} must not exist: pipeswap is a PEP 420 namespace")
+    root_config = (ROOT / "pyproject.toml").read_text()
+    for pkg in package_dirs():
+        name = pkg.name.removeprefix("pipeswap-")
+        namespace = pkg.relative_to(ROOT) / "src" / "pipeswap"
+        for required in ("__about__.py", "py.typed"):
+            if not (ROOT / namespace / name / required).is_file():
+                problems.append(f"{namespace / name / required} is missing")
+        strays = {p.name for p in (ROOT / namespace).iterdir()} - {name, "__init__.py", "__pycache__"}
+        if strays:
+            problems.append(f"{namespace} holds {sorted(strays)}; only {name}/ belongs there")
+        if f"packages/{pkg.name}/src" not in root_config:
+            problems.append(f"pyproject.toml: [tool.mypy] mypy_path lacks packages/{pkg.name}/src")
+    test_files: dict[str, Path] = {}
+    for test_file in sorted([*ROOT.glob("packages/*/tests/**/test_*.py"), *ROOT.glob("tests/**/test_*.py")]):
+        first = test_files.setdefault(test_file.name, test_file)
+        if first != test_file:
+            problems.append(
+                f"test file name {test_file.name} is used twice: {first.relative_to(ROOT)} and "
+                f"{test_file.relative_to(ROOT)}; give each a name unique in the repository"
+            )
+    if len(package_dirs()) != 4:
+        problems.append(f"expected 4 packages under packages/, found {[p.name for p in package_dirs()]}")
+    for problem in problems:
+        print(f"  layout: {problem}", file=sys.stderr)
+    if problems:
+        raise Failure(f"{len(problems)} layout problem(s)")
+    print(f"  layout ok: {len(package_dirs())} packages, {len(test_files)} test files")
+
+
+def check_each_package() -> None:
+    hatch("run", "pkg:test")
+    hatch("run", "pkg:types")
+
+
+def check_wheels() -> None:
+    shutil.rmtree(DIST, ignore_errors=True)
+    for pkg in package_dirs():
+        hatch("build", str(DIST), cwd=pkg)
+    wheels = sorted(DIST.glob("*.whl"))
+    shutil.rmtree(WHEEL_CHECK_VENV, ignore_errors=True)
+    run([BIN / "uv", "venv", "-q", "--python", BIN / "python", WHEEL_CHECK_VENV], env=tools_env())
+    python = WHEEL_CHECK_VENV / "bin" / "python"
+    run([BIN / "uv", "pip", "install", "-q", "--python", python, *wheels, PYTEST], env=tools_env())
+    probe = (
+        "import importlib, importlib.metadata as md, sys\n"
+        "from pathlib import Path\n"
+        "for name in ('schedule', 'platform', 'swap', 'runtime'):\n"
+        "    module = importlib.import_module(f'pipeswap.{name}')\n"
+        "    assert Path(module.__file__).is_relative_to(sys.prefix), module.__file__\n"
+        "    print(f'  pipeswap.{name} {module.__version__} from {Path(module.__file__).parent}')\n"
+        "cuda = [d.metadata['Name'] for d in md.distributions() if d.metadata['Name'].startswith('nvidia')]\n"
+        f"assert not cuda and md.version('torch') == {TORCH!r}, (md.version('torch'), cuda)\n"
+    )
+    run([python, "-c", probe], label=f"{python} -c <import all four, no nvidia-*, torch {TORCH}>")
+    run([WHEEL_CHECK_VENV / "bin" / "pipeswap-schedule", "--help"])
+    run([python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests"])
+
+
+def test(pytest_args: list[str]) -> None:
+    setup()
+    test_args = ["--", *pytest_args] if pytest_args else []
+    phases: list[tuple[str, Callable[[], None]]] = [
+        ("a. layout", check_layout),
+        ("b. hatch test (whole suite)", lambda: hatch("test", *test_args)),
+        ("c. hatch run types", lambda: hatch("run", "types")),
+        ("d. each package alone", check_each_package),
+        ("e. built wheels", check_wheels),
+    ]
+    if pytest_args:
+        say(f"pytest arguments given: running phase b only, with {shlex.join(pytest_args)}")
+        phases = [phases[1]]
+    if envs_are_stale():
+        phases.insert(0, ("fresh Hatch envs", remove_envs))
+    timings: list[tuple[str, float, str]] = []
+    try:
+        for name, phase in phases:
+            print(f"\n===== {name} =====", flush=True)
+            start = time.monotonic()
+            try:
+                phase()
+            except Failure:
+                timings.append((name, time.monotonic() - start, "FAILED"))
+                raise
+            timings.append((name, time.monotonic() - start, "ok"))
+    finally:
+        print("\n===== summary =====")
+        for name, seconds, status in timings:
+            print(f"  {status:6} {seconds:7.1f}s  {name}")
+        print(f"  total  {sum(s for _, s, _ in timings):7.1f}s")
+
+
+def main(argv: list[str] | None = None) -> int:
+    if sys.version_info < (3, 10):
+        print("dev.py needs Python >= 3.10", file=sys.stderr)
+        return 2
+    parser = argparse.ArgumentParser(
+        prog="dev.py",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        allow_abbrev=False,
+    )
+    parser.add_argument("command", choices=["setup", "test", "demo", "bench"])
+    args, extra = parser.parse_known_args(argv)
+    if extra and extra[0] == "--":
+        extra = extra[1:]
+    if extra and args.command not in ("test", "bench"):
+        parser.error(f"`{args.command}` takes no arguments: {shlex.join(extra)}")
+    try:
+        if args.command == "setup":
+            setup()
+        elif args.command == "test":
+            test(extra)
+        else:
+            setup()
+            if envs_are_stale():
+                remove_envs()
+            if args.command == "demo":
+                hatch("run", *DEMO)
+            else:
+                hatch("run", "python", "benchmarks/schedule_passes.py", *extra)
+    except Failure as e:
+        print(f"\ndev.py {args.command}: FAILED: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,66 @@
+"""The four pipeswap distributions install together and keep DESIGN.md's dependency edges."""
+
+from __future__ import annotations
+
+import importlib
+import re
+from importlib.metadata import PackageNotFoundError, distribution
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+# distribution -> the distributions it may require (DESIGN.md, "Packages and dependency edges")
+EDGES: dict[str, set[str]] = {
+    "pipeswap-schedule": set(),
+    "pipeswap-platform": {"torch"},
+    "pipeswap-swap": {"torch", "pipeswap-platform"},
+    "pipeswap-runtime": {"torch", "pipeswap-schedule", "pipeswap-swap", "pipeswap-platform"},
+}
+PORTIONS = [name.removeprefix("pipeswap-") for name in EDGES]
+
+_NAME = re.compile(r"\s*([A-Za-z0-9][A-Za-z0-9._-]*)")
+
+
+def _requires(dist: str) -> set[str]:
+    names = set()
+    for requirement in distribution(dist).requires or []:
+        match = _NAME.match(requirement)
+        assert match is not None, f"{dist}: unparsable Requires-Dist {requirement!r}"
+        names.add(re.sub(r"[-_.]+", "-", match.group(1)).lower())
+    return names
+
+
+def _import(portion: str) -> ModuleType:
+    return importlib.import_module(f"pipeswap.{portion}")
+
+
+@pytest.mark.parametrize("dist", EDGES)
+def test_distribution_is_installed(dist: str) -> None:
+    try:
+        installed = distribution(dist)
+    except PackageNotFoundError:
+        pytest.fail(f"{dist} is not installed in this environment")
+    portion = dist.removeprefix("pipeswap-")
+    assert installed.version == _import(portion).__version__
+
+
+@pytest.mark.parametrize("dist", EDGES)
+def test_dependency_edges_follow_the_design(dist: str) -> None:
+    assert _requires(dist) == EDGES[dist]
+
+
+def test_pipeswap_is_a_namespace_spanning_all_portions() -> None:
+    pipeswap = importlib.import_module("pipeswap")
+    # a regular package (some src/pipeswap/__init__.py) would have a file and hide the others
+    assert getattr(pipeswap, "__file__", None) is None, pipeswap.__file__
+    roots = [Path(entry).resolve() for entry in pipeswap.__path__]
+    for root in roots:
+        assert not (root / "__init__.py").exists(), f"{root}/__init__.py breaks PEP 420"
+    for portion in PORTIONS:
+        module = _import(portion)
+        assert module.__file__ is not None
+        home = Path(module.__file__).resolve().parent.parent
+        assert home in roots, f"pipeswap.{portion} comes from {home}, outside {roots}"
+        assert (home / portion / "py.typed").is_file(), f"pipeswap.{portion} lacks py.typed"
+
