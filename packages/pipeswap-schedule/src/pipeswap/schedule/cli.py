@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -147,15 +148,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         schedule = _build(args)
     except ScheduleError as exc:
         parser.exit(2, f"{PROG}: error: {exc}\n")
-    if args.command == "orders":
-        print(dumps_json(schedule) if args.format == "json" else dumps_lines(schedule))
-    else:
-        if not args.no_grid:
-            print(render_grid(schedule))
-            print("\n* = swap step\n")
-        print(describe(schedule))
-        print()
-        print(swap_summary(schedule))
+    try:
+        if args.command == "orders":
+            print(dumps_json(schedule) if args.format == "json" else dumps_lines(schedule))
+        else:
+            if not args.no_grid:
+                print(render_grid(schedule))
+                print("\n* = swap step\n")
+            print(describe(schedule))
+            print()
+            print(swap_summary(schedule))
+        sys.stdout.flush()
+    except BrokenPipeError:
+        # The reader (`| head`) left early: not an error. Keep Python from complaining at exit.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     return 0
 
 
