@@ -24,20 +24,22 @@ def split_dxdw(schedule: Schedule) -> Schedule:
 
 def _split(order: Order) -> list[Step | None]:
     out: list[Step | None] = []
-    pending: Step | None = None  # the W waiting for the end of the gradient P2P run
-    for step in order:
-        if pending is not None and not (step is not None and step.type in _GRADIENT_P2P):
-            out.append(pending)
-            pending = None
-        if step is not None and step.type is StepType.OVERLAP_B_F:
-            bwd, fwd = step.sub_steps
-            if bwd.type is StepType.BWD and bwd.stage != 0:
-                stage, micro = bwd.key
-                step = Step(
-                    StepType.OVERLAP_B_F, sub_steps=(Step(StepType.BWD_INPUT, stage, micro), fwd)
-                )
-                pending = Step(StepType.BWD_WEIGHT, stage, micro)
-        out.append(step)
-    if pending is not None:
-        out.append(pending)
+    done = 0  # order[:done] is already in out
+    overlaps = [i for i, s in enumerate(order) if s is not None and s.type is StepType.OVERLAP_B_F]
+    for index in overlaps:
+        bwd, fwd = order[index].sub_steps  # type: ignore[union-attr]
+        if bwd.type is not StepType.BWD or bwd.stage == 0:
+            continue
+        stage, micro = bwd.key
+        end = index + 1
+        while end < len(order) and (step := order[end]) is not None and (
+            step.type in _GRADIENT_P2P
+        ):
+            end += 1
+        out += order[done:index]
+        out.append(Step(StepType.OVERLAP_B_F, sub_steps=(Step(StepType.BWD_INPUT, stage, micro), fwd)))
+        out += order[index + 1:end]
+        out.append(Step(StepType.BWD_WEIGHT, stage, micro))
+        done = end
+    out += order[done:]
     return out

@@ -86,6 +86,12 @@ class Step:
     sub_steps: tuple[Step, ...] = ()
 
     def __post_init__(self) -> None:
+        stage, micro = self.stage, self.micro
+        if (  # the common case, a leaf of a chunk, checked first and fast
+            self.type in _WITH_MICRO and type(stage) is int and type(micro) is int
+            and stage >= 0 and micro >= 0 and not self.sub_steps
+        ):
+            return
         kind = self.type
         if kind in COMPOSITES:
             self._check_composite()

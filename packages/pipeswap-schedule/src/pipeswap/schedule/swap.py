@@ -20,9 +20,11 @@ precedes the offload wait. The pass is linear in the order length.
 
 from __future__ import annotations
 
+from bisect import bisect_left
+from collections import defaultdict
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 from pipeswap.schedule._gc import gc_paused
 from pipeswap.schedule.errors import ScheduleError
@@ -30,6 +32,8 @@ from pipeswap.schedule.schedule import Schedule
 from pipeswap.schedule.steps import (
     ACTIVATION_CONSUMERS,
     COMM,
+    COMPUTE,
+    OVERLAPS,
     SWAP,
     ZERO_WIDTH,
     Order,
@@ -45,12 +49,12 @@ _OWN_SEND = {StepType.FWD: StepType.FWD_SEND, StepType.BWD: StepType.BWD_SEND,
              StepType.BWD_INPUT: StepType.BWD_SEND}
 
 
-@dataclass(frozen=True)
-class SwapCandidate:
+class SwapCandidate(NamedTuple):
     """A chunk whose forward and activation-consuming backward both run on ``rank``.
 
     Slots are compute-slot indices in the rank's order; ``gap`` is how many slots the
-    backward comes after the forward.
+    backward comes after the forward. (An immutable record; a NamedTuple because a big
+    schedule has one per chunk and these build several times faster than a dataclass.)
     """
 
     rank: int
@@ -122,31 +126,38 @@ class _Slots:
 
     def __init__(self, order: Order) -> None:
         self.container: list[int] = []  # slot -> container index
-        self.fwd: dict[ChunkKey, tuple[int, int, Step]] = {}  # key -> (slot, container, leaf)
-        self.bwd: dict[ChunkKey, tuple[int, int, Step]] = {}
+        self.fwd: dict[ChunkKey, int] = {}  # key -> slot of its forward
+        self.bwd: dict[ChunkKey, int] = {}  # key -> slot of its activation-consuming backward
+        self.unshards: dict[int, list[int]] = {}  # stage -> positions of its FSDP_UNSHARD steps
         for index, step in enumerate(order):
             if step is None:
                 continue
-            if step.type in SWAP:
+            kind = step.type
+            if kind in COMPUTE:
+                leaves: tuple[Step, ...] = (step,)
+            elif kind in OVERLAPS:
+                leaves = step.sub_steps
+            elif kind in SWAP:
                 raise ScheduleError(f"the order already has swap steps ({step}); inject them once")
-            leaves = step.compute_leaves
-            if not leaves:
+            else:
+                if kind is StepType.FSDP_UNSHARD:
+                    self.unshards.setdefault(step.stage, []).append(index)  # type: ignore[arg-type]
                 continue
             slot = len(self.container)
             self.container.append(index)
             for leaf in leaves:
                 if leaf.type is StepType.FWD:
-                    self.fwd[leaf.key] = (slot, index, leaf)
+                    self.fwd[(leaf.stage, leaf.micro)] = slot  # type: ignore[index]
                 elif leaf.type in ACTIVATION_CONSUMERS:
-                    self.bwd[leaf.key] = (slot, index, leaf)
+                    self.bwd[(leaf.stage, leaf.micro)] = slot  # type: ignore[index]
 
     def candidates(self, rank: int) -> list[SwapCandidate]:
-        out = []
-        for key, (f_slot, _, _) in self.fwd.items():
-            b = self.bwd.get(key)
-            if b is not None and b[0] > f_slot:
-                out.append(SwapCandidate(rank, key[0], key[1], f_slot, b[0]))
-        return out
+        bwd = self.bwd
+        return [
+            SwapCandidate(rank, key[0], key[1], f_slot, bwd[key])
+            for key, f_slot in self.fwd.items()
+            if key in bwd and bwd[key] > f_slot
+        ]
 
 
 def inject_swap_order(order: Order, policy: SwapPolicy, *, rank: int = 0) -> list[Step | None]:
@@ -154,7 +165,7 @@ def inject_swap_order(order: Order, policy: SwapPolicy, *, rank: int = 0) -> lis
     slots = _Slots(order)
     candidates = slots.candidates(rank)
     selected = set(policy.select(candidates))
-    unknown = selected - {c.key for c in candidates}
+    unknown = selected - slots.fwd.keys()
     if unknown:
         raise ScheduleError(
             f"the swap policy selected chunk(s) {sorted(unknown)} on rank {rank}, which are not "
@@ -185,69 +196,44 @@ def inject_swap_order(order: Order, policy: SwapPolicy, *, rank: int = 0) -> lis
         anchors[index] = found
         return found
 
-    # unshard_before[bwd container] = latest UNSHARD of the backward's stage before it.
-    fsdp_stages = {s.stage for s in order if s is not None and s.type is StepType.FSDP_UNSHARD}
-    unshard_before: dict[int, int] = {}
-    if fsdp_stages:
-        latest: dict[int, int] = {}
-        bwd_containers = {(c, leaf.stage) for _, c, leaf in slots.bwd.values()}
-        for index, step in enumerate(order):
-            if step is None:
-                continue
-            if step.type is StepType.FSDP_UNSHARD:
-                assert step.stage is not None
-                latest[step.stage] = index
-            for leaf in step.compute_leaves:
-                if (index, leaf.stage) in bwd_containers and leaf.stage in latest:
-                    unshard_before[index] = latest[leaf.stage]
-
-    # Steps to place before / after a container, as (launch, wait) lists: launches go first.
-    before: dict[int, tuple[list[Step], list[Step]]] = {}
-    after: dict[int, tuple[list[Step], list[Step]]] = {}
-    for cand in candidates:
-        if cand.key not in selected:
+    # Where each step goes: before or after a container, launches ahead of waits.
+    launch_before: defaultdict[int, list[Step]] = defaultdict(list)
+    wait_before: defaultdict[int, list[Step]] = defaultdict(list)
+    launch_after: defaultdict[int, list[Step]] = defaultdict(list)
+    wait_after: defaultdict[int, list[Step]] = defaultdict(list)
+    container = slots.container
+    for _, stage, micro, f_slot, b_slot in candidates:
+        if (stage, micro) not in selected:
             continue
-        if cand.gap < MIN_FEASIBLE_GAP:
+        if b_slot - f_slot < MIN_FEASIBLE_GAP:
             raise ScheduleError(
-                f"the swap policy selected chunk {cand.key} on rank {rank}, whose backward is "
-                f"only {cand.gap} compute slot(s) after its forward; swapping needs >= "
+                f"the swap policy selected chunk {(stage, micro)} on rank {rank}, whose backward "
+                f"is only {b_slot - f_slot} compute slot(s) after its forward; swapping needs >= "
                 f"{MIN_FEASIBLE_GAP} so the offload completes before the reload starts"
             )
-        stage, micro = cand.key
-        f_container = slots.container[cand.forward_slot]
-        b_container = slots.container[cand.backward_slot]
-        wait_offload_at = after_compute(slots.container[cand.forward_slot + 1])
-        if stage in fsdp_stages:
-            gather = unshard_before.get(b_container, -1)
+        f_container, b_container = container[f_slot], container[b_slot]
+        wait_offload_at = after_compute(container[f_slot + 1])
+        gathers = slots.unshards.get(stage)
+        if gathers is None:  # H2D overlaps the compute right before the backward
+            load_at = container[b_slot - 1]
+        else:  # FSDP stage: overlap the H2D with the last re-gather of its parameters, if any
+            latest = bisect_left(gathers, b_container) - 1
+            gather = gathers[latest] if latest >= 0 else -1
             load_at = gather if gather > wait_offload_at else b_container
-        else:
-            load_at = slots.container[cand.backward_slot - 1]
-        _at(after, f_container)[0].append(Step(StepType.SWAP_LAUNCH_OFFLOAD, stage, micro))
-        _at(after, wait_offload_at)[1].append(Step(StepType.SWAP_WAIT_OFFLOAD, stage, micro))
-        _at(before, load_at)[0].append(Step(StepType.SWAP_LAUNCH_LOAD, stage, micro))
-        _at(before, b_container)[1].append(Step(StepType.SWAP_WAIT_LOAD, stage, micro))
+        launch_after[f_container].append(Step(StepType.SWAP_LAUNCH_OFFLOAD, stage, micro))
+        wait_after[wait_offload_at].append(Step(StepType.SWAP_WAIT_OFFLOAD, stage, micro))
+        launch_before[load_at].append(Step(StepType.SWAP_LAUNCH_LOAD, stage, micro))
+        wait_before[b_container].append(Step(StepType.SWAP_WAIT_LOAD, stage, micro))
 
     out: list[Step | None] = []
     done = 0
-    for index in sorted(before.keys() | after.keys()):
+    for index in sorted({*launch_before, *wait_before, *launch_after, *wait_after}):
         out += order[done:index]
-        if index in before:
-            launches, waits = before[index]
-            out += launches
-            out += waits
+        out += launch_before.get(index, ())
+        out += wait_before.get(index, ())
         out.append(order[index])
-        if index in after:
-            launches, waits = after[index]
-            out += launches
-            out += waits
+        out += launch_after.get(index, ())
+        out += wait_after.get(index, ())
         done = index + 1
     out += order[done:]
     return out
-
-
-def _at(
-    places: dict[int, tuple[list[Step], list[Step]]], index: int
-) -> tuple[list[Step], list[Step]]:
-    if index not in places:
-        places[index] = ([], [])
-    return places[index]

@@ -10,6 +10,7 @@ cycle of ranks waiting on each other.
 from __future__ import annotations
 
 from collections import deque
+from itertools import chain
 from dataclasses import dataclass, field
 
 from pipeswap.schedule._gc import gc_paused
@@ -40,7 +41,7 @@ def validate(schedule: Schedule) -> None:
     simulate_p2p(schedule)
 
 
-Where = dict[tuple[StepType, int, int], int]  # (type, stage, micro) -> position in the order
+Where = dict[StepType, dict[ChunkKey, int]]  # type -> (stage, micro) -> position in the order
 
 
 @gc_paused
@@ -56,7 +57,7 @@ def validate_rank(schedule: Schedule, rank: int) -> None:
     order = schedule.orders[rank]
     local = frozenset(schedule.stages_of(rank))
     remote_p2p = _remote_p2p(schedule, rank)
-    where: Where = {}
+    where: Where = {kind: {} for kind in StepType}
     for index, step in enumerate(order):
         if step is None:
             continue
@@ -68,16 +69,19 @@ def validate_rank(schedule: Schedule, rank: int) -> None:
                 continue
             if kind in P2P and (kind, stage) not in remote_p2p:
                 _needless_p2p(schedule, rank, leaf)
-            slot = (kind, stage, micro)
-            if slot in where:
+            positions, key = where[kind], (stage, micro)
+            if key in positions:
                 raise ChunkOrderError(
-                    f"rank {rank}: {leaf} appears twice (positions {where[slot]} and {index}); "
-                    "each step of a chunk runs once", rank=rank)
-            where[slot] = index  # type: ignore[index]
-    for stage, micro in dict.fromkeys((s, m) for _, s, m in where):
-        _check_compute(rank, order, stage, micro, where)
-        _check_swap(rank, order, stage, micro, where)
-        _check_p2p(schedule, rank, order, stage, micro, where)
+                    f"rank {rank}: {leaf} appears twice (positions {positions[key]} and "
+                    f"{index}); each step of a chunk runs once", rank=rank)
+            positions[key] = index  # type: ignore[index]
+    for key in dict.fromkeys(chain.from_iterable(where.values())):
+        fwd = where[StepType.FWD].get(key)
+        full = where[StepType.BWD].get(key)
+        consumer = full if full is not None else where[StepType.BWD_INPUT].get(key)
+        _check_compute(rank, order, key, fwd, full, where)
+        _check_swap(rank, order, key, fwd, consumer, where)
+        _check_p2p(schedule, rank, order, key, fwd, consumer, where)
 
 
 def _remote_p2p(schedule: Schedule, rank: int) -> frozenset[tuple[StepType, int]]:
@@ -114,12 +118,13 @@ def _fmt(order: Order, index: int) -> str:
     return f"{order[index]} (position {index})"
 
 
-def _check_compute(rank: int, order: Order, stage: int, micro: int, where: Where) -> None:
+def _check_compute(
+    rank: int, order: Order, key: ChunkKey, fwd: int | None, full: int | None, where: Where
+) -> None:
+    stage, micro = key
     name = f"rank {rank}: chunk (stage {stage}, micro {micro})"
-    fwd = where.get((StepType.FWD, stage, micro))
-    full = where.get((StepType.BWD, stage, micro))
-    dx = where.get((StepType.BWD_INPUT, stage, micro))
-    dw = where.get((StepType.BWD_WEIGHT, stage, micro))
+    dx = where[StepType.BWD_INPUT].get(key)
+    dw = where[StepType.BWD_WEIGHT].get(key)
     if full is not None and (dx is not None or dw is not None):
         raise ChunkOrderError(
             f"{name} has a full backward B and a split one (I/W); use B alone, or I then W",
@@ -151,19 +156,16 @@ def _check_compute(rank: int, order: Order, stage: int, micro: int, where: Where
                               rank=rank)
 
 
-def _consumer(stage: int, micro: int, where: Where) -> int | None:
-    full = where.get((StepType.BWD, stage, micro))
-    return full if full is not None else where.get((StepType.BWD_INPUT, stage, micro))
-
-
-def _check_swap(rank: int, order: Order, stage: int, micro: int, where: Where) -> None:
-    swaps = [where.get((kind, stage, micro)) for kind in _SWAP_SEQUENCE]
+def _check_swap(
+    rank: int, order: Order, key: ChunkKey, fwd: int | None, consumer: int | None, where: Where
+) -> None:
+    swaps = [where[kind].get(key) for kind in _SWAP_SEQUENCE]
     if swaps == [None, None, None, None]:
         return
-    fwd, consumer = where.get((StepType.FWD, stage, micro)), _consumer(stage, micro, where)
     positions = [fwd, *swaps, consumer]
     if None not in positions and all(a < b for a, b in zip(positions, positions[1:])):  # type: ignore[operator]
         return
+    stage, micro = key
     name = f"rank {rank}: swapped chunk (stage {stage}, micro {micro})"
     codes = " < ".join(f"{stage}{t.value}{micro}" for t in _SWAP_SEQUENCE)
     expected = f"{stage}F{micro} < {codes} < its backward"
@@ -184,12 +186,18 @@ def _check_swap(rank: int, order: Order, stage: int, micro: int, where: Where) -
 
 
 def _check_p2p(
-    schedule: Schedule, rank: int, order: Order, stage: int, micro: int, where: Where
+    schedule: Schedule,
+    rank: int,
+    order: Order,
+    key: ChunkKey,
+    fwd: int | None,
+    consumer: int | None,
+    where: Where,
 ) -> None:
+    stage, micro = key
     ranks = schedule.stage_ranks
     remote_prev = stage > 0 and ranks[stage - 1] != rank
     remote_next = stage + 1 < schedule.num_stages and ranks[stage + 1] != rank
-    fwd, consumer = where.get((StepType.FWD, stage, micro)), _consumer(stage, micro, where)
     expectations = (
         (StepType.FWD_RECV, remote_prev, fwd, "before", "forward"),
         (StepType.FWD_SEND, remote_next, fwd, "after", "forward"),
@@ -197,7 +205,7 @@ def _check_p2p(
         (StepType.BWD_SEND, remote_prev, consumer, "after", "backward"),
     )
     for kind, needed, compute, side, what in expectations:
-        found = where.get((kind, stage, micro))
+        found = where[kind].get(key)
         if compute is None:
             if found is not None:
                 raise P2PError(f"rank {rank}: {order[found]} has no {what} of (stage {stage}, "
@@ -214,14 +222,9 @@ def _check_p2p(
                 f"{_fmt(order, compute)}", rank=rank)
 
 
-@dataclass
-class _Pending:
-    """A posted P2P leaf whose counterpart is not posted yet."""
-
-    leaf: Step
-    peer: int
-    counterparts: list[Step]  # the peer's posted leaves on this channel, in order
-    index: int  # this leaf's place on the channel
+# A posted P2P leaf whose counterpart is not posted yet: (leaf, peer rank, the peer's posted
+# leaves on this channel, this leaf's place on the channel).
+_Pending = tuple[Step, int, list[Step], int]
 
 
 @dataclass
@@ -229,6 +232,10 @@ class _RankState:
     pc: int = 0
     posted: bool = False  # the step at pc has posted its P2P leaves
     pending: list[_Pending] = field(default_factory=list)
+
+
+_RECEIVER = {StepType.FWD_SEND: StepType.FWD_RECV, StepType.BWD_SEND: StepType.BWD_RECV}
+_STEP = {StepType.FWD_SEND: 1, StepType.BWD_SEND: -1}  # receiving stage - sending stage
 
 
 def _payload(step: Step) -> tuple[bool, int, int]:
@@ -280,13 +287,16 @@ def simulate_p2p(schedule: Schedule) -> None:
                     index = len(posted) - 1
                     if index < len(counterparts):
                         other = counterparts[index]
-                        if _payload(leaf) != _payload(other):
+                        send, recv = (leaf, other) if is_send else (other, leaf)
+                        if send.micro != recv.micro or recv.type is not _RECEIVER[send.type] or (
+                            recv.stage != send.stage + _STEP[send.type]  # type: ignore[operator]
+                        ):
                             _mismatch(leaf, other, channel, index, is_send)
                         queue.append(peer)
                     else:
-                        state.pending.append(_Pending(leaf, peer, counterparts, index))
+                        state.pending.append((leaf, peer, counterparts, index))
             if state.pending:
-                state.pending = [p for p in state.pending if len(p.counterparts) <= p.index]
+                state.pending = [p for p in state.pending if len(p[2]) <= p[3]]
                 if state.pending:
                     break
             state.posted = False
@@ -319,7 +329,7 @@ def _ordinal(n: int) -> str:
 def _report_stuck(schedule: Schedule, states: list[_RankState], start: int) -> None:
     def waiting(rank: int) -> tuple[str, int]:
         state = states[rank]
-        return str(schedule.orders[rank][state.pc]), state.pending[0].peer
+        return str(schedule.orders[rank][state.pc]), state.pending[0][1]
 
     path: list[int] = []
     seen: dict[int, int] = {}
@@ -329,7 +339,7 @@ def _report_stuck(schedule: Schedule, states: list[_RankState], start: int) -> N
         path.append(rank)
         step, peer = waiting(rank)
         if states[peer].pc >= len(schedule.orders[peer]):
-            leaf = states[rank].pending[0].leaf
+            leaf = states[rank].pending[0][0]
             missing = "receive" if leaf.type in SENDS else "send"
             raise P2PError(
                 f"rank {rank} waits at {step} for rank {peer}, whose order ends without the "
