@@ -132,3 +132,9 @@ def test_batched_p2p_with_both_directions_pairs_up() -> None:
         "rank 0: 0F0 0SEND_F0 0F1 (0SEND_F1;0RECV_B0)BATCH_P2P 0B0 0RECV_B1 0B1\n"
         "rank 1: 1RECV_F0 1F0 1B0 (1RECV_F1;1SEND_B0)BATCH_P2P 1F1 1B1 1SEND_B1")
     validate(fixed)
+
+
+def test_simulation_alone_refuses_p2p_that_has_no_peer() -> None:
+    schedule = Schedule((parse_order("0F0 0SEND_B0 0B0"), parse_order("1F0 1B0")), (0, 1))
+    with pytest.raises(P2PError, match="0SEND_B0 talks to stage -1, which does not exist"):
+        simulate_p2p(schedule)

@@ -41,6 +41,7 @@ def validate(schedule: Schedule) -> None:
     simulate_p2p(schedule)
 
 
+_NO_SWAP = [None, None, None, None]
 Where = dict[StepType, dict[ChunkKey, int]]  # type -> (stage, micro) -> position in the order
 
 
@@ -75,10 +76,38 @@ def validate_rank(schedule: Schedule, rank: int) -> None:
                     f"rank {rank}: {leaf} appears twice (positions {positions[key]} and "
                     f"{index}); each step of a chunk runs once", rank=rank)
             positions[key] = index  # type: ignore[index]
+    neighbours = {  # stage -> (previous stage remote?, next stage remote?)
+        stage: (stage > 0 and schedule.stage_ranks[stage - 1] != rank,
+                 stage + 1 < schedule.num_stages and schedule.stage_ranks[stage + 1] != rank)
+        for stage in local
+    }
+    fwds, fulls, dxs, dws = (where[k] for k in (StepType.FWD, StepType.BWD,
+                                                  StepType.BWD_INPUT, StepType.BWD_WEIGHT))
+    swaps = [where[k] for k in _SWAP_SEQUENCE]
+    recv_f, send_f, recv_b, send_b = (where[k] for k in (
+        StepType.FWD_RECV, StepType.FWD_SEND, StepType.BWD_RECV, StepType.BWD_SEND))
     for key in dict.fromkeys(chain.from_iterable(where.values())):
-        fwd = where[StepType.FWD].get(key)
-        full = where[StepType.BWD].get(key)
-        consumer = full if full is not None else where[StepType.BWD_INPUT].get(key)
+        fwd, full = fwds.get(key), fulls.get(key)
+        consumer = full if full is not None else dxs.get(key)
+        if fwd is not None and consumer is not None and fwd < consumer:
+            # The common, valid case, checked with a few comparisons; anything else is
+            # explained by the checks below.
+            dx, dw = dxs.get(key), dws.get(key)
+            swap = [positions.get(key) for positions in swaps]
+            prev_remote, next_remote = neighbours[key[0]]
+            fr, fs, br, bs = (recv_f.get(key), send_f.get(key), recv_b.get(key),
+                              send_b.get(key))
+            if (
+                ((dx is None and dw is None) if full is not None
+                 else (dw is not None and dw > consumer))
+                and (swap == _NO_SWAP or (None not in swap and fwd < swap[0] < swap[1]  # type: ignore[operator]
+                                          < swap[2] < swap[3] < consumer))
+                and ((fr is not None and fr < fwd and bs is not None and bs > consumer)
+                     if prev_remote else (fr is None and bs is None))
+                and ((fs is not None and fs > fwd and br is not None and br < consumer)
+                     if next_remote else (fs is None and br is None))
+            ):
+                continue
         _check_compute(rank, order, key, fwd, full, where)
         _check_swap(rank, order, key, fwd, consumer, where)
         _check_p2p(schedule, rank, order, key, fwd, consumer, where)
@@ -160,7 +189,7 @@ def _check_swap(
     rank: int, order: Order, key: ChunkKey, fwd: int | None, consumer: int | None, where: Where
 ) -> None:
     swaps = [where[kind].get(key) for kind in _SWAP_SEQUENCE]
-    if swaps == [None, None, None, None]:
+    if swaps == _NO_SWAP:
         return
     positions = [fwd, *swaps, consumer]
     if None not in positions and all(a < b for a, b in zip(positions, positions[1:])):  # type: ignore[operator]
@@ -258,32 +287,27 @@ def simulate_p2p(schedule: Schedule) -> None:
     Each rank advances until a P2P step has a leaf whose counterpart the peer has not posted;
     posting a counterpart wakes the waiting rank. Work is linear in the number of steps.
     """
-    stage_ranks, orders = schedule.stage_ranks, schedule.orders
-    sent: dict[tuple[int, int], list[Step]] = {}  # (src, dst) -> sends posted, in order
-    received: dict[tuple[int, int], list[Step]] = {}  # (src, dst) -> receives posted
+    orders = schedule.orders
+    routes = _routes(schedule)
     states = [_RankState() for _ in orders]
     queue = deque(range(len(orders)))
     while queue:
         rank = queue.popleft()
         state, order = states[rank], orders[rank]
-        while state.pc < len(order):
-            step = order[state.pc]
+        pc, end, pending = state.pc, len(order), state.pending
+        while pc < end:
+            step = order[pc]
             if step is None or step.type not in COMM:
-                state.pc += 1
+                pc += 1
                 continue
             if not state.posted:
                 state.posted = True
                 for leaf in step.sub_steps or (step,):
-                    kind, stage = leaf.type, leaf.stage
-                    assert stage is not None
-                    is_send = kind is StepType.FWD_SEND or kind is StepType.BWD_SEND
-                    to_next = kind is StepType.FWD_SEND or kind is StepType.BWD_RECV
-                    peer = stage_ranks[stage + 1 if to_next else stage - 1]
-                    channel = (rank, peer) if is_send else (peer, rank)
-                    mine, theirs = (sent, received) if is_send else (received, sent)
-                    posted = mine.setdefault(channel, [])
+                    route = routes.get((leaf.type, leaf.stage))  # type: ignore[arg-type]
+                    if route is None:
+                        _needless_p2p(schedule, rank, leaf)
+                    posted, counterparts, peer, is_send = route  # type: ignore[misc]
                     posted.append(leaf)
-                    counterparts = theirs.setdefault(channel, [])
                     index = len(posted) - 1
                     if index < len(counterparts):
                         other = counterparts[index]
@@ -291,19 +315,48 @@ def simulate_p2p(schedule: Schedule) -> None:
                         if send.micro != recv.micro or recv.type is not _RECEIVER[send.type] or (
                             recv.stage != send.stage + _STEP[send.type]  # type: ignore[operator]
                         ):
-                            _mismatch(leaf, other, channel, index, is_send)
+                            _mismatch(leaf, other, rank, peer, index, is_send)
                         queue.append(peer)
                     else:
-                        state.pending.append((leaf, peer, counterparts, index))
-            if state.pending:
-                state.pending = [p for p in state.pending if len(p[2]) <= p[3]]
-                if state.pending:
+                        pending.append((leaf, peer, counterparts, index))
+            if pending:
+                pending = [p for p in pending if len(p[2]) <= p[3]]
+                if pending:
                     break
             state.posted = False
-            state.pc += 1
+            pc += 1
+        state.pc, state.pending = pc, pending
     blocked = [r for r, s in enumerate(states) if s.pc < len(orders[r])]
     if blocked:
         _report_stuck(schedule, states, blocked[0])
+
+
+_Route = tuple[list[Step], list[Step], int, bool]
+
+
+def _routes(schedule: Schedule) -> dict[tuple[StepType, int], _Route]:
+    """For each P2P leaf kind and stage: (the list its kind is posted to on its channel, the
+    list of counterparts posted on that channel, the peer rank, is it a send).
+
+    A channel is an ordered rank pair (sender, receiver); both ends match first in, first out.
+    """
+    ranks = schedule.stage_ranks
+    sent: dict[tuple[int, int], list[Step]] = {}
+    received: dict[tuple[int, int], list[Step]] = {}
+    routes: dict[tuple[StepType, int], _Route] = {}
+    for stage, rank in enumerate(ranks):
+        for kind in P2P:
+            to_next = kind is StepType.FWD_SEND or kind is StepType.BWD_RECV
+            peer_stage = stage + 1 if to_next else stage - 1
+            if not 0 <= peer_stage < len(ranks) or ranks[peer_stage] == rank:
+                continue  # no P2P here: such a leaf is reported as needless
+            peer = ranks[peer_stage]
+            is_send = kind in SENDS
+            channel = (rank, peer) if is_send else (peer, rank)
+            mine, theirs = (sent, received) if is_send else (received, sent)
+            routes[kind, stage] = (mine.setdefault(channel, []), theirs.setdefault(channel, []),
+                                   peer, is_send)
+    return routes
 
 
 def _describe(step: Step) -> str:
@@ -311,9 +364,9 @@ def _describe(step: Step) -> str:
     return f"{'activation' if activation else 'gradient'} of stage {stage} micro {micro}"
 
 
-def _mismatch(leaf: Step, other: Step, channel: tuple[int, int], index: int, is_send: bool) -> None:
+def _mismatch(leaf: Step, other: Step, rank: int, peer: int, index: int, is_send: bool) -> None:
     send, recv = (leaf, other) if is_send else (other, leaf)
-    src, dst = channel
+    src, dst = (rank, peer) if is_send else (peer, rank)
     nth = _ordinal(index + 1)
     raise P2PError(
         f"rank {src}'s {nth} send to rank {dst} is {send} (the {_describe(send)}) but rank "
