@@ -7,11 +7,10 @@ from collections.abc import Collection
 from pipeswap.schedule._gc import gc_paused
 from pipeswap.schedule.errors import ScheduleError
 from pipeswap.schedule.schedule import Schedule
-from pipeswap.schedule.steps import COMM, FSDP, Order, Step, StepType
+from pipeswap.schedule.steps import COMPUTE, FSDP, OVERLAPS, Order, Step, StepType
 
 DEFAULT_WINDOW = 3
 _PARAM_GRADS = frozenset({StepType.BWD, StepType.BWD_WEIGHT})
-_NOT_COMPUTE = COMM | FSDP
 
 
 @gc_paused
@@ -46,29 +45,38 @@ def add_fsdp_steps(
 
 
 def _add(order: Order, managed: frozenset[int], window: int) -> list[Step | None]:
-    # Walk backwards once: lookahead[i] holds the first `window` distinct managed stages
-    # computing at or after step i (one shared tuple while it does not change), and the
-    # first B/W met for a stage is its last parameter-gradient step.
-    lookahead: list[tuple[int, ...]] = [()] * len(order)
+    # Walk backwards once: wanted[i] is the first `window` distinct managed stages computing
+    # at or after step i (recorded where it changes), and the first B/W met for a stage is
+    # its last parameter-gradient step.
+    wanted_from: dict[int, tuple[int, ...]] = {}  # i -> wanted[i], where wanted[i-1] differs
+    reduce_after: dict[int, list[int]] = {}  # i -> stages whose gradients are done after i
     last_grad: dict[int, int] = {}
     ahead: tuple[int, ...] = ()
     for i in range(len(order) - 1, -1, -1):
         step = order[i]
-        leaves = step.compute_leaves if step is not None else ()
-        stages = [leaf.stage for leaf in leaves if leaf.stage in managed]
+        if step is None or (step.type not in COMPUTE and step.type not in OVERLAPS):
+            continue
+        stages = [leaf.stage for leaf in step.compute_leaves if leaf.stage in managed]
         if stages and tuple(stages) != ahead[: len(stages)]:
+            wanted_from[i + 1] = ahead
             ahead = tuple(dict.fromkeys([*stages, *ahead]))[:window]
-        lookahead[i] = ahead
-        for leaf in leaves:
-            if leaf.type in _PARAM_GRADS and leaf.stage in managed:
-                last_grad.setdefault(leaf.stage, i)
+        for leaf in step.compute_leaves:
+            stage = leaf.stage
+            if leaf.type in _PARAM_GRADS and stage in managed and stage not in last_grad:
+                last_grad[stage] = i
+                reduce_after.setdefault(i, []).append(stage)
+    wanted_from[0] = ahead
 
     out: list[Step | None] = []
     active: list[int] = []
-    wanted: tuple[int, ...] = ()
-    for i, step in enumerate(order):
-        if lookahead[i] is not wanted:
-            wanted = lookahead[i]
+    done = 0  # order[:done] is in out
+    for i in sorted(wanted_from.keys() | {i + 1 for i in reduce_after}):
+        out += order[done:i]
+        done = i
+        for stage in sorted(reduce_after.get(i - 1, ())):
+            out.append(Step(StepType.FSDP_REDUCE_GRAD, stage))
+        if i in wanted_from and i < len(order):
+            wanted = wanted_from[i]
             for stage in [s for s in active if s not in wanted]:
                 active.remove(stage)
                 out.append(Step(StepType.FSDP_RESHARD, stage))
@@ -76,12 +84,6 @@ def _add(order: Order, managed: frozenset[int], window: int) -> list[Step | None
                 if stage not in active:
                     active.append(stage)
                     out.append(Step(StepType.FSDP_UNSHARD, stage))
-        out.append(step)
-        if step is not None and step.type not in _NOT_COMPUTE:
-            reduced = {
-                leaf.stage for leaf in step.compute_leaves
-                if leaf.stage is not None and last_grad.get(leaf.stage) == i
-            }
-            out += [Step(StepType.FSDP_REDUCE_GRAD, stage) for stage in sorted(reduced)]
+    out += order[done:]
     out += [Step(StepType.FSDP_RESHARD, stage) for stage in active]
     return out

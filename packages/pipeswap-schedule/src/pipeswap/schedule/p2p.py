@@ -78,7 +78,8 @@ def _coalesce(order: Order) -> list[Step | None]:
         if step is not None and step.type in P2P:
             run.append(step)
             continue
-        _flush(run, out)
+        if run:
+            _flush(run, out)
         out.append(step)
     _flush(run, out)
     return out
