@@ -45,6 +45,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from xml.etree import ElementTree
 
 ROOT = Path(__file__).resolve().parent
 VENV = ROOT / ".venv"
@@ -55,6 +56,7 @@ CONSTRAINTS = CACHE / "constraints.txt"
 WHEEL_CHECK_VENV = CACHE / "wheel-check"
 ENVS_FINGERPRINT = CACHE / "envs-fingerprint"
 DIST = ROOT / "dist"
+SUITE_REPORT = CACHE / "suite-report.xml"
 
 HATCH = "1.18.2"
 UV = "0.13.9"
@@ -248,9 +250,21 @@ def check_wheels() -> None:
     run([python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests"])
 
 
+def suite_tally() -> str:
+    """'N passed, N failed, N skipped' for the whole-suite run, read from its JUnit report."""
+    suite = ElementTree.parse(SUITE_REPORT).getroot()
+    totals = suite if suite.tag == "testsuite" else suite.find("testsuite")
+    assert totals is not None
+    count = {k: int(totals.get(k, "0")) for k in ("tests", "failures", "errors", "skipped")}
+    failed = count["failures"] + count["errors"]
+    passed = count["tests"] - failed - count["skipped"]
+    return f"{passed} passed, {failed} failed, {count['skipped']} skipped"
+
+
 def test(pytest_args: list[str]) -> None:
     setup()
-    test_args = ["--", *pytest_args] if pytest_args else []
+    SUITE_REPORT.unlink(missing_ok=True)
+    test_args = ["--", f"--junit-xml={SUITE_REPORT}", *pytest_args]
     phases: list[tuple[str, Callable[[], None]]] = [
         ("a. layout", check_layout),
         ("b. hatch test (whole suite)", lambda: hatch("test", *test_args)),
@@ -279,6 +293,8 @@ def test(pytest_args: list[str]) -> None:
         for name, seconds, status in timings:
             print(f"  {status:6} {seconds:7.1f}s  {name}")
         print(f"  total  {sum(s for _, s, _ in timings):7.1f}s")
+        if SUITE_REPORT.exists():  # the whole suite's count, as the last line
+            print(f"tests: {suite_tally()}")
 
 
 def main(argv: list[str] | None = None) -> int:
