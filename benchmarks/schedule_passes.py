@@ -22,21 +22,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from pipeswap.schedule import (
-    Schedule,
-    ScheduleKind,
-    ScheduleSpec,
-    add_fsdp_steps,
-    coalesce_p2p,
-    gpipe,
-    inject_swap,
-    insert_send_recv,
-    interleaved_1f1b_compute,
-    one_f_one_b,
-    simulate_p2p,
-    split_dxdw,
-    validate_rank,
-)
+from pipeswap.schedule import Schedule, ScheduleKind, ScheduleSpec, simulate_p2p, validate_rank
+from pipeswap.schedule.build import generate, passes
 
 TARGET_SECONDS = 2.0
 TARGET_RATIO = 2.2
@@ -64,15 +51,7 @@ CASES = [
 
 
 def _phases(spec: ScheduleSpec) -> list[tuple[str, Callable[[Schedule], Schedule]]]:
-    """The build of ``spec`` as named phases (the order :func:`build_schedule` uses)."""
-
-    def generate(_: Schedule) -> Schedule:
-        if spec.kind is ScheduleKind.GPIPE:
-            return gpipe(spec.ranks, spec.microbatches)
-        if spec.kind is ScheduleKind.ONE_F_ONE_B:
-            return one_f_one_b(spec.ranks, spec.microbatches)
-        return interleaved_1f1b_compute(spec.ranks, spec.microbatches, spec.stages_per_rank,
-                                        overlap_b_f=spec.overlap_b_f)
+    """The build of ``spec`` as named phases (build_schedule's own), then validation."""
 
     def validate_ranks(schedule: Schedule) -> Schedule:
         for rank in range(schedule.num_ranks):
@@ -83,18 +62,12 @@ def _phases(spec: ScheduleSpec) -> list[tuple[str, Callable[[Schedule], Schedule
         simulate_p2p(schedule)
         return schedule
 
-    phases: list[tuple[str, Callable[[Schedule], Schedule]]] = [("generate", generate)]
-    if spec.kind is ScheduleKind.INTERLEAVED_1F1B:
-        phases.append(("send/recv", insert_send_recv))
-    if spec.dxdw_split:
-        phases.append(("dx/dw", split_dxdw))
-    if spec.fsdp:
-        phases.append(("fsdp", add_fsdp_steps))
-    if spec.batch_p2p:
-        phases.append(("batch p2p", coalesce_p2p))
-    phases += [("swap", inject_swap), ("validate ranks", validate_ranks),
-               ("simulate p2p", simulate)]
-    return phases
+    return [
+        ("generate", lambda _: generate(spec)),
+        *passes(spec),
+        ("validate ranks", validate_ranks),
+        ("simulate p2p", simulate),
+    ]
 
 
 @dataclass(frozen=True)

@@ -90,6 +90,19 @@ def test_validate_explains_bad_files(
     assert err.startswith(message)
 
 
+def test_validate_refuses_binary_and_empty_files(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    binary = tmp_path / "plan.bin"
+    binary.write_bytes(b"\xff\xfe\x00rank")
+    code, _, err = run(capsys, "validate", str(binary))
+    assert code == 2 and "is not a text file" in err
+    empty = tmp_path / "empty.json"
+    empty.write_text('{"orders": {"0": []}}')
+    code, _, err = run(capsys, "validate", str(empty))
+    assert code == 1 and "no steps" in err
+
+
 def test_validate_missing_file_is_a_usage_error(
     capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
@@ -123,6 +136,8 @@ def test_show_summary_only(capsys: pytest.CaptureFixture[str]) -> None:
          "dxdw_split=True requires overlap_b_f=True"),
         (["orders", "--schedule", "gpipe", "-P", "0", "-M", "8"], "ranks must be an integer >= 1"),
         (["orders", "--schedule", "1f1b", "-P", "4", "-M", "8", "--swap", "--swap-min-gap", "1"],
+         "min_gap must be an integer >= 3"),
+        (["orders", "--schedule", "1f1b", "-P", "4", "-M", "8", "--swap-min-gap", "2"],
          "min_gap must be an integer >= 3"),
     ],
 )

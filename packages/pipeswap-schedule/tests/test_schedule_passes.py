@@ -16,7 +16,7 @@ from pipeswap.schedule import (
     parse_order,
     split_dxdw,
 )
-from pipeswap.schedule.steps import COMM, COMPUTE, Step
+from pipeswap.schedule.steps import COMM, FSDP, Step
 from pipeswap.schedule.text import format_order
 
 
@@ -107,13 +107,14 @@ def test_fsdp_window_keeps_at_most_three_stages_gathered_and_each_compute_gather
 
 
 def test_fsdp_leaves_unmanaged_stages_alone() -> None:
-    schedule = insert_send_recv(interleaved_1f1b_compute(2, 4, 2))
-    done = add_fsdp_steps(schedule, managed_stages=[1, 3])
-    stages = {s.stage for order in done.orders for s in order
-              if s is not None and s.type in (StepType.FSDP_UNSHARD, StepType.FSDP_REDUCE_GRAD)}
-    assert stages == {1, 3}
-    assert not any(s is not None and s.stage in (1, 3) and s.type in COMPUTE
-                   for s in done.orders[0])
+    schedule = insert_send_recv(interleaved_1f1b_compute(2, 4, 2))  # stages 0, 2 | 1, 3
+    done = add_fsdp_steps(schedule, managed_stages=[0, 3])
+    fsdp = [[s for s in order if s is not None and s.type in FSDP] for order in done.orders]
+    assert {s.stage for s in fsdp[0]} == {0} and {s.stage for s in fsdp[1]} == {3}
+    for order, steps in zip(done.orders, fsdp):
+        assert [s.type for s in steps].count(StepType.FSDP_REDUCE_GRAD) == 1
+        rest = [s for s in order if s is None or s.type not in FSDP]
+        assert rest == list(schedule.orders[done.orders.index(order)])
 
 
 @pytest.mark.parametrize(
@@ -133,5 +134,11 @@ def test_pass_misuse_is_refused(call: object, message: str) -> None:
 def test_send_recv_insertion_pairs_even_and_odd_ranks() -> None:
     schedule = insert_send_recv(interleaved_1f1b_compute(2, 2, 1))
     # Rank 0 sends right after its forward; rank 1's receive lands before its own forward.
-    assert format_order(schedule.orders[0])[:20] == "0F0 0SEND_F0 0F1 0SE"
-    assert format_order(schedule.orders[1]).startswith("_ 1RECV_F0 1F0")
+    assert format_order(schedule.orders[0][:4]) == "0F0 0SEND_F0 0F1 0SEND_F1"
+    assert format_order(schedule.orders[1][:3]) == "_ 1RECV_F0 1F0"
+
+
+def test_dxdw_split_refuses_batched_p2p() -> None:
+    schedule = coalesce_p2p(insert_send_recv(interleaved_1f1b_compute(2, 4, 2, overlap_b_f=True)))
+    with pytest.raises(ScheduleError, match="split_dxdw runs before P2P batching"):
+        split_dxdw(schedule)

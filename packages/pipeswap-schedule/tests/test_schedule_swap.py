@@ -30,6 +30,7 @@ from pipeswap.schedule import (
     validate,
     validate_rank,
 )
+from pipeswap.schedule.steps import ACTIVATION_CONSUMERS
 from pipeswap.schedule.swap import inject_swap_order
 from pipeswap.schedule.text import format_order, parse_step
 
@@ -134,14 +135,40 @@ def test_overlap_containers_are_one_slot_and_get_waits_around_them() -> None:
         if step is not None and step.type in (StepType.SWAP_LAUNCH_OFFLOAD,
                                               StepType.SWAP_WAIT_LOAD):
             assert step.stage is not None and step.micro is not None
-    overlap = next(i for i, s in enumerate(order) if s is not None and
-                   Step(StepType.BWD, 4, 0) in s.sub_steps + tuple(
-                       Step(StepType.BWD, l.stage, l.micro) for l in s.sub_steps
-                       if l.type is StepType.BWD_INPUT))
+    overlap = next(i for i, s in enumerate(order) if s is not None and any(
+        leaf.key == (4, 0) and leaf.type in ACTIVATION_CONSUMERS for leaf in s.compute_leaves))
     assert Step(StepType.FWD, 0, 7) in order[overlap].sub_steps  # type: ignore[union-attr]
     assert _pos(order, "4LL0") < _pos(order, "4WL0") < overlap
     assert _pos(order, "4RECV_B0") < _pos(order, "4WL0")
     assert overlap < _pos(order, "0LO7") < _pos(order, "0WO7")
+
+
+def test_seed_single_stage_fsdp_case_verbatim() -> None:
+    # The seed's §4.8 case: one FSDP stage whose parameters stay gathered throughout, so every
+    # reload waits until right before its backward (plain orders launch it one compute earlier).
+    order = parse_order("0UNSHARD 0F0 0SEND_F0 0F1 0SEND_F1 0F2 0SEND_F2 0F3 0SEND_F3 0RECV_B0 "
+                        "0B0 0RECV_B1 0B1 0RECV_B2 0B2 0RECV_B3 0B3 0REDUCE_GRAD 0RESHARD")
+    assert format_order(inject_swap_order(order, MinGapPolicy())) == (
+        "0UNSHARD 0F0 0LO0 0SEND_F0 0F1 0LO1 0SEND_F1 0WO0 0F2 0LO2 0SEND_F2 0WO1 0F3 0LO3 "
+        "0SEND_F3 0WO2 0RECV_B0 0LL0 0WL0 0B0 0RECV_B1 0WO3 0LL1 0WL1 0B1 0RECV_B2 0LL2 0WL2 0B2 "
+        "0RECV_B3 0LL3 0WL3 0B3 0REDUCE_GRAD 0RESHARD")
+    plain = parse_order(" ".join(str(s) for s in order[1:-2]))
+    done = inject_swap_order(plain, MinGapPolicy())
+    assert _pos(done, "0LL0") < _pos(done, "0F3")
+
+
+def test_seed_gathered_stage_reloads_adjacent_to_the_backward() -> None:
+    done = inject_swap_order(parse_order("0UNSHARD 0F0 0F1 0F2 0F3 0B0 0RESHARD"), MinGapPolicy())
+    assert format_order(done[_pos(done, "0LL0"):_pos(done, "0B0") + 1]) == "0LL0 0WL0 0B0"
+
+
+def test_seed_overlap_fragment_verbatim() -> None:
+    # The seed's §4.8 rank-0 fragment for Interleaved P=4 V=2 M=8 with overlap_b_f: the reload
+    # wait precedes the whole overlap, the overlap's forward offloads after it.
+    order = format_order(inject_swap(insert_send_recv(
+        interleaved_1f1b_compute(4, 8, 2, overlap_b_f=True))).orders[0])
+    assert ("_ _ _ 4RECV_B0 4LL0 0F6 0LO6 0SEND_F6 0WO5 4LL1 4WL0 (4B0;0F7)OVERLAP_B_F 0LO7 "
+            "4SEND_B0 4RECV_B1 0SEND_F7 4RECV_F4 0WO6 4LL2 4WL1 (4B1;4F4)OVERLAP_B_F 4LO4") in order
 
 
 def test_fsdp_orders_reload_right_before_the_backward(worked: Load) -> None:
@@ -235,11 +262,17 @@ def test_policies_that_ask_for_the_impossible_are_refused() -> None:
         inject_swap(one_f_one_b(4, 8), Greedy())
 
     class Stranger:
+        def __init__(self, chunk: tuple[int, int]) -> None:
+            self.chunk = chunk
+
         def select(self, candidates: Sequence[SwapCandidate]) -> Collection[tuple[int, int]]:
-            return {(9, 9)}
+            return {self.chunk}
 
     with pytest.raises(ScheduleError, match=r"\(9, 9\).*not candidates"):
-        inject_swap(one_f_one_b(2, 4), Stranger())
+        inject_swap(one_f_one_b(2, 4), Stranger((9, 9)))
+    forward_only = parse_order("0F0 0F1 0F2 0F3 0F4")  # forwarded, never backwarded here
+    with pytest.raises(ScheduleError, match=r"\(0, 0\).*not candidates"):
+        inject_swap_order(forward_only, Stranger((0, 0)))
 
 
 def test_injecting_twice_is_refused() -> None:

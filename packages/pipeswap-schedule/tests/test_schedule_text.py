@@ -27,9 +27,13 @@ def test_every_kind_round_trips(text: str) -> None:
     assert parse_step(str(step)) == step
 
 
-@pytest.mark.parametrize("text", ["0F1", "2I0", "3SEND_F1", "(0F3;1B2)OVERLAP_F_B", "1UNSHARD"])
-def test_pytorch_action_strings_parse_unchanged(text: str) -> None:
-    assert str(parse_step(text)) == text
+def test_pytorch_action_strings_mean_what_pytorch_means() -> None:
+    assert parse_step("0F1") == Step(StepType.FWD, 0, 1)
+    assert parse_step("2I0") == Step(StepType.BWD_INPUT, 2, 0)
+    assert parse_step("1W3") == Step(StepType.BWD_WEIGHT, 1, 3)
+    assert parse_step("3SEND_F1") == Step(StepType.FWD_SEND, 3, 1)
+    assert parse_step("(0F3;1B2)OVERLAP_F_B") == Step(
+        StepType.OVERLAP_F_B, sub_steps=(Step(StepType.FWD, 0, 3), Step(StepType.BWD, 1, 2)))
 
 
 def test_parsed_fields() -> None:
@@ -86,6 +90,10 @@ def test_steps_are_immutable_hashable_values() -> None:
         (lambda: Step(StepType.OVERLAP_B_F, 0, 0), "composite"),
         (lambda: Step(StepType.FWD, 0, 0, (Step(StepType.FWD, 0, 1),)), "leaf"),
         (lambda: Step(StepType.BATCH_SEND_RECV, sub_steps=()), "P2P leaves"),
+        (lambda: Step(StepType.FWD, True, 0), "stage index"),
+        (lambda: Step("F", 0, 0), "StepType"),  # type: ignore[arg-type]
+        (lambda: Step(StepType.BATCH_SEND_RECV, sub_steps=[Step(StepType.FWD_SEND, 0, 0)]),  # type: ignore[arg-type]
+         "must be a tuple"),
     ],
 )
 def test_impossible_steps_cannot_be_built(make: object, message: str) -> None:
@@ -131,6 +139,7 @@ def test_json_form_is_exactly_rank_keyed_strings_with_null_idle_slots() -> None:
     [
         ([1, 2], "expected a JSON object"),
         ({"orders": {"x": []}}, "rank keys"),
+        ({"orders": {"0": ["0F0"], "00": ["0F0"]}}, "rank keys are ranks written as"),
         ({"orders": {"0": "0F0"}}, "list of step strings"),
         ({"orders": {"0": ["0F0", "oops"]}}, "rank 0: bad step 'oops'"),
         ({"orders": {"0": ["1F0"]}}, "no rank runs stage"),
@@ -140,3 +149,8 @@ def test_json_form_is_exactly_rank_keyed_strings_with_null_idle_slots() -> None:
 def test_bad_json_schedules_are_refused_clearly(data: object, message: str) -> None:
     with pytest.raises(ParseError, match=message):
         from_json(data)
+
+
+def test_absurdly_nested_json_is_a_parse_error() -> None:
+    with pytest.raises(ParseError, match="nested too deeply"):
+        loads('{"orders": ' + "[" * 100_000 + "]" * 100_000 + "}")

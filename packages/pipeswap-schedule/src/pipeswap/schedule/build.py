@@ -6,6 +6,7 @@ so it sees the final FSDP steps and P2P batches and never splits one.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
 
@@ -14,6 +15,7 @@ from pipeswap.schedule.dxdw import split_dxdw
 from pipeswap.schedule.errors import ScheduleError
 from pipeswap.schedule.fsdp import add_fsdp_steps
 from pipeswap.schedule.generators import (
+    check_interleaved_options,
     check_positive,
     gpipe,
     interleaved_1f1b_compute,
@@ -74,36 +76,49 @@ class ScheduleSpec:
             raise ScheduleError(
                 "dxdw_split=True requires overlap_b_f=True: the split applies to the backward "
                 "inside each OVERLAP_B_F step")
-        if self.less_memory and self.overlap_b_f:
-            raise ScheduleError(
-                "less_memory=True cannot be combined with overlap_b_f=True: the shallow warm-up "
-                "leaves no time slot between a forward and the overlap that consumes its output, "
-                "so the receive would land after its consumer; choose one of the two")
+        if interleaved:  # the generator's own argument checks, before anything is built
+            check_interleaved_options(overlap_b_f=self.overlap_b_f, less_memory=self.less_memory)
+
+
+Pass = Callable[[Schedule], Schedule]
+
+
+def generate(spec: ScheduleSpec) -> Schedule:
+    """The generator's output for ``spec``: with P2P for GPipe and 1F1B, compute columns for
+    Interleaved 1F1B (its P2P comes from the first pass of :func:`passes`)."""
+    if spec.kind is ScheduleKind.GPIPE:
+        return gpipe(spec.ranks, spec.microbatches)
+    if spec.kind is ScheduleKind.ONE_F_ONE_B:
+        return one_f_one_b(spec.ranks, spec.microbatches)
+    return interleaved_1f1b_compute(
+        spec.ranks,
+        spec.microbatches,
+        spec.stages_per_rank,
+        overlap_b_f=spec.overlap_b_f,
+        less_memory=spec.less_memory,
+    )
+
+
+def passes(spec: ScheduleSpec, swap_policy: SwapPolicy | None = None) -> list[tuple[str, Pass]]:
+    """The passes ``spec`` asks for, named, in the order they run after :func:`generate`."""
+    chosen: list[tuple[str, Pass]] = []
+    if spec.kind is ScheduleKind.INTERLEAVED_1F1B:
+        chosen.append(("send/recv", insert_send_recv))
+    if spec.dxdw_split:
+        chosen.append(("dx/dw split", split_dxdw))
+    if spec.fsdp:
+        chosen.append(("fsdp", add_fsdp_steps))
+    if spec.batch_p2p:
+        chosen.append(("batch p2p", coalesce_p2p))
+    if spec.swap:
+        chosen.append(("swap", lambda schedule: inject_swap(schedule, swap_policy)))
+    return chosen
 
 
 @gc_paused
 def build_schedule(spec: ScheduleSpec, swap_policy: SwapPolicy | None = None) -> Schedule:
     """Generate ``spec.kind`` and apply the passes ``spec`` asks for."""
-    if spec.kind is ScheduleKind.GPIPE:
-        schedule = gpipe(spec.ranks, spec.microbatches)
-    elif spec.kind is ScheduleKind.ONE_F_ONE_B:
-        schedule = one_f_one_b(spec.ranks, spec.microbatches)
-    else:
-        schedule = insert_send_recv(
-            interleaved_1f1b_compute(
-                spec.ranks,
-                spec.microbatches,
-                spec.stages_per_rank,
-                overlap_b_f=spec.overlap_b_f,
-                less_memory=spec.less_memory,
-            )
-        )
-        if spec.dxdw_split:
-            schedule = split_dxdw(schedule)
-    if spec.fsdp:
-        schedule = add_fsdp_steps(schedule)
-    if spec.batch_p2p:
-        schedule = coalesce_p2p(schedule)
-    if spec.swap:
-        schedule = inject_swap(schedule, swap_policy)
+    schedule = generate(spec)
+    for _, apply in passes(spec, swap_policy):
+        schedule = apply(schedule)
     return schedule

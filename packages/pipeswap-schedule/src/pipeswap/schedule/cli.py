@@ -97,7 +97,8 @@ def _build(args: argparse.Namespace) -> Schedule:
         batch_p2p=args.batch_p2p,
         swap=args.swap,
     )
-    return build_schedule(spec, MinGapPolicy(args.swap_min_gap) if args.swap else None)
+    policy = MinGapPolicy(args.swap_min_gap)  # checked even without --swap: a typo shows
+    return build_schedule(spec, policy if args.swap else None)
 
 
 def _read(path: str) -> str:
@@ -170,6 +171,10 @@ def _validate(path: str) -> int:
         text = _read(path)
     except OSError as exc:
         print(f"{PROG}: error: cannot read {path}: {exc.strerror}", file=sys.stderr)
+        return 2
+    except UnicodeDecodeError:
+        print(f"{PROG}: error: {path} is not a text file (expected JSON or 'rank N:' lines "
+              "in UTF-8)", file=sys.stderr)
         return 2
     try:
         schedule = loads(text)

@@ -41,8 +41,10 @@ def from_json(data: object) -> Schedule:
         raise ParseError('expected a JSON object {"orders": {"0": [steps...], "1": [...]}}')
     orders = {}
     for key, steps in data["orders"].items():
-        if not (isinstance(key, str) and key.isdigit()):
-            raise ParseError(f"rank keys must be non-negative integers as strings, got {key!r}")
+        if not (isinstance(key, str) and key.isdigit() and key == str(int(key))):
+            raise ParseError(f"rank keys are ranks written as \"0\", \"1\", ..., got {key!r}")
+        if int(key) in orders:
+            raise ParseError(f"rank {int(key)} appears twice")
         if not isinstance(steps, list) or any(
             s is not None and not isinstance(s, str) for s in steps
         ):
@@ -61,6 +63,8 @@ def loads(text: str) -> Schedule:
             data = json.loads(text)
         except json.JSONDecodeError as exc:
             raise ParseError(f"not valid JSON: {exc}") from exc
+        except RecursionError:
+            raise ParseError("not a schedule: the JSON is nested too deeply") from None
         return from_json(data)
     return _schedule(parse_rank_lines(text))
 

@@ -5,9 +5,15 @@ from __future__ import annotations
 from pipeswap.schedule._gc import gc_paused
 from pipeswap.schedule.errors import ScheduleError
 from pipeswap.schedule.schedule import Schedule
-from pipeswap.schedule.steps import ACTIVATION_CONSUMERS, COMPUTE, OVERLAPS, P2P, Order, Step, StepType
-
-_SKIP = object()  # second column of an overlap: its P2P is placed, the composite is not re-emitted
+from pipeswap.schedule.steps import (
+    ACTIVATION_CONSUMERS,
+    COMPUTE,
+    OVERLAPS,
+    P2P,
+    Order,
+    Step,
+    StepType,
+)
 
 
 @gc_paused
@@ -23,39 +29,40 @@ def insert_send_recv(schedule: Schedule) -> Schedule:
     """
     ranks, num_stages = schedule.num_ranks, schedule.num_stages
     rank_of = schedule.stage_ranks
-    columns: list[list[tuple[object, Step | None]]] = []
+    # Per rank and column: what enters the order there (an overlap enters once, at its first
+    # column, so its second column holds nothing), and the compute leaf whose P2P follows.
+    entries: list[list[list[Step | None]]] = []
+    leaves: list[list[Step | None]] = []
     for order in schedule.orders:
+        entry: list[list[Step | None]] = []
+        leaf: list[Step | None] = []
         for step in order:
-            if step is not None and step.type not in COMPUTE and step.type not in OVERLAPS:
-                raise ScheduleError(
-                    f"insert_send_recv takes compute-only orders (F, B, I, W, overlaps, idle "
-                    f"slots); found {step}: run it before any other pass"
-                )
-        slots: list[tuple[object, Step | None]] = []
-        for step in order:
-            if step is not None and step.sub_steps:
-                slots += [(step, step.sub_steps[0]), (_SKIP, step.sub_steps[1])]
+            if step is not None and step.type not in COMPUTE:
+                if step.type not in OVERLAPS:
+                    raise ScheduleError(
+                        f"insert_send_recv takes compute-only orders (F, B, I, W, overlaps, "
+                        f"idle slots); found {step}: run it before any other pass")
+                entry += [[step], []]
+                leaf += step.sub_steps
             else:
-                slots.append((step, step))
-        columns.append(slots)
+                entry.append([step])
+                leaf.append(step)
+        entries.append(entry)
+        leaves.append(leaf)
     visit = list(range(0, ranks, 2)) + list(range(1, ranks, 2))
     out: list[list[Step | None]] = [[] for _ in range(ranks)]
-    for t in range(max(len(c) for c in columns)):
+    for t in range(max(len(leaf) for leaf in leaves)):
         for r in range(ranks):
-            if t < len(columns[r]) and columns[r][t][0] is not _SKIP:
-                item = columns[r][t][0]
-                out[r].append(item if isinstance(item, Step) else None)
+            if t < len(entries[r]):
+                out[r] += entries[r][t]
         for r in visit:
-            if t >= len(columns[r]):
+            if t >= len(leaves[r]) or (compute := leaves[r][t]) is None:
                 continue
-            leaf = columns[r][t][1]
-            if leaf is None:
-                continue
-            stage, micro = leaf.key
-            if leaf.type is StepType.FWD and stage + 1 < num_stages and rank_of[stage + 1] != r:
+            stage, micro = compute.key
+            if compute.type is StepType.FWD and stage + 1 < num_stages and rank_of[stage + 1] != r:
                 out[r].append(Step(StepType.FWD_SEND, stage, micro))
                 out[rank_of[stage + 1]].append(Step(StepType.FWD_RECV, stage + 1, micro))
-            elif leaf.type in ACTIVATION_CONSUMERS and stage > 0 and rank_of[stage - 1] != r:
+            elif compute.type in ACTIVATION_CONSUMERS and stage > 0 and rank_of[stage - 1] != r:
                 out[r].append(Step(StepType.BWD_SEND, stage, micro))
                 out[rank_of[stage - 1]].append(Step(StepType.BWD_RECV, stage - 1, micro))
     return Schedule(tuple(tuple(o) for o in out), schedule.stage_ranks)

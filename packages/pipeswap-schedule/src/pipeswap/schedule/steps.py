@@ -39,10 +39,6 @@ class StepType(Enum):
     # keeps the passes' many `step.type in CATEGORY` tests cheap (Enum's default is Python).
     __hash__ = object.__hash__
 
-    @property
-    def code(self) -> str:
-        return self.value
-
 
 #: Steps that run a model chunk on the compute stream; each occupies one compute slot.
 COMPUTE = frozenset({StepType.FWD, StepType.BWD, StepType.BWD_INPUT, StepType.BWD_WEIGHT})
@@ -70,6 +66,9 @@ SWAP = frozenset(
 ZERO_WIDTH = FSDP | SWAP
 _WITH_MICRO = COMPUTE | P2P | SWAP
 
+#: A chunk: (stage, microbatch).
+ChunkKey = tuple[int, int]
+
 
 @dataclass(frozen=True, slots=True)
 class Step:
@@ -93,15 +92,19 @@ class Step:
         ):
             return
         kind = self.type
+        if not isinstance(kind, StepType):
+            raise StepError(f"a step's type is a StepType, got {kind!r}")
+        if not isinstance(self.sub_steps, tuple):
+            raise StepError(f"sub_steps must be a tuple, got {type(self.sub_steps).__name__}")
         if kind in COMPOSITES:
             self._check_composite()
             return
         if self.sub_steps:
             raise StepError(f"{kind.name} is a leaf step and cannot hold sub-steps")
-        if not isinstance(self.stage, int) or self.stage < 0:
+        if not _is_index(self.stage):
             raise StepError(f"{kind.name} needs a stage index >= 0, got {self.stage!r}")
         if kind in _WITH_MICRO:
-            if not isinstance(self.micro, int) or self.micro < 0:
+            if not _is_index(self.micro):
                 raise StepError(f"{kind.name} needs a microbatch index >= 0, got {self.micro!r}")
         elif self.micro is not None:
             raise StepError(f"{kind.name} applies to a whole stage and takes no microbatch")
@@ -137,7 +140,7 @@ class Step:
         return f"{self.stage}{self.type.value}{self.micro}"
 
     @property
-    def key(self) -> tuple[int, int]:
+    def key(self) -> ChunkKey:
         """The (stage, micro) chunk a leaf step belongs to."""
         if self.stage is None or self.micro is None:
             raise StepError(f"{self} does not belong to a single (stage, micro) chunk")
@@ -160,6 +163,17 @@ class Step:
         if self.type is StepType.BATCH_SEND_RECV:
             return self.sub_steps
         return ()
+
+
+def _is_index(value: object) -> bool:
+    return type(value) is int and value >= 0
+
+
+def peer_stage(kind: StepType, stage: int) -> int:
+    """The stage a P2P step of ``kind`` on ``stage`` talks to: the next one for activations
+    sent and gradients received, the previous one otherwise (-1 or past the last stage when
+    there is no such stage)."""
+    return stage + 1 if kind is StepType.FWD_SEND or kind is StepType.BWD_RECV else stage - 1
 
 
 #: One rank's list of steps; ``None`` is an idle slot.

@@ -7,8 +7,9 @@ existing steps, never inside one:
 ``LO``        launch the device→host copy, right after the forward's step
 ``WO``        wait for that copy and free device memory, after the first compute that follows
               (and after that compute's own send, so a P2P block is never split)
-``LL``        launch the host→device copy one compute before the backward (with FSDP: before
-              the backward stage's last all-gather, so the two overlap)
+``LL``        launch the host→device copy one compute before the backward; for an FSDP
+              stage, before its last parameter all-gather ahead of the backward so the two
+              overlap, or right before the backward when no gather lies after ``WO``
 ``WL``        make compute wait for the copy, right before the backward
 ============  ==============================================================================
 
@@ -36,12 +37,12 @@ from pipeswap.schedule.steps import (
     OVERLAPS,
     SWAP,
     ZERO_WIDTH,
+    ChunkKey,
     Order,
     Step,
     StepType,
 )
 
-ChunkKey = tuple[int, int]
 #: The fewest compute slots between a forward and its backward that leave room for
 #: WO (after the first slot in between) to come before LL (before the last one).
 MIN_FEASIBLE_GAP = 3
@@ -165,7 +166,7 @@ def inject_swap_order(order: Order, policy: SwapPolicy, *, rank: int = 0) -> lis
     slots = _Slots(order)
     candidates = slots.candidates(rank)
     selected = set(policy.select(candidates))
-    unknown = selected - slots.fwd.keys()
+    unknown = selected - {(c.stage, c.micro) for c in candidates}
     if unknown:
         raise ScheduleError(
             f"the swap policy selected chunk(s) {sorted(unknown)} on rank {rank}, which are not "

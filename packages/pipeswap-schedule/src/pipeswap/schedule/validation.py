@@ -4,14 +4,17 @@
 names the rank, the step and what to change. The cross-rank simulation treats every send and
 receive as a rendezvous (the strictest transport: a send completes only when its receive is
 posted), matches them first-in first-out per ordered rank pair, and reports a deadlock as the
-cycle of ranks waiting on each other.
+cycle of ranks waiting on each other. A ``BATCH_P2P`` step posts all its leaves at once and
+completes when all are matched, which is what one ``torch.distributed.batch_isend_irecv`` call
+over all of them does; an executor must issue a batch that way (not one batch per peer, one
+after the other) for a schedule this module accepts to be deadlock-free.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from itertools import chain
 from dataclasses import dataclass, field
+from itertools import chain
 
 from pipeswap.schedule._gc import gc_paused
 from pipeswap.schedule.errors import (
@@ -22,9 +25,8 @@ from pipeswap.schedule.errors import (
     ValidationError,
 )
 from pipeswap.schedule.schedule import Schedule
-from pipeswap.schedule.steps import COMM, P2P, SENDS, Order, Step, StepType
+from pipeswap.schedule.steps import COMM, P2P, SENDS, ChunkKey, Order, Step, StepType, peer_stage
 
-ChunkKey = tuple[int, int]
 _SWAP_SEQUENCE = (
     StepType.SWAP_LAUNCH_OFFLOAD,
     StepType.SWAP_WAIT_OFFLOAD,
@@ -36,6 +38,8 @@ _SWAP_SEQUENCE = (
 @gc_paused
 def validate(schedule: Schedule) -> None:
     """Check every rank's order, then simulate all ranks' P2P together."""
+    if schedule.num_stages == 0:
+        raise ValidationError("the schedule has no steps: every rank's order is empty or idle")
     for rank in range(schedule.num_ranks):
         validate_rank(schedule, rank)
     simulate_p2p(schedule)
@@ -55,6 +59,8 @@ def validate_rank(schedule: Schedule, rank: int) -> None:
     them and sends follow the compute that produces them. (Swap steps inside a composite
     cannot be built at all: :class:`Step` refuses them.)
     """
+    if not 0 <= rank < schedule.num_ranks:
+        raise ValidationError(f"rank {rank} is not in this {schedule.num_ranks}-rank schedule")
     order = schedule.orders[rank]
     local = frozenset(schedule.stages_of(rank))
     remote_p2p = _remote_p2p(schedule, rank)
@@ -114,14 +120,14 @@ def validate_rank(schedule: Schedule, rank: int) -> None:
 
 
 def _remote_p2p(schedule: Schedule, rank: int) -> frozenset[tuple[StepType, int]]:
-    """The P2P leaves this rank's stages may issue: only towards neighbours on other ranks."""
-    ranks, allowed = schedule.stage_ranks, set()
-    for stage in schedule.stages_of(rank):
-        if stage + 1 < schedule.num_stages and ranks[stage + 1] != rank:
-            allowed |= {(StepType.FWD_SEND, stage), (StepType.BWD_RECV, stage)}
-        if stage > 0 and ranks[stage - 1] != rank:
-            allowed |= {(StepType.FWD_RECV, stage), (StepType.BWD_SEND, stage)}
-    return frozenset(allowed)
+    """The P2P steps this rank's stages may issue: only towards neighbours on other ranks."""
+    ranks = schedule.stage_ranks
+    return frozenset(
+        (kind, stage)
+        for stage in schedule.stages_of(rank)
+        for kind in P2P
+        if 0 <= peer_stage(kind, stage) < len(ranks) and ranks[peer_stage(kind, stage)] != rank
+    )
 
 
 def _misplaced(schedule: Schedule, rank: int, leaf: Step, container: Step) -> None:
@@ -135,9 +141,8 @@ def _misplaced(schedule: Schedule, rank: int, leaf: Step, container: Step) -> No
 
 
 def _needless_p2p(schedule: Schedule, rank: int, leaf: Step) -> None:
-    stage = leaf.stage
-    assert stage is not None
-    peer = stage + (1 if leaf.type in (StepType.FWD_SEND, StepType.BWD_RECV) else -1)
+    assert leaf.stage is not None
+    peer = peer_stage(leaf.type, leaf.stage)
     why = ("does not exist" if not 0 <= peer < schedule.num_stages
            else "is on the same rank; local neighbours exchange tensors without P2P")
     raise P2PError(f"rank {rank}: {leaf} talks to stage {peer}, which {why}; drop it", rank=rank)
@@ -346,11 +351,10 @@ def _routes(schedule: Schedule) -> dict[tuple[StepType, int], _Route]:
     routes: dict[tuple[StepType, int], _Route] = {}
     for stage, rank in enumerate(ranks):
         for kind in P2P:
-            to_next = kind is StepType.FWD_SEND or kind is StepType.BWD_RECV
-            peer_stage = stage + 1 if to_next else stage - 1
-            if not 0 <= peer_stage < len(ranks) or ranks[peer_stage] == rank:
+            other = peer_stage(kind, stage)
+            if not 0 <= other < len(ranks) or ranks[other] == rank:
                 continue  # no P2P here: such a leaf is reported as needless
-            peer = ranks[peer_stage]
+            peer = ranks[other]
             is_send = kind in SENDS
             channel = (rank, peer) if is_send else (peer, rank)
             mine, theirs = (sent, received) if is_send else (received, sent)
