@@ -116,7 +116,7 @@ def validate_rank(schedule: Schedule, rank: int) -> None:
                 continue
         _check_compute(rank, order, key, fwd, full, where)
         _check_swap(rank, order, key, fwd, consumer, where)
-        _check_p2p(schedule, rank, order, key, fwd, consumer, where)
+        _check_p2p(rank, order, key, fwd, consumer, neighbours[key[0]], where)
 
 
 def _remote_p2p(schedule: Schedule, rank: int) -> frozenset[tuple[StepType, int]]:
@@ -220,18 +220,16 @@ def _check_swap(
 
 
 def _check_p2p(
-    schedule: Schedule,
     rank: int,
     order: Order,
     key: ChunkKey,
     fwd: int | None,
     consumer: int | None,
+    remote: tuple[bool, bool],
     where: Where,
 ) -> None:
     stage, micro = key
-    ranks = schedule.stage_ranks
-    remote_prev = stage > 0 and ranks[stage - 1] != rank
-    remote_next = stage + 1 < schedule.num_stages and ranks[stage + 1] != rank
+    remote_prev, remote_next = remote
     expectations = (
         (StepType.FWD_RECV, remote_prev, fwd, "before", "forward"),
         (StepType.FWD_SEND, remote_next, fwd, "after", "forward"),
