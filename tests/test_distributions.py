@@ -22,13 +22,14 @@ PORTIONS = [name.removeprefix("pipeswap-") for name in EDGES]
 _NAME = re.compile(r"\s*([A-Za-z0-9][A-Za-z0-9._-]*)")
 
 
-def _requires(dist: str) -> set[str]:
-    names = set()
+def _requires(dist: str) -> dict[str, str]:
+    """Each Requires-Dist entry of ``dist``, by canonical project name."""
+    found = {}
     for requirement in distribution(dist).requires or []:
         match = _NAME.match(requirement)
         assert match is not None, f"{dist}: unparsable Requires-Dist {requirement!r}"
-        names.add(re.sub(r"[-_.]+", "-", match.group(1)).lower())
-    return names
+        found[re.sub(r"[-_.]+", "-", match.group(1)).lower()] = requirement
+    return found
 
 
 def _import(portion: str) -> ModuleType:
@@ -47,7 +48,17 @@ def test_distribution_is_installed(dist: str) -> None:
 
 @pytest.mark.parametrize("dist", EDGES)
 def test_dependency_edges_follow_the_design(dist: str) -> None:
-    assert _requires(dist) == EDGES[dist]
+    assert set(_requires(dist)) == EDGES[dist]
+
+
+@pytest.mark.parametrize("dist", EDGES)
+def test_requirements_are_plain_version_ranges(dist: str) -> None:
+    for requirement in _requires(dist).values():
+        # a sibling by path or URL, an extra or a marker would not install from an index
+        assert not any(c in requirement for c in "@;["), requirement
+        assert ">=" in requirement and "<" in requirement, (
+            f"{dist}: {requirement!r} needs a lower and an upper bound"
+        )
 
 
 def test_pipeswap_is_a_namespace_spanning_all_portions() -> None:
