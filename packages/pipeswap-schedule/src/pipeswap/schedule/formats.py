@@ -115,8 +115,8 @@ def render_grid(schedule: Schedule) -> str:
     cells = [[_cell(step) for step in order] for order in schedule.orders]
     width = max([len(c) for col in cells for c in col] + [len(f"rank {len(cells) - 1}")])
     index_width = len(str(max(len(col) for col in cells)))
-    header = " " * index_width + " | " + " | ".join(
-        f"rank {r}".ljust(width) for r in range(len(cells)))
+    header = (" " * index_width + " | " + " | ".join(
+        f"rank {r}".ljust(width) for r in range(len(cells)))).rstrip()
     rows = [header, "-" * len(header)]
     for i in range(max(len(col) for col in cells)):
         row = [(col[i] if i < len(col) else "").ljust(width) for col in cells]
