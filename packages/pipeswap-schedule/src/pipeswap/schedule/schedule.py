@@ -82,11 +82,6 @@ class Schedule:
     def num_stages(self) -> int:
         return len(self.stage_ranks)
 
-    def rank_of(self, stage: int) -> int:
-        if not 0 <= stage < len(self.stage_ranks):
-            raise ScheduleError(f"stage {stage} is not in this {self.num_stages}-stage schedule")
-        return self.stage_ranks[stage]
-
     def stages_of(self, rank: int) -> tuple[int, ...]:
         return tuple(s for s, r in enumerate(self.stage_ranks) if r == rank)
 

@@ -102,7 +102,9 @@ def format_rank_lines(orders: Sequence[Iterable[Step | None]]) -> str:
     return "\n".join(f"rank {rank}: {format_order(order)}" for rank, order in enumerate(orders))
 
 
-def dense_orders(orders: dict[int, tuple[Step | None, ...]]) -> tuple[tuple[Step | None, ...], ...]:
+def dense_orders(
+    orders: dict[int, tuple[Step | None, ...]],
+) -> tuple[tuple[Step | None, ...], ...]:
     """Turn ``{rank: order}`` into a tuple indexed by rank, refusing gaps in the numbering."""
     if not orders:
         raise ParseError("no ranks found: expected one order per rank")
