@@ -1,6 +1,21 @@
-"""What the swap manager and the executor need from a device: a typed platform protocol with torch-accelerator and CPU implementations (to come)."""
+"""What the swap manager and the executor need from a device, as a typed protocol.
 
-# torch is imported lazily, inside the functions that need it, never at module level.
+``get_platform()`` returns the machine's accelerator (through torch's device-generic APIs) or
+the CPU platform, whose copy streams are worker threads so that asynchronous ordering bugs
+show up without a GPU. torch is imported lazily: importing this package is cheap.
+"""
+
 from pipeswap.platform.__about__ import __version__
+from pipeswap.platform.probe import PlatformUnavailableError, available_platforms, get_platform
+from pipeswap.platform.protocol import Event, MemoryStats, Platform, Stream
 
-__all__ = ["__version__"]
+__all__ = [
+    "Event",
+    "MemoryStats",
+    "Platform",
+    "PlatformUnavailableError",
+    "Stream",
+    "__version__",
+    "available_platforms",
+    "get_platform",
+]

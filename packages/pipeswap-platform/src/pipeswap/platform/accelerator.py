@@ -1,0 +1,114 @@
+"""Torch accelerators (CUDA first) through torch's device-generic stream, event and memory APIs."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any, cast
+
+from pipeswap.platform import introspection
+from pipeswap.platform.protocol import Event, MemoryStats, Stream
+
+if TYPE_CHECKING:
+    import torch
+
+
+class AcceleratorPlatform:
+    """One accelerator device: ``torch.Stream``/``torch.Event``, pinned host buffers, and the
+    caching allocator's statistics from ``torch.accelerator``."""
+
+    def __init__(self, device: torch.device) -> None:
+        self._device = device
+
+    @property
+    def name(self) -> str:
+        return self._device.type
+
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    @property
+    def pins_host_memory(self) -> bool:
+        return True
+
+    def current_stream(self) -> Stream:
+        import torch
+
+        return torch.accelerator.current_stream(self._device)
+
+    def new_stream(self) -> Stream:
+        import torch
+
+        return torch.Stream(device=self._device)
+
+    @contextmanager
+    def stream(self, stream: Stream) -> Iterator[None]:
+        import torch
+
+        previous = torch.accelerator.current_stream(self._device)
+        torch.accelerator.set_stream(stream)  # type: ignore[arg-type]
+        try:
+            yield
+        finally:
+            torch.accelerator.set_stream(previous)
+
+    def new_event(self) -> Event:
+        return _TorchEvent(self._device)
+
+    def copy_(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        import torch
+
+        with torch.no_grad():
+            dst.copy_(src, non_blocking=True)
+
+    def host_buffer(self, nbytes: int) -> torch.Tensor:
+        import torch
+
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+
+    def memory_stats(self) -> MemoryStats | None:
+        import torch
+
+        return MemoryStats(
+            allocated=torch.accelerator.memory_allocated(self._device),
+            peak=torch.accelerator.max_memory_allocated(self._device),
+        )
+
+    def reset_peak_memory_stats(self) -> None:
+        import torch
+
+        torch.accelerator.reset_peak_memory_stats(self._device)
+
+    def parameters_dict(self, module: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
+        return introspection.parameters_dict(module)
+
+    def buffers_dict(self, module: torch.nn.Module) -> dict[str, torch.Tensor]:
+        return introspection.buffers_dict(module)
+
+    def get_model_state_dict(self, module: torch.nn.Module) -> dict[str, Any]:
+        return introspection.get_model_state_dict(module)
+
+    def __repr__(self) -> str:
+        return f"AcceleratorPlatform({self._device})"
+
+
+class _TorchEvent:
+    """``torch.Event`` behind the protocol's signatures (streams are this platform's)."""
+
+    def __init__(self, device: torch.device) -> None:
+        import torch
+
+        self._event = torch.Event(device=device)
+
+    def record(self, stream: Stream | None = None) -> None:
+        self._event.record(cast("torch.Stream | None", stream))
+
+    def wait(self, stream: Stream | None = None) -> None:
+        self._event.wait(cast("torch.Stream | None", stream))
+
+    def query(self) -> bool:
+        return bool(self._event.query())
+
+    def synchronize(self) -> None:
+        self._event.synchronize()

@@ -1,0 +1,23 @@
+"""Module introspection shared by every platform: parameters, buffers, the model state dict."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+
+def parameters_dict(module: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
+    """Every parameter of the module and its children, by dotted name (shared ones once)."""
+    return dict(module.named_parameters())
+
+
+def buffers_dict(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every buffer of the module and its children, persistent or not, by dotted name."""
+    return dict(module.named_buffers())
+
+
+def get_model_state_dict(module: torch.nn.Module) -> dict[str, Any]:
+    """The module's state dict (parameters and persistent buffers)."""
+    return dict(module.state_dict())

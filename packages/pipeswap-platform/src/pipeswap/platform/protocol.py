@@ -1,0 +1,90 @@
+"""The device protocol: what the swap manager and the executor need from a device.
+
+Streams order device work; events mark a point in a stream that other streams (or the host)
+can wait for. Copies are issued on the current stream and may run asynchronously to the host,
+so a caller must order every use of a copied buffer with events, as on a GPU.
+"""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    import torch
+
+
+class Stream(Protocol):
+    """An ordered queue of device work."""
+
+    def synchronize(self) -> None:
+        """Block the host until all work queued so far has finished."""
+
+
+class Event(Protocol):
+    """A point in a stream. An event never recorded counts as complete."""
+
+    def record(self, stream: Stream | None = None) -> None:
+        """Mark the current end of ``stream`` (default: the current stream)."""
+
+    def wait(self, stream: Stream | None = None) -> None:
+        """Make ``stream`` (default: the current stream) wait for the recorded point."""
+
+    def query(self) -> bool:
+        """True when the work before the recorded point has finished."""
+
+    def synchronize(self) -> None:
+        """Block the host until the recorded point is reached; raise if that work failed."""
+
+
+@dataclass(frozen=True)
+class MemoryStats:
+    """Bytes held by the device allocator now, and the most since the last peak reset."""
+
+    allocated: int
+    peak: int
+
+
+class Platform(Protocol):
+    """One device kind: streams, events, copies, host buffers, memory statistics, modules."""
+
+    @property
+    def name(self) -> str:
+        """The device type: ``"cpu"``, ``"cuda"``, ..."""
+
+    @property
+    def device(self) -> torch.device:
+        """Where activations live on this platform."""
+
+    @property
+    def pins_host_memory(self) -> bool:
+        """Whether :meth:`host_buffer` returns page-locked memory (fast asynchronous copies)."""
+
+    def current_stream(self) -> Stream: ...
+
+    def new_stream(self) -> Stream: ...
+
+    def stream(self, stream: Stream) -> AbstractContextManager[None]:
+        """Make ``stream`` current inside the block."""
+
+    def new_event(self) -> Event: ...
+
+    def copy_(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """Queue ``dst.copy_(src)`` on the current stream; it may finish after this returns."""
+
+    def host_buffer(self, nbytes: int) -> torch.Tensor:
+        """A new uint8 host tensor of ``nbytes``, pinned where the device supports it."""
+
+    def memory_stats(self) -> MemoryStats | None:
+        """Allocator statistics, or None where the device has no allocator statistics (CPU)."""
+
+    def reset_peak_memory_stats(self) -> None: ...
+
+    def parameters_dict(self, module: torch.nn.Module) -> dict[str, torch.nn.Parameter]: ...
+
+    def buffers_dict(self, module: torch.nn.Module) -> dict[str, torch.Tensor]:
+        """Every buffer, persistent or not, of the module and its children, by dotted name."""
+
+    def get_model_state_dict(self, module: torch.nn.Module) -> dict[str, Any]: ...
+
