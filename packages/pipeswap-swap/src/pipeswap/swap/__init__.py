@@ -1,6 +1,28 @@
-"""The activation swap manager: offload saved activations to host memory and load them back before backward (to come)."""
+"""The activation swap manager: offload saved activations to host memory, load them back
+before backward, and account for every byte.
 
-# torch is imported lazily, inside the functions that need it, never at module level.
+torch is imported lazily: importing this package is cheap.
+"""
+
 from pipeswap.swap.__about__ import __version__
+from pipeswap.swap.manager import (
+    GroupState,
+    InPlaceModificationError,
+    SwapError,
+    SwapManager,
+    SwapResidencyError,
+    SwapStats,
+)
+from pipeswap.swap.pool import HostBufferPool, PoolExhaustedError
 
-__all__ = ["__version__"]
+__all__ = [
+    "GroupState",
+    "HostBufferPool",
+    "InPlaceModificationError",
+    "PoolExhaustedError",
+    "SwapError",
+    "SwapManager",
+    "SwapResidencyError",
+    "SwapStats",
+    "__version__",
+]

@@ -1,0 +1,444 @@
+"""The swap manager: groups of saved activations, offloaded to host and loaded back by storage.
+
+A group collects what autograd saves while its :meth:`SwapManager.group_context` is active.
+Activations are handled per *storage*: every view of one storage is copied once (the whole
+storage, byte for byte) and restored together. The device storage is released only after its
+copy is known complete, and backward refuses to read a storage that is not resident.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import threading
+import warnings
+from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import TYPE_CHECKING, Any
+
+from pipeswap.platform import Event, Platform
+from pipeswap.swap.pool import HostBuffer, HostBufferPool
+
+if TYPE_CHECKING:
+    import torch
+
+DEFAULT_POOL_BYTES = 16 << 30
+
+
+class GroupState(Enum):
+    COLLECTING = "collecting"
+    OFFLOADING = "offloading"
+    OFFLOADED = "offloaded"
+    LOADING = "loading"
+    RESIDENT = "resident"
+    DONE = "done"
+    ABORTED = "aborted"
+
+
+class SwapError(RuntimeError):
+    """A swap call that is not legal now; the message names the group, its state and the call."""
+
+
+class SwapResidencyError(SwapError):
+    """Backward reached an activation whose storage is not on the device."""
+
+
+class InPlaceModificationError(SwapError):
+    """A saved activation was written in place after autograd saved it."""
+
+
+@dataclass(frozen=True)
+class SwapStats:
+    """Byte-exact accounting of what the manager moved and holds."""
+
+    bytes_offloaded: int
+    bytes_reloaded: int
+    device_bytes_held: int  # device bytes of resident storages in live groups
+    peak_device_bytes_held: int
+    host_bytes_in_use: int
+    host_buffers_allocated: int
+    host_bytes_allocated: int
+    skipped: dict[str, int]  # reason -> saved tensors left alone
+
+
+@dataclass
+class _Storage:
+    """One device storage saved by a group: all its saved views travel together."""
+
+    storage: Any  # torch.UntypedStorage
+    nbytes: int
+    views: list[tuple[torch.Tensor, int]] = field(default_factory=list)  # (tensor, version)
+    protected: bool = False
+    resident: bool = True
+    host: HostBuffer | None = None
+
+    def bytes_tensor(self) -> torch.Tensor:
+        """A uint8 tensor over the whole storage (its current size)."""
+        import torch
+
+        return torch.empty(0, dtype=torch.uint8, device=self.storage.device).set_(self.storage)
+
+
+@dataclass
+class _Group:
+    name: str
+    state: GroupState = GroupState.COLLECTING
+    storages: dict[int, _Storage] = field(default_factory=dict)  # data_ptr -> storage
+    event: Event | None = None  # the transfer in flight
+
+
+class _Saved:
+    """What autograd keeps for a swapped tensor: unpack checks residency through it."""
+
+    __slots__ = ("group", "entry", "tensor")
+
+    def __init__(self, group: _Group, entry: _Storage, tensor: torch.Tensor) -> None:
+        self.group, self.entry, self.tensor = group, entry, tensor
+
+
+class SwapManager:
+    """Offload and reload groups of saved activations on one platform.
+
+    ``min_bytes``: saved tensors whose storage is smaller stay on the device (0, the seed's
+    behaviour, swaps everything eligible). ``load_on_demand``: when backward reaches an
+    activation that is not resident, load it synchronously with a warning instead of raising.
+    """
+
+    def __init__(
+        self,
+        platform: Platform,
+        *,
+        min_bytes: int = 0,
+        pool_bytes: int = DEFAULT_POOL_BYTES,
+        load_on_demand: bool = False,
+    ) -> None:
+        self.platform = platform
+        self.min_bytes = min_bytes
+        self.load_on_demand = load_on_demand
+        self._pool = HostBufferPool(platform, pool_bytes)
+        self._d2h = platform.new_stream()
+        self._h2d = platform.new_stream()
+        self._lock = threading.RLock()
+        self._groups: dict[str, _Group] = {}
+        self._owner: dict[int, str] = {}  # storage data_ptr -> group that saved it
+        self._shared: set[int] = set()  # storages saved by several groups: never swapped
+        self._protected: set[int] = set()  # storages protected manager-wide
+        self._current: contextvars.ContextVar[str | None] = contextvars.ContextVar(
+            f"pipeswap_swap_group_{id(self):x}", default=None)
+        self._offloaded = self._reloaded = self._held = self._peak = 0
+        self._skipped: Counter[str] = Counter()
+
+    # -- groups ----------------------------------------------------------------------------
+
+    def ensure_group(self, name: str) -> None:
+        with self._lock:
+            if name not in self._groups:
+                self._groups[name] = _Group(name)
+
+    def active_group_count(self) -> int:
+        with self._lock:
+            return len(self._groups)
+
+    def group_state(self, name: str) -> GroupState:
+        return self._group(name, "group_state").state
+
+    def _group(self, name: str, call: str) -> _Group:
+        with self._lock:
+            group = self._groups.get(name)
+        if group is None:
+            raise SwapError(f"{call}({name!r}): no such group; create it with ensure_group() or "
+                            "group_context()")
+        return group
+
+    def _expect(self, group: _Group, call: str, *states: GroupState) -> None:
+        if group.state not in states:
+            allowed = " or ".join(s.value for s in states)
+            raise SwapError(f"{call}({group.name!r}): group is {group.state.value}, "
+                            f"{call} needs it {allowed}")
+
+    # -- collection ------------------------------------------------------------------------
+
+    @contextmanager
+    def group_context(self, name: str) -> Iterator[None]:
+        """Saved activations of the ops run inside join group ``name``."""
+        import torch
+
+        self.ensure_group(name)
+        self._expect(self._group(name, "group_context"), "group_context", GroupState.COLLECTING)
+        token = self._current.set(name)
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+                yield
+        finally:
+            self._current.reset(token)
+
+    def protect_module(self, module: torch.nn.Module) -> None:
+        """Never free storage shared with the module's parameters or buffers (``.data`` and
+        ``.detach()`` aliases included)."""
+        tensors = [*self.platform.parameters_dict(module).values(),
+                   *self.platform.buffers_dict(module).values()]
+        with self._lock:
+            self._protected.update(t.untyped_storage().data_ptr() for t in tensors)
+            for group in self._groups.values():
+                for ptr, entry in group.storages.items():
+                    if ptr in self._protected:
+                        entry.protected = True
+
+    def protect_alias_tensors(self, name: str, tensors: Any) -> None:
+        """Never free the storages in group ``name`` shared with any tensor in ``tensors``."""
+        group = self._group(name, "protect_alias_tensors")
+        ptrs = {t.untyped_storage().data_ptr() for t in _tensors(tensors)}
+        with self._lock:
+            for ptr in ptrs & group.storages.keys():
+                group.storages[ptr].protected = True
+
+    def _pack(self, tensor: torch.Tensor) -> Any:
+        name = self._current.get()
+        if name is None:
+            return tensor
+        reason = self._skip_reason(tensor)
+        storage = tensor.untyped_storage()
+        ptr = storage.data_ptr()
+        with self._lock:
+            if reason is not None:
+                self._skipped[reason] += 1
+                return tensor
+            group = self._groups[name]
+            if group.state is not GroupState.COLLECTING:
+                raise SwapError(f"group_context({name!r}): group is {group.state.value}; "
+                                "collecting needs it collecting")
+            owner = self._owner.setdefault(ptr, name)
+            if owner != name or ptr in self._shared:
+                self._share(ptr)
+                self._skipped["shared across groups"] += 1
+                return tensor
+            entry = group.storages.get(ptr)
+            if entry is None:
+                entry = _Storage(storage, storage.nbytes(), protected=ptr in self._protected)
+                group.storages[ptr] = entry
+                self._held += entry.nbytes
+                self._peak = max(self._peak, self._held)
+            entry.views.append((tensor, tensor._version))
+        return _Saved(group, entry, tensor)
+
+    def _skip_reason(self, tensor: torch.Tensor) -> str | None:
+        import torch
+
+        if isinstance(tensor, torch.nn.Parameter) or isinstance(tensor._base, torch.nn.Parameter):
+            return "parameter"
+        if tensor.device != self.platform.device:
+            return "other device"
+        nbytes = tensor.untyped_storage().nbytes()
+        if nbytes == 0:
+            return "empty storage"
+        if nbytes < self.min_bytes:
+            return "below min_bytes"
+        return None
+
+    def _share(self, ptr: int) -> None:
+        """A storage saved by two groups stays resident in both (one must not free the
+        other's data)."""
+        self._shared.add(ptr)
+        for group in self._groups.values():
+            entry = group.storages.get(ptr)
+            if entry is not None:
+                entry.protected = True
+
+    def _unpack(self, saved: Any) -> torch.Tensor:
+        if not isinstance(saved, _Saved):
+            return saved  # type: ignore[no-any-return]
+        entry, group = saved.entry, saved.group
+        if not entry.resident:
+            if not self.load_on_demand:
+                raise SwapResidencyError(
+                    f"backward needs an activation of group {group.name!r}, which is "
+                    f"{group.state.value}: call launch_load and wait_load before backward (or "
+                    "create the manager with load_on_demand=True)")
+            warnings.warn(f"loading an activation of group {group.name!r} on demand; schedule "
+                          "launch_load/wait_load before backward to overlap the copy",
+                          stacklevel=2)
+            self._restore_now(group, entry)
+        return saved.tensor
+
+    # -- transfers -------------------------------------------------------------------------
+
+    def _swappable(self, group: _Group) -> list[_Storage]:
+        return [e for e in group.storages.values() if not e.protected and e.nbytes > 0]
+
+    def _check_versions(self, group: _Group, call: str) -> None:
+        for entry in self._swappable(group):
+            for tensor, version in entry.views:
+                if tensor._version != version:
+                    raise InPlaceModificationError(
+                        f"{call}({group.name!r}): a saved activation {tuple(tensor.shape)} was "
+                        f"modified in place after it was saved (version {version} -> "
+                        f"{tensor._version}); swapping it would lose that write")
+
+    def launch_offload(self, name: str) -> None:
+        """Start copying the group's storages to host memory on the D2H stream."""
+        group = self._group(name, "launch_offload")
+        with self._lock:
+            self._expect(group, "launch_offload", GroupState.COLLECTING)
+            self._check_versions(group, "launch_offload")
+            ready = self.platform.new_event()
+            ready.record()
+            done = self.platform.new_event()
+            taken: list[_Storage] = []
+            try:
+                ready.wait(self._d2h)
+                with self.platform.stream(self._d2h):
+                    for entry in self._swappable(group):
+                        entry.host = self._pool.acquire(entry.nbytes)
+                        taken.append(entry)
+                        self.platform.copy_(entry.host.view, entry.bytes_tensor())
+                done.record(self._d2h)
+            except BaseException:
+                self._d2h.synchronize()  # nothing may still write into the buffers we return
+                for entry in taken:
+                    self._return_host(entry, None)
+                raise
+            group.event, group.state = done, GroupState.OFFLOADING
+
+    def wait_offload(self, name: str) -> None:
+        """Make compute wait for the offload, then release the group's device storage."""
+        group = self._group(name, "wait_offload")
+        with self._lock:
+            self._expect(group, "wait_offload", GroupState.OFFLOADING)
+            assert group.event is not None
+            group.event.wait()
+            try:
+                self._check_versions(group, "wait_offload")
+            except InPlaceModificationError:
+                group.state = GroupState.COLLECTING  # nothing was freed; the copies are stale
+                for entry in self._swappable(group):
+                    self._return_host(entry, group.event)
+                raise
+            for entry in group.storages.values():
+                if entry.protected:  # protected since the launch (shared): keep it, drop the copy
+                    self._return_host(entry, group.event)
+            for entry in self._swappable(group):
+                entry.storage.resize_(0)
+                entry.resident = False
+                self._held -= entry.nbytes
+                self._offloaded += entry.nbytes
+            group.event, group.state = None, GroupState.OFFLOADED
+
+    def launch_load(self, name: str) -> None:
+        """Re-allocate the group's storages and start copying them back on the H2D stream."""
+        group = self._group(name, "launch_load")
+        with self._lock:
+            if group.state is GroupState.OFFLOADING:
+                raise SwapError(f"launch_load({name!r}): group is offloading; call "
+                                "wait_offload first (load before the offload finished)")
+            self._expect(group, "launch_load", GroupState.OFFLOADED)
+            entries = self._swappable(group)
+            for entry in entries:
+                entry.storage.resize_(entry.nbytes)
+            ready = self.platform.new_event()
+            ready.record()
+            ready.wait(self._h2d)
+            with self.platform.stream(self._h2d):
+                for entry in entries:
+                    assert entry.host is not None
+                    self.platform.copy_(entry.bytes_tensor(), entry.host.view)
+            done = self.platform.new_event()
+            done.record(self._h2d)
+            for entry in entries:
+                self._held += entry.nbytes
+            self._peak = max(self._peak, self._held)
+            group.event, group.state = done, GroupState.LOADING
+
+    def wait_load(self, name: str) -> None:
+        """Make compute wait for the load; the activations are usable again."""
+        group = self._group(name, "wait_load")
+        with self._lock:
+            self._expect(group, "wait_load", GroupState.LOADING)
+            assert group.event is not None
+            group.event.wait()
+            for entry in self._swappable(group):
+                entry.resident = True
+                self._reloaded += entry.nbytes
+                self._return_host(entry, group.event)
+            group.event, group.state = None, GroupState.RESIDENT
+
+    def finish_group(self, name: str) -> None:
+        """Forget a group whose activations are resident (after its backward)."""
+        group = self._group(name, "finish_group")
+        with self._lock:
+            self._expect(group, "finish_group", GroupState.RESIDENT, GroupState.COLLECTING)
+            self._drop(group, GroupState.DONE)
+
+    def abort_group(self, name: str) -> None:
+        """Stop whatever the group is doing: wait for its transfers, put every freed storage
+        back on the device, return every host buffer, forget the group. Missing: no-op."""
+        with self._lock:
+            group = self._groups.get(name)
+            if group is None:
+                return
+            if group.event is not None:
+                group.event.synchronize()
+            for entry in self._swappable(group):
+                if not entry.resident:
+                    self._restore_now(group, entry)
+                elif entry.host is not None:
+                    self._return_host(entry, None)
+            self._drop(group, GroupState.ABORTED)
+
+    def _restore_now(self, group: _Group, entry: _Storage) -> None:
+        """Bring one freed storage back synchronously (its host copy is complete)."""
+        assert entry.host is not None
+        entry.storage.resize_(entry.nbytes)
+        self.platform.copy_(entry.bytes_tensor(), entry.host.view)
+        done = self.platform.new_event()
+        done.record()
+        done.synchronize()
+        entry.resident = True
+        self._held += entry.nbytes
+        self._reloaded += entry.nbytes
+        self._peak = max(self._peak, self._held)
+        self._return_host(entry, None)
+
+    def _return_host(self, entry: _Storage, after: Event | None) -> None:
+        if entry.host is not None:
+            self._pool.release(entry.host, after)
+            entry.host = None
+
+    def _drop(self, group: _Group, state: GroupState) -> None:
+        for ptr, entry in group.storages.items():
+            if entry.resident:
+                self._held -= entry.nbytes
+            if self._owner.get(ptr) == group.name:
+                del self._owner[ptr]
+        group.state = state
+        group.storages.clear()
+        del self._groups[group.name]
+
+    def stats(self) -> SwapStats:
+        with self._lock:
+            return SwapStats(
+                bytes_offloaded=self._offloaded,
+                bytes_reloaded=self._reloaded,
+                device_bytes_held=self._held,
+                peak_device_bytes_held=self._peak,
+                host_bytes_in_use=self._pool.in_use_bytes,
+                host_buffers_allocated=self._pool.allocated_blocks,
+                host_bytes_allocated=self._pool.allocated_bytes,
+                skipped=dict(self._skipped),
+            )
+
+
+def _tensors(tree: Any) -> Iterator[torch.Tensor]:
+    """Every tensor in a nest of lists, tuples, dicts and sets."""
+    import torch
+
+    stack = [tree]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, torch.Tensor):
+            yield item
+        elif isinstance(item, dict):
+            stack.extend(item.values())
+        elif isinstance(item, (list, tuple, set, frozenset)):
+            stack.extend(item)

@@ -1,0 +1,101 @@
+"""A host buffer pool: size classes, a byte cap, and reuse only after the copy that used a
+buffer is known complete (each release carries the event of that copy)."""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from pipeswap.platform import Event, Platform
+
+if TYPE_CHECKING:
+    import torch
+
+MIN_CLASS = 4096
+
+
+class PoolExhaustedError(RuntimeError):
+    """The pool cannot hand out a buffer without going over its byte cap."""
+
+
+@dataclass
+class HostBuffer:
+    """One pooled host block; ``view`` is the caller's ``nbytes`` prefix of ``block``."""
+
+    block: torch.Tensor
+    view: torch.Tensor
+
+
+def size_class(nbytes: int) -> int:
+    """Blocks come in powers of two from 4 KiB, so a steady workload reuses them."""
+    size = MIN_CLASS
+    while size < nbytes:
+        size *= 2
+    return size
+
+
+class HostBufferPool:
+    """Pinned (where the platform pins) host blocks, reused across steps."""
+
+    def __init__(self, platform: Platform, max_bytes: int) -> None:
+        if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes <= 0:
+            raise ValueError(f"max_bytes must be a positive integer, got {max_bytes!r}")
+        self._platform = platform
+        self.max_bytes = max_bytes
+        self._lock = threading.Lock()
+        self._free: dict[int, list[torch.Tensor]] = {}
+        self._pending: deque[tuple[torch.Tensor, Event]] = deque()
+        self.allocated_bytes = 0
+        self.allocated_blocks = 0
+        self.in_use_bytes = 0
+
+    def acquire(self, nbytes: int) -> HostBuffer:
+        """A buffer of at least ``nbytes``; waits for a pending block only when at the cap."""
+        size = size_class(nbytes)
+        with self._lock:
+            self._reclaim()
+            block = self._take_free(size)
+            if block is None and self.allocated_bytes + size <= self.max_bytes:
+                self.allocated_bytes += size
+                self.allocated_blocks += 1
+                block = self._platform.host_buffer(size)
+            if block is None:
+                block = self._wait_for_pending(size)
+            self.in_use_bytes += size
+        return HostBuffer(block, block[:nbytes])
+
+    def release(self, buffer: HostBuffer, after: Event | None = None) -> None:
+        """Give ``buffer`` back; it is reused only once ``after`` (its last copy) completed."""
+        with self._lock:
+            self.in_use_bytes -= buffer.block.numel()
+            if after is None or after.query():
+                self._free.setdefault(buffer.block.numel(), []).append(buffer.block)
+            else:
+                self._pending.append((buffer.block, after))
+
+    def _reclaim(self) -> None:
+        still: deque[tuple[torch.Tensor, Event]] = deque()
+        while self._pending:
+            block, event = self._pending.popleft()
+            if event.query():
+                self._free.setdefault(block.numel(), []).append(block)
+            else:
+                still.append((block, event))
+        self._pending = still
+
+    def _take_free(self, size: int) -> torch.Tensor | None:
+        blocks = self._free.get(size)
+        return blocks.pop() if blocks else None
+
+    def _wait_for_pending(self, size: int) -> torch.Tensor:
+        for index, (block, event) in enumerate(self._pending):
+            if block.numel() == size:
+                del self._pending[index]
+                event.synchronize()
+                return block
+        raise PoolExhaustedError(
+            f"host buffer pool exhausted: need {size} bytes, {self.allocated_bytes} of "
+            f"{self.max_bytes} allocated and {self.in_use_bytes} in use; raise max_bytes or "
+            "swap fewer activations at a time")

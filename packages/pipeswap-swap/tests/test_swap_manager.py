@@ -1,0 +1,316 @@
+"""The swap manager on the CPU platform (worker-thread copy streams), with real autograd."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+
+from pipeswap.platform import get_platform
+from pipeswap.swap import (
+    GroupState,
+    InPlaceModificationError,
+    SwapError,
+    SwapManager,
+    SwapResidencyError,
+)
+
+Model = Callable[[torch.Tensor], torch.Tensor]
+
+
+@pytest.fixture
+def mgr() -> SwapManager:
+    return SwapManager(get_platform("cpu"))
+
+
+def backward(loss: torch.Tensor) -> None:
+    loss.backward()  # type: ignore[no-untyped-call]
+
+
+def _round_trip(mgr: SwapManager, name: str) -> None:
+    mgr.launch_offload(name)
+    mgr.wait_offload(name)
+    mgr.launch_load(name)
+    mgr.wait_load(name)
+
+
+def _grads(model: torch.nn.Module, x: torch.Tensor, mgr: SwapManager | None) -> list[torch.Tensor]:
+    model.zero_grad(set_to_none=True)
+    x = x.detach().requires_grad_(True)
+    if mgr is None:
+        loss = model(x).sum()
+    else:
+        with mgr.group_context("g"):
+            loss = model(x).sum()
+        _round_trip(mgr, "g")
+    backward(loss)
+    assert x.grad is not None
+    return [x.grad.clone(), *(p.grad.clone() for p in model.parameters() if p.grad is not None)]
+
+
+class Attention(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv = torch.nn.Linear(16, 48)
+        self.out = torch.nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(x).chunk(3, dim=-1)  # views of one storage
+        scores = (q @ k.transpose(-2, -1)) / 4.0
+        mixed = torch.softmax(scores, dim=-1) @ v
+        out: torch.Tensor = self.out(torch.nn.functional.gelu(mixed)) + x
+        return out
+
+
+class InPlaceAndDtypes(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(16, 16)
+        self.b = torch.nn.Linear(16, 16).to(torch.float64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        h = torch.relu_(h * 1.0)  # in-place op autograd allows
+        t = h.transpose(-2, -1).contiguous().transpose(-2, -1)  # transposed views
+        d = self.b(t.to(torch.float64))  # a float64 leg
+        out: torch.Tensor = (d.to(torch.float32) * h).tanh() + h * h  # h saved more than once
+        return out
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 16)),
+        Attention,
+        InPlaceAndDtypes,
+    ],
+)
+def test_gradients_are_bit_identical_with_swap(make: Callable[[], torch.nn.Module]) -> None:
+    torch.manual_seed(0)
+    model = make()
+    x = torch.randn(4, 8, 16)
+    reference = _grads(model, x, None)
+    mgr = SwapManager(get_platform("cpu"))
+    mgr.protect_module(model)
+    swapped = _grads(model, x, mgr)
+    assert mgr.stats().bytes_offloaded > 0
+    assert len(reference) == len(swapped)
+    for want, got in zip(reference, swapped):
+        assert torch.equal(want, got)
+
+
+def test_device_memory_is_released_and_accounted_exactly(mgr: SwapManager) -> None:
+    x = torch.randn(64, 64, requires_grad=True)
+    w = torch.randn(64, 64, requires_grad=True)
+    with mgr.group_context("g"):
+        h = x @ w  # saves x and w: leaves, not parameters -> swapped
+        y = h.exp()  # saves its output
+        loss = y.sum()
+    held = mgr.stats().device_bytes_held
+    assert held == 3 * 64 * 64 * 4  # x, w and exp's output, one storage each
+    mgr.launch_offload("g")
+    mgr.wait_offload("g")
+    assert x.untyped_storage().nbytes() == 0 and w.untyped_storage().nbytes() == 0
+    stats = mgr.stats()
+    assert stats.device_bytes_held == 0 and stats.bytes_offloaded == held
+    assert stats.host_bytes_in_use >= held and stats.peak_device_bytes_held == held
+    mgr.launch_load("g")
+    mgr.wait_load("g")
+    stats = mgr.stats()
+    assert stats.device_bytes_held == held and stats.bytes_reloaded == held
+    assert stats.host_bytes_in_use == 0
+    backward(loss)
+    assert x.grad is not None and torch.equal(x.grad, (y @ w.t()).detach())
+    mgr.finish_group("g")
+    assert mgr.stats().device_bytes_held == 0 and mgr.active_group_count() == 0
+
+
+def test_views_of_one_storage_are_copied_once_and_all_restored(mgr: SwapManager) -> None:
+    base = torch.randn(10, 10, requires_grad=True)
+    with mgr.group_context("g"):
+        a = base * 2
+        parts = [a[:5].sin(), a[5:].cos(), a.t().exp()]  # three views of a saved
+        loss = torch.stack([p.sum() for p in parts]).sum()
+    # a is saved three times (by sin, cos and, through its transpose, nowhere else: exp saves
+    # its output): one entry for a's storage, one for exp's output; base * 2 saves nothing
+    assert mgr.stats().device_bytes_held == 2 * 100 * 4
+    _round_trip(mgr, "g")
+    backward(loss)
+    assert base.grad is not None
+    expected = 2 * torch.cat([(base[:5] * 2).cos(), -(base[5:] * 2).sin()]) + \
+        2 * (base * 2).t().exp().t()
+    assert torch.allclose(base.grad, expected)
+
+
+def test_protected_aliases_are_never_freed(mgr: SwapManager) -> None:
+    layer = torch.nn.Linear(8, 8)
+    alias = layer.weight.detach()  # shares the parameter's storage, not a Parameter
+    x = torch.randn(2, 8, requires_grad=True)
+    mgr.protect_module(layer)
+    with mgr.group_context("g"):
+        out = (x @ alias).sum() + layer(x).sum()
+    keep = torch.randn(4, 8, requires_grad=True)
+    with mgr.group_context("g"):
+        out = out + (keep * keep).sum()
+    mgr.protect_alias_tensors("g", {"inputs": [keep]})
+    mgr.launch_offload("g")
+    mgr.wait_offload("g")
+    assert layer.weight.untyped_storage().nbytes() == 8 * 8 * 4
+    assert keep.untyped_storage().nbytes() == 4 * 8 * 4
+    assert x.untyped_storage().nbytes() == 0
+    assert mgr.stats().skipped["parameter"] >= 1
+    mgr.launch_load("g")
+    mgr.wait_load("g")
+    backward(out)
+
+
+def test_a_storage_shared_across_groups_stays_resident(mgr: SwapManager) -> None:
+    shared = torch.randn(16, 16, requires_grad=True)
+    with mgr.group_context("first"):
+        a = shared.sin().sum()  # saves shared
+    with mgr.group_context("second"):
+        b = shared.cos().sum()  # saves shared again, in another group
+    assert mgr.stats().skipped["shared across groups"] == 1
+    mgr.launch_offload("first")
+    mgr.wait_offload("first")
+    assert shared.untyped_storage().nbytes() == 16 * 16 * 4
+    mgr.launch_load("first")
+    mgr.wait_load("first")
+    backward(a + b)
+
+
+@pytest.mark.parametrize(
+    ("calls", "message"),
+    [
+        (["wait_offload"], "wait_offload('g'): group is collecting, wait_offload needs it offloading"),
+        (["launch_offload", "launch_offload"], "group is offloading, launch_offload needs it collecting"),
+        (["launch_offload", "launch_load"], "call wait_offload first"),
+        (["launch_offload", "wait_offload", "wait_load"], "group is offloaded, wait_load needs it loading"),
+        (["launch_load"], "group is collecting, launch_load needs it offloaded"),
+    ],
+)
+def test_illegal_calls_name_the_group_state_and_call(
+    mgr: SwapManager, calls: list[str], message: str
+) -> None:
+    x = torch.randn(8, requires_grad=True)
+    with mgr.group_context("g"):
+        (x * x).sum()
+    *legal, illegal = calls
+    for call in legal:
+        getattr(mgr, call)("g")
+    with pytest.raises(SwapError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        getattr(mgr, illegal)("g")
+    mgr.abort_group("g")
+    assert mgr.active_group_count() == 0
+
+
+def test_unknown_groups_and_collecting_during_a_transfer(mgr: SwapManager) -> None:
+    with pytest.raises(SwapError, match=r"launch_offload\('nope'\): no such group"):
+        mgr.launch_offload("nope")
+    x = torch.randn(8, requires_grad=True)
+    with mgr.group_context("g"):
+        (x * x).sum()
+    mgr.launch_offload("g")
+    with pytest.raises(SwapError, match="group_context.*group is offloading"):
+        with mgr.group_context("g"):
+            pass
+    mgr.abort_group("g")
+
+
+def test_backward_never_reads_an_offloaded_activation(mgr: SwapManager) -> None:
+    x = torch.randn(32, requires_grad=True)
+    with mgr.group_context("g"):
+        loss = (x.exp()).sum()
+    mgr.launch_offload("g")
+    mgr.wait_offload("g")
+    with pytest.raises(SwapResidencyError, match="group 'g', which is offloaded"):
+        backward(loss)
+    mgr.abort_group("g")  # puts the storage back
+    assert x.untyped_storage().nbytes() == 32 * 4
+
+
+def test_load_on_demand_warns_and_keeps_numerics() -> None:
+    mgr = SwapManager(get_platform("cpu"), load_on_demand=True)
+    x = torch.randn(32, requires_grad=True)
+    with mgr.group_context("g"):
+        loss = (x.exp()).sum()
+    expected = x.detach().exp()
+    mgr.launch_offload("g")
+    mgr.wait_offload("g")
+    with pytest.warns(UserWarning, match="on demand"):
+        backward(loss)
+    assert x.grad is not None and torch.equal(x.grad, expected)
+
+
+def test_in_place_writes_after_save_are_detected(mgr: SwapManager) -> None:
+    x = torch.randn(16, requires_grad=True)
+    with mgr.group_context("g"):
+        h = x * 2
+        h.sin().sum()  # sin saves its input h
+    h.data.add_(0)  # no version bump through .data ...
+    with torch.no_grad():
+        h.add_(1)  # ... this one bumps the version
+    with pytest.raises(InPlaceModificationError, match="modified in place"):
+        mgr.launch_offload("g")
+    assert mgr.group_state("g") is GroupState.COLLECTING
+    mgr.abort_group("g")
+
+    with mgr.group_context("g2"):
+        h2 = x * 3
+        h2.sin().sum()
+    mgr.launch_offload("g2")
+    with torch.no_grad():
+        h2.add_(1)  # written while the copy may be running
+    with pytest.raises(InPlaceModificationError):
+        mgr.wait_offload("g2")
+    assert h2.untyped_storage().nbytes() == 16 * 4  # nothing was freed
+    assert mgr.stats().host_bytes_in_use == 0
+    mgr.abort_group("g2")
+
+
+def test_abort_restores_everything_and_the_manager_goes_on(mgr: SwapManager) -> None:
+    x = torch.randn(64, requires_grad=True)
+    with mgr.group_context("g"):
+        loss = (x.exp()).sum()
+    expected = x.detach().exp()
+    mgr.launch_offload("g")
+    mgr.wait_offload("g")
+    mgr.abort_group("g")
+    assert x.untyped_storage().nbytes() == 64 * 4
+    assert mgr.stats().host_bytes_in_use == 0 and mgr.active_group_count() == 0
+    backward(loss)  # the data came back
+    assert x.grad is not None and torch.equal(x.grad, expected)
+    mgr.abort_group("g")  # a missing group: no-op
+    y = torch.randn(8, requires_grad=True)
+    with mgr.group_context("next"):
+        loss2 = (y * y).sum()
+    _round_trip(mgr, "next")
+    backward(loss2)
+
+
+def test_host_buffers_are_reused_in_steady_state(mgr: SwapManager) -> None:
+    for step in range(3):
+        x = torch.randn(256, requires_grad=True)
+        with mgr.group_context(f"step{step}"):
+            loss = x.exp().sum()
+        _round_trip(mgr, f"step{step}")
+        backward(loss)
+        mgr.finish_group(f"step{step}")
+        if step == 0:
+            after_first = mgr.stats().host_buffers_allocated
+    assert mgr.stats().host_buffers_allocated == after_first
+
+
+def test_small_tensors_stay_below_the_threshold() -> None:
+    mgr = SwapManager(get_platform("cpu"), min_bytes=1024)
+    small, big = torch.randn(8, requires_grad=True), torch.randn(1024, requires_grad=True)
+    with mgr.group_context("g"):
+        loss = small.sin().sum() + big.sin().sum()  # sin saves its input
+    mgr.launch_offload("g")
+    mgr.wait_offload("g")
+    assert small.untyped_storage().nbytes() == 8 * 4 and big.untyped_storage().nbytes() == 0
+    assert mgr.stats().skipped["below min_bytes"] == 1
+    mgr.launch_load("g")
+    mgr.wait_load("g")
+    backward(loss)
