@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 
 import pytest
@@ -11,6 +12,7 @@ from pipeswap.platform import get_platform
 from pipeswap.swap import (
     GroupState,
     InPlaceModificationError,
+    PoolExhaustedError,
     SwapError,
     SwapManager,
     SwapResidencyError,
@@ -314,3 +316,45 @@ def test_small_tensors_stay_below_the_threshold() -> None:
     mgr.launch_load("g")
     mgr.wait_load("g")
     backward(loss)
+
+
+def test_a_failed_launch_leaves_the_group_intact_and_returns_its_buffers() -> None:
+    mgr = SwapManager(get_platform("cpu"), pool_bytes=64 * 1024)
+    tensors = [torch.randn(4096, requires_grad=True) for _ in range(6)]  # 16 KiB each
+    with mgr.group_context("g"):
+        loss = torch.stack([t.sin().sum() for t in tensors]).sum()
+    with pytest.raises(PoolExhaustedError, match="raise max_bytes"):
+        mgr.launch_offload("g")  # the fifth buffer does not fit under the cap
+    assert mgr.group_state("g") is GroupState.COLLECTING
+    assert mgr.stats().host_bytes_in_use == 0
+    assert all(t.untyped_storage().nbytes() == 4096 * 4 for t in tensors)
+    mgr.abort_group("g")
+    backward(loss)  # nothing was lost
+    assert all(t.grad is not None for t in tensors)
+
+
+def test_groups_on_two_threads_do_not_mix() -> None:
+    mgr = SwapManager(get_platform("cpu"))
+    errors: list[BaseException] = []
+
+    def step(name: str) -> None:
+        try:
+            for _ in range(5):
+                x = torch.randn(512, requires_grad=True)
+                with mgr.group_context(name):
+                    loss = x.sin().sum()
+                expected = x.detach().cos()
+                _round_trip(mgr, name)
+                backward(loss)
+                assert x.grad is not None and torch.equal(x.grad, expected)
+                mgr.finish_group(name)
+        except BaseException as exc:  # noqa: BLE001 - re-raised on the main thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=step, args=(f"t{i}",)) for i in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert errors == []
+    assert mgr.active_group_count() == 0 and mgr.stats().device_bytes_held == 0

@@ -61,9 +61,9 @@ class HostBufferPool:
                 self.allocated_bytes += size
                 self.allocated_blocks += 1
                 block = self._platform.host_buffer(size)
-            if block is None:
-                block = self._wait_for_pending(size)
-            self.in_use_bytes += size
+            if block is None:  # at the cap: a larger free block, else wait for a pending one
+                block = self._take_larger_free(size) or self._wait_for_pending(size)
+            self.in_use_bytes += block.numel()
         return HostBuffer(block, block[:nbytes])
 
     def release(self, buffer: HostBuffer, after: Event | None = None) -> None:
@@ -89,9 +89,13 @@ class HostBufferPool:
         blocks = self._free.get(size)
         return blocks.pop() if blocks else None
 
+    def _take_larger_free(self, size: int) -> torch.Tensor | None:
+        sizes = sorted(s for s, blocks in self._free.items() if s > size and blocks)
+        return self._free[sizes[0]].pop() if sizes else None
+
     def _wait_for_pending(self, size: int) -> torch.Tensor:
         for index, (block, event) in enumerate(self._pending):
-            if block.numel() == size:
+            if block.numel() >= size:
                 del self._pending[index]
                 event.synchronize()
                 return block

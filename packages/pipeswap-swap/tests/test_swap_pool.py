@@ -1,0 +1,63 @@
+"""The host buffer pool: size classes, a byte cap, reuse only after the copy completed."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from pipeswap.platform import get_platform
+from pipeswap.platform.cpu import CpuPlatform
+from pipeswap.swap.pool import HostBufferPool, PoolExhaustedError, size_class
+
+
+def _hold(gate: threading.Event) -> None:
+    assert gate.wait(30), "test gate never opened"
+
+
+def test_size_classes_are_powers_of_two_from_4_kib() -> None:
+    assert [size_class(n) for n in (1, 4096, 4097, 10_000)] == [4096, 4096, 8192, 16384]
+
+
+def test_a_buffer_is_reused_only_after_its_copy_completed() -> None:
+    platform = get_platform("cpu")
+    assert isinstance(platform, CpuPlatform)
+    pool = HostBufferPool(platform, max_bytes=1 << 20)
+    first = pool.acquire(5000)
+    assert first.view.numel() == 5000 and first.block.numel() == 8192
+    stream = platform.new_stream()
+    gate = threading.Event()
+    stream.submit(lambda: _hold(gate))
+    copy_done = platform.new_event()
+    copy_done.record(stream)  # the copy "using" first is still running
+    pool.release(first, copy_done)
+    second = pool.acquire(5000)
+    assert second.block.data_ptr() != first.block.data_ptr()  # not reused while pending
+    gate.set()
+    copy_done.synchronize()
+    pool.release(second)
+    third, fourth = pool.acquire(6000), pool.acquire(6000)
+    assert {third.block.data_ptr(), fourth.block.data_ptr()} == {
+        first.block.data_ptr(), second.block.data_ptr()}
+    assert pool.allocated_blocks == 2 and pool.allocated_bytes == 2 * 8192
+    assert pool.in_use_bytes == 2 * 8192
+
+
+def test_at_the_cap_the_pool_waits_for_a_pending_block_or_refuses() -> None:
+    platform = get_platform("cpu")
+    assert isinstance(platform, CpuPlatform)
+    pool = HostBufferPool(platform, max_bytes=8192)
+    buffer = pool.acquire(8000)
+    with pytest.raises(PoolExhaustedError, match="need 4096 bytes, 8192 of 8192 allocated"):
+        pool.acquire(100)
+    stream = platform.new_stream()
+    stream.submit(lambda: None)
+    done = platform.new_event()
+    done.record(stream)
+    pool.release(buffer, done)
+    again = pool.acquire(100)  # at the cap: waits for `done`, then reuses the larger block
+    assert again.block.data_ptr() == buffer.block.data_ptr() and again.view.numel() == 100
+    with pytest.raises(ValueError, match="max_bytes must be a positive integer"):
+        HostBufferPool(platform, max_bytes=0)
+    assert torch.equal(again.view, again.block[:100])
