@@ -30,7 +30,8 @@ commands:
                      (e.g. `python3 dev.py test -k hygiene -x`)
   demo               run `pipeswap-schedule show --schedule 1f1b --ranks 4 --microbatches 8
                      --swap` in the default env
-  bench [ARGS...]    run benchmarks/schedule_passes.py in the default env
+  bench [ARGS...]    run benchmarks/schedule_passes.py and benchmarks/swap_overhead.py in
+                     the default env (`bench --write` records the results in BENCHMARKS.md)
 """
 
 from __future__ import annotations
@@ -62,6 +63,7 @@ HATCH = "1.18.2"
 UV = "0.13.9"
 TORCH = "2.13.0+cpu"  # a CPU build: its dependencies hold no nvidia-* packages
 PYTEST = "pytest~=9.2"
+BENCHMARKS = ["benchmarks/schedule_passes.py", "benchmarks/swap_overhead.py"]
 DEMO = ["pipeswap-schedule", "show", "--schedule", "1f1b", "--ranks", "4", "--microbatches", "8", "--swap"]
 
 
@@ -325,7 +327,8 @@ def main(argv: list[str] | None = None) -> int:
             if args.command == "demo":
                 hatch("run", *DEMO)
             else:
-                hatch("run", "python", "benchmarks/schedule_passes.py", *extra)
+                for script in BENCHMARKS:
+                    hatch("run", "python", script, *extra)
     except Failure as e:
         print(f"\ndev.py {args.command}: FAILED: {e}", file=sys.stderr)
         return 1

@@ -13,9 +13,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import os
-import platform
-import re
 import sys
 import time
 from collections.abc import Callable
@@ -25,9 +22,11 @@ from pathlib import Path
 from pipeswap.schedule import Schedule, ScheduleKind, ScheduleSpec, simulate_p2p, validate_rank
 from pipeswap.schedule.build import generate, passes
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _report import BENCHMARKS_MD, machine, write_section  # noqa: E402
+
 TARGET_SECONDS = 2.0
 TARGET_RATIO = 2.2
-BENCHMARKS_MD = Path(__file__).resolve().parent.parent / "BENCHMARKS.md"
 SECTION = "## Schedule passes (`benchmarks/schedule_passes.py`)"
 
 
@@ -99,19 +98,6 @@ def measure(case: Case, microbatches: int, repeat: int) -> Result:
     return Result(case, microbatches, steps, best_total, best)
 
 
-def machine() -> str:
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return (f"{cpu}, {os.cpu_count()} cores, Python {platform.python_version()} "
-            f"({platform.python_implementation()}), {platform.system()}")
-
-
 def table(results: list[tuple[Result, Result]]) -> str:
     lines = [
         "| case | M | steps | time | M doubled | steps | time | ratio | phases at M (s) |",
@@ -126,15 +112,6 @@ def table(results: list[tuple[Result, Result]]) -> str:
             f"{doubled.microbatches} | {doubled.steps:,} | {doubled.total:.2f} s | "
             f"{ratio:.2f}x{flag} | {phases} |")
     return "\n".join(lines)
-
-
-def write(report: str) -> None:
-    text = BENCHMARKS_MD.read_text() if BENCHMARKS_MD.exists() else "# Benchmarks\n"
-    pattern = re.compile(rf"{re.escape(SECTION)}\n.*?(?=\n## |\Z)", re.S)
-    section = f"{SECTION}\n\n{report}\n"
-    text = pattern.sub(lambda _: section, text) if pattern.search(text) else (
-        text.rstrip("\n") + "\n\n" + section)
-    BENCHMARKS_MD.write_text(text)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -161,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(report)
     if args.write:
-        write(report)
+        write_section(SECTION, report)
         print(f"\nwritten to {BENCHMARKS_MD}", file=sys.stderr)
     return 0
 

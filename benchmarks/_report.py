@@ -1,0 +1,33 @@
+"""Shared by the benchmarks: the machine line and writing a section of BENCHMARKS.md."""
+
+from __future__ import annotations
+
+import os
+import platform
+import re
+from pathlib import Path
+
+BENCHMARKS_MD = Path(__file__).resolve().parent.parent / "BENCHMARKS.md"
+
+
+def machine() -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return (f"{cpu}, {os.cpu_count()} cores, Python {platform.python_version()} "
+            f"({platform.python_implementation()}), {platform.system()}")
+
+
+def write_section(title: str, report: str) -> None:
+    """Put ``report`` under the ``title`` heading of BENCHMARKS.md, replacing what was there."""
+    text = BENCHMARKS_MD.read_text() if BENCHMARKS_MD.exists() else "# Benchmarks\n"
+    pattern = re.compile(rf"{re.escape(title)}\n.*?(?=\n## |\Z)", re.S)
+    section = f"{title}\n\n{report}\n"
+    text = pattern.sub(lambda _: section, text) if pattern.search(text) else (
+        text.rstrip("\n") + "\n\n" + section)
+    BENCHMARKS_MD.write_text(text)
