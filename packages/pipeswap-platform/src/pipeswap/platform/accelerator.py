@@ -4,16 +4,16 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, cast
 
-from pipeswap.platform import introspection
+from pipeswap.platform.introspection import ModuleIntrospection
 from pipeswap.platform.protocol import Event, MemoryStats, Stream
 
 if TYPE_CHECKING:
     import torch
 
 
-class AcceleratorPlatform:
+class AcceleratorPlatform(ModuleIntrospection):
     """One accelerator device: ``torch.Stream``/``torch.Event``, pinned host buffers, and the
     caching allocator's statistics from ``torch.accelerator``."""
 
@@ -79,15 +79,6 @@ class AcceleratorPlatform:
         import torch
 
         torch.accelerator.reset_peak_memory_stats(self._device)
-
-    def parameters_dict(self, module: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
-        return introspection.parameters_dict(module)
-
-    def buffers_dict(self, module: torch.nn.Module) -> dict[str, torch.Tensor]:
-        return introspection.buffers_dict(module)
-
-    def get_model_state_dict(self, module: torch.nn.Module) -> dict[str, Any]:
-        return introspection.get_model_state_dict(module)
 
     def __repr__(self) -> str:
         return f"AcceleratorPlatform({self._device})"

@@ -15,9 +15,9 @@ import threading
 import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from pipeswap.platform import introspection
+from pipeswap.platform.introspection import ModuleIntrospection
 from pipeswap.platform.protocol import MemoryStats, Stream
 
 if TYPE_CHECKING:
@@ -131,7 +131,7 @@ class CpuEvent:
             raise CopyStreamError(f"work on {stream!r} failed: {stream.error}") from stream.error
 
 
-class CpuPlatform:
+class CpuPlatform(ModuleIntrospection):
     """Activations in host memory; copies on worker-thread streams."""
 
     def __init__(self) -> None:
@@ -187,15 +187,6 @@ class CpuPlatform:
 
     def reset_peak_memory_stats(self) -> None:
         pass
-
-    def parameters_dict(self, module: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
-        return introspection.parameters_dict(module)
-
-    def buffers_dict(self, module: torch.nn.Module) -> dict[str, torch.Tensor]:
-        return introspection.buffers_dict(module)
-
-    def get_model_state_dict(self, module: torch.nn.Module) -> dict[str, Any]:
-        return introspection.get_model_state_dict(module)
 
     def _resolve(self, stream: Stream | None) -> Stream:
         if stream is None:

@@ -21,3 +21,16 @@ def buffers_dict(module: torch.nn.Module) -> dict[str, torch.Tensor]:
 def get_model_state_dict(module: torch.nn.Module) -> dict[str, Any]:
     """The module's state dict (parameters and persistent buffers)."""
     return dict(module.state_dict())
+
+
+class ModuleIntrospection:
+    """The introspection part of the platform protocol; it does not depend on the device."""
+
+    def parameters_dict(self, module: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
+        return parameters_dict(module)
+
+    def buffers_dict(self, module: torch.nn.Module) -> dict[str, torch.Tensor]:
+        return buffers_dict(module)
+
+    def get_model_state_dict(self, module: torch.nn.Module) -> dict[str, Any]:
+        return get_model_state_dict(module)
