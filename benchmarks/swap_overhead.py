@@ -48,14 +48,17 @@ class Block(torch.nn.Module):
         return out
 
 
-def _median_seconds(step: Callable[[], None], repeat: int) -> float:
-    step()  # warm-up
-    times = []
+def _median_seconds(steps: list[Callable[[], None]], repeat: int) -> list[float]:
+    """Median time of each step, run alternately so that drift hits all of them alike."""
+    for step in steps:
+        step()  # warm-up
+    times: list[list[float]] = [[] for _ in steps]
     for _ in range(repeat):
-        start = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+        for step, samples in zip(steps, times):
+            start = time.perf_counter()
+            step()
+            samples.append(time.perf_counter() - start)
+    return [statistics.median(samples) for samples in times]
 
 
 def collection_overhead(repeat: int) -> tuple[float, float]:
@@ -73,7 +76,8 @@ def collection_overhead(repeat: int) -> tuple[float, float]:
         loss.backward()
         mgr.finish_group("g")
 
-    return _median_seconds(plain, repeat), _median_seconds(collecting, repeat)
+    plain_s, collecting_s = _median_seconds([plain, collecting], repeat)
+    return plain_s, collecting_s
 
 
 def throughput(steps: int) -> tuple[float, float, int]:
@@ -101,7 +105,7 @@ def throughput(steps: int) -> tuple[float, float, int]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--repeat", type=int, default=20, help="timed steps per variant")
+    parser.add_argument("--repeat", type=int, default=40, help="timed steps per variant")
     parser.add_argument("--write", action="store_true", help="record results in BENCHMARKS.md")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import weakref
 from collections.abc import Callable
 
 import pytest
@@ -358,3 +359,18 @@ def test_groups_on_two_threads_do_not_mix() -> None:
         thread.join()
     assert errors == []
     assert mgr.active_group_count() == 0 and mgr.stats().device_bytes_held == 0
+
+
+def test_the_manager_does_not_keep_freed_activations_alive(mgr: SwapManager) -> None:
+    x = torch.randn(1024, requires_grad=True)
+    with mgr.group_context("g"):
+        h = x * 2
+        loss = h.sin().sum()  # autograd saves h; after backward nothing needs it
+    saved = weakref.ref(h)
+    del h
+    _round_trip(mgr, "g")
+    backward(loss)
+    del loss
+    assert saved() is None  # autograd released it, and swap did not hold on to it
+    mgr.finish_group("g")
+    assert mgr.stats().device_bytes_held == 0

@@ -11,9 +11,10 @@ from __future__ import annotations
 import contextvars
 import threading
 import warnings
+import weakref
 from collections import Counter
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import TYPE_CHECKING, Any
@@ -65,20 +66,36 @@ class SwapStats:
 
 @dataclass
 class _Storage:
-    """One device storage saved by a group: all its saved views travel together."""
+    """One device storage saved by a group: all its saved views travel together.
 
-    storage: Any  # torch.UntypedStorage
+    The views are held weakly: autograd owns them (through :class:`_Saved`) and frees them
+    during backward, and swap must not keep that memory alive any longer. A storage whose
+    views are all gone has nothing left to move.
+    """
+
     nbytes: int
-    views: list[tuple[torch.Tensor, int]] = field(default_factory=list)  # (tensor, version)
+    views: list[tuple[weakref.ref[torch.Tensor], int]] = field(default_factory=list)
     protected: bool = False
     resident: bool = True
     host: HostBuffer | None = None
 
-    def bytes_tensor(self) -> torch.Tensor:
+    def live_views(self) -> list[tuple[torch.Tensor, int]]:
+        """(tensor, version when saved) for every saved view still alive."""
+        return [(t, v) for ref, v in self.views if (t := ref()) is not None]
+
+    def storage(self) -> Any | None:
+        """The storage (``torch.UntypedStorage``), or None once no saved view is alive."""
+        for ref, _ in self.views:
+            tensor = ref()
+            if tensor is not None:
+                return tensor.untyped_storage()
+        return None
+
+    def bytes_tensor(self, storage: Any) -> torch.Tensor:
         """A uint8 tensor over the whole storage (its current size)."""
         import torch
 
-        return torch.empty(0, dtype=torch.uint8, device=self.storage.device).set_(self.storage)
+        return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
 
 
 @dataclass
@@ -87,6 +104,7 @@ class _Group:
     state: GroupState = GroupState.COLLECTING
     storages: dict[int, _Storage] = field(default_factory=dict)  # data_ptr -> storage
     event: Event | None = None  # the transfer in flight
+    loading: list[_Storage] = field(default_factory=list)  # what the load in flight restores
 
 
 class _Saved:
@@ -123,7 +141,6 @@ class SwapManager:
         self._lock = threading.RLock()
         self._groups: dict[str, _Group] = {}
         self._owner: dict[int, str] = {}  # storage data_ptr -> group that saved it
-        self._shared: set[int] = set()  # storages saved by several groups: never swapped
         self._protected: set[int] = set()  # storages protected manager-wide
         self._current: contextvars.ContextVar[str | None] = contextvars.ContextVar(
             f"pipeswap_swap_group_{id(self):x}", default=None)
@@ -209,18 +226,21 @@ class SwapManager:
             if group.state is not GroupState.COLLECTING:
                 raise SwapError(f"group_context({name!r}): group is {group.state.value}; "
                                 "collecting needs it collecting")
-            owner = self._owner.setdefault(ptr, name)
-            if owner != name or ptr in self._shared:
-                self._share(ptr)
+            owner = self._live_entry(self._owner.get(ptr), ptr)
+            if owner is not None and owner[0].name != name:
+                owner[1].protected = True  # saved by two groups: it stays on the device
                 self._skipped["shared across groups"] += 1
                 return tensor
             entry = group.storages.get(ptr)
-            if entry is None:
-                entry = _Storage(storage, storage.nbytes(), protected=ptr in self._protected)
+            if entry is None or entry.storage() is None:  # new, or an old storage's address
+                if entry is not None and entry.resident:
+                    self._held -= entry.nbytes
+                entry = _Storage(storage.nbytes(), protected=ptr in self._protected)
                 group.storages[ptr] = entry
+                self._owner[ptr] = name
                 self._held += entry.nbytes
                 self._peak = max(self._peak, self._held)
-            entry.views.append((tensor, tensor._version))
+            entry.views.append((weakref.ref(tensor), tensor._version))
         return _Saved(group, entry, tensor)
 
     def _skip_reason(self, tensor: torch.Tensor) -> str | None:
@@ -237,14 +257,13 @@ class SwapManager:
             return "below min_bytes"
         return None
 
-    def _share(self, ptr: int) -> None:
-        """A storage saved by two groups stays resident in both (one must not free the
-        other's data)."""
-        self._shared.add(ptr)
-        for group in self._groups.values():
-            entry = group.storages.get(ptr)
-            if entry is not None:
-                entry.protected = True
+    def _live_entry(self, name: str | None, ptr: int) -> tuple[_Group, _Storage] | None:
+        """The group and entry that hold storage ``ptr`` with a saved view still alive."""
+        group = self._groups.get(name) if name is not None else None
+        entry = group.storages.get(ptr) if group is not None else None
+        if group is None or entry is None or entry.storage() is None:
+            return None
+        return group, entry
 
     def _unpack(self, saved: Any) -> torch.Tensor:
         if not isinstance(saved, _Saved):
@@ -259,17 +278,25 @@ class SwapManager:
             warnings.warn(f"loading an activation of group {group.name!r} on demand; schedule "
                           "launch_load/wait_load before backward to overlap the copy",
                           stacklevel=2)
-            self._restore_now(group, entry)
+            with self._lock:
+                self._restore_now(group, entry)
         return saved.tensor
 
     # -- transfers -------------------------------------------------------------------------
 
-    def _swappable(self, group: _Group) -> list[_Storage]:
-        return [e for e in group.storages.values() if not e.protected and e.nbytes > 0]
+    def _swappable(self, group: _Group) -> list[tuple[_Storage, Any]]:
+        """(entry, storage) for every storage of the group that moves: not protected, with a
+        saved view alive."""
+        moving = []
+        for entry in group.storages.values():
+            storage = None if entry.protected else entry.storage()
+            if storage is not None:
+                moving.append((entry, storage))
+        return moving
 
     def _check_versions(self, group: _Group, call: str) -> None:
-        for entry in self._swappable(group):
-            for tensor, version in entry.views:
+        for entry, _ in self._swappable(group):
+            for tensor, version in entry.live_views():
                 if tensor._version != version:
                     raise InPlaceModificationError(
                         f"{call}({group.name!r}): a saved activation {tuple(tensor.shape)} was "
@@ -289,13 +316,14 @@ class SwapManager:
             try:
                 ready.wait(self._d2h)
                 with self.platform.stream(self._d2h):
-                    for entry in self._swappable(group):
+                    for entry, storage in self._swappable(group):
                         entry.host = self._pool.acquire(entry.nbytes)
                         taken.append(entry)
-                        self.platform.copy_(entry.host.view, entry.bytes_tensor())
+                        self.platform.copy_(entry.host.view, entry.bytes_tensor(storage))
                 done.record(self._d2h)
             except BaseException:
-                self._d2h.synchronize()  # nothing may still write into the buffers we return
+                with suppress(Exception):  # the first error is the one to report
+                    self._d2h.synchronize()  # nothing may still write into returned buffers
                 for entry in taken:
                     self._return_host(entry, None)
                 raise
@@ -312,14 +340,15 @@ class SwapManager:
                 self._check_versions(group, "wait_offload")
             except InPlaceModificationError:
                 group.state = GroupState.COLLECTING  # nothing was freed; the copies are stale
-                for entry in self._swappable(group):
+                for entry in group.storages.values():
                     self._return_host(entry, group.event)
                 raise
-            for entry in group.storages.values():
-                if entry.protected:  # protected since the launch (shared): keep it, drop the copy
+            moving = self._swappable(group)
+            for entry in group.storages.values():  # protected since the launch, or gone
+                if all(entry is not other for other, _ in moving):
                     self._return_host(entry, group.event)
-            for entry in self._swappable(group):
-                entry.storage.resize_(0)
+            for entry, storage in moving:
+                storage.resize_(0)
                 entry.resident = False
                 self._held -= entry.nbytes
                 self._offloaded += entry.nbytes
@@ -333,19 +362,20 @@ class SwapManager:
                 raise SwapError(f"launch_load({name!r}): group is offloading; call "
                                 "wait_offload first (load before the offload finished)")
             self._expect(group, "launch_load", GroupState.OFFLOADED)
-            entries = self._swappable(group)
-            for entry in entries:
-                entry.storage.resize_(entry.nbytes)
+            moving = [(e, s) for e, s in self._swappable(group) if not e.resident]
+            for entry, storage in moving:
+                storage.resize_(entry.nbytes)
             ready = self.platform.new_event()
             ready.record()
             ready.wait(self._h2d)
             with self.platform.stream(self._h2d):
-                for entry in entries:
+                for entry, storage in moving:
                     assert entry.host is not None
-                    self.platform.copy_(entry.bytes_tensor(), entry.host.view)
+                    self.platform.copy_(entry.bytes_tensor(storage), entry.host.view)
             done = self.platform.new_event()
             done.record(self._h2d)
-            for entry in entries:
+            group.loading = [entry for entry, _ in moving]
+            for entry in group.loading:
                 self._held += entry.nbytes
             self._peak = max(self._peak, self._held)
             group.event, group.state = done, GroupState.LOADING
@@ -357,10 +387,12 @@ class SwapManager:
             self._expect(group, "wait_load", GroupState.LOADING)
             assert group.event is not None
             group.event.wait()
-            for entry in self._swappable(group):
+            for entry in group.loading:
                 entry.resident = True
                 self._reloaded += entry.nbytes
+            for entry in group.storages.values():
                 self._return_host(entry, group.event)
+            group.loading = []
             group.event, group.state = None, GroupState.RESIDENT
 
     def finish_group(self, name: str) -> None:
@@ -379,18 +411,25 @@ class SwapManager:
                 return
             if group.event is not None:
                 group.event.synchronize()
-            for entry in self._swappable(group):
+            for entry in group.loading:  # a load in flight is complete now
+                entry.resident = True
+                self._reloaded += entry.nbytes
+            for entry in group.storages.values():
                 if not entry.resident:
                     self._restore_now(group, entry)
-                elif entry.host is not None:
-                    self._return_host(entry, None)
+                self._return_host(entry, None)
             self._drop(group, GroupState.ABORTED)
 
     def _restore_now(self, group: _Group, entry: _Storage) -> None:
-        """Bring one freed storage back synchronously (its host copy is complete)."""
+        """Bring one freed storage back synchronously (its host copy is complete); a storage
+        whose saved views are all gone is simply forgotten."""
+        storage = entry.storage()
+        if storage is None:
+            self._return_host(entry, None)
+            return
         assert entry.host is not None
-        entry.storage.resize_(entry.nbytes)
-        self.platform.copy_(entry.bytes_tensor(), entry.host.view)
+        storage.resize_(entry.nbytes)
+        self.platform.copy_(entry.bytes_tensor(storage), entry.host.view)
         done = self.platform.new_event()
         done.record()
         done.synchronize()
