@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import sys
 import threading
 
 import pytest
@@ -138,9 +139,26 @@ def test_host_buffers_and_memory_statistics(cpu: CpuPlatform) -> None:
     buffer = cpu.host_buffer(4096)
     assert buffer.dtype == torch.uint8 and buffer.numel() == 4096 and buffer.device.type == "cpu"
     assert cpu.pins_host_memory is False
-    assert cpu.memory_stats() is None  # torch has no host allocator statistics
-    cpu.reset_peak_memory_stats()
     assert cpu.device == torch.device("cpu")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads Linux's /proc")
+def test_memory_statistics_follow_the_resident_set(cpu: CpuPlatform) -> None:
+    size = 256 << 20
+    before = cpu.memory_stats()
+    assert before is not None and before.scope == "process resident set"
+    block = torch.ones(size // 4)  # touched, so resident
+    during = cpu.memory_stats()
+    assert during is not None
+    assert during.allocated - before.allocated >= size * 0.9
+    assert during.peak >= before.allocated + size * 0.9  # the kernel counts pages lazily
+    del block
+    after = cpu.memory_stats()
+    assert after is not None and after.allocated <= during.allocated - size * 0.9
+    assert after.peak >= before.allocated + size * 0.9  # the peak remembers the block
+    cpu.reset_peak_memory_stats()
+    reset = cpu.memory_stats()
+    assert reset is not None and reset.peak <= during.peak - size * 0.9
 
 
 def test_module_introspection(cpu: CpuPlatform) -> None:

@@ -183,6 +183,82 @@ def test_a_storage_shared_across_groups_stays_resident(mgr: SwapManager) -> None
     backward(a + b)
 
 
+class _SaveOnly(torch.autograd.Function):
+    """Saves its input without reading it, like an op whose kernel ran before the save."""
+
+    @staticmethod
+    def forward(ctx: torch.autograd.function.FunctionCtx, x: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x)
+        return torch.zeros(())
+
+    @staticmethod
+    def backward(ctx: torch.autograd.function.FunctionCtx, grad: torch.Tensor) -> torch.Tensor:
+        (x,) = ctx.saved_tensors  # type: ignore[attr-defined]
+        return torch.zeros_like(x)
+
+
+def test_sharing_with_a_group_whose_offload_is_in_flight_keeps_the_storage(
+    mgr: SwapManager,
+) -> None:
+    shared = torch.randn(16, 16, requires_grad=True)
+    with mgr.group_context("first"):
+        a = shared.sin().sum()
+    mgr.launch_offload("first")  # the copy is in flight; nothing is freed yet
+    with mgr.group_context("second"):
+        b = shared.cos().sum()
+    mgr.wait_offload("first")
+    assert shared.untyped_storage().nbytes() == 16 * 16 * 4
+    assert mgr.stats().host_bytes_in_use == 0  # the stale copy's buffer went back
+    mgr.launch_load("first")
+    mgr.wait_load("first")
+    backward(a + b)
+    assert shared.grad is not None
+    assert torch.equal(shared.grad, shared.detach().cos() - shared.detach().sin())
+
+
+def test_saving_a_storage_another_group_offloaded_is_refused(mgr: SwapManager) -> None:
+    shared = torch.randn(16, 16, requires_grad=True)
+    with mgr.group_context("first"):
+        a = shared.sin().sum()
+    mgr.launch_offload("first")
+    mgr.wait_offload("first")
+    with pytest.raises(SwapResidencyError, match=r"group_context\('second'\).*group 'first' "
+                       r"\(offloaded\).*protect_alias_tensors\('first'"):
+        with mgr.group_context("second"):
+            _SaveOnly.apply(shared)  # type: ignore[no-untyped-call]
+    mgr.launch_load("first")  # the first group is untouched by the refusal
+    mgr.wait_load("first")
+    backward(a)
+    assert shared.grad is not None and torch.equal(shared.grad, shared.detach().cos())
+
+
+def test_protection_counts_until_wait_offload_and_is_refused_after(mgr: SwapManager) -> None:
+    x = torch.randn(32, 32, requires_grad=True)
+    with mgr.group_context("late"):
+        h = x.exp()
+        a = (h * h).sum()  # saves h
+    mgr.launch_offload("late")
+    mgr.protect_alias_tensors("late", [h])  # in flight: still in time
+    mgr.wait_offload("late")
+    assert h.untyped_storage().nbytes() == 32 * 32 * 4
+    mgr.launch_load("late")
+    mgr.wait_load("late")
+    backward(a)
+
+    with mgr.group_context("too late"):
+        h = x.exp()
+        b = (h * h).sum()
+    mgr.launch_offload("too late")
+    mgr.wait_offload("too late")
+    with pytest.raises(SwapError, match=r"protect_alias_tensors\('too late'\): group is "
+                       "offloaded and a storage to protect is already off the device"):
+        mgr.protect_alias_tensors("too late", [h])
+    mgr.launch_load("too late")  # the refusal changed nothing: h comes back with the group
+    mgr.wait_load("too late")
+    assert h.untyped_storage().nbytes() == 32 * 32 * 4
+    backward(b)
+
+
 @pytest.mark.parametrize(
     ("calls", "message"),
     [

@@ -14,7 +14,7 @@ import queue
 import threading
 import weakref
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from typing import TYPE_CHECKING
 
 from pipeswap.platform.introspection import ModuleIntrospection
@@ -183,10 +183,21 @@ class CpuPlatform(ModuleIntrospection):
         return torch.empty(nbytes, dtype=torch.uint8)
 
     def memory_stats(self) -> MemoryStats | None:
-        return None  # torch keeps no allocator statistics for host memory
+        """The process's resident set (torch keeps no statistics for host memory); None where
+        the OS does not report it (only Linux's /proc is read)."""
+        try:
+            with open("/proc/self/status", encoding="ascii") as status:
+                fields = dict(line.split(":", 1) for line in status if ":" in line)
+            rss, peak = (int(fields[k].split()[0]) << 10 for k in ("VmRSS", "VmHWM"))
+        except (OSError, KeyError, ValueError):
+            return None
+        return MemoryStats(allocated=rss, peak=peak, scope="process resident set")
 
     def reset_peak_memory_stats(self) -> None:
-        pass
+        """Reset the resident-set high-water mark to the current size (Linux 4.0+); where the
+        kernel refuses, the peak keeps counting from process start."""
+        with suppress(OSError), open("/proc/self/clear_refs", "w", encoding="ascii") as refs:
+            refs.write("5")
 
     def _resolve(self, stream: Stream | None) -> Stream:
         if stream is None:

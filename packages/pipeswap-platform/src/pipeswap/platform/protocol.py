@@ -40,10 +40,13 @@ class Event(Protocol):
 
 @dataclass(frozen=True)
 class MemoryStats:
-    """Bytes held by the device allocator now, and the most since the last peak reset."""
+    """Bytes held now, and the most since the last peak reset. ``scope`` says what is counted:
+    the device allocator's tensors on accelerators, the whole process's resident memory on CPU
+    (an upper bound of what tensors hold there)."""
 
     allocated: int
     peak: int
+    scope: str = "device allocator"
 
 
 class Platform(Protocol):
@@ -77,7 +80,7 @@ class Platform(Protocol):
         """A new uint8 host tensor of ``nbytes``, pinned where the device supports it."""
 
     def memory_stats(self) -> MemoryStats | None:
-        """Allocator statistics, or None where the device has no allocator statistics (CPU)."""
+        """Memory statistics, or None where the device reports none."""
 
     def reset_peak_memory_stats(self) -> None: ...
 

@@ -102,7 +102,7 @@ class _Storage:
 class _Group:
     name: str
     state: GroupState = GroupState.COLLECTING
-    storages: dict[int, _Storage] = field(default_factory=dict)  # data_ptr -> storage
+    storages: dict[int, _Storage] = field(default_factory=dict)  # storage key -> storage
     event: Event | None = None  # the transfer in flight
     loading: list[_Storage] = field(default_factory=list)  # what the load in flight restores
 
@@ -140,8 +140,8 @@ class SwapManager:
         self._h2d = platform.new_stream()
         self._lock = threading.RLock()
         self._groups: dict[str, _Group] = {}
-        self._owner: dict[int, str] = {}  # storage data_ptr -> group that saved it
-        self._protected: set[int] = set()  # storages protected manager-wide
+        self._owner: dict[int, str] = {}  # storage key -> group that saved it
+        self._protected: set[int] = set()  # storage keys protected manager-wide
         self._current: contextvars.ContextVar[str | None] = contextvars.ContextVar(
             f"pipeswap_swap_group_{id(self):x}", default=None)
         self._offloaded = self._reloaded = self._held = self._peak = 0
@@ -196,48 +196,68 @@ class SwapManager:
         ``.detach()`` aliases included)."""
         tensors = [*self.platform.parameters_dict(module).values(),
                    *self.platform.buffers_dict(module).values()]
+        keys = {_storage_key(t) for t in tensors}
         with self._lock:
-            self._protected.update(t.untyped_storage().data_ptr() for t in tensors)
-            for group in self._groups.values():
-                for ptr, entry in group.storages.items():
-                    if ptr in self._protected:
-                        entry.protected = True
+            self._protect(list(self._groups.values()), keys, "protect_module")
+            self._protected |= keys
 
     def protect_alias_tensors(self, name: str, tensors: Any) -> None:
         """Never free the storages in group ``name`` shared with any tensor in ``tensors``."""
         group = self._group(name, "protect_alias_tensors")
-        ptrs = {t.untyped_storage().data_ptr() for t in _tensors(tensors)}
+        keys = {_storage_key(t) for t in _tensors(tensors)}
         with self._lock:
-            for ptr in ptrs & group.storages.keys():
-                group.storages[ptr].protected = True
+            self._protect([group], keys, "protect_alias_tensors")
+
+    def _protect(self, groups: list[_Group], keys: set[int], call: str) -> None:
+        """Mark the groups' storages among ``keys`` protected; all or nothing.
+
+        Protection during an offload still counts (wait_offload keeps the storage), but a
+        storage already released cannot be kept: the caller protected it too late.
+        """
+        hits = [(g, g.storages[key]) for g in groups for key in keys & g.storages.keys()]
+        for group, entry in hits:
+            if not entry.resident:
+                raise SwapError(f"{call}({group.name!r}): group is {group.state.value} and a "
+                                "storage to protect is already off the device; protect before "
+                                "launch_offload, or before wait_offload at the latest")
+        for _, entry in hits:
+            entry.protected = True
 
     def _pack(self, tensor: torch.Tensor) -> Any:
         name = self._current.get()
         if name is None:
             return tensor
-        reason = self._skip_reason(tensor)
-        storage = tensor.untyped_storage()
-        ptr = storage.data_ptr()
+        key = _storage_key(tensor)
         with self._lock:
-            if reason is not None:
-                self._skipped[reason] += 1
-                return tensor
             group = self._groups[name]
             if group.state is not GroupState.COLLECTING:
                 raise SwapError(f"group_context({name!r}): group is {group.state.value}; "
                                 "collecting needs it collecting")
-            owner = self._live_entry(self._owner.get(ptr), ptr)
-            if owner is not None and owner[0].name != name:
+            owner = self._live_entry(self._owner.get(key), key)
+            if owner is not None and not owner[1].resident:
+                other = owner[0]
+                raise SwapResidencyError(
+                    f"group_context({name!r}): an op saved a tensor {tuple(tensor.shape)} "
+                    f"whose storage group {other.name!r} ({other.state.value}) has moved off "
+                    "the device, so the op read freed memory; protect tensors that later "
+                    f"forwards use (protect_alias_tensors({other.name!r}, ...)) before "
+                    "launch_offload")
+            reason = self._skip_reason(tensor)
+            if reason is not None:
+                self._skipped[reason] += 1
+                return tensor
+            if owner is not None and owner[0] is not group:
                 owner[1].protected = True  # saved by two groups: it stays on the device
                 self._skipped["shared across groups"] += 1
                 return tensor
-            entry = group.storages.get(ptr)
-            if entry is None or entry.storage() is None:  # new, or an old storage's address
+            entry = group.storages.get(key)
+            if entry is None or entry.storage() is None:  # new, or a dead storage's key
                 if entry is not None and entry.resident:
                     self._held -= entry.nbytes
-                entry = _Storage(storage.nbytes(), protected=ptr in self._protected)
-                group.storages[ptr] = entry
-                self._owner[ptr] = name
+                entry = _Storage(tensor.untyped_storage().nbytes(),
+                                 protected=key in self._protected)
+                group.storages[key] = entry
+                self._owner[key] = name
                 self._held += entry.nbytes
                 self._peak = max(self._peak, self._held)
             entry.views.append((weakref.ref(tensor), tensor._version))
@@ -257,10 +277,10 @@ class SwapManager:
             return "below min_bytes"
         return None
 
-    def _live_entry(self, name: str | None, ptr: int) -> tuple[_Group, _Storage] | None:
-        """The group and entry that hold storage ``ptr`` with a saved view still alive."""
+    def _live_entry(self, name: str | None, key: int) -> tuple[_Group, _Storage] | None:
+        """The group and entry that hold storage ``key`` with a saved view still alive."""
         group = self._groups.get(name) if name is not None else None
-        entry = group.storages.get(ptr) if group is not None else None
+        entry = group.storages.get(key) if group is not None else None
         if group is None or entry is None or entry.storage() is None:
             return None
         return group, entry
@@ -445,11 +465,11 @@ class SwapManager:
             entry.host = None
 
     def _drop(self, group: _Group, state: GroupState) -> None:
-        for ptr, entry in group.storages.items():
+        for key, entry in group.storages.items():
             if entry.resident:
                 self._held -= entry.nbytes
-            if self._owner.get(ptr) == group.name:
-                del self._owner[ptr]
+            if self._owner.get(key) == group.name:
+                del self._owner[key]
         group.state = state
         group.storages.clear()
         del self._groups[group.name]
@@ -466,6 +486,13 @@ class SwapManager:
                 host_bytes_allocated=self._pool.allocated_bytes,
                 skipped=dict(self._skipped),
             )
+
+
+def _storage_key(tensor: torch.Tensor) -> int:
+    """Identity of the tensor's storage, shared by all its views and ``.data``/``.detach()``
+    aliases, and stable while the storage is resized to zero (its data pointer is not)."""
+    key: int = tensor.untyped_storage()._cdata
+    return key
 
 
 def _tensors(tree: Any) -> Iterator[torch.Tensor]:
