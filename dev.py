@@ -31,7 +31,8 @@ commands:
   demo               run `pipeswap-schedule show --schedule 1f1b --ranks 4 --microbatches 8
                      --swap` in the default env
   bench [ARGS...]    run benchmarks/schedule_passes.py and benchmarks/swap_overhead.py in
-                     the default env (`bench --write` records the results in BENCHMARKS.md)
+                     the default env (`bench --write` records the results in BENCHMARKS.md);
+                     benchmarks/gpu_swap_check.py needs an accelerator and is run by hand
 """
 
 from __future__ import annotations

@@ -1,0 +1,41 @@
+"""The benchmark scripts still run: each on tiny sizes, checking the shape of what it reports.
+
+No figure is asserted here (speed belongs in BENCHMARKS.md, not in tests); this keeps the
+scripts from rotting between the runs that record them, in particular the GPU check, which
+otherwise runs only where an accelerator is lent.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+
+
+def test_gpu_swap_check_runs_on_the_cpu_platform() -> None:
+    out = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "gpu_swap_check.py"), "--device", "cpu", "--mib", "1",
+         "--matmul", "32", "--repeats", "1", "--json"],
+        capture_output=True, text=True, timeout=300, check=True)
+    figures = json.loads(out.stdout)
+    assert figures["device"] == "cpu" and figures["mib"] == 1
+    for direction in ("d2h", "h2d"):
+        assert figures[f"{direction}_gb_s"] > 0
+        assert 0.0 <= figures[f"{direction}_hidden"] <= 1.0
+    for direction in ("offload", "load"):
+        assert figures[f"manager_{direction}_ms"] > 0
+        assert 0.0 <= figures[f"manager_{direction}_hidden"] <= 1.0
+
+
+@pytest.mark.skipif(torch.accelerator.is_available(), reason="this machine has an accelerator")
+def test_gpu_swap_check_explains_a_missing_accelerator() -> None:
+    out = subprocess.run([sys.executable, str(BENCHMARKS / "gpu_swap_check.py")],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 2
+    assert "no accelerator on this machine; pass --device cpu" in out.stderr
