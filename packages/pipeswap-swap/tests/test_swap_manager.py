@@ -437,6 +437,28 @@ def test_groups_on_two_threads_do_not_mix() -> None:
     assert mgr.active_group_count() == 0 and mgr.stats().device_bytes_held == 0
 
 
+def test_nested_group_contexts_restore_the_outer_group(mgr: SwapManager) -> None:
+    a, b, c = (torch.randn(64, requires_grad=True) for _ in range(3))
+    with mgr.group_context("outer"):
+        outer_first = a.sin().sum()
+        with mgr.group_context("inner"):
+            inner = b.sin().sum()
+        outer_last = c.sin().sum()  # back in the outer group
+    mgr.launch_offload("inner")
+    mgr.wait_offload("inner")
+    assert b.untyped_storage().nbytes() == 0  # only the inner group's save moved
+    assert a.untyped_storage().nbytes() == c.untyped_storage().nbytes() == 64 * 4
+    mgr.launch_offload("outer")
+    mgr.wait_offload("outer")
+    assert a.untyped_storage().nbytes() == c.untyped_storage().nbytes() == 0
+    for name in ("inner", "outer"):
+        mgr.launch_load(name)
+        mgr.wait_load(name)
+    backward(outer_first + inner + outer_last)
+    for leaf in (a, b, c):
+        assert leaf.grad is not None and torch.equal(leaf.grad, leaf.detach().cos())
+
+
 def test_the_manager_does_not_keep_freed_activations_alive(mgr: SwapManager) -> None:
     x = torch.randn(1024, requires_grad=True)
     with mgr.group_context("g"):
