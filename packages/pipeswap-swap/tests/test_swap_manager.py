@@ -472,3 +472,19 @@ def test_the_manager_does_not_keep_freed_activations_alive(mgr: SwapManager) -> 
     assert saved() is None  # autograd released it, and swap did not hold on to it
     mgr.finish_group("g")
     assert mgr.stats().device_bytes_held == 0
+
+
+def test_reset_peak_starts_from_what_is_held(mgr: SwapManager) -> None:
+    x = torch.randn(256, requires_grad=True)
+    with mgr.group_context("big"):
+        big = (x * x).sum()  # saves x twice: one storage
+    backward(big)
+    mgr.finish_group("big")
+    assert mgr.stats().peak_device_bytes_held == 1024 and mgr.stats().device_bytes_held == 0
+    mgr.reset_peak()
+    assert mgr.stats().peak_device_bytes_held == 0
+    y = torch.randn(16, requires_grad=True)
+    with mgr.group_context("small"):
+        small = y.sin().sum()
+    assert mgr.stats().peak_device_bytes_held == 64
+    backward(small)

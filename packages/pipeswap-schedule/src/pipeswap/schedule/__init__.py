@@ -17,12 +17,12 @@ from pipeswap.schedule.errors import (
     SwapLifecycleError,
     ValidationError,
 )
-from pipeswap.schedule.formats import from_json, loads, to_json
+from pipeswap.schedule.formats import dumps_lines, from_json, loads, to_json
 from pipeswap.schedule.fsdp import add_fsdp_steps
 from pipeswap.schedule.generators import gpipe, interleaved_1f1b_compute, one_f_one_b
 from pipeswap.schedule.p2p import coalesce_p2p, insert_send_recv
 from pipeswap.schedule.schedule import Schedule, StageMapping, stage_to_rank
-from pipeswap.schedule.steps import Order, Step, StepType
+from pipeswap.schedule.steps import ChunkKey, Order, Step, StepType
 from pipeswap.schedule.swap import (
     MinGapPolicy,
     SwapCandidate,
@@ -35,6 +35,7 @@ from pipeswap.schedule.text import format_order, parse_order, parse_step
 from pipeswap.schedule.validation import simulate_p2p, validate, validate_rank
 
 __all__ = [
+    "ChunkKey",
     "ChunkOrderError",
     "DeadlockError",
     "MinGapPolicy",
@@ -57,6 +58,7 @@ __all__ = [
     "add_fsdp_steps",
     "build_schedule",
     "coalesce_p2p",
+    "dumps_lines",
     "format_order",
     "from_json",
     "gpipe",

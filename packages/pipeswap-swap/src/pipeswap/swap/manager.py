@@ -474,6 +474,11 @@ class SwapManager:
         group.storages.clear()
         del self._groups[group.name]
 
+    def reset_peak(self) -> None:
+        """Start the peak of device bytes held over from what is held now (e.g. per step)."""
+        with self._lock:
+            self._peak = self._held
+
     def stats(self) -> SwapStats:
         with self._lock:
             return SwapStats(

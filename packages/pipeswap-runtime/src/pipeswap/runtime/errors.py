@@ -1,0 +1,17 @@
+"""The runtime's errors: each says what went wrong, on which rank and step, and what to do."""
+
+from __future__ import annotations
+
+
+class PipelineError(RuntimeError):
+    """Base class of every error raised by ``pipeswap.runtime``."""
+
+
+class PipelineSetupError(PipelineError):
+    """Stages, schedule, inputs or process group do not fit together; raised before any
+    step runs (on every rank alike where the check is collective)."""
+
+
+class PipelineCommError(PipelineError):
+    """A transfer with a peer rank failed or timed out: the peer died, raised, or runs a
+    different schedule. The process group is not usable afterwards."""

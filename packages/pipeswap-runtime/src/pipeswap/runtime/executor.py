@@ -1,0 +1,382 @@
+"""The executor: walks this rank's order of a pipeswap schedule, swap steps included.
+
+Gradients are those of the **mean** of the microbatch losses: each microbatch's loss is
+scaled by 1/M before its backward, so with equal microbatches and a loss that averages over
+its batch, ``.grad`` equals that of the whole batch's loss on one device. Gradients
+accumulate in ``.grad``; zero them between steps as usual.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from pipeswap.platform import Platform, get_platform
+from pipeswap.runtime.comm import TensorMeta, Transfer, Transport, all_gather_ints
+from pipeswap.runtime.errors import PipelineSetupError
+from pipeswap.runtime.microbatch import split_microbatches
+from pipeswap.runtime.session import SwapSession
+from pipeswap.runtime.stage import PipelineStage
+from pipeswap.schedule import (
+    ChunkKey,
+    Schedule,
+    ScheduleError,
+    ScheduleKind,
+    ScheduleSpec,
+    Step,
+    StepType,
+    SwapPolicy,
+    build_schedule,
+    dumps_lines,
+    swapped_chunks,
+    validate,
+)
+from pipeswap.schedule.steps import FSDP, OVERLAPS, P2P, SENDS
+from pipeswap.swap import SwapManager
+
+if TYPE_CHECKING:
+    import torch
+    import torch.distributed as dist
+
+LossFn = Callable[["torch.Tensor", "torch.Tensor"], "torch.Tensor"]
+
+
+@dataclass(frozen=True)
+class StepReport:
+    """What one :meth:`PipelineExecutor.step` did on this rank."""
+
+    losses: tuple[float, ...]  # per microbatch, on the rank of the last stage; else empty
+    seconds: float
+    peak_activation_bytes: int  # most device bytes held by saved activations at once
+    bytes_offloaded: int
+    swapped_chunks: int
+
+
+@dataclass
+class _Run:
+    """The state of one step: what each chunk holds until its backward is done."""
+
+    session: SwapSession
+    inputs: dict[ChunkKey, torch.Tensor] = field(default_factory=dict)
+    outputs: dict[ChunkKey, torch.Tensor] = field(default_factory=dict)  # loss on the last
+    grads_out: dict[ChunkKey, torch.Tensor] = field(default_factory=dict)
+    grads_in: dict[ChunkKey, torch.Tensor | None] = field(default_factory=dict)
+    receives: dict[tuple[StepType, ChunkKey], Transfer] = field(default_factory=dict)
+    sends: list[Transfer] = field(default_factory=list)
+    micro_inputs: list[torch.Tensor] = field(default_factory=list)
+    micro_targets: list[torch.Tensor] = field(default_factory=list)
+    losses: dict[int, float] = field(default_factory=dict)
+
+
+class PipelineExecutor:
+    """Runs ``schedule`` over this rank's ``stages``.
+
+    ``schedule``: a :class:`Schedule` (used as given), a :class:`ScheduleSpec`, or a schedule
+    name (``"gpipe"``, ``"1f1b"``, ``"interleaved-1f1b"``) built for this group's size, the
+    stage count and ``microbatches``. ``swap``: inject swap steps (with ``swap_policy``, the
+    seed's gap rule by default) and run them. Saved activations are accounted through a
+    swap manager either way, so :class:`StepReport` compares like with like.
+    """
+
+    def __init__(
+        self,
+        stages: Sequence[PipelineStage],
+        schedule: Schedule | ScheduleSpec | str,
+        microbatches: int,
+        loss_fn: LossFn,
+        *,
+        swap: bool = False,
+        swap_policy: SwapPolicy | None = None,
+        platform: Platform | None = None,
+        manager: SwapManager | None = None,
+    ) -> None:
+        import torch.distributed as dist
+
+        if not stages:
+            raise PipelineSetupError("no stages: give this rank's PipelineStage objects")
+        if not dist.is_initialized():
+            raise PipelineSetupError(
+                "torch.distributed is not initialized: launch with torchrun, or use "
+                "pipeswap.runtime.launch.spawn, or call init_process_group first")
+        self.stages = sorted(stages, key=lambda s: s.stage_index)
+        self.group: dist.ProcessGroup | None = self.stages[0].group
+        self.rank = dist.get_rank(self.group)
+        self.world = dist.get_world_size(self.group)
+        self.num_stages = self.stages[0].num_stages
+        self.microbatches = microbatches
+        self.loss_fn = loss_fn
+        self.platform = platform or get_platform()
+        self.schedule = self._build(schedule, swap, swap_policy)
+        self._by_index = {stage.stage_index: stage for stage in self.stages}
+        self._check_everywhere()
+        self.manager = manager or SwapManager(self.platform)
+        for stage in self.stages:
+            self.manager.protect_module(stage.module)
+        self.transport = Transport(self.group, self.schedule.stage_ranks, microbatches,
+                                   self.platform.device)
+        self._input_meta: TensorMeta | None = None
+        self._shapes_known = False
+        self._runs = 0
+        self.swapped = set(swapped_chunks(self.schedule)[self.rank])
+
+    # -- set-up ----------------------------------------------------------------------------
+
+    def _build(self, schedule: Schedule | ScheduleSpec | str, swap: bool,
+               policy: SwapPolicy | None) -> Schedule:
+        try:
+            if isinstance(schedule, Schedule):
+                if swap or policy is not None:
+                    raise PipelineSetupError(
+                        "swap=True or a swap_policy applies to a schedule the executor builds; "
+                        "an explicit Schedule runs as given (inject swap steps into it first)")
+                built = schedule
+            else:
+                if isinstance(schedule, str):
+                    schedule = ScheduleSpec(
+                        ScheduleKind(schedule) if schedule in {k.value for k in ScheduleKind}
+                        else schedule,  # type: ignore[arg-type]  # refused with the list below
+                        ranks=self.world, microbatches=self.microbatches,
+                        stages_per_rank=len(self.stages), swap=swap)
+                elif swap and not schedule.swap:
+                    schedule = dataclasses.replace(schedule, swap=True)
+                if schedule.fsdp:
+                    raise PipelineSetupError(
+                        "FSDP steps are not run by this executor: build the schedule with "
+                        "fsdp=False")
+                built = build_schedule(schedule, policy)
+            validate(built)
+        except ScheduleError as exc:
+            raise PipelineSetupError(f"the schedule cannot run: {exc}") from exc
+        if any(step is not None and step.type in FSDP
+               for order in built.orders for step in order):
+            raise PipelineSetupError("the schedule holds FSDP steps, which this executor does "
+                                     "not run; build it without FSDP")
+        return built
+
+    def _stage_problem(self) -> str | None:
+        schedule = self.schedule
+        if schedule.num_ranks != self.world:
+            return (f"the schedule is for {schedule.num_ranks} ranks but the process group has "
+                    f"{self.world}")
+        if schedule.num_stages != self.num_stages:
+            return (f"the schedule has {schedule.num_stages} stages but the stages say "
+                    f"num_stages={self.num_stages}")
+        mine = sorted(s for s, r in enumerate(schedule.stage_ranks) if r == self.rank)
+        given = [stage.stage_index for stage in self.stages]
+        if mine != given:
+            return (f"rank {self.rank} runs stages {mine} in this schedule but was given stages "
+                    f"{given}; build each rank's PipelineStage objects for the stages the "
+                    "schedule places on it")
+        if any(stage.num_stages != self.num_stages or stage.group is not self.group
+               for stage in self.stages):
+            return "all stages of an executor need the same num_stages and process group"
+        return None
+
+    def _check_everywhere(self) -> None:
+        """One collective before any step: every rank has stages that fit the schedule, and
+        all run the same schedule. Any problem raises on every rank, so none waits forever."""
+        problem = self._stage_problem()
+        text = f"{dumps_lines(self.schedule)}|{self.schedule.stage_ranks}|{self.microbatches}"
+        fingerprint = int.from_bytes(hashlib.sha256(text.encode()).digest()[:7], "big")
+        everyone = all_gather_ints(fingerprint * 2 + (problem is not None), self.group)
+        bad = [rank for rank, value in enumerate(everyone) if value % 2]
+        if problem is not None:
+            raise PipelineSetupError(problem)
+        if bad:
+            raise PipelineSetupError(
+                f"rank(s) {bad} were given stages that do not fit the schedule (see their "
+                "errors); nothing ran")
+        if len({value // 2 for value in everyone}) != 1:
+            prints = [f"{value // 2:014x}" for value in everyone]
+            raise PipelineSetupError(
+                f"the ranks were given different schedules (fingerprints by rank: {prints}); "
+                "build the executor with the same schedule, options and microbatch count on "
+                "every rank")
+
+    def _exchange_shapes(self, example: torch.Tensor | None) -> None:
+        """Run each stage once on zeros, in stage order, passing output shapes down the chain.
+
+        Buffers are restored afterwards, so the dry run leaves no trace in the model.
+        """
+        import torch
+
+        ranks = self.schedule.stage_ranks
+        for index in range(self.num_stages):
+            if ranks[index] != self.rank:
+                continue
+            if index == 0:
+                assert example is not None
+                meta = TensorMeta(tuple(example.shape), example.dtype)
+            elif ranks[index - 1] == self.rank:
+                meta = self.transport.boundary[index - 1]
+            else:
+                meta = self.transport.boundary[index - 1] = self.transport.recv_meta(index)
+            stage = self._by_index[index]
+            if stage.is_last:
+                break
+            saved = {name: b.clone() for name, b in stage.module.named_buffers()}
+            with torch.no_grad():
+                out = stage.forward(torch.zeros(meta.shape, dtype=meta.dtype,
+                                                device=self.platform.device))
+            with torch.no_grad():
+                for name, b in stage.module.named_buffers():
+                    b.copy_(saved[name])
+            self.transport.boundary[index] = TensorMeta(tuple(out.shape), out.dtype)
+            if ranks[index + 1] != self.rank:
+                self.transport.send_meta(index, self.transport.boundary[index])
+
+    # -- one step --------------------------------------------------------------------------
+
+    def step(self, inputs: torch.Tensor | None = None,
+             targets: torch.Tensor | None = None) -> StepReport:
+        """Run every microbatch of one batch forward and backward.
+
+        ``inputs`` is needed on the rank of the first stage, ``targets`` on the rank of the
+        last (other ranks may pass them too; they are ignored).
+        """
+        start = time.perf_counter()
+        self._runs += 1
+        run = _Run(SwapSession(self.manager, self._runs))
+        first, last = self._by_index.get(0), self._by_index.get(self.num_stages - 1)
+        if first is not None:
+            if inputs is None:
+                raise PipelineSetupError(f"rank {self.rank} runs the first stage: pass inputs")
+            run.micro_inputs = split_microbatches(inputs, self.microbatches, "inputs")
+            meta = TensorMeta(tuple(run.micro_inputs[0].shape), run.micro_inputs[0].dtype)
+            if self._input_meta is not None and meta != self._input_meta:
+                raise PipelineSetupError(
+                    f"microbatch shape changed from {self._input_meta.shape} to {meta.shape}; "
+                    "stage boundary shapes are fixed after the first step: keep the batch "
+                    "shape constant (pad), or build a new executor")
+        if last is not None:
+            if targets is None:
+                raise PipelineSetupError(f"rank {self.rank} runs the last stage: pass targets")
+            run.micro_targets = split_microbatches(targets, self.microbatches, "targets")
+        if not self._shapes_known:
+            self._exchange_shapes(run.micro_inputs[0] if run.micro_inputs else None)
+            self._shapes_known = True
+            if run.micro_inputs:
+                self._input_meta = TensorMeta(tuple(run.micro_inputs[0].shape),
+                                              run.micro_inputs[0].dtype)
+        self.manager.reset_peak()
+        offloaded = self.manager.stats().bytes_offloaded
+        try:
+            for step in self.schedule.orders[self.rank]:
+                if step is not None:
+                    self._run(run, step)
+            for transfer in run.sends:
+                self.transport.wait(transfer)
+            if run.receives:
+                raise PipelineSetupError(
+                    f"rank {self.rank}: receives never consumed: "
+                    f"{', '.join(str(t.step) for t in run.receives.values())}")
+        finally:
+            run.session.close()
+        stats = self.manager.stats()
+        return StepReport(
+            losses=tuple(run.losses[m] for m in sorted(run.losses)),
+            seconds=time.perf_counter() - start,
+            peak_activation_bytes=stats.peak_device_bytes_held,
+            bytes_offloaded=stats.bytes_offloaded - offloaded,
+            swapped_chunks=len(self.swapped),
+        )
+
+    def _run(self, run: _Run, step: Step) -> None:
+        kind = step.type
+        if kind is StepType.FWD:
+            self._forward(run, step.key)
+        elif kind is StepType.BWD:
+            self._backward(run, step.key, dx=True, dw=True)
+        elif kind is StepType.BWD_INPUT:
+            self._backward(run, step.key, dx=True, dw=False)
+        elif kind is StepType.BWD_WEIGHT:
+            self._backward(run, step.key, dx=False, dw=True)
+        elif kind in OVERLAPS:
+            for sub in step.sub_steps:
+                self._run(run, sub)
+        elif kind in P2P:
+            self._post(run, [step], batched=False)
+        elif kind is StepType.BATCH_SEND_RECV:
+            self._post(run, list(step.sub_steps), batched=True)
+        else:  # the four swap steps
+            name = run.session.name(step.key)
+            {StepType.SWAP_LAUNCH_OFFLOAD: self.manager.launch_offload,
+             StepType.SWAP_WAIT_OFFLOAD: self.manager.wait_offload,
+             StepType.SWAP_LAUNCH_LOAD: self.manager.launch_load,
+             StepType.SWAP_WAIT_LOAD: self.manager.wait_load}[kind](name)
+
+    def _post(self, run: _Run, steps: list[Step], batched: bool) -> None:
+        pairs = []
+        for step in steps:
+            if step.type in SENDS:
+                key = step.key
+                tensor = (run.outputs[key].detach() if step.type is StepType.FWD_SEND
+                          else run.grads_in.pop(key))
+                if tensor is None:
+                    raise PipelineSetupError(f"{step}: stage {key[0]}'s input has no gradient "
+                                             "to send (does its input require grad?)")
+                pairs.append((step, tensor.contiguous()))
+            else:
+                pairs.append((step, self.transport.receive_buffer(step)))
+        for transfer in self.transport.post(self._runs, pairs, batched):
+            if transfer.step.type in SENDS:
+                run.sends.append(transfer)
+            else:
+                run.receives[(transfer.step.type, transfer.step.key)] = transfer
+
+    def _received(self, run: _Run, kind: StepType, key: ChunkKey) -> torch.Tensor | None:
+        transfer = run.receives.pop((kind, key), None)
+        return None if transfer is None else self.transport.wait(transfer)
+
+    def _forward(self, run: _Run, key: ChunkKey) -> None:
+        stage_index, micro = key
+        stage = self._by_index[stage_index]
+        if stage.is_first:
+            x = run.micro_inputs[micro]
+        else:
+            received = self._received(run, StepType.FWD_RECV, key)
+            if received is None:  # the previous stage runs here: hand over locally
+                received = run.outputs[(stage_index - 1, micro)].detach()
+            x = received.requires_grad_(received.is_floating_point())
+        with run.session.forward(key):
+            out = stage.forward(x)
+            if stage.is_last:
+                loss = self.loss_fn(out, run.micro_targets[micro])
+                run.losses[micro] = float(loss.detach())
+                out = loss / self.microbatches
+        run.session.protect(key, [x, out])
+        run.inputs[key], run.outputs[key] = x, out
+
+    def _backward(self, run: _Run, key: ChunkKey, *, dx: bool, dw: bool) -> None:
+        import torch
+
+        stage_index, micro = key
+        stage = self._by_index[stage_index]
+        root = run.outputs[key]
+        grad = run.grads_out.get(key)
+        if grad is None and not stage.is_last:
+            grad = self._received(run, StepType.BWD_RECV, key)
+            if grad is None:  # the next stage runs here
+                grad = run.grads_in.pop((stage_index + 1, micro))
+            run.grads_out[key] = grad
+        x = run.inputs[key]
+        wants_dx = not stage.is_first and x.requires_grad
+        if dx and dw:
+            torch.autograd.backward(root, grad)
+            if wants_dx:
+                run.grads_in[key] = x.grad
+        elif dx:
+            if wants_dx:
+                (run.grads_in[key],) = torch.autograd.grad(root, [x], grad, retain_graph=True)
+            return  # the chunk's state stays for its W step
+        else:
+            params = [p for p in stage.module.parameters() if p.requires_grad]
+            torch.autograd.backward(root, grad, inputs=params)
+        run.session.finish(key)
+        del run.outputs[key], run.inputs[key]
+        run.grads_out.pop(key, None)
+

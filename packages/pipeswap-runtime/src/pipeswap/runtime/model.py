@@ -1,0 +1,106 @@
+"""A small GPT-style model for the training job and the end-to-end tests, and its split into
+pipeline stages."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    vocab: int
+    seq_len: int = 64
+    width: int = 64
+    heads: int = 4
+    layers: int = 4
+
+
+class Embed(torch.nn.Module):
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.tokens = torch.nn.Embedding(config.vocab, config.width)
+        self.positions = torch.nn.Embedding(config.seq_len, config.width)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(ids.shape[1], device=ids.device)
+        out: torch.Tensor = self.tokens(ids) + self.positions(positions)
+        return out
+
+
+class Block(torch.nn.Module):
+    """Pre-norm causal self-attention and MLP."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.heads = config.heads
+        self.norm1 = torch.nn.LayerNorm(config.width)
+        self.qkv = torch.nn.Linear(config.width, 3 * config.width)
+        self.proj = torch.nn.Linear(config.width, config.width)
+        self.norm2 = torch.nn.LayerNorm(config.width)
+        self.mlp = torch.nn.Sequential(torch.nn.Linear(config.width, 4 * config.width),
+                                       torch.nn.GELU(),
+                                       torch.nn.Linear(4 * config.width, config.width))
+        mask = torch.ones(config.seq_len, config.seq_len, dtype=torch.bool).triu(1)
+        self.register_buffer("mask", mask, persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, length, width = x.shape
+        q, k, v = self.qkv(self.norm1(x)).split(width, dim=-1)
+        q, k, v = (t.view(batch, length, self.heads, -1).transpose(1, 2) for t in (q, k, v))
+        scores = (q @ k.transpose(-2, -1)) / math.sqrt(q.shape[-1])
+        scores = scores.masked_fill(self.mask[:length, :length], float("-inf"))
+        mixed = (scores.softmax(dim=-1) @ v).transpose(1, 2).reshape(batch, length, width)
+        x = x + self.proj(mixed)
+        out: torch.Tensor = x + self.mlp(self.norm2(x))
+        return out
+
+
+class Head(torch.nn.Module):
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(config.width)
+        self.out = torch.nn.Linear(config.width, config.vocab)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.out(self.norm(x))
+        return out
+
+
+def build_gpt(config: GPTConfig, seed: int) -> torch.nn.Sequential:
+    """Embedding, ``layers`` blocks, head: the same weights on every rank for one seed."""
+    generator_state = torch.random.get_rng_state()
+    torch.manual_seed(seed)
+    try:
+        return torch.nn.Sequential(Embed(config), *(Block(config) for _ in range(config.layers)),
+                                   Head(config))
+    finally:
+        torch.random.set_rng_state(generator_state)
+
+
+def split_stages(model: torch.nn.Sequential, num_stages: int) -> list[torch.nn.Sequential]:
+    """Contiguous stages with the blocks spread evenly; the embedding joins the first stage
+    and the head the last. Each stage shares its modules with ``model``."""
+    embed, *blocks, head = list(model)
+    if len(blocks) < num_stages:
+        raise ValueError(f"{len(blocks)} blocks cannot fill {num_stages} stages: use at least "
+                         f"{num_stages} layers")
+    stages = []
+    start = 0
+    for index in range(num_stages):
+        end = start + len(blocks) // num_stages + (index < len(blocks) % num_stages)
+        parts = blocks[start:end]
+        if index == 0:
+            parts = [embed, *parts]
+        if index == num_stages - 1:
+            parts = [*parts, head]
+        stages.append(torch.nn.Sequential(*parts))
+        start = end
+    return stages
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy over the microbatch."""
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())

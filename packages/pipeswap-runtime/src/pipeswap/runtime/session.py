@@ -1,0 +1,51 @@
+"""The swap session of one executor step: group names, forward collection, and clean-up."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any
+
+from pipeswap.schedule import ChunkKey
+from pipeswap.swap import SwapManager
+
+if TYPE_CHECKING:
+    import torch
+
+
+class SwapSession:
+    """Names one swap group per (run, stage, microbatch) and closes them all at the end.
+
+    The executor enters a chunk's group only around that chunk's forward (and its loss), so
+    nothing else lands in it. :meth:`close` runs in ``finally``: after it, no group of this
+    run is alive, no transfer is in flight and every host buffer is back in the pool.
+    """
+
+    def __init__(self, manager: SwapManager, run: int) -> None:
+        self.manager = manager
+        self.run = run
+        self._names: dict[ChunkKey, str] = {}
+
+    def name(self, key: ChunkKey) -> str:
+        name = self._names.get(key)
+        if name is None:
+            name = self._names[key] = f"run{self.run}.s{key[0]}.m{key[1]}"
+        return name
+
+    @contextmanager
+    def forward(self, key: ChunkKey) -> Iterator[None]:
+        with self.manager.group_context(self.name(key)):
+            yield
+
+    def protect(self, key: ChunkKey, tensors: Any) -> None:
+        """Keep storages shared with ``tensors`` (boundary inputs, outputs) on the device."""
+        self.manager.protect_alias_tensors(self.name(key), tensors)
+
+    def finish(self, key: ChunkKey) -> None:
+        """The chunk's backward is complete: forget its group."""
+        self.manager.finish_group(self._names.pop(key))
+
+    def close(self) -> None:
+        for name in self._names.values():
+            self.manager.abort_group(name)
+        self._names.clear()

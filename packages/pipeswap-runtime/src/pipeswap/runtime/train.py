@@ -1,0 +1,363 @@
+"""``pipeswap-train``: train a small GPT across pipeline ranks, with and without swap, and
+compare peak activation memory, step time and losses.
+
+Run as is, it spawns the ranks itself; under ``torchrun`` it joins the process group torchrun
+set up (``torchrun --nproc-per-node 4 -m pipeswap.runtime.train``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from dataclasses import dataclass, field
+from typing import Any
+
+from pipeswap.runtime.launch import (
+    DEFAULT_TIMEOUT_S,
+    RankFailedError,
+    backend_for,
+    init_from_env,
+    launched_by_torchrun,
+    spawn,
+)
+from pipeswap.schedule import ScheduleKind
+
+MODES = ("no-swap", "swap")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Everything a rank needs to run the job; the same object on every rank."""
+
+    schedule: str = "1f1b"
+    ranks: int = 4
+    stages_per_rank: int = 1
+    microbatches: int = 8
+    steps: int = 6
+    batch_size: int = 16
+    seq_len: int = 64
+    width: int = 64
+    layers: int | None = None  # default: two blocks per stage
+    lr: float = 3e-3
+    seed: int = 0
+    device: str = "cpu"
+    overlap_b_f: bool = False
+    dxdw_split: bool = False
+    batch_p2p: bool = False
+    modes: tuple[str, ...] = MODES
+    verbose: bool = True
+    keep_grads: bool = False  # return the first step's gradients (for tests)
+    timeout_s: float = DEFAULT_TIMEOUT_S
+
+    @property
+    def num_stages(self) -> int:
+        return self.ranks * self.stages_per_rank
+
+    @property
+    def num_layers(self) -> int:
+        return self.layers if self.layers is not None else 2 * self.num_stages
+
+
+@dataclass
+class ModeResult:
+    """One rank's figures for one mode."""
+
+    losses: list[list[float]] = field(default_factory=list)  # per step, per microbatch
+    step_seconds: list[float] = field(default_factory=list)
+    peak_activation_bytes: int = 0
+    bytes_offloaded: int = 0
+    swapped_chunks: int = 0
+    groups_alive_after_step: list[int] = field(default_factory=list)
+    host_bytes_in_use_after_step: list[int] = field(default_factory=list)
+    grads: dict[str, Any] | None = None  # name -> tensor, first step (keep_grads)
+
+
+def run_rank(rank: int, world_size: int, config: TrainConfig) -> dict[str, ModeResult]:
+    """Train ``config.steps`` steps in each mode on this rank; this rank's figures."""
+    import torch
+
+    from pipeswap.platform import get_platform
+    from pipeswap.runtime.data import Corpus, batches
+    from pipeswap.runtime.executor import PipelineExecutor
+    from pipeswap.runtime.model import GPTConfig, build_gpt, lm_loss, split_stages
+    from pipeswap.runtime.stage import PipelineStage
+    from pipeswap.schedule import ScheduleSpec
+
+    if world_size != config.ranks:
+        raise ValueError(f"config.ranks is {config.ranks} but {world_size} ranks were started")
+    torch.set_num_threads(1)  # several ranks share the cores
+    platform = get_platform(config.device if config.device == "cpu"
+                            else f"{config.device}:{rank % max(1, _device_count(config))}")
+    corpus = Corpus.bundled()
+    ids = corpus.encode()
+    data = [(x.to(platform.device), y.to(platform.device)) for x, y in
+            batches(ids, config.batch_size, config.seq_len, config.steps, config.seed)]
+    gpt = GPTConfig(vocab=len(corpus.vocab), seq_len=config.seq_len, width=config.width,
+                    layers=config.num_layers)
+    spec = ScheduleSpec(ScheduleKind(config.schedule), ranks=config.ranks,
+                        microbatches=config.microbatches, stages_per_rank=config.stages_per_rank,
+                        overlap_b_f=config.overlap_b_f, dxdw_split=config.dxdw_split,
+                        batch_p2p=config.batch_p2p)
+    results: dict[str, ModeResult] = {}
+    for mode in config.modes:
+        model = build_gpt(gpt, config.seed).to(platform.device)
+        modules = split_stages(model, config.num_stages)
+        stages = [PipelineStage(module, index, config.num_stages)
+                  for index, module in enumerate(modules)
+                  if index % config.ranks == rank]  # the loop placement of the built-ins
+        params = [p for stage in stages for p in stage.module.parameters()]
+        optimizer = torch.optim.AdamW(params, lr=config.lr)
+        executor = PipelineExecutor(stages, spec, config.microbatches, lm_loss,
+                                    swap=mode == "swap", platform=platform)
+        result = results[mode] = ModeResult(swapped_chunks=len(executor.swapped))
+        for number, (inputs, targets) in enumerate(data, 1):
+            optimizer.zero_grad(set_to_none=True)
+            report = executor.step(inputs, targets)
+            if config.keep_grads and number == 1:
+                result.grads = {f"{stage.stage_index}.{name}": p.grad.detach().clone()
+                                for stage in stages
+                                for name, p in stage.module.named_parameters()
+                                if p.grad is not None}
+            optimizer.step()
+            stats = executor.manager.stats()
+            result.losses.append(list(report.losses))
+            result.step_seconds.append(report.seconds)
+            result.peak_activation_bytes = max(result.peak_activation_bytes,
+                                               report.peak_activation_bytes)
+            result.bytes_offloaded += report.bytes_offloaded
+            result.groups_alive_after_step.append(executor.manager.active_group_count())
+            result.host_bytes_in_use_after_step.append(stats.host_bytes_in_use)
+            if config.verbose and report.losses:
+                loss = sum(report.losses) / len(report.losses)
+                tokens = config.batch_size * config.seq_len
+                print(f"[{mode:>7}] step {number}/{config.steps}  loss {loss:.4f}  "
+                      f"{report.seconds:.2f} s  {tokens / report.seconds:,.0f} tokens/s",
+                      flush=True)
+    return results
+
+
+def _device_count(config: TrainConfig) -> int:
+    import torch
+
+    return torch.accelerator.device_count() if config.device != "cpu" else 1
+
+
+# -- the summary ---------------------------------------------------------------------------
+
+
+def summarize(config: TrainConfig, per_rank: list[dict[str, ModeResult]]) -> dict[str, Any]:
+    """The JSON object of ``--json``: per-rank memory and time, and whether losses matched."""
+    def mode(rank: int, name: str) -> ModeResult | None:
+        return per_rank[rank].get(name)
+
+    ranks = []
+    for rank in range(len(per_rank)):
+        swap, plain = mode(rank, "swap"), mode(rank, "no-swap")
+        ranks.append({
+            "rank": rank,
+            "peak_activation_bytes_swap": swap.peak_activation_bytes if swap else None,
+            "peak_activation_bytes_no_swap": plain.peak_activation_bytes if plain else None,
+            "swapped_chunks": (swap or plain).swapped_chunks if (swap or plain) else 0,
+            "bytes_offloaded": swap.bytes_offloaded if swap else 0,
+            "step_time_s_swap": statistics.median(swap.step_seconds) if swap else None,
+            "step_time_s_no_swap": statistics.median(plain.step_seconds) if plain else None,
+        })
+    losses = {name: [step for result in per_rank if name in result
+                     for step in result[name].losses if step] for name in config.modes}
+    both = all(name in losses for name in MODES)
+    diff = None
+    if both:
+        pairs = [(a, b) for sa, sb in zip(losses["swap"], losses["no-swap"])
+                 for a, b in zip(sa, sb)]
+        diff = max((abs(a - b) for a, b in pairs), default=0.0)
+    times = {name: statistics.median(t for r in ranks if (t := r[f"step_time_s_{key}"]))
+             for name, key in (("swap", "swap"), ("no-swap", "no_swap")) if name in losses}
+    return {
+        "schedule": config.schedule,
+        "ranks": config.ranks,
+        "stages_per_rank": config.stages_per_rank,
+        "microbatches": config.microbatches,
+        "steps": config.steps,
+        "per_rank": ranks,
+        "losses": {name: [sum(s) / len(s) for s in steps] for name, steps in losses.items()},
+        "max_abs_loss_diff": diff,
+        "losses_match": diff == 0.0 if both else None,
+        "step_time_ratio": times["swap"] / times["no-swap"] if both else None,
+    }
+
+
+def _mib(value: int | None) -> str:
+    return "-" if value is None else f"{value / 2**20:.2f} MiB"
+
+
+def render(summary: dict[str, Any]) -> str:
+    rows = [("rank", "swapped chunks", "peak activations, no swap", "with swap", "saving",
+             "step time, no swap", "with swap")]
+    for entry in summary["per_rank"]:
+        plain, swap = entry["peak_activation_bytes_no_swap"], entry["peak_activation_bytes_swap"]
+        saving = (f"{1 - swap / plain:.0%}" if plain and swap is not None else "-")
+        t_plain, t_swap = entry["step_time_s_no_swap"], entry["step_time_s_swap"]
+        rows.append((str(entry["rank"]), str(entry["swapped_chunks"]), _mib(plain), _mib(swap),
+                     saving, "-" if t_plain is None else f"{t_plain:.2f} s",
+                     "-" if t_swap is None else f"{t_swap:.2f} s"))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(cell.rjust(w) for cell, w in zip(row, widths)) for row in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    if summary["losses_match"] is not None:
+        verdict = ("bit-identical" if summary["losses_match"]
+                   else f"DIFFER (max |diff| {summary['max_abs_loss_diff']:.3g})")
+        lines.append(f"\nlosses with and without swap: {verdict}; step time with swap: "
+                     f"{summary['step_time_ratio']:.2f}x")
+    return "\n".join(lines)
+
+
+# -- the command line ----------------------------------------------------------------------
+
+
+def parse_args(argv: list[str] | None) -> tuple[TrainConfig, argparse.Namespace]:
+    parser = argparse.ArgumentParser(
+        prog="pipeswap-train",
+        description=(
+            "Train a small GPT on a bundled text across pipeline ranks, once without and once "
+            "with activation swap, and compare. Each rank prints nothing but the last stage's "
+            "rank, which reports loss, time and tokens/s per step; at the end a table shows "
+            "per rank the peak device bytes held by saved activations without and with swap, "
+            "the saving, the step time, and whether the losses matched bit for bit."),
+        epilog=(
+            "examples:\n"
+            "  pipeswap-train                                   # 1F1B on 4 CPU ranks, both modes\n"
+            "  pipeswap-train --schedule gpipe --ranks 2 --microbatches 4\n"
+            "  pipeswap-train --schedule interleaved-1f1b --ranks 2 --stages-per-rank 2 \\\n"
+            "      --overlap-b-f --dxdw-split --batch-p2p\n"
+            "  pipeswap-train --no-swap --json                  # one mode, JSON for tools\n"
+            "  torchrun --nproc-per-node 4 -m pipeswap.runtime.train --device cuda\n"),
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    defaults = TrainConfig()
+    kinds = [k.value for k in ScheduleKind]
+    parser.add_argument("--schedule", choices=kinds, default=defaults.schedule,
+                        help=f"pipeline schedule (default {defaults.schedule})")
+    parser.add_argument("--ranks", type=int, default=defaults.ranks,
+                        help=f"pipeline ranks to spawn (default {defaults.ranks}; under "
+                        "torchrun, its world size)")
+    parser.add_argument("--stages-per-rank", type=int, default=defaults.stages_per_rank,
+                        help="stages per rank (more than 1 needs interleaved-1f1b)")
+    parser.add_argument("--microbatches", type=int, default=defaults.microbatches,
+                        help=f"microbatches per step (default {defaults.microbatches})")
+    parser.add_argument("--steps", type=int, default=defaults.steps,
+                        help=f"optimizer steps per mode (default {defaults.steps})")
+    parser.add_argument("--batch-size", type=int, default=defaults.batch_size,
+                        help=f"sequences per step, a multiple of --microbatches (default "
+                        f"{defaults.batch_size})")
+    parser.add_argument("--seq-len", type=int, default=defaults.seq_len, help="tokens per sequence")
+    parser.add_argument("--width", type=int, default=defaults.width, help="model width")
+    parser.add_argument("--layers", type=int, default=None,
+                        help="transformer blocks (default: two per stage)")
+    parser.add_argument("--device", default=defaults.device,
+                        help="cpu (gloo) or cuda (NCCL, one GPU per rank); default cpu")
+    parser.add_argument("--overlap-b-f", action="store_true",
+                        help="interleaved-1f1b: overlap each backward with a forward")
+    parser.add_argument("--dxdw-split", action="store_true",
+                        help="with --overlap-b-f: split backwards into input and weight parts")
+    parser.add_argument("--batch-p2p", action="store_true",
+                        help="batch neighbouring sends and receives into one call")
+    which = parser.add_mutually_exclusive_group()
+    which.add_argument("--compare", action="store_true",
+                       help="run without and then with swap and compare them (the default)")
+    which.add_argument("--no-swap", action="store_true", help="run without swap only")
+    which.add_argument("--swap-only", action="store_true", help="run with swap only")
+    parser.add_argument("--json", action="store_true",
+                        help="print one JSON object at the end (per_rank entries with rank, "
+                        "peak_activation_bytes_swap, peak_activation_bytes_no_swap, "
+                        "swapped_chunks; max_abs_loss_diff, step_time_ratio)")
+    parser.add_argument("--seed", type=int, default=defaults.seed, help="weights and data seed")
+    parser.add_argument("--timeout", type=float, default=defaults.timeout_s,
+                        help="seconds a rank waits for a peer before failing (default "
+                        f"{defaults.timeout_s:.0f})")
+    args = parser.parse_args(argv)
+    modes = ("no-swap",) if args.no_swap else ("swap",) if args.swap_only else MODES
+    torchrun = launched_by_torchrun()
+    ranks = args.ranks
+    if torchrun:
+        import os
+
+        ranks = int(os.environ["WORLD_SIZE"])
+    for name in ("ranks", "microbatches", "steps", "batch_size", "stages_per_rank"):
+        value = ranks if name == "ranks" else getattr(args, name)
+        if value < 1:
+            parser.error(f"--{name.replace('_', '-')} must be at least 1, got {value}")
+    if args.batch_size % args.microbatches:
+        parser.error(f"--batch-size {args.batch_size} does not split into "
+                     f"{args.microbatches} microbatches: use a multiple of {args.microbatches}")
+    config = TrainConfig(
+        schedule=args.schedule, ranks=ranks, stages_per_rank=args.stages_per_rank,
+        microbatches=args.microbatches, steps=args.steps, batch_size=args.batch_size,
+        seq_len=args.seq_len, width=args.width, layers=args.layers, seed=args.seed,
+        device=args.device, overlap_b_f=args.overlap_b_f, dxdw_split=args.dxdw_split,
+        batch_p2p=args.batch_p2p, modes=modes, verbose=not args.json, timeout_s=args.timeout)
+    if config.num_layers < config.num_stages:
+        parser.error(f"--layers {config.num_layers} cannot fill {config.num_stages} stages")
+    _check_schedule(parser, config)
+    return config, args
+
+
+def _check_schedule(parser: argparse.ArgumentParser, config: TrainConfig) -> None:
+    """Refuse impossible schedule options here, before any process starts."""
+    from pipeswap.schedule import ScheduleError, ScheduleSpec
+
+    try:
+        ScheduleSpec(ScheduleKind(config.schedule), ranks=config.ranks,
+                     microbatches=config.microbatches, stages_per_rank=config.stages_per_rank,
+                     overlap_b_f=config.overlap_b_f, dxdw_split=config.dxdw_split,
+                     batch_p2p=config.batch_p2p)
+    except ScheduleError as exc:
+        parser.error(str(exc))
+
+
+def main(argv: list[str] | None = None) -> int:
+    config, args = parse_args(argv)
+    if launched_by_torchrun():
+        return _main_torchrun(config, args)
+    if config.verbose:
+        print(f"pipeswap-train: {config.schedule}, {config.ranks} ranks x "
+              f"{config.stages_per_rank} stage(s), {config.microbatches} microbatches, "
+              f"{config.steps} steps per mode ({', '.join(config.modes)}) on {config.device}; "
+              "spawning the ranks ...", flush=True)
+    try:
+        per_rank = spawn(run_rank, config.ranks, config, backend=backend_for(config.device),
+                         timeout_s=config.timeout_s)
+    except RankFailedError as exc:
+        print(f"pipeswap-train: {exc}", file=sys.stderr)
+        return 1
+    _report(config, args, per_rank)
+    return 0
+
+
+def _main_torchrun(config: TrainConfig, args: argparse.Namespace) -> int:
+    import torch.distributed as dist
+
+    from pipeswap.runtime.comm import gather_object
+
+    rank, world = init_from_env(backend_for(config.device), config.timeout_s)
+    try:
+        gathered = gather_object(run_rank(rank, world, config))
+    finally:
+        dist.destroy_process_group()
+    if gathered is not None:
+        _report(config, args, gathered)  # type: ignore[arg-type]
+    return 0
+
+
+def _report(config: TrainConfig, args: argparse.Namespace,
+            per_rank: list[dict[str, ModeResult]]) -> None:
+    summary = summarize(config, per_rank)
+    if args.json:
+        print(json.dumps(summary))
+    else:
+        print()
+        print(render(summary))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

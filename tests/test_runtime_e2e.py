@@ -1,0 +1,164 @@
+"""End to end: a small GPT trained across real gloo process groups, with and without swap.
+
+Each case spawns its ranks once and trains in both modes from the same weights; it checks
+that swap changes no loss and no gradient bit, that both match the unsplit model on one
+process, that swap lowers the peak of saved activations where the schedule can lower it (and
+never raises it), and that every step ends with no swap group alive and no host buffer out.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from pipeswap.runtime import RankFailedError, spawn
+from pipeswap.runtime.data import Corpus, batches
+from pipeswap.runtime.model import GPTConfig, build_gpt, lm_loss, split_stages
+from pipeswap.runtime.train import ModeResult, TrainConfig, run_rank
+from pipeswap.schedule import ScheduleKind, ScheduleSpec, Step, StepType, build_schedule
+
+BASE = TrainConfig(steps=2, batch_size=8, seq_len=16, width=32, verbose=False, keep_grads=True,
+                   timeout_s=60)
+CASES = {
+    "gpipe P2 M4": dataclasses.replace(BASE, schedule="gpipe", ranks=2, microbatches=4),
+    "gpipe P2 M4 batched p2p": dataclasses.replace(BASE, schedule="gpipe", ranks=2,
+                                                   microbatches=4, batch_p2p=True),
+    "interleaved P2 V2 M4": dataclasses.replace(
+        BASE, schedule="interleaved-1f1b", ranks=2, stages_per_rank=2, microbatches=4),
+    "interleaved P2 V2 M4 overlap": dataclasses.replace(
+        BASE, schedule="interleaved-1f1b", ranks=2, stages_per_rank=2, microbatches=4,
+        overlap_b_f=True),
+    "interleaved P2 V2 M4 overlap dxdw batched": dataclasses.replace(
+        BASE, schedule="interleaved-1f1b", ranks=2, stages_per_rank=2, microbatches=4,
+        overlap_b_f=True, dxdw_split=True, batch_p2p=True),
+    "1f1b P4 M8": dataclasses.replace(BASE, schedule="1f1b", ranks=4, microbatches=8),
+}
+SLOW = {"1f1b P4 M8"}
+
+
+def _resident_peaks(order: tuple[Step | None, ...]) -> tuple[int, int]:
+    """(peak, peak ignoring swap) of chunks holding activations, counted at each forward:
+    a chunk holds from its F until its last backward, except between WO and LL."""
+    def walk(with_swap: bool) -> int:
+        held, peak = 0, 0
+        pending_w = {step.key for step in order if step and step.type is StepType.BWD_WEIGHT}
+        for step in order:
+            for leaf in (step.sub_steps if step and step.type in _OVERLAPS else (step,)):
+                if leaf is None:
+                    continue
+                kind = leaf.type
+                if kind is StepType.FWD:
+                    held += 1
+                    peak = max(peak, held)
+                elif kind is StepType.BWD or kind is StepType.BWD_WEIGHT or (
+                        kind is StepType.BWD_INPUT and leaf.key not in pending_w):
+                    held -= 1
+                elif with_swap and kind is StepType.SWAP_WAIT_OFFLOAD:
+                    held -= 1
+                elif with_swap and kind is StepType.SWAP_LAUNCH_LOAD:
+                    held += 1
+        return peak
+
+    return walk(True), walk(False)
+
+
+_OVERLAPS = {StepType.OVERLAP_B_F, StepType.OVERLAP_F_B}
+
+
+def _reference(config: TrainConfig) -> tuple[float, dict[str, torch.Tensor], list[str]]:
+    """Loss and gradients of the first batch on the unsplit model, one process; and the
+    global parameter name of each '<stage>.<name>' the ranks report."""
+    corpus = Corpus.bundled()
+    gpt = GPTConfig(vocab=len(corpus.vocab), seq_len=config.seq_len, width=config.width,
+                    layers=config.num_layers)
+    model = build_gpt(gpt, config.seed)
+    inputs, targets = batches(corpus.encode(), config.batch_size, config.seq_len, 1,
+                              config.seed)[0]
+    loss = lm_loss(model(inputs), targets)
+    loss.backward()  # type: ignore[no-untyped-call]
+    names = {id(p): name for name, p in model.named_parameters()}
+    by_stage = {f"{index}.{name}": names[id(p)]
+                for index, stage in enumerate(split_stages(model, config.num_stages))
+                for name, p in stage.named_parameters()}
+    grads = {key: dict(model.named_parameters())[global_name].grad
+             for key, global_name in by_stage.items()}
+    return float(loss.detach()), {k: g for k, g in grads.items() if g is not None}, list(by_stage)
+
+
+@pytest.mark.parametrize(
+    "case", [pytest.param(name, marks=[pytest.mark.slow] if name in SLOW else [])
+             for name in CASES])
+def test_swap_is_exact_and_lowers_the_peak(case: str) -> None:
+    config = CASES[case]
+    per_rank: list[dict[str, ModeResult]] = spawn(run_rank, config.ranks, config,
+                                                  timeout_s=config.timeout_s)
+    want_loss, want_grads, stage_names = _reference(config)
+    schedule = build_schedule(ScheduleSpec(
+        ScheduleKind(config.schedule), ranks=config.ranks, microbatches=config.microbatches,
+        stages_per_rank=config.stages_per_rank, overlap_b_f=config.overlap_b_f,
+        dxdw_split=config.dxdw_split, batch_p2p=config.batch_p2p, swap=True))
+    seen: set[str] = set()
+    last_rank = (config.num_stages - 1) % config.ranks
+    for rank, result in enumerate(per_rank):
+        plain, swap = result["no-swap"], result["swap"]
+        # Swap changes no bit: losses of every step, and every gradient of the first step.
+        assert swap.losses == plain.losses
+        assert plain.grads is not None and swap.grads is not None
+        assert plain.grads.keys() == swap.grads.keys()
+        for name, grad in plain.grads.items():
+            assert torch.equal(grad, swap.grads[name]), name
+            assert torch.allclose(grad, want_grads[name], rtol=1e-4, atol=1e-6), name
+        seen |= plain.grads.keys()
+        if rank == last_rank:
+            first = plain.losses[0]
+            assert len(first) == config.microbatches
+            assert sum(first) / len(first) == pytest.approx(want_loss, rel=1e-5)
+        # Memory: lower where the swapped order holds fewer chunks at its peak, never higher.
+        with_swap, without = _resident_peaks(schedule.orders[rank])
+        if with_swap < without:
+            assert swap.peak_activation_bytes < plain.peak_activation_bytes, rank
+        else:
+            assert swap.peak_activation_bytes <= plain.peak_activation_bytes, rank
+        assert (swap.bytes_offloaded > 0) == (swap.swapped_chunks > 0)
+        assert plain.bytes_offloaded == 0
+        # Nothing left behind after any step.
+        for mode in (plain, swap):
+            assert mode.groups_alive_after_step == [0] * config.steps
+            assert mode.host_bytes_in_use_after_step == [0] * config.steps
+    assert seen == set(stage_names)  # every parameter got its gradient on some rank
+    assert any(result["swap"].swapped_chunks for result in per_rank)
+    assert any(_resident_peaks(order)[0] < _resident_peaks(order)[1]
+               for order in schedule.orders)  # the case really tests a lower peak
+
+
+@pytest.mark.parametrize("how", ["raise", "die"])
+def test_a_failing_rank_makes_the_others_fail_promptly(how: str) -> None:
+    from pipeswap_e2e_workers import fail_mid_step
+
+    with pytest.raises(RankFailedError) as caught:
+        spawn(fail_mid_step, 2, how, timeout_s=20)
+    failures = caught.value.failures
+    assert set(failures) == {0, 1}
+    if how == "raise":
+        assert "boom: a stage failed on purpose" in failures[0]
+    else:
+        assert "died with exit code 3" in failures[0]
+    assert "PipelineCommError" in failures[1] and "rank 1: 1RECV_F1" in failures[1]
+
+
+@pytest.mark.parametrize(
+    ("what", "message"),
+    [("schedule", "the ranks were given different schedules"),
+     ("stages", "runs stages [1] in this schedule but was given stages [0]")],
+)
+def test_mismatched_ranks_fail_on_every_rank_before_any_step(what: str, message: str) -> None:
+    from pipeswap_e2e_workers import mismatched
+
+    with pytest.raises(RankFailedError) as caught:
+        spawn(mismatched, 2, what, timeout_s=20)
+    failures = caught.value.failures
+    assert set(failures) == {0, 1}
+    assert all("PipelineSetupError" in text for text in failures.values())
+    assert any(message in text for text in failures.values())
