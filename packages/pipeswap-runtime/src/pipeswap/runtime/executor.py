@@ -137,9 +137,7 @@ class PipelineExecutor:
             else:
                 if isinstance(schedule, str):
                     schedule = ScheduleSpec(
-                        ScheduleKind(schedule) if schedule in {k.value for k in ScheduleKind}
-                        else schedule,  # type: ignore[arg-type]  # refused with the list below
-                        ranks=self.world, microbatches=self.microbatches,
+                        _kind(schedule), ranks=self.world, microbatches=self.microbatches,
                         stages_per_rank=len(self.stages), swap=swap)
                 elif swap and not schedule.swap:
                     schedule = dataclasses.replace(schedule, swap=True)
@@ -362,6 +360,10 @@ class PipelineExecutor:
             grad = self._received(run, StepType.BWD_RECV, key)
             if grad is None:  # the next stage runs here
                 grad = run.grads_in.pop((stage_index + 1, micro))
+            if grad is None:
+                raise PipelineSetupError(
+                    f"stage {stage_index} micro {micro}: no gradient for its output (the next "
+                    "stage's input got none: does it feed the loss?)")
             run.grads_out[key] = grad
         x = run.inputs[key]
         wants_dx = not stage.is_first and x.requires_grad
@@ -380,3 +382,11 @@ class PipelineExecutor:
         del run.outputs[key], run.inputs[key]
         run.grads_out.pop(key, None)
 
+
+
+def _kind(name: str) -> ScheduleKind:
+    try:
+        return ScheduleKind(name)
+    except ValueError:
+        allowed = ", ".join(kind.value for kind in ScheduleKind)
+        raise PipelineSetupError(f"unknown schedule {name!r}; allowed: {allowed}") from None

@@ -33,6 +33,8 @@ class Embed(torch.nn.Module):
 class Block(torch.nn.Module):
     """Pre-norm causal self-attention and MLP."""
 
+    mask: torch.Tensor
+
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
         self.heads = config.heads

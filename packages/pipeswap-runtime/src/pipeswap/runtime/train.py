@@ -155,11 +155,12 @@ def summarize(config: TrainConfig, per_rank: list[dict[str, ModeResult]]) -> dic
     ranks = []
     for rank in range(len(per_rank)):
         swap, plain = mode(rank, "swap"), mode(rank, "no-swap")
+        either = swap or plain
         ranks.append({
             "rank": rank,
             "peak_activation_bytes_swap": swap.peak_activation_bytes if swap else None,
             "peak_activation_bytes_no_swap": plain.peak_activation_bytes if plain else None,
-            "swapped_chunks": (swap or plain).swapped_chunks if (swap or plain) else 0,
+            "swapped_chunks": either.swapped_chunks if either else 0,
             "bytes_offloaded": swap.bytes_offloaded if swap else 0,
             "step_time_s_swap": statistics.median(swap.step_seconds) if swap else None,
             "step_time_s_no_swap": statistics.median(plain.step_seconds) if plain else None,

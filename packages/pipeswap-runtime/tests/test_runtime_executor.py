@@ -1,0 +1,166 @@
+"""The executor on one process: two stages on one rank (local hand-off), a real gloo group of
+one, real autograd. Multi-process runs are in the root suite (tests/test_runtime_e2e.py)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from pipeswap.runtime import PipelineExecutor, PipelineSetupError, PipelineStage, StepReport
+from pipeswap.runtime.comm import TensorMeta
+from pipeswap.runtime.microbatch import split_microbatches
+from pipeswap.runtime.model import GPTConfig, build_gpt, lm_loss, split_stages
+from pipeswap.runtime.train import parse_args
+from pipeswap.schedule import ScheduleKind, ScheduleSpec, loads
+
+
+@pytest.fixture
+def group() -> Iterator[None]:
+    store = dist.HashStore()  # type: ignore[attr-defined]
+    dist.init_process_group("gloo", rank=0, world_size=1, store=store)
+    yield
+    dist.destroy_process_group()
+
+
+CONFIG = GPTConfig(vocab=16, seq_len=8, width=16, heads=2, layers=2)
+SPEC = ScheduleSpec(ScheduleKind.INTERLEAVED_1F1B, ranks=1, microbatches=4, stages_per_rank=2)
+
+
+def _batch(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return (torch.randint(0, 16, (8, 8), generator=generator),
+            torch.randint(0, 16, (8, 8), generator=generator))
+
+
+class Flaky(torch.nn.Module):
+    """Wraps a stage and raises in one chosen forward call."""
+
+    def __init__(self, inner: torch.nn.Module, fail_at: int) -> None:
+        super().__init__()
+        self.inner, self.fail_at, self.calls = inner, fail_at, 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        if self.calls == self.fail_at:
+            raise RuntimeError("flaky stage")
+        out: torch.Tensor = self.inner(x)
+        return out
+
+
+def _executor(swap: bool, fail_at: int = 0) -> tuple[PipelineExecutor, torch.nn.Module]:
+    model = build_gpt(CONFIG, seed=0)
+    first, second = split_stages(model, 2)
+    stages = [PipelineStage(first, 0, 2), PipelineStage(Flaky(second, fail_at), 1, 2)]
+    return PipelineExecutor(stages, SPEC, 4, lm_loss, swap=swap), model
+
+
+def _grads(model: torch.nn.Module) -> list[torch.Tensor]:
+    return [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+
+def test_two_local_stages_swap_without_changing_a_bit(group: None) -> None:
+    reports: dict[bool, StepReport] = {}
+    grads = {}
+    for swap in (False, True):
+        executor, model = _executor(swap)
+        reports[swap] = executor.step(*_batch(1))
+        grads[swap] = _grads(model)
+        assert executor.manager.active_group_count() == 0
+    assert reports[True].swapped_chunks > 0 and reports[True].bytes_offloaded > 0
+    assert reports[False].bytes_offloaded == 0
+    assert reports[True].losses == reports[False].losses and len(reports[True].losses) == 4
+    assert len(grads[True]) == len(grads[False]) == len(list(build_gpt(CONFIG, 0).parameters()))
+    for with_swap, without in zip(grads[True], grads[False]):
+        assert torch.equal(with_swap, without)
+
+
+def test_matches_the_unsplit_model(group: None) -> None:
+    executor, model = _executor(swap=True)
+    inputs, targets = _batch(2)
+    report = executor.step(inputs, targets)
+    reference = build_gpt(CONFIG, seed=0)
+    loss = lm_loss(reference(inputs), targets)
+    loss.backward()  # type: ignore[no-untyped-call]
+    assert sum(report.losses) / 4 == pytest.approx(float(loss.detach()), rel=1e-6)
+    for got, want in zip(model.parameters(), reference.parameters()):
+        assert got.grad is not None and want.grad is not None
+        assert torch.allclose(got.grad, want.grad, rtol=1e-4, atol=1e-7)
+
+
+def test_a_failed_step_leaves_nothing_behind_and_the_next_one_works(group: None) -> None:
+    executor, model = _executor(swap=True, fail_at=4)  # dry run, micro 0, 1, then micro 2
+    with pytest.raises(RuntimeError, match="flaky stage"):
+        executor.step(*_batch(3))
+    stats = executor.manager.stats()
+    assert executor.manager.active_group_count() == 0
+    assert stats.host_bytes_in_use == 0 and stats.device_bytes_held == 0
+    model.zero_grad(set_to_none=True)
+    report = executor.step(*_batch(3))
+    fresh, fresh_model = _executor(swap=True)
+    assert fresh.step(*_batch(3)).losses == report.losses
+    for got, want in zip(_grads(model), _grads(fresh_model)):
+        assert torch.equal(got, want)
+
+
+def test_set_up_errors_say_what_to_fix(group: None) -> None:
+    model = build_gpt(CONFIG, seed=0)
+    first, second = split_stages(model, 2)
+    stages = [PipelineStage(first, 0, 2), PipelineStage(second, 1, 2)]
+    executor = PipelineExecutor(stages, SPEC, 4, lm_loss)
+    inputs, targets = _batch(4)
+    with pytest.raises(PipelineSetupError, match="batch size 6 .* into 4 equal microbatches"):
+        executor.step(inputs[:6], targets[:6])
+    with pytest.raises(PipelineSetupError, match="runs the first stage: pass inputs"):
+        executor.step(None, targets)
+    with pytest.raises(PipelineSetupError, match="FSDP"):
+        PipelineExecutor(stages, ScheduleSpec(ScheduleKind.INTERLEAVED_1F1B, ranks=1,
+                                              microbatches=4, stages_per_rank=2, fsdp=True),
+                         4, lm_loss)
+    with pytest.raises(PipelineSetupError, match="an explicit Schedule runs as given"):
+        PipelineExecutor(stages, loads("rank 0: 0F0 1F0 1B0 0B0"), 1, lm_loss, swap=True)
+    with pytest.raises(PipelineSetupError, match="the schedule cannot run: .*"):
+        PipelineExecutor(stages, loads("rank 0: 0F0 1F0 1B0"), 1, lm_loss)
+    with pytest.raises(PipelineSetupError, match="was given stages \\[0\\]"):
+        PipelineExecutor(stages[:1], SPEC, 4, lm_loss)
+    with pytest.raises(PipelineSetupError, match="unknown schedule 'zigzag'"):
+        PipelineExecutor(stages, "zigzag", 4, lm_loss)
+
+
+def test_refuses_to_run_without_a_process_group() -> None:
+    stage = PipelineStage(torch.nn.Linear(2, 2), 0, 1)
+    with pytest.raises(PipelineSetupError, match="torch.distributed is not initialized"):
+        PipelineExecutor([stage], "gpipe", 2, lm_loss)
+
+
+def test_microbatches_are_equal_views() -> None:
+    batch = torch.arange(12).reshape(6, 2)
+    parts = split_microbatches(batch, 3, "inputs")
+    assert [p.tolist() for p in parts] == [[[0, 1], [2, 3]], [[4, 5], [6, 7]], [[8, 9], [10, 11]]]
+    assert all(p.untyped_storage().data_ptr() == batch.untyped_storage().data_ptr()
+               for p in parts)
+
+
+def test_boundary_metadata_round_trips_and_refuses_what_cannot_cross() -> None:
+    meta = TensorMeta((2, 3, 4), torch.bfloat16)
+    assert TensorMeta.decode(meta.encode()) == meta
+    with pytest.raises(PipelineSetupError, match="complex64"):
+        TensorMeta((2,), torch.complex64).encode()
+
+
+def test_the_command_line_refuses_bad_options(capsys: pytest.CaptureFixture[str]) -> None:
+    for argv, message in [
+        (["--batch-size", "10", "--microbatches", "4"], "does not split into 4 microbatches"),
+        (["--stages-per-rank", "2"], "stages_per_rank must be 1"),
+        (["--ranks", "0"], "--ranks must be at least 1"),
+        (["--dxdw-split", "--schedule", "interleaved-1f1b", "--ranks", "2",
+          "--stages-per-rank", "2"], "dxdw_split=True requires overlap_b_f=True"),
+    ]:
+        with pytest.raises(SystemExit) as exit_info:
+            parse_args(argv)
+        assert exit_info.value.code == 2
+        assert message in capsys.readouterr().err
+    config, _ = parse_args(["--schedule", "gpipe", "--ranks", "2", "--no-swap"])
+    assert config.modes == ("no-swap",) and config.num_stages == 2 and config.num_layers == 4
