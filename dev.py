@@ -22,15 +22,17 @@ commands:
                        d. `hatch run pkg:test`, `hatch run pkg:types`: each package alone,
                           with only the siblings it declares
                        e. build every package (sdist + wheel) into dist/, install the wheels
-                          into a fresh venv, import them, run `pipeswap-schedule --help`
+                          into a fresh venv, import them, run `pipeswap-schedule --help`,
+                          `pipeswap-train --help`
                           and the integration suite tests/ against them
                      Hatch envs are deleted first on CI (CI=true) and whenever a
                      pyproject.toml or __about__.py changed since they were built.
   test ARGS...       only phase b, with ARGS passed to pytest
                      (e.g. `python3 dev.py test -k hygiene -x`)
-  demo               run `pipeswap-schedule show --schedule 1f1b --ranks 4 --microbatches 8
-                     --swap` in the default env
-  bench [ARGS...]    run benchmarks/schedule_passes.py and benchmarks/swap_overhead.py in
+  demo [ARGS...]     the main job: `pipeswap-train` in the default env (a small GPT trained
+                     on 4 CPU ranks with 1F1B, without and with swap, then compared);
+                     ARGS go to pipeswap-train (`python3 dev.py demo -- --help`)
+  bench [ARGS...]    run benchmarks/schedule_passes.py, swap_overhead.py and train_step.py in
                      the default env (`bench --write` records the results in BENCHMARKS.md);
                      benchmarks/gpu_swap_check.py needs an accelerator and is run by hand
 """
@@ -64,8 +66,9 @@ HATCH = "1.18.2"
 UV = "0.13.9"
 TORCH = "2.13.0+cpu"  # a CPU build: its dependencies hold no nvidia-* packages
 PYTEST = "pytest~=9.2"
-BENCHMARKS = ["benchmarks/schedule_passes.py", "benchmarks/swap_overhead.py"]
-DEMO = ["pipeswap-schedule", "show", "--schedule", "1f1b", "--ranks", "4", "--microbatches", "8", "--swap"]
+BENCHMARKS = ["benchmarks/schedule_passes.py", "benchmarks/swap_overhead.py",
+              "benchmarks/train_step.py"]
+DEMO = ["pipeswap-train"]  # 1F1B on 4 spawned CPU ranks, without and with swap, compared
 
 
 class Failure(Exception):
@@ -250,6 +253,7 @@ def check_wheels() -> None:
     )
     run([python, "-c", probe], label=f"{python} -c <import all four, no nvidia-*, torch {TORCH}>")
     run([WHEEL_CHECK_VENV / "bin" / "pipeswap-schedule", "--help"])
+    run([WHEEL_CHECK_VENV / "bin" / "pipeswap-train", "--help"])
     run([python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests"])
 
 
@@ -314,7 +318,7 @@ def main(argv: list[str] | None = None) -> int:
     args, extra = parser.parse_known_args(argv)
     if extra and extra[0] == "--":
         extra = extra[1:]
-    if extra and args.command not in ("test", "bench"):
+    if extra and args.command not in ("test", "bench", "demo"):
         parser.error(f"`{args.command}` takes no arguments: {shlex.join(extra)}")
     try:
         if args.command == "setup":
@@ -326,7 +330,7 @@ def main(argv: list[str] | None = None) -> int:
             if envs_are_stale():
                 remove_envs()
             if args.command == "demo":
-                hatch("run", *DEMO)
+                hatch("run", *DEMO, *extra)
             else:
                 for script in BENCHMARKS:
                     hatch("run", "python", script, *extra)

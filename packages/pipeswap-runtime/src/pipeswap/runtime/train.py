@@ -35,7 +35,7 @@ class TrainConfig:
     ranks: int = 4
     stages_per_rank: int = 1
     microbatches: int = 8
-    steps: int = 6
+    steps: int = 10
     batch_size: int = 16
     seq_len: int = 64
     width: int = 64
