@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 from dataclasses import dataclass, field
@@ -88,8 +89,9 @@ def run_rank(rank: int, world_size: int, config: TrainConfig) -> dict[str, ModeR
     if world_size != config.ranks:
         raise ValueError(f"config.ranks is {config.ranks} but {world_size} ranks were started")
     torch.set_num_threads(1)  # several ranks share the cores
+    local_rank = int(os.environ.get("LOCAL_RANK", rank))  # torchrun and spawn both set it
     platform = get_platform(config.device if config.device == "cpu"
-                            else f"{config.device}:{rank % max(1, _device_count(config))}")
+                            else f"{config.device}:{local_rank % max(1, _device_count(config))}")
     corpus = Corpus.bundled()
     ids = corpus.encode()
     data = [(x.to(platform.device), y.to(platform.device)) for x, y in
@@ -278,12 +280,7 @@ def parse_args(argv: list[str] | None) -> tuple[TrainConfig, argparse.Namespace]
                         f"{defaults.timeout_s:.0f})")
     args = parser.parse_args(argv)
     modes = ("no-swap",) if args.no_swap else ("swap",) if args.swap_only else MODES
-    torchrun = launched_by_torchrun()
-    ranks = args.ranks
-    if torchrun:
-        import os
-
-        ranks = int(os.environ["WORLD_SIZE"])
+    ranks = int(os.environ["WORLD_SIZE"]) if launched_by_torchrun() else args.ranks
     for name in ("ranks", "microbatches", "steps", "batch_size", "stages_per_rank"):
         value = ranks if name == "ranks" else getattr(args, name)
         if value < 1:
