@@ -53,3 +53,21 @@ def mismatched(rank: int, world_size: int, what: str) -> str:
         stage = PipelineStage(module, 0, world_size)  # both ranks claim stage 0
         PipelineExecutor([stage], "gpipe", 4, lm_loss)
     return "built"
+
+
+def bad_batch_then_recover(rank: int, world_size: int) -> tuple[list[str], int, int]:
+    """Rank 0 gets a batch that does not split; then both ranks run a good step."""
+    from pipeswap.runtime import PipelineSetupError
+
+    torch.manual_seed(0)
+    stage = PipelineStage(torch.nn.Linear(8, 8), rank, world_size)
+    executor = PipelineExecutor([stage], "gpipe", 4, _mse, swap=True)
+    generator = torch.Generator().manual_seed(1)
+    inputs, targets = torch.randn(8, 8, generator=generator), torch.randn(8, 8, generator=generator)
+    errors = []
+    try:
+        executor.step(inputs[:6] if rank == 0 else inputs, targets)
+    except PipelineSetupError as exc:
+        errors.append(str(exc))
+    report = executor.step(inputs, targets)
+    return errors, len(report.losses), executor.manager.active_group_count()

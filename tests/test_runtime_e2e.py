@@ -162,3 +162,15 @@ def test_mismatched_ranks_fail_on_every_rank_before_any_step(what: str, message:
     assert set(failures) == {0, 1}
     assert all("PipelineSetupError" in text for text in failures.values())
     assert any(message in text for text in failures.values())
+
+
+def test_a_batch_one_rank_refuses_stops_every_rank_and_the_next_step_works() -> None:
+    from pipeswap_e2e_workers import bad_batch_then_recover
+
+    (errors0, losses0, groups0), (errors1, losses1, groups1) = spawn(
+        bad_batch_then_recover, 2, timeout_s=20)
+    assert len(errors0) == 1 and "batch size 6" in errors0[0]
+    assert errors1 == ["rank(s) [0] refused this step's batch (see their errors); nothing ran "
+                       "on any rank"]
+    assert (losses0, losses1) == (0, 4)  # the last stage's rank reports the losses
+    assert groups0 == groups1 == 0

@@ -239,21 +239,20 @@ class PipelineExecutor:
         start = time.perf_counter()
         self._runs += 1
         run = _Run(SwapSession(self.manager, self._runs))
-        first, last = self._by_index.get(0), self._by_index.get(self.num_stages - 1)
-        if first is not None:
-            if inputs is None:
-                raise PipelineSetupError(f"rank {self.rank} runs the first stage: pass inputs")
-            run.micro_inputs = split_microbatches(inputs, self.microbatches, "inputs")
-            meta = TensorMeta(tuple(run.micro_inputs[0].shape), run.micro_inputs[0].dtype)
-            if self._input_meta is not None and meta != self._input_meta:
-                raise PipelineSetupError(
-                    f"microbatch shape changed from {self._input_meta.shape} to {meta.shape}; "
-                    "stage boundary shapes are fixed after the first step: keep the batch "
-                    "shape constant (pad), or build a new executor")
-        if last is not None:
-            if targets is None:
-                raise PipelineSetupError(f"rank {self.rank} runs the last stage: pass targets")
-            run.micro_targets = split_microbatches(targets, self.microbatches, "targets")
+        problem: PipelineSetupError | None = None
+        try:
+            self._take_batch(run, inputs, targets)
+        except PipelineSetupError as exc:
+            problem = exc
+        # One collective before any transfer: a rank refusing its batch stops every rank
+        # here, and the process group stays usable for the next step.
+        refused = [rank for rank, bad in enumerate(all_gather_ints(problem is not None,
+                                                                   self.group)) if bad]
+        if problem is not None:
+            raise problem
+        if refused:
+            raise PipelineSetupError(f"rank(s) {refused} refused this step's batch (see their "
+                                     "errors); nothing ran on any rank")
         if not self._shapes_known:
             self._exchange_shapes(run.micro_inputs[0] if run.micro_inputs else None)
             self._shapes_known = True
@@ -282,6 +281,24 @@ class PipelineExecutor:
             bytes_offloaded=stats.bytes_offloaded - offloaded,
             swapped_chunks=len(self.swapped),
         )
+
+    def _take_batch(self, run: _Run, inputs: torch.Tensor | None,
+                    targets: torch.Tensor | None) -> None:
+        """Split this rank's part of the batch into microbatches, checking it fits."""
+        if 0 in self._by_index:
+            if inputs is None:
+                raise PipelineSetupError(f"rank {self.rank} runs the first stage: pass inputs")
+            run.micro_inputs = split_microbatches(inputs, self.microbatches, "inputs")
+            meta = TensorMeta(tuple(run.micro_inputs[0].shape), run.micro_inputs[0].dtype)
+            if self._input_meta is not None and meta != self._input_meta:
+                raise PipelineSetupError(
+                    f"microbatch shape changed from {self._input_meta.shape} to {meta.shape}; "
+                    "stage boundary shapes are fixed after the first step: keep the batch "
+                    "shape constant (pad), or build a new executor")
+        if self.num_stages - 1 in self._by_index:
+            if targets is None:
+                raise PipelineSetupError(f"rank {self.rank} runs the last stage: pass targets")
+            run.micro_targets = split_microbatches(targets, self.microbatches, "targets")
 
     def _run(self, run: _Run, step: Step) -> None:
         kind = step.type
