@@ -164,3 +164,53 @@ def test_the_command_line_refuses_bad_options(capsys: pytest.CaptureFixture[str]
         assert message in capsys.readouterr().err
     config, _ = parse_args(["--schedule", "gpipe", "--ranks", "2", "--no-swap"])
     assert config.modes == ("no-swap",) and config.num_stages == 2 and config.num_layers == 4
+
+
+def test_overlap_dxdw_on_one_rank_with_a_frozen_stage(group: None) -> None:
+    spec = ScheduleSpec(ScheduleKind.INTERLEAVED_1F1B, ranks=1, microbatches=2,
+                        stages_per_rank=2, overlap_b_f=True, dxdw_split=True)
+    grads = []
+    for swap in (False, True):
+        model = build_gpt(CONFIG, seed=0)
+        first, second = split_stages(model, 2)
+        second.requires_grad_(False)  # its W step has no weight to update
+        stages = [PipelineStage(first, 0, 2), PipelineStage(second, 1, 2)]
+        executor = PipelineExecutor(stages, spec, 2, lm_loss, swap=swap)
+        executor.step(*_batch(5))
+        assert executor.manager.active_group_count() == 0
+        grads.append(_grads(model))
+    assert grads[0] and len(grads[0]) == len(list(split_stages(build_gpt(CONFIG, 0), 2)[0]
+                                                 .parameters()))
+    for without, with_swap in zip(*grads):
+        assert torch.equal(without, with_swap)
+
+
+def test_executors_sharing_a_manager_keep_their_groups_apart(group: None) -> None:
+    from pipeswap.platform import get_platform
+    from pipeswap.swap import SwapManager
+
+    manager = SwapManager(get_platform("cpu"))
+    executors = []
+    for _ in range(2):
+        first, second = split_stages(build_gpt(CONFIG, seed=0), 2)
+        executors.append(PipelineExecutor(
+            [PipelineStage(first, 0, 2), PipelineStage(second, 1, 2)], SPEC, 4, lm_loss,
+            swap=True, manager=manager))
+    first_report = executors[0].step(*_batch(6))
+    assert executors[1].step(*_batch(6)).losses == first_report.losses
+    assert manager.active_group_count() == 0
+
+
+def test_stage_outputs_and_microbatch_counts_that_cannot_work(group: None) -> None:
+    class Ids(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x.argmax(dim=-1)
+
+    stages = [PipelineStage(Ids(), 0, 2), PipelineStage(torch.nn.Identity(), 1, 2)]
+    executor = PipelineExecutor(stages, SPEC, 4, lm_loss)
+    with pytest.raises(PipelineSetupError, match="stage 0 outputs torch.int64; .* floating"):
+        executor.step(torch.randn(8, 3), torch.zeros(8, dtype=torch.int64))
+    with pytest.raises(PipelineSetupError, match="the schedule runs 8 microbatches but "
+                       "microbatches=4"):
+        PipelineExecutor(stages, ScheduleSpec(ScheduleKind.INTERLEAVED_1F1B, ranks=1,
+                                              microbatches=8, stages_per_rank=2), 4, lm_loss)

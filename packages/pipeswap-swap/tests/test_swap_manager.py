@@ -322,6 +322,25 @@ def test_load_on_demand_warns_and_keeps_numerics() -> None:
     assert x.grad is not None and torch.equal(x.grad, expected)
 
 
+def test_load_on_demand_during_a_load_in_flight_waits_for_it() -> None:
+    mgr = SwapManager(get_platform("cpu"), load_on_demand=True)
+    x = torch.randn(1 << 16, requires_grad=True)
+    with mgr.group_context("g"):
+        loss = (x.exp()).sum()
+    expected = x.detach().exp()
+    mgr.launch_offload("g")
+    mgr.wait_offload("g")
+    mgr.launch_load("g")  # the copy back may still be running when backward starts
+    with pytest.warns(UserWarning, match="on demand"):
+        backward(loss)
+    assert x.grad is not None and torch.equal(x.grad, expected)
+    mgr.wait_load("g")
+    stats = mgr.stats()
+    assert stats.bytes_reloaded == stats.bytes_offloaded == x.numel() * 4  # counted once
+    mgr.finish_group("g")
+    assert mgr.stats().host_bytes_in_use == 0 and mgr.stats().device_bytes_held == 0
+
+
 def test_in_place_writes_after_save_are_detected(mgr: SwapManager) -> None:
     x = torch.randn(16, requires_grad=True)
     with mgr.group_context("g"):

@@ -1,9 +1,11 @@
 """Point-to-point transfers between stages on different ranks, over torch.distributed.
 
-Every message carries a tag naming its run, direction, sending stage and microbatch, so a
-message can only ever land in the receive posted for it (and a receive left over from a
-failed run can never take a later run's data). Shapes and dtypes of the boundary tensors are
-exchanged once, before the first step, by a chain over the stages in order.
+Every message carries a tag naming its run, direction, sending stage and microbatch. With
+gloo a message can then only land in the receive posted for it (and a receive left over from a
+failed run can never take a later run's data); NCCL ignores tags and matches in order, which
+the validated schedule keeps consistent. Shapes and dtypes of the boundary tensors are
+exchanged once, before the first step, by a chain over the stages in order (CPU tensors: on
+CUDA the process group needs a CPU backend too, as ``backend_for`` sets up).
 """
 
 from __future__ import annotations
@@ -122,6 +124,8 @@ class Transport:
         try:
             if batched:
                 works = dist.batch_isend_irecv(ops)
+                if len(works) != len(ops):  # NCCL: one request for the whole batch
+                    works = [works[0]] * len(ops)
             else:
                 works = [op.op(op.tensor, op.peer, op.group, op.tag) for op in ops]
         except RuntimeError as exc:

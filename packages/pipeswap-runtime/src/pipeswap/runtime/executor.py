@@ -11,13 +11,14 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from pipeswap.platform import Platform, get_platform
 from pipeswap.runtime.comm import TensorMeta, Transfer, Transport, all_gather_ints
-from pipeswap.runtime.errors import PipelineSetupError
+from pipeswap.runtime.errors import PipelineError, PipelineSetupError
 from pipeswap.runtime.microbatch import split_microbatches
 from pipeswap.runtime.session import SwapSession
 from pipeswap.runtime.stage import PipelineStage
@@ -110,9 +111,17 @@ class PipelineExecutor:
         self.microbatches = microbatches
         self.loss_fn = loss_fn
         self.platform = platform or get_platform()
-        self.schedule = self._build(schedule, swap, swap_policy)
         self._by_index = {stage.stage_index: stage for stage in self.stages}
-        self._check_everywhere()
+        built: Schedule | None = None
+        problem: PipelineSetupError | None = None
+        try:
+            built = self._build(schedule, swap, swap_policy)
+            self._check_stages(built)
+        except PipelineSetupError as exc:
+            problem = exc
+        self._check_everywhere(built, problem)
+        assert built is not None
+        self.schedule = built
         self.manager = manager or SwapManager(self.platform)
         for stage in self.stages:
             self.manager.protect_module(stage.module)
@@ -155,39 +164,50 @@ class PipelineExecutor:
                                      "not run; build it without FSDP")
         return built
 
-    def _stage_problem(self) -> str | None:
-        schedule = self.schedule
+    def _check_stages(self, schedule: Schedule) -> None:
+        """This rank's stages and microbatch count fit ``schedule``."""
         if schedule.num_ranks != self.world:
-            return (f"the schedule is for {schedule.num_ranks} ranks but the process group has "
-                    f"{self.world}")
+            raise PipelineSetupError(
+                f"the schedule is for {schedule.num_ranks} ranks but the process group has "
+                f"{self.world}")
         if schedule.num_stages != self.num_stages:
-            return (f"the schedule has {schedule.num_stages} stages but the stages say "
-                    f"num_stages={self.num_stages}")
+            raise PipelineSetupError(
+                f"the schedule has {schedule.num_stages} stages but the stages say "
+                f"num_stages={self.num_stages}")
+        micros = 1 + max((step.micro for order in schedule.orders for step in order
+                          if step is not None and step.micro is not None), default=-1)
+        if micros != self.microbatches:
+            raise PipelineSetupError(
+                f"the schedule runs {micros} microbatches but microbatches={self.microbatches}; "
+                "give the executor the microbatch count the schedule was built for")
         mine = sorted(s for s, r in enumerate(schedule.stage_ranks) if r == self.rank)
         given = [stage.stage_index for stage in self.stages]
         if mine != given:
-            return (f"rank {self.rank} runs stages {mine} in this schedule but was given stages "
-                    f"{given}; build each rank's PipelineStage objects for the stages the "
-                    "schedule places on it")
+            raise PipelineSetupError(
+                f"rank {self.rank} runs stages {mine} in this schedule but was given stages "
+                f"{given}; build each rank's PipelineStage objects for the stages the schedule "
+                "places on it")
         if any(stage.num_stages != self.num_stages or stage.group is not self.group
                for stage in self.stages):
-            return "all stages of an executor need the same num_stages and process group"
-        return None
+            raise PipelineSetupError(
+                "all stages of an executor need the same num_stages and process group")
 
-    def _check_everywhere(self) -> None:
-        """One collective before any step: every rank has stages that fit the schedule, and
-        all run the same schedule. Any problem raises on every rank, so none waits forever."""
-        problem = self._stage_problem()
-        text = f"{dumps_lines(self.schedule)}|{self.schedule.stage_ranks}|{self.microbatches}"
-        fingerprint = int.from_bytes(hashlib.sha256(text.encode()).digest()[:7], "big")
+    def _check_everywhere(self, schedule: Schedule | None,
+                          problem: PipelineSetupError | None) -> None:
+        """One collective before any step: every rank has a schedule its stages fit, and all
+        run the same one. Any problem raises on every rank, so none waits forever."""
+        fingerprint = 0
+        if schedule is not None:
+            text = f"{dumps_lines(schedule)}|{schedule.stage_ranks}|{self.microbatches}"
+            fingerprint = int.from_bytes(hashlib.sha256(text.encode()).digest()[:7], "big")
         everyone = all_gather_ints(fingerprint * 2 + (problem is not None), self.group)
         bad = [rank for rank, value in enumerate(everyone) if value % 2]
         if problem is not None:
-            raise PipelineSetupError(problem)
+            raise problem
         if bad:
             raise PipelineSetupError(
-                f"rank(s) {bad} were given stages that do not fit the schedule (see their "
-                "errors); nothing ran")
+                f"rank(s) {bad} could not set up (see their errors): a schedule, stages or "
+                "microbatch count that do not fit; nothing ran")
         if len({value // 2 for value in everyone}) != 1:
             prints = [f"{value // 2:014x}" for value in everyone]
             raise PipelineSetupError(
@@ -217,12 +237,17 @@ class PipelineExecutor:
             if stage.is_last:
                 break
             saved = {name: b.clone() for name, b in stage.module.named_buffers()}
-            with torch.no_grad():
-                out = stage.forward(torch.zeros(meta.shape, dtype=meta.dtype,
-                                                device=self.platform.device))
-            with torch.no_grad():
+            device = self.platform.device
+            with torch.no_grad(), torch.random.fork_rng(
+                    devices=[] if device.type == "cpu" else [device.index or 0],
+                    device_type=device.type if device.type != "cpu" else "cuda"):
+                out = stage.forward(torch.zeros(meta.shape, dtype=meta.dtype, device=device))
                 for name, b in stage.module.named_buffers():
                     b.copy_(saved[name])
+            if not out.is_floating_point():
+                raise PipelineSetupError(
+                    f"stage {index} outputs {out.dtype}; tensors between stages carry gradients "
+                    "back, so they must be floating point")
             self.transport.boundary[index] = TensorMeta(tuple(out.shape), out.dtype)
             if ranks[index + 1] != self.rank:
                 self.transport.send_meta(index, self.transport.boundary[index])
@@ -238,7 +263,7 @@ class PipelineExecutor:
         """
         start = time.perf_counter()
         self._runs += 1
-        run = _Run(SwapSession(self.manager, self._runs))
+        run = _Run(SwapSession(self.manager, f"x{id(self):x}.run{self._runs}"))
         problem: PipelineSetupError | None = None
         try:
             self._take_batch(run, inputs, targets)
@@ -268,11 +293,17 @@ class PipelineExecutor:
             for transfer in run.sends:
                 self.transport.wait(transfer)
             if run.receives:
-                raise PipelineSetupError(
-                    f"rank {self.rank}: receives never consumed: "
+                raise PipelineError(
+                    f"rank {self.rank}: the schedule posted receives no step consumed: "
                     f"{', '.join(str(t.step) for t in run.receives.values())}")
-        finally:
-            run.session.close()
+        except BaseException:
+            try:
+                run.session.close()
+            except Exception as exc:  # noqa: BLE001 - the step's own error is the one to see
+                warnings.warn(f"closing the swap session after a failed step also failed: "
+                              f"{exc}", stacklevel=2)
+            raise
+        run.session.close()
         stats = self.manager.stats()
         return StepReport(
             losses=tuple(run.losses[m] for m in sorted(run.losses)),
@@ -330,10 +361,10 @@ class PipelineExecutor:
             if step.type in SENDS:
                 key = step.key
                 tensor = (run.outputs[key].detach() if step.type is StepType.FWD_SEND
-                          else run.grads_in.pop(key))
+                          else run.grads_in.pop(key, None))
                 if tensor is None:
-                    raise PipelineSetupError(f"{step}: stage {key[0]}'s input has no gradient "
-                                             "to send (does its input require grad?)")
+                    raise PipelineError(f"{step}: stage {key[0]}'s input got no gradient to "
+                                        "send: does the stage's output depend on its input?")
                 pairs.append((step, tensor.contiguous()))
             else:
                 pairs.append((step, self.transport.receive_buffer(step)))
@@ -356,14 +387,15 @@ class PipelineExecutor:
             received = self._received(run, StepType.FWD_RECV, key)
             if received is None:  # the previous stage runs here: hand over locally
                 received = run.outputs[(stage_index - 1, micro)].detach()
-            x = received.requires_grad_(received.is_floating_point())
+            x = received.requires_grad_(True)
+        target = run.micro_targets[micro] if stage.is_last else None
         with run.session.forward(key):
             out = stage.forward(x)
-            if stage.is_last:
-                loss = self.loss_fn(out, run.micro_targets[micro])
+            if target is not None:
+                loss = self.loss_fn(out, target)
                 run.losses[micro] = float(loss.detach())
                 out = loss / self.microbatches
-        run.session.protect(key, [x, out])
+        run.session.protect(key, [x, out, target])
         run.inputs[key], run.outputs[key] = x, out
 
     def _backward(self, run: _Run, key: ChunkKey, *, dx: bool, dw: bool) -> None:
@@ -376,25 +408,26 @@ class PipelineExecutor:
         if grad is None and not stage.is_last:
             grad = self._received(run, StepType.BWD_RECV, key)
             if grad is None:  # the next stage runs here
-                grad = run.grads_in.pop((stage_index + 1, micro))
+                grad = run.grads_in.pop((stage_index + 1, micro), None)
             if grad is None:
-                raise PipelineSetupError(
+                raise PipelineError(
                     f"stage {stage_index} micro {micro}: no gradient for its output (the next "
-                    "stage's input got none: does it feed the loss?)")
+                    "stage's output does not depend on its input)")
             run.grads_out[key] = grad
         x = run.inputs[key]
-        wants_dx = not stage.is_first and x.requires_grad
         if dx and dw:
             torch.autograd.backward(root, grad)
-            if wants_dx:
+            if not stage.is_first:
                 run.grads_in[key] = x.grad
         elif dx:
-            if wants_dx:
-                (run.grads_in[key],) = torch.autograd.grad(root, [x], grad, retain_graph=True)
+            if not stage.is_first:
+                (run.grads_in[key],) = torch.autograd.grad(root, [x], grad, retain_graph=True,
+                                                           allow_unused=True)
             return  # the chunk's state stays for its W step
         else:
             params = [p for p in stage.module.parameters() if p.requires_grad]
-            torch.autograd.backward(root, grad, inputs=params)
+            if params:  # a frozen stage has no weight gradient; dropping the graph is all
+                torch.autograd.backward(root, grad, inputs=params)
         run.session.finish(key)
         del run.outputs[key], run.inputs[key]
         run.grads_out.pop(key, None)

@@ -35,12 +35,23 @@ def init_from_env(backend: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> tuple[i
     """Join the process group torchrun describes in the environment; (rank, world size)."""
     import torch.distributed as dist
 
+    _select_device(backend)
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
     return dist.get_rank(), dist.get_world_size()
 
 
 def backend_for(device: str) -> str:
-    return "gloo" if device == "cpu" else "nccl"
+    """gloo on CPU; on CUDA, NCCL for device tensors and gloo for the small CPU tensors of
+    the set-up checks and shape exchange."""
+    return "gloo" if device == "cpu" else "cpu:gloo,cuda:nccl"
+
+
+def _select_device(backend: str) -> None:
+    """One GPU per local rank, before NCCL starts."""
+    if "nccl" in backend:
+        import torch
+
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
 
 
 def _free_port() -> int:
@@ -57,6 +68,7 @@ def _rank_main(rank: int, world_size: int, port: int, backend: str, timeout_s: f
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     try:
+        _select_device(backend)
         dist.init_process_group(backend, rank=rank, world_size=world_size,
                                 timeout=datetime.timedelta(seconds=timeout_s))
         try:

@@ -21,15 +21,15 @@ class SwapSession:
     run is alive, no transfer is in flight and every host buffer is back in the pool.
     """
 
-    def __init__(self, manager: SwapManager, run: int) -> None:
+    def __init__(self, manager: SwapManager, run: str) -> None:
         self.manager = manager
-        self.run = run
+        self.run = run  # unique among the runs sharing the manager
         self._names: dict[ChunkKey, str] = {}
 
     def name(self, key: ChunkKey) -> str:
         name = self._names.get(key)
         if name is None:
-            name = self._names[key] = f"run{self.run}.s{key[0]}.m{key[1]}"
+            name = self._names[key] = f"{self.run}.s{key[0]}.m{key[1]}"
         return name
 
     @contextmanager
@@ -38,14 +38,23 @@ class SwapSession:
             yield
 
     def protect(self, key: ChunkKey, tensors: Any) -> None:
-        """Keep storages shared with ``tensors`` (boundary inputs, outputs) on the device."""
+        """Keep storages shared with ``tensors`` (boundary inputs, outputs, targets) on the
+        device; None entries are skipped."""
         self.manager.protect_alias_tensors(self.name(key), tensors)
 
     def finish(self, key: ChunkKey) -> None:
         """The chunk's backward is complete: forget its group."""
-        self.manager.finish_group(self._names.pop(key))
+        self.manager.finish_group(self._names[key])
+        del self._names[key]
 
     def close(self) -> None:
+        """Abort every group still alive; all are tried, then the first failure raises."""
+        errors = []
         for name in self._names.values():
-            self.manager.abort_group(name)
+            try:
+                self.manager.abort_group(name)
+            except Exception as exc:  # noqa: BLE001 - the others still need aborting
+                errors.append(exc)
         self._names.clear()
+        if errors:
+            raise errors[0]

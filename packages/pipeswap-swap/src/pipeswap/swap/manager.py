@@ -299,7 +299,15 @@ class SwapManager:
                           "launch_load/wait_load before backward to overlap the copy",
                           stacklevel=2)
             with self._lock:
-                self._restore_now(group, entry)
+                if any(e is entry for e in group.loading):  # load in flight: wait, not again
+                    assert group.event is not None
+                    group.event.synchronize()
+                    for loaded in group.loading:
+                        loaded.resident = True
+                        self._reloaded += loaded.nbytes
+                    group.loading = []  # wait_load still returns the buffers
+                else:
+                    self._restore_now(group, entry)
         return saved.tensor
 
     # -- transfers -------------------------------------------------------------------------
