@@ -30,7 +30,7 @@ from pipeswap.schedule import (
     validate,
     validate_rank,
 )
-from pipeswap.schedule.steps import ACTIVATION_CONSUMERS
+from pipeswap.schedule.steps import ACTIVATION_CONSUMERS, Order
 from pipeswap.schedule.swap import inject_swap_order
 from pipeswap.schedule.text import format_order, parse_step
 
@@ -237,7 +237,8 @@ def test_policy_decides_which_chunks_swap() -> None:
     validate(inject_swap(base, MinGapPolicy(3)))
 
     class Nothing:
-        def select(self, candidates: Sequence[SwapCandidate]) -> Collection[tuple[int, int]]:
+        def select(self, candidates: Sequence[SwapCandidate], order: Order
+                   ) -> Collection[tuple[int, int]]:
             return ()
 
     assert inject_swap(base, Nothing()) == base
@@ -255,7 +256,8 @@ def test_policies_that_ask_for_the_impossible_are_refused() -> None:
         MinGapPolicy(2)
 
     class Greedy:
-        def select(self, candidates: Sequence[SwapCandidate]) -> Collection[tuple[int, int]]:
+        def select(self, candidates: Sequence[SwapCandidate], order: Order
+                   ) -> Collection[tuple[int, int]]:
             return {c.key for c in candidates}
 
     with pytest.raises(ScheduleError, match=r"chunk \(2, 0\) on rank 2.*only 2 compute slot"):
@@ -265,7 +267,8 @@ def test_policies_that_ask_for_the_impossible_are_refused() -> None:
         def __init__(self, chunk: tuple[int, int]) -> None:
             self.chunk = chunk
 
-        def select(self, candidates: Sequence[SwapCandidate]) -> Collection[tuple[int, int]]:
+        def select(self, candidates: Sequence[SwapCandidate], order: Order
+                   ) -> Collection[tuple[int, int]]:
             return {self.chunk}
 
     with pytest.raises(ScheduleError, match=r"\(9, 9\).*not candidates"):

@@ -19,8 +19,10 @@ from pipeswap.schedule.formats import (
     render_grid,
     swap_summary,
 )
+from pipeswap.schedule.costs import PRESETS
 from pipeswap.schedule.schedule import Schedule
-from pipeswap.schedule.swap import MinGapPolicy
+from pipeswap.schedule.simulate_cli import cost_arguments, parse_size, run_simulate
+from pipeswap.schedule.swap import MinGapPolicy, SwapPolicy
 from pipeswap.schedule.validation import validate
 
 PROG = "pipeswap-schedule"
@@ -45,6 +47,8 @@ examples:
   {PROG} orders --schedule interleaved-1f1b --ranks 4 --stages-per-rank 2 \\
       --microbatches 8 --overlap-b-f --dxdw-split --swap --format json > plan.json
   {PROG} validate plan.json
+  {PROG} simulate --schedule 1f1b --ranks 8 --microbatches 32 --preset h100-pcie5 \
+      --hidden 8192 --seq-len 4096 --layers-per-stage 4 --policy budget --budget 40GiB
 
 Run '{PROG} COMMAND --help' for the options of each command.
 """
@@ -84,7 +88,7 @@ def _spec_arguments() -> argparse.ArgumentParser:
     return parent
 
 
-def _build(args: argparse.Namespace) -> Schedule:
+def _build(args: argparse.Namespace, policy: SwapPolicy | None = None) -> Schedule:
     spec = ScheduleSpec(
         kind=ScheduleKind(args.schedule),
         ranks=args.ranks,
@@ -95,10 +99,10 @@ def _build(args: argparse.Namespace) -> Schedule:
         less_memory=args.less_memory,
         fsdp=args.fsdp,
         batch_p2p=args.batch_p2p,
-        swap=args.swap,
+        swap=args.swap or policy is not None,
     )
-    policy = MinGapPolicy(args.swap_min_gap)  # checked even without --swap: a typo shows
-    return build_schedule(spec, policy if args.swap else None)
+    gap = MinGapPolicy(args.swap_min_gap)  # checked even without --swap: a typo shows
+    return build_schedule(spec, policy or (gap if args.swap else None))
 
 
 def _read(path: str) -> str:
@@ -137,6 +141,36 @@ def _parser() -> argparse.ArgumentParser:
         description="Build a schedule and render it: one column per rank (swap steps marked *), "
                     "then which (stage, micro) chunks each rank swaps.")
     show.add_argument("--no-grid", action="store_true", help="print only the summary")
+
+    sim = commands.add_parser(
+        "simulate", parents=[spec, cost_arguments()],
+        help="predict step time, bubbles, exposed copy time and peak memory per rank",
+        description="Build a schedule and run all ranks together on a cost model: one compute "
+                    "and two copy streams per rank, sends and receives as cross-rank "
+                    "dependencies, swap steps as real copies and waits. Prints per rank the "
+                    "step time, bubble fraction, compute time lost waiting for swap copies, and "
+                    "the peak activation memory with and without swap.",
+        epilog="Sizes take a suffix (KiB, MiB, GiB, or KB, MB, GB), times one of s, ms, us; "
+               "bandwidths are bytes per second (55GB = 55e9 B/s). Costs come from --preset "
+               "(host link, P2P and achieved FLOP/s of a machine), then the model dimensions "
+               "(--hidden --seq-len --layers-per-stage: compute times and activation bytes), "
+               "then the explicit options, each overriding the one before. Presets: "
+               + "; ".join(f"{p.name}: {p.source}" for p in PRESETS.values()),
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    sim.add_argument("--policy", choices=["gap", "cost", "budget"], default=None,
+                     help="which chunks to swap (implies --swap): gap, the seed's rule "
+                          "(--swap-min-gap); cost, only chunks whose copies hide behind compute; "
+                          "budget, the fewest exposed copies that bring each rank under "
+                          "--budget")
+    sim.add_argument("--budget", type=parse_size, metavar="BYTES",
+                     help="per-rank activation budget for --policy budget (implies it)")
+    sim.add_argument("--trace", metavar="FILE",
+                     help="write a Chrome trace (open in Perfetto or chrome://tracing)")
+    sim.add_argument("--plot", metavar="FILE",
+                     help="draw the timeline and memory (PNG/SVG/PDF by suffix; needs "
+                          "pip install 'pipeswap-schedule[plot]')")
+    sim.add_argument("--format", choices=["table", "json"], default="table",
+                     help="table: ranks side by side (default); json: one object")
     return parser
 
 
@@ -146,6 +180,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "validate":
             return _validate(args.file)
+        if args.command == "simulate":
+            return run_simulate(args, _build)
         schedule = _build(args)
     except ScheduleError as exc:
         parser.exit(2, f"{PROG}: error: {exc}\n")

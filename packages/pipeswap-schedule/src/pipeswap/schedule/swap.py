@@ -74,9 +74,11 @@ class SwapCandidate(NamedTuple):
 
 
 class SwapPolicy(Protocol):
-    """Chooses which candidate chunks of one rank get swapped."""
+    """Chooses which candidate chunks of one rank get swapped; ``order`` is that rank's order
+    before swap injection (for policies that weigh costs or memory)."""
 
-    def select(self, candidates: Sequence[SwapCandidate]) -> Collection[ChunkKey]: ...
+    def select(self, candidates: Sequence[SwapCandidate], order: Order) -> Collection[ChunkKey]:
+        ...
 
 
 @dataclass(frozen=True)
@@ -98,7 +100,7 @@ class MinGapPolicy:
                 f"compute before the reload launch), got {self.min_gap!r}"
             )
 
-    def select(self, candidates: Sequence[SwapCandidate]) -> Collection[ChunkKey]:
+    def select(self, candidates: Sequence[SwapCandidate], order: Order) -> Collection[ChunkKey]:
         return {c.key for c in candidates if c.gap >= self.min_gap}
 
 
@@ -165,7 +167,7 @@ def inject_swap_order(order: Order, policy: SwapPolicy, *, rank: int = 0) -> lis
     """Insert swap steps into one rank's order (see the module docstring for the anchors)."""
     slots = _Slots(order)
     candidates = slots.candidates(rank)
-    selected = set(policy.select(candidates))
+    selected = set(policy.select(candidates, order))
     unknown = selected - {(c.stage, c.micro) for c in candidates}
     if unknown:
         raise ScheduleError(

@@ -1,0 +1,199 @@
+"""What steps cost: compute times, activation bytes, P2P and host-link bandwidths.
+
+A :class:`CostModel` feeds the simulator and the cost-aware swap policies. Times are seconds,
+sizes bytes, bandwidths bytes per second. Everything has a default, and per-stage, per-chunk
+and per-rank overrides say where a pipeline is not uniform. :func:`preset` gives the host-link
+and P2P figures of known machines; :func:`transformer_costs` derives compute times and
+activation bytes from a transformer's dimensions.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+
+from pipeswap.schedule.errors import ScheduleError
+from pipeswap.schedule.steps import ChunkKey, StepType
+
+@dataclass(frozen=True)
+class StageCosts:
+    """Compute seconds of one chunk of a stage; I and W default to half of B each."""
+
+    forward: float
+    backward: float
+    backward_input: float | None = None
+    backward_weight: float | None = None
+    activation_bytes: int | None = None  # what one chunk's forward saves (default: model's)
+
+    def time(self, kind: StepType) -> float:
+        if kind is StepType.FWD:
+            return self.forward
+        if kind is StepType.BWD:
+            return self.backward
+        if kind is StepType.BWD_INPUT:
+            return self.backward / 2 if self.backward_input is None else self.backward_input
+        return self.backward / 2 if self.backward_weight is None else self.backward_weight
+
+
+@dataclass(frozen=True)
+class ChunkBytes:
+    """Activation bytes of one chunk: all of it, and the part that never leaves the device
+    (tensors shared with parameters, stage inputs and outputs)."""
+
+    total: int
+    pinned: int = 0
+
+    @property
+    def movable(self) -> int:
+        return self.total - self.pinned
+
+
+@dataclass(frozen=True)
+class Link:
+    """A rank's host link: copy bandwidths, and whether D2H and H2D run at the same time."""
+
+    d2h_bandwidth: float = math.inf
+    h2d_bandwidth: float = math.inf
+    duplex: bool = True
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Costs of every step of a schedule. See the module docstring for units."""
+
+    forward: float = 1.0
+    backward: float = 2.0
+    activation_bytes: int = 1 << 30
+    pinned_bytes: int = 0
+    boundary_bytes: int = 0  # one P2P message (a stage's output, or its gradient)
+    p2p_latency: float = 0.0
+    p2p_bandwidth: float = math.inf
+    link: Link = Link()
+    stages: Mapping[int, StageCosts] = field(default_factory=dict)
+    chunks: Mapping[ChunkKey, ChunkBytes] = field(default_factory=dict)
+    ranks: Mapping[int, Link] = field(default_factory=dict)
+    compute_scale: Mapping[int, float] = field(default_factory=dict)  # per-rank slowdown
+
+    def __post_init__(self) -> None:
+        for name in ("forward", "backward", "p2p_latency"):
+            if not getattr(self, name) >= 0:
+                raise ScheduleError(f"cost {name} must be >= 0 seconds, got {getattr(self, name)}")
+        for name, value in (("p2p_bandwidth", self.p2p_bandwidth),
+                            ("d2h_bandwidth", self.link.d2h_bandwidth),
+                            ("h2d_bandwidth", self.link.h2d_bandwidth),
+                            *((f"rank {r} d2h_bandwidth", l.d2h_bandwidth)
+                              for r, l in self.ranks.items()),
+                            *((f"rank {r} h2d_bandwidth", l.h2d_bandwidth)
+                              for r, l in self.ranks.items())):
+            if not value > 0:
+                raise ScheduleError(f"{name} must be > 0 bytes/s (a copy over a link of 0 "
+                                    f"never ends), got {value}")
+        if self.pinned_bytes > self.activation_bytes:
+            raise ScheduleError("pinned_bytes cannot exceed activation_bytes")
+
+    def stage(self, stage: int) -> StageCosts:
+        return self.stages.get(stage) or StageCosts(self.forward, self.backward)
+
+    def compute_time(self, kind: StepType, stage: int, rank: int) -> float:
+        return self.stage(stage).time(kind) * self.compute_scale.get(rank, 1.0)
+
+    def chunk_bytes(self, key: ChunkKey) -> ChunkBytes:
+        found = self.chunks.get(key)
+        if found is not None:
+            return found
+        per_stage = self.stage(key[0]).activation_bytes
+        total = self.activation_bytes if per_stage is None else per_stage
+        return ChunkBytes(total, min(self.pinned_bytes, total))
+
+    def rank_link(self, rank: int) -> Link:
+        return self.ranks.get(rank, self.link)
+
+    def p2p_time(self) -> float:
+        return self.p2p_latency + self.boundary_bytes / self.p2p_bandwidth
+
+
+@dataclass(frozen=True)
+class Preset:
+    """A machine's host link and pipeline P2P figures, and where they come from."""
+
+    name: str
+    link: Link
+    p2p_bandwidth: float
+    p2p_latency: float
+    flops: float  # achieved dense bf16 FLOP/s, for transformer_costs
+    source: str
+
+
+PRESETS: dict[str, Preset] = {
+    preset.name: preset for preset in (
+        Preset("h100-pcie5", Link(55e9, 55e9, duplex=True), p2p_bandwidth=360e9,
+               p2p_latency=10e-6, flops=400e12,
+               source="host link: PCIe Gen5 x16, 64 GB/s per direction (128 GB/s duplex), "
+                      "about 55 GB/s measured pinned H2D with nvbandwidth; P2P: NVLink 4, "
+                      "450 GB/s per direction, 80% achieved assumed; 400 TFLOP/s achieved "
+                      "bf16 (about 40% of dense peak)"),
+        Preset("h200-pcie5", Link(55e9, 55e9, duplex=True), p2p_bandwidth=360e9,
+               p2p_latency=10e-6, flops=400e12,
+               source="host link: PCIe Gen5 x16 as the H100 (the H200 has the same Hopper "
+                      "compute and host link, more and faster HBM: 141 GB HBM3e, 4.8 TB/s)"),
+        Preset("gh200-nvlink-c2c", Link(297e9, 375e9, duplex=True), p2p_bandwidth=360e9,
+               p2p_latency=10e-6, flops=400e12,
+               source="host link: NVLink-C2C, 450 GB/s per direction specified, 297 GB/s D2H "
+                      "and 375 GB/s H2D measured; P2P and compute as the H100 preset"),
+    )
+}
+
+
+def preset(name: str) -> Preset:
+    found = PRESETS.get(name)
+    if found is None:
+        raise ScheduleError(f"unknown preset {name!r}; known: {', '.join(PRESETS)}")
+    return found
+
+
+@dataclass(frozen=True)
+class TransformerShape:
+    """A transformer stage: ``layers`` per stage of width ``hidden`` on ``micro_batch``
+    sequences of ``seq_len`` tokens, ``dtype_bytes`` per activation element."""
+
+    hidden: int
+    seq_len: int
+    layers: int
+    micro_batch: int = 1
+    dtype_bytes: int = 2
+
+
+def transformer_costs(shape: TransformerShape, flops: float) -> StageCosts:
+    """One chunk's compute times and activation bytes.
+
+    Per layer, with flash attention: activations ``34·b·s·h`` bytes in 16-bit (scaled by
+    ``dtype_bytes / 2``); forward FLOPs ``24·b·s·h²·(1 + s/6h)``, backward twice that
+    (Korthikanti et al., "Reducing Activation Recomputation in Large Transformer Models").
+    """
+    b, s, h, layers = shape.micro_batch, shape.seq_len, shape.hidden, shape.layers
+    if min(b, s, h, layers, shape.dtype_bytes) < 1 or not flops > 0:
+        raise ScheduleError("transformer dimensions must be >= 1 and flops > 0")
+    forward_flops = 24 * b * s * h * h * (1 + s / (6 * h)) * layers
+    activation = 34 * b * s * h * layers * shape.dtype_bytes // 2
+    return StageCosts(forward=forward_flops / flops, backward=2 * forward_flops / flops,
+                      activation_bytes=activation)
+
+
+def boundary_bytes(shape: TransformerShape) -> int:
+    """One stage-to-stage message: the hidden states of a microbatch."""
+    return shape.micro_batch * shape.seq_len * shape.hidden * shape.dtype_bytes
+
+
+def from_preset(name: str, shape: TransformerShape | None = None) -> CostModel:
+    """A cost model for preset ``name``; with ``shape``, its compute and bytes too."""
+    found = preset(name)
+    model = CostModel(link=found.link, p2p_bandwidth=found.p2p_bandwidth,
+                      p2p_latency=found.p2p_latency)
+    if shape is None:
+        return model
+    stage = transformer_costs(shape, found.flops)
+    assert stage.activation_bytes is not None
+    return replace(model, forward=stage.forward, backward=stage.backward,
+                   activation_bytes=stage.activation_bytes,
+                   boundary_bytes=boundary_bytes(shape))

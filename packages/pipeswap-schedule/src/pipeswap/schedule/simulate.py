@@ -1,0 +1,268 @@
+"""An event-driven simulation of all ranks of a schedule: time, memory and copy overlap.
+
+Each rank has one compute stream and copy streams for D2H and H2D (one shared copy stream
+where the link is not duplex). Steps run in order on the compute stream; a forward waits for
+its input (a message from the previous stage's rank, or that stage's forward on this rank),
+a backward for its gradient. Sends leave when the compute stream reaches them and arrive
+after latency + bytes / bandwidth; receives only post. Swap steps behave as in the runtime:
+LO starts a copy on the D2H stream once the compute before it is done, WO makes compute wait
+for that copy and then frees the chunk's movable bytes, LL allocates them again and starts
+the H2D copy, WL makes compute wait for it. A chunk's activations are allocated by its
+forward and freed when its backward finishes (its W, when the backward is split).
+
+FSDP steps take no time here. A schedule that cannot run is refused with the validator's
+errors (a deadlock names its cycle).
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+from pipeswap.schedule._gc import gc_paused
+from pipeswap.schedule.costs import CostModel
+from pipeswap.schedule.schedule import Schedule
+from pipeswap.schedule.steps import COMPUTE, OVERLAPS, ChunkKey, Order, Step, StepType
+from pipeswap.schedule.validation import validate
+
+_F, _B, _I, _W = StepType.FWD, StepType.BWD, StepType.BWD_INPUT, StepType.BWD_WEIGHT
+_SEND_F, _SEND_B = StepType.FWD_SEND, StepType.BWD_SEND
+_LO, _WO = StepType.SWAP_LAUNCH_OFFLOAD, StepType.SWAP_WAIT_OFFLOAD
+_LL, _WL = StepType.SWAP_LAUNCH_LOAD, StepType.SWAP_WAIT_LOAD
+_SWAPS = frozenset({_LO, _WO, _LL, _WL})
+
+
+@dataclass(frozen=True)
+class SwappedChunk:
+    """One swapped chunk on its rank: when its copies ran and whether they were hidden."""
+
+    stage: int
+    micro: int
+    offload: tuple[float, float]  # D2H copy start, end
+    wait_offload: float  # when compute reached WO (and, if later, the copy's end)
+    load: tuple[float, float]  # H2D copy start, end
+    wait_load: float
+    off_device: float  # seconds its movable bytes were not on the device
+    hidden: bool  # neither wait stalled compute
+
+    @property
+    def key(self) -> ChunkKey:
+        return (self.stage, self.micro)
+
+
+@dataclass(frozen=True)
+class Span:
+    """Something that occupied a stream: for traces and plots."""
+
+    stream: str  # "compute", "d2h", "h2d", "copy"
+    label: str
+    start: float
+    end: float
+
+
+@dataclass(frozen=True)
+class RankResult:
+    rank: int
+    step_time: float  # when the rank's last step finished
+    busy: float  # compute seconds
+    bubble_fraction: float  # idle share of the whole pipeline's step time
+    exposed_copy: float  # compute seconds spent waiting on swap copies
+    peak_activation_bytes: int
+    peak_activation_bytes_no_swap: int
+    memory: tuple[tuple[float, int], ...]  # (time, activation bytes held) after each change
+    swapped: tuple[SwappedChunk, ...]
+    spans: tuple[Span, ...]
+
+
+@dataclass(frozen=True)
+class SimulationResult:
+    step_time: float  # the whole pipeline's: the last rank to finish
+    ranks: tuple[RankResult, ...]
+
+
+@dataclass
+class _Rank:
+    rank: int
+    order: Order
+    index: int = 0
+    compute: float = 0.0  # when the compute stream is free
+    d2h: float = 0.0
+    h2d: float = 0.0
+    busy: float = 0.0
+    exposed: float = 0.0
+    held: int = 0
+    peak: int = 0
+    memory: list[tuple[float, int]] = field(default_factory=list)
+    spans: list[Span] = field(default_factory=list)
+    copies: dict[ChunkKey, dict[str, float]] = field(default_factory=dict)
+    split: set[ChunkKey] = field(default_factory=set)  # chunks whose backward ends with W
+
+    def change(self, delta: int) -> None:
+        self.held += delta
+        self.memory.append((self.compute, self.held))
+        if self.held > self.peak:
+            self.peak = self.held
+
+
+@gc_paused
+def simulate(schedule: Schedule, costs: CostModel) -> SimulationResult:
+    """Run every rank's order with ``costs``; see the module docstring for the model."""
+    validate(schedule)
+    stage_ranks = schedule.stage_ranks
+    last_stage = schedule.num_stages - 1
+    ranks = [_Rank(r, order, split={s.key for s in order if s is not None and s.type is _W})
+             for r, order in enumerate(schedule.orders)]
+    # ("F", s, m): stage s's output for micro m is where stage s + 1 runs; ("B", s, m): the
+    # gradient of stage s's input is where stage s - 1 runs. Value: the time it got there.
+    ready: dict[tuple[str, int, int], float] = {}
+    waiting: dict[tuple[str, int, int], list[int]] = defaultdict(list)
+    runnable = list(range(len(ranks)))
+    transfer = costs.p2p_time()
+
+    def publish(key: tuple[str, int, int], at: float) -> None:
+        ready[key] = at
+        for rank in waiting.pop(key, ()):
+            heapq.heappush(runnable, rank)
+
+    def need(leaf: Step) -> tuple[str, int, int] | None:
+        stage, micro = leaf.key
+        if leaf.type is _F:
+            return None if stage == 0 else ("F", stage - 1, micro)
+        if leaf.type is _B or leaf.type is _I:
+            return None if stage == last_stage else ("B", stage + 1, micro)
+        return None
+
+    def compute(state: _Rank, leaf: Step) -> None:
+        kind, key = leaf.type, leaf.key
+        stage, micro = key
+        wanted = need(leaf)
+        start = state.compute if wanted is None else max(state.compute, ready[wanted])
+        duration = costs.compute_time(kind, stage, state.rank)
+        state.compute = end = start + duration
+        state.busy += duration
+        state.spans.append(Span("compute", str(leaf), start, end))
+        if kind is _F:
+            state.change(costs.chunk_bytes(key).total)
+            if stage < last_stage and stage_ranks[stage + 1] == state.rank:
+                publish(("F", stage, micro), end)  # local hand-off
+            return
+        if kind is not _W and stage > 0 and stage_ranks[stage - 1] == state.rank:
+            publish(("B", stage, micro), end)
+        if kind is _B or kind is _W or key not in state.split:
+            state.change(-costs.chunk_bytes(key).total)
+
+    def run(state: _Rank, step: Step) -> bool:
+        """Run ``step`` (both parts of an overlap); False if it waits for another rank."""
+        leaves = step.sub_steps if step.type in OVERLAPS else (step,)
+        for leaf in leaves:
+            wanted = need(leaf) if leaf.type in COMPUTE else None
+            if wanted is not None and wanted not in ready:
+                waiting[wanted].append(state.rank)
+                return False
+        for leaf in leaves:
+            kind = leaf.type
+            if kind in COMPUTE:
+                compute(state, leaf)
+            elif kind is _SEND_F or kind is _SEND_B:
+                stage, micro = leaf.key
+                publish(("F" if kind is _SEND_F else "B", stage, micro),
+                        state.compute + transfer)
+            elif kind in _SWAPS:
+                _swap(state, leaf, costs)
+            # receives only post; FSDP steps take no time
+        return True
+
+    while runnable:
+        state = ranks[heapq.heappop(runnable)]
+        order = state.order
+        while state.index < len(order):
+            step = order[state.index]
+            if step is not None and not run(state, step):
+                break
+            state.index += 1
+    unfinished = [s.rank for s in ranks if s.index < len(s.order)]
+    if unfinished:  # validate() proved the orders run together; this would be a bug here
+        raise AssertionError(f"simulation stalled on ranks {unfinished}")
+    step_time = max((s.compute for s in ranks), default=0.0)
+    return SimulationResult(step_time, tuple(_result(s, step_time, costs) for s in ranks))
+
+
+def _swap(state: _Rank, leaf: Step, costs: CostModel) -> None:
+    key = leaf.key
+    link = costs.rank_link(state.rank)
+    movable = costs.chunk_bytes(key).movable
+    record = state.copies.setdefault(key, {})
+    kind = leaf.type
+    if kind is _LO:
+        stream = "d2h" if link.duplex else "copy"
+        start = max(state.compute, state.d2h)
+        end = start + movable / link.d2h_bandwidth
+        state.d2h = end
+        if not link.duplex:
+            state.h2d = end
+        record.update(offload_start=start, offload_end=end)
+        state.spans.append(Span(stream, f"{key[0]}LO{key[1]}", start, end))
+    elif kind is _WO:
+        _wait(state, record["offload_end"], record, "wait_offload")
+        record["resident"] = 0.0
+        state.change(-movable)
+    elif kind is _LL:
+        record["resident"] = 1.0
+        state.change(movable)
+        stream = "h2d" if link.duplex else "copy"
+        start = max(state.compute, state.h2d)
+        end = start + movable / link.h2d_bandwidth
+        state.h2d = end
+        if not link.duplex:
+            state.d2h = end
+        record.update(load_start=start, load_end=end, off_until=state.compute)
+        state.spans.append(Span(stream, f"{key[0]}LL{key[1]}", start, end))
+    else:
+        _wait(state, record["load_end"], record, "wait_load")
+
+
+def _wait(state: _Rank, until: float, record: dict[str, float], name: str) -> None:
+    reached = state.compute
+    if until > reached:
+        state.exposed += until - reached
+        state.spans.append(Span("compute", f"wait {name.removeprefix('wait_')}", reached,
+                                until))
+        state.compute = until
+    record[name] = state.compute
+    record[f"{name}_stalled"] = float(until > reached)
+
+
+def _result(state: _Rank, step_time: float, costs: CostModel) -> RankResult:
+    swapped = []
+    for (stage, micro), rec in state.copies.items():
+        if "wait_load" not in rec:
+            continue
+        swapped.append(SwappedChunk(
+            stage, micro, (rec["offload_start"], rec["offload_end"]), rec["wait_offload"],
+            (rec["load_start"], rec["load_end"]), rec["wait_load"],
+            off_device=rec["off_until"] - rec["wait_offload"],
+            hidden=not (rec["wait_offload_stalled"] or rec["wait_load_stalled"])))
+    return RankResult(
+        rank=state.rank, step_time=state.compute, busy=state.busy,
+        bubble_fraction=1 - state.busy / step_time if step_time > 0 else 0.0,
+        exposed_copy=state.exposed, peak_activation_bytes=state.peak,
+        peak_activation_bytes_no_swap=peak_without_swap(state.order, costs),
+        memory=tuple(state.memory), swapped=tuple(swapped), spans=tuple(state.spans))
+
+
+def peak_without_swap(order: Order, costs: CostModel) -> int:
+    """The most activation bytes ``order`` holds at once if nothing is swapped."""
+    split = {s.key for s in order if s is not None and s.type is _W}
+    held = peak = 0
+    for step in order:
+        if step is None:
+            continue
+        for leaf in (step.sub_steps if step.type in OVERLAPS else (step,)):
+            kind = leaf.type
+            if kind is _F:
+                held += costs.chunk_bytes(leaf.key).total
+                peak = max(peak, held)
+            elif kind is _B or kind is _W or (kind is _I and leaf.key not in split):
+                held -= costs.chunk_bytes(leaf.key).total
+    return peak

@@ -1,0 +1,201 @@
+"""``pipeswap-schedule simulate``: cost options, the policy choice, and the report."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any
+
+from pipeswap.schedule.costs import CostModel, Link, TransformerShape, from_preset, preset
+from pipeswap.schedule.costs import boundary_bytes as message_bytes
+from pipeswap.schedule.costs import transformer_costs
+from pipeswap.schedule.errors import ScheduleError
+from pipeswap.schedule.policies import CostModelPolicy, MemoryBudgetPolicy
+from pipeswap.schedule.schedule import Schedule
+from pipeswap.schedule.simulate import SimulationResult, simulate
+from pipeswap.schedule.swap import SwapPolicy
+
+_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([KMGT]?)(i?)B?\s*$")
+_TIME = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*(s|ms|us)?\s*$")
+_POWERS = {"": 0, "K": 1, "M": 2, "G": 3, "T": 4}
+DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+
+
+def parse_size(text: str) -> float:
+    """'4GiB' -> 4 * 2**30, '55GB' -> 55e9, '1.5e9' -> 1.5e9."""
+    match = _SIZE.match(text)
+    if match is None:
+        raise argparse.ArgumentTypeError(
+            f"not a size: {text!r} (examples: 1073741824, 1GiB, 512MiB, 55GB)")
+    number, prefix, binary = match.groups()
+    return float(number) * (1024 if binary else 1000) ** _POWERS[prefix]
+
+
+def parse_time(text: str) -> float:
+    match = _TIME.match(text)
+    if match is None:
+        raise argparse.ArgumentTypeError(f"not a time: {text!r} (examples: 0.012, 12ms, 800us)")
+    number, unit = match.groups()
+    return float(number) * {"s": 1.0, None: 1.0, "ms": 1e-3, "us": 1e-6}[unit]
+
+
+def cost_arguments() -> argparse.ArgumentParser:
+    parent = argparse.ArgumentParser(add_help=False)
+    machine = parent.add_argument_group("machine")
+    machine.add_argument("--preset", help="a machine's host link, P2P and FLOP/s: "
+                         "h100-pcie5, h200-pcie5, gh200-nvlink-c2c")
+    machine.add_argument("--d2h-bandwidth", type=parse_size, metavar="B/s",
+                         help="device-to-host copy bandwidth")
+    machine.add_argument("--h2d-bandwidth", type=parse_size, metavar="B/s",
+                         help="host-to-device copy bandwidth")
+    machine.add_argument("--no-duplex", action="store_true",
+                         help="D2H and H2D share one copy stream (cannot run at once)")
+    machine.add_argument("--p2p-bandwidth", type=parse_size, metavar="B/s",
+                         help="stage-to-stage bandwidth")
+    machine.add_argument("--p2p-latency", type=parse_time, metavar="TIME",
+                         help="stage-to-stage latency")
+    machine.add_argument("--flops", type=parse_size, metavar="FLOP/s",
+                         help="achieved FLOP/s, for the model dimensions (default: the "
+                              "preset's, else 400e12)")
+    model = parent.add_argument_group("model (one stage's chunk)")
+    model.add_argument("--hidden", type=int, help="hidden size")
+    model.add_argument("--seq-len", type=int, help="tokens per sequence")
+    model.add_argument("--layers-per-stage", type=int, help="transformer layers per stage")
+    model.add_argument("--micro-batch-size", type=int, default=1,
+                       help="sequences per microbatch (default 1)")
+    model.add_argument("--dtype", choices=sorted(DTYPE_BYTES), default="bf16",
+                       help="activation dtype (default bf16)")
+    explicit = parent.add_argument_group("explicit costs (override the above)")
+    explicit.add_argument("--forward-time", type=parse_time, metavar="TIME",
+                          help="one chunk's forward (default 1 s without a model)")
+    explicit.add_argument("--backward-time", type=parse_time, metavar="TIME",
+                          help="one chunk's backward (default twice the forward)")
+    explicit.add_argument("--activation-bytes", type=parse_size, metavar="BYTES",
+                          help="what one chunk's forward saves (default 1GiB without a model)")
+    explicit.add_argument("--pinned-bytes", type=parse_size, metavar="BYTES",
+                          help="the part of a chunk that never leaves the device (default 0)")
+    explicit.add_argument("--boundary-bytes", type=parse_size, metavar="BYTES",
+                          help="one stage-to-stage message")
+    return parent
+
+
+def costs_from(args: argparse.Namespace) -> CostModel:
+    model = CostModel()
+    flops = 400e12
+    if args.preset:
+        model, flops = from_preset(args.preset), preset(args.preset).flops
+    if args.flops:
+        flops = args.flops
+    dims = (args.hidden, args.seq_len, args.layers_per_stage)
+    if any(d is not None for d in dims):
+        if any(d is None for d in dims):
+            raise ScheduleError("the model needs all of --hidden, --seq-len and "
+                                "--layers-per-stage")
+        shape = TransformerShape(args.hidden, args.seq_len, args.layers_per_stage,
+                                 args.micro_batch_size, DTYPE_BYTES[args.dtype])
+        stage = transformer_costs(shape, flops)
+        assert stage.activation_bytes is not None
+        model = replace(model, forward=stage.forward, backward=stage.backward,
+                        activation_bytes=stage.activation_bytes,
+                        boundary_bytes=message_bytes(shape))
+    link = model.link
+    link = Link(args.d2h_bandwidth or link.d2h_bandwidth, args.h2d_bandwidth or link.h2d_bandwidth,
+                duplex=link.duplex and not args.no_duplex)
+    forward = args.forward_time if args.forward_time is not None else model.forward
+    backward = (args.backward_time if args.backward_time is not None
+                else 2 * forward if args.forward_time is not None else model.backward)
+    return replace(
+        model, link=link, forward=forward, backward=backward,
+        activation_bytes=int(args.activation_bytes or model.activation_bytes),
+        pinned_bytes=int(args.pinned_bytes or 0),
+        boundary_bytes=int(args.boundary_bytes if args.boundary_bytes is not None
+                           else model.boundary_bytes),
+        p2p_bandwidth=args.p2p_bandwidth or model.p2p_bandwidth,
+        p2p_latency=args.p2p_latency if args.p2p_latency is not None else model.p2p_latency)
+
+
+def run_simulate(args: argparse.Namespace,
+                 build: Callable[[argparse.Namespace, SwapPolicy | None], Schedule]) -> int:
+    costs = costs_from(args)
+    name = "budget" if args.budget is not None and args.policy is None else args.policy
+    policy: SwapPolicy | None = None
+    budget: MemoryBudgetPolicy | None = None
+    if name == "budget":
+        if args.budget is None:
+            raise ScheduleError("--policy budget needs --budget BYTES")
+        policy = budget = MemoryBudgetPolicy(costs, int(args.budget))
+    elif args.budget is not None:
+        raise ScheduleError(f"--budget applies to --policy budget, not {name}")
+    elif name == "cost":
+        policy = CostModelPolicy(costs)
+    elif name == "gap":
+        args.swap = True
+    result = simulate(build(args, policy), costs)
+    if args.trace:
+        from pipeswap.schedule.trace import write_chrome_trace
+
+        write_chrome_trace(result, args.trace)
+    if args.plot:
+        from pipeswap.schedule.plot import plot
+
+        plot(result, args.plot)
+    summary = report(result, budget)
+    print(json.dumps(summary) if args.format == "json" else render(summary))
+    return 0
+
+
+def report(result: SimulationResult, budget: MemoryBudgetPolicy | None) -> dict[str, Any]:
+    """The JSON object of ``--format json``."""
+    per_rank = []
+    for rank in result.ranks:
+        entry: dict[str, Any] = {
+            "rank": rank.rank,
+            "step_time_s": rank.step_time,
+            "bubble_fraction": rank.bubble_fraction,
+            "exposed_copy_s": rank.exposed_copy,
+            "peak_activation_bytes": rank.peak_activation_bytes,
+            "peak_activation_bytes_no_swap": rank.peak_activation_bytes_no_swap,
+            "swapped_chunks": len(rank.swapped),
+            "hidden_chunks": sum(c.hidden for c in rank.swapped),
+            "chunks": [{"stage": c.stage, "micro": c.micro, "hidden": c.hidden,
+                        "off_device_s": c.off_device} for c in rank.swapped],
+        }
+        if budget is not None and rank.rank in budget.outcomes:
+            outcome = budget.outcomes[rank.rank]
+            entry["budget"] = {"bytes": outcome.budget, "met": outcome.met,
+                               "shortfall_bytes": outcome.shortfall}
+        per_rank.append(entry)
+    return {"step_time_s": result.step_time, "per_rank": per_rank}
+
+
+def _bytes(value: int) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(value) >= scale:
+            return f"{value / scale:.2f} {unit}"
+    return f"{value} B"
+
+
+def render(summary: dict[str, Any]) -> str:
+    ranks = summary["per_rank"]
+    rows: list[tuple[str, list[str]]] = [
+        ("rank", [str(r["rank"]) for r in ranks]),
+        ("step time", [f"{r['step_time_s']:.4g} s" for r in ranks]),
+        ("bubble", [f"{r['bubble_fraction']:.1%}" for r in ranks]),
+        ("exposed copy", [f"{r['exposed_copy_s']:.4g} s" for r in ranks]),
+        ("peak, no swap", [_bytes(r["peak_activation_bytes_no_swap"]) for r in ranks]),
+        ("peak, swap", [_bytes(r["peak_activation_bytes"]) for r in ranks]),
+        ("swapped (hidden)", [f"{r['swapped_chunks']} ({r['hidden_chunks']})" for r in ranks]),
+    ]
+    if any("budget" in r for r in ranks):
+        rows.append(("budget", [("met" if r["budget"]["met"] else
+                                 f"short {_bytes(r['budget']['shortfall_bytes'])}")
+                                if "budget" in r else "-" for r in ranks]))
+    width = max(len(name) for name, _ in rows)
+    cells = [max(len(row[1][i]) for row in rows) for i in range(len(ranks))]
+    lines = [f"{name:<{width}}  " + "  ".join(v.rjust(w) for v, w in zip(values, cells))
+             for name, values in rows]
+    lines.append(f"\nsimulated step time: {summary['step_time_s']:.4g} s")
+    return "\n".join(lines)
