@@ -44,7 +44,8 @@ def plot(result: SimulationResult, path: str | Path) -> None:
         for span in rank.spans:
             timeline.broken_barh([(span.start, span.end - span.start)],
                                  (base + _ROWS[span.stream], 0.8),
-                                 facecolors=_colour(span.label))
+                                 facecolors=_colour(span.label), edgecolors="white",
+                                 linewidth=0.5)
         times = [0.0, *(t for t, _ in rank.memory)]
         held = [0, *(h / 2**20 for _, h in rank.memory)]
         memory.step(times, held, where="post", label=f"rank {rank.rank}")

@@ -33,7 +33,9 @@ class _Timeline:
 
     @staticmethod
     def of(order: Order, costs: CostModel, rank: int) -> _Timeline:
-        starts, ends, last = [], [], {}
+        starts: list[float] = []
+        ends: list[float] = []
+        last: dict[ChunkKey, int] = {}
         now = 0.0
         for step in order:
             if step is None or not (step.type in COMPUTE or step.type in OVERLAPS):

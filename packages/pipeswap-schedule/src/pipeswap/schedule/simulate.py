@@ -86,6 +86,7 @@ class _Rank:
     rank: int
     order: Order
     index: int = 0
+    part: int = 0  # leaves of the current overlap already run
     compute: float = 0.0  # when the compute stream is free
     d2h: float = 0.0
     h2d: float = 0.0
@@ -153,15 +154,16 @@ def simulate(schedule: Schedule, costs: CostModel) -> SimulationResult:
             state.change(-costs.chunk_bytes(key).total)
 
     def run(state: _Rank, step: Step) -> bool:
-        """Run ``step`` (both parts of an overlap); False if it waits for another rank."""
-        leaves = step.sub_steps if step.type in OVERLAPS else (step,)
-        for leaf in leaves:
-            wanted = need(leaf) if leaf.type in COMPUTE else None
+        """Run ``step`` (an overlap's parts one after the other, as the runtime does);
+        False if it waits for another rank (``state.part`` keeps an overlap's progress)."""
+        leaves = step.sub_steps or (step,)  # an overlap's two parts, a batch's transfers
+        for leaf in leaves[state.part:]:
+            kind = leaf.type
+            wanted = need(leaf) if kind in COMPUTE else None
             if wanted is not None and wanted not in ready:
                 waiting[wanted].append(state.rank)
                 return False
-        for leaf in leaves:
-            kind = leaf.type
+            state.part += 1
             if kind in COMPUTE:
                 compute(state, leaf)
             elif kind is _SEND_F or kind is _SEND_B:
@@ -171,6 +173,7 @@ def simulate(schedule: Schedule, costs: CostModel) -> SimulationResult:
             elif kind in _SWAPS:
                 _swap(state, leaf, costs)
             # receives only post; FSDP steps take no time
+        state.part = 0
         return True
 
     while runnable:

@@ -31,7 +31,7 @@ def parse_size(text: str) -> float:
         raise argparse.ArgumentTypeError(
             f"not a size: {text!r} (examples: 1073741824, 1GiB, 512MiB, 55GB)")
     number, prefix, binary = match.groups()
-    return float(number) * (1024 if binary else 1000) ** _POWERS[prefix]
+    return float(number) * float((1024 if binary else 1000) ** _POWERS[prefix])
 
 
 def parse_time(text: str) -> float:
@@ -87,7 +87,7 @@ def costs_from(args: argparse.Namespace) -> CostModel:
     flops = 400e12
     if args.preset:
         model, flops = from_preset(args.preset), preset(args.preset).flops
-    if args.flops:
+    if args.flops is not None:
         flops = args.flops
     dims = (args.hidden, args.seq_len, args.layers_per_stage)
     if any(d is not None for d in dims):
@@ -101,20 +101,22 @@ def costs_from(args: argparse.Namespace) -> CostModel:
         model = replace(model, forward=stage.forward, backward=stage.backward,
                         activation_bytes=stage.activation_bytes,
                         boundary_bytes=message_bytes(shape))
-    link = model.link
-    link = Link(args.d2h_bandwidth or link.d2h_bandwidth, args.h2d_bandwidth or link.h2d_bandwidth,
-                duplex=link.duplex and not args.no_duplex)
-    forward = args.forward_time if args.forward_time is not None else model.forward
+    def given(value: float | None, default: float) -> float:
+        return default if value is None else value
+
+    link = Link(given(args.d2h_bandwidth, model.link.d2h_bandwidth),
+                given(args.h2d_bandwidth, model.link.h2d_bandwidth),
+                duplex=model.link.duplex and not args.no_duplex)
+    forward = given(args.forward_time, model.forward)
     backward = (args.backward_time if args.backward_time is not None
                 else 2 * forward if args.forward_time is not None else model.backward)
     return replace(
         model, link=link, forward=forward, backward=backward,
-        activation_bytes=int(args.activation_bytes or model.activation_bytes),
-        pinned_bytes=int(args.pinned_bytes or 0),
-        boundary_bytes=int(args.boundary_bytes if args.boundary_bytes is not None
-                           else model.boundary_bytes),
-        p2p_bandwidth=args.p2p_bandwidth or model.p2p_bandwidth,
-        p2p_latency=args.p2p_latency if args.p2p_latency is not None else model.p2p_latency)
+        activation_bytes=int(given(args.activation_bytes, model.activation_bytes)),
+        pinned_bytes=int(given(args.pinned_bytes, 0)),
+        boundary_bytes=int(given(args.boundary_bytes, model.boundary_bytes)),
+        p2p_bandwidth=given(args.p2p_bandwidth, model.p2p_bandwidth),
+        p2p_latency=given(args.p2p_latency, model.p2p_latency))
 
 
 def run_simulate(args: argparse.Namespace,

@@ -1,0 +1,113 @@
+"""`pipeswap-schedule simulate`: costs from options, the policies, the JSON and table, files."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+from pipeswap.schedule.cli import main
+from pipeswap.schedule.simulate_cli import parse_size, parse_time
+
+BASE = ["simulate", "--schedule", "1f1b", "--ranks", "4", "--microbatches", "8"]
+HAS_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
+
+
+def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    try:
+        code = main(list(argv))
+    except SystemExit as exc:
+        code = int(exc.code or 0)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_json_has_the_documented_fields(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, *BASE, "--swap", "--forward-time", "1", "--activation-bytes",
+                       "1KiB", "--format", "json")
+    assert code == 0
+    data = json.loads(out)
+    assert data["step_time_s"] == 33.0  # (M + P - 1) * (F + B) for 1F1B with B = 2F
+    ranks = data["per_rank"]
+    assert [r["rank"] for r in ranks] == [0, 1, 2, 3]
+    for entry in ranks:
+        assert {"rank", "step_time_s", "bubble_fraction", "exposed_copy_s",
+                "peak_activation_bytes", "peak_activation_bytes_no_swap",
+                "swapped_chunks"} <= entry.keys()
+    assert [r["peak_activation_bytes_no_swap"] for r in ranks] == [4096, 3072, 2048, 1024]
+    assert [r["peak_activation_bytes"] for r in ranks] == [3072, 3072, 2048, 1024]
+    assert [r["swapped_chunks"] for r in ranks] == [8, 6, 0, 0]
+
+
+def test_model_dimensions_and_a_preset(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, *BASE, "--preset", "h100-pcie5", "--hidden", "4096",
+                       "--seq-len", "4096", "--layers-per-stage", "2", "--policy", "gap",
+                       "--format", "json")
+    assert code == 0
+    rank0 = json.loads(out)["per_rank"][0]
+    assert rank0["peak_activation_bytes_no_swap"] == 4 * 34 * 4096 * 4096 * 2
+    assert rank0["swapped_chunks"] == 8
+
+
+def test_the_budget_policy_reports_what_it_could_not_meet(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, *BASE, "--activation-bytes", "100", "--budget", "250")
+    assert code == 0
+    budget = next(line for line in out.splitlines() if line.startswith("budget"))
+    assert budget.split()[1:] == ["short", "50", "B", "short", "50", "B", "met", "met"]
+
+
+def test_the_table_puts_ranks_side_by_side(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, *BASE, "--swap")
+    assert code == 0
+    header = out.splitlines()[0].split()
+    assert header == ["rank", "0", "1", "2", "3"]
+    assert any(line.startswith("peak, swap") for line in out.splitlines())
+    assert "simulated step time: 33 s" in out
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--policy", "budget"], "--policy budget needs --budget BYTES"),
+    (["--policy", "cost", "--budget", "1GiB"], "--budget applies to --policy budget, not cost"),
+    (["--hidden", "4096"], "needs all of --hidden, --seq-len and --layers-per-stage"),
+    (["--preset", "tpu"], "unknown preset 'tpu'"),
+    (["--d2h-bandwidth", "0", "--swap"], "d2h_bandwidth must be > 0"),
+    (["--activation-bytes", "lots"], "not a size: 'lots'"),
+])
+def test_bad_options_say_what_to_fix(capsys: pytest.CaptureFixture[str], argv: list[str],
+                                     message: str) -> None:
+    code, _, err = run(capsys, *BASE, *argv)
+    assert code == 2 and message in err
+
+
+def test_a_trace_file_is_written(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    path = tmp_path / "step.json"
+    code, _, _ = run(capsys, *BASE, "--swap", "--trace", str(path))
+    assert code == 0
+    events = json.loads(path.read_text())["traceEvents"]
+    assert {e["pid"] for e in events} == {0, 1, 2, 3}
+    assert any(e["ph"] == "C" for e in events) and any(e["name"] == "0LO0" for e in events)
+
+
+@pytest.mark.skipif(not HAS_MATPLOTLIB, reason="the [plot] extra is not installed here")
+def test_a_plot_is_drawn(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    for name in ("step.png", "step.svg"):
+        code, _, err = run(capsys, *BASE, "--swap", "--plot", str(tmp_path / name))
+        assert code == 0, err
+    assert (tmp_path / "step.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert b"<svg" in (tmp_path / "step.svg").read_bytes()[:1000]
+
+
+@pytest.mark.skipif(HAS_MATPLOTLIB, reason="matplotlib is installed here")
+def test_plotting_without_the_extra_says_how_to_get_it(
+        capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    code, _, err = run(capsys, *BASE, "--swap", "--plot", str(tmp_path / "x.png"))
+    assert code == 2 and "pip install 'pipeswap-schedule[plot]'" in err
+
+
+def test_units() -> None:
+    assert parse_size("1GiB") == 2**30 and parse_size("55GB") == 55e9
+    assert parse_size("1.5e3") == 1500.0 and parse_time("12ms") == pytest.approx(0.012)
+    assert parse_time("800us") == pytest.approx(8e-4) and parse_time("2") == 2.0
