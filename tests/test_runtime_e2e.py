@@ -9,6 +9,7 @@ never raises it), and that every step ends with no swap group alive and no host 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 
 import pytest
@@ -19,6 +20,8 @@ from pipeswap.runtime.data import Corpus, batches
 from pipeswap.runtime.model import GPTConfig, build_gpt, lm_loss, split_stages
 from pipeswap.runtime.train import ModeResult, TrainConfig, run_rank
 from pipeswap.schedule import ScheduleKind, ScheduleSpec, Step, StepType, build_schedule
+from pipeswap.schedule.costs import ChunkBytes, CostModel
+from pipeswap.schedule.simulate import simulate
 
 BASE = TrainConfig(steps=2, batch_size=8, seq_len=16, width=32, verbose=False, keep_grads=True,
                    timeout_s=60)
@@ -37,6 +40,22 @@ CASES = {
     "1f1b P4 M8": dataclasses.replace(BASE, schedule="1f1b", ranks=4, microbatches=8),
 }
 SLOW = {"1f1b P4 M8"}
+
+
+@functools.lru_cache(maxsize=None)
+def _trained(case: str) -> list[dict[str, ModeResult]]:
+    """Each case's ranks run once; the tests below read the same results."""
+    config = CASES[case]
+    results: list[dict[str, ModeResult]] = spawn(run_rank, config.ranks, config,
+                                                 timeout_s=config.timeout_s)
+    return results
+
+
+def _spec(config: TrainConfig) -> ScheduleSpec:
+    return ScheduleSpec(
+        ScheduleKind(config.schedule), ranks=config.ranks, microbatches=config.microbatches,
+        stages_per_rank=config.stages_per_rank, overlap_b_f=config.overlap_b_f,
+        dxdw_split=config.dxdw_split, batch_p2p=config.batch_p2p, swap=True)
 
 
 def _resident_peaks(order: tuple[Step | None, ...]) -> tuple[int, int]:
@@ -93,13 +112,9 @@ def _reference(config: TrainConfig) -> tuple[float, dict[str, torch.Tensor], lis
              for name in CASES])
 def test_swap_is_exact_and_lowers_the_peak(case: str) -> None:
     config = CASES[case]
-    per_rank: list[dict[str, ModeResult]] = spawn(run_rank, config.ranks, config,
-                                                  timeout_s=config.timeout_s)
+    per_rank = _trained(case)
     want_loss, want_grads, stage_names = _reference(config)
-    schedule = build_schedule(ScheduleSpec(
-        ScheduleKind(config.schedule), ranks=config.ranks, microbatches=config.microbatches,
-        stages_per_rank=config.stages_per_rank, overlap_b_f=config.overlap_b_f,
-        dxdw_split=config.dxdw_split, batch_p2p=config.batch_p2p, swap=True))
+    schedule = build_schedule(_spec(config))
     seen: set[str] = set()
     last_rank = (config.num_stages - 1) % config.ranks
     for rank, result in enumerate(per_rank):
@@ -132,6 +147,26 @@ def test_swap_is_exact_and_lowers_the_peak(case: str) -> None:
     assert any(result["swap"].swapped_chunks for result in per_rank)
     assert any(_resident_peaks(order)[0] < _resident_peaks(order)[1]
                for order in schedule.orders)  # the case really tests a lower peak
+
+
+@pytest.mark.parametrize(
+    "case", [pytest.param(name, marks=[pytest.mark.slow] if name in SLOW else [])
+             for name in CASES])
+def test_the_simulator_predicts_the_measured_peaks(case: str) -> None:
+    """Fed the bytes the runtime measured per chunk, the simulator's peak per rank, with
+    and without swap, is the runtime's measured peak (within 1 %)."""
+    config = CASES[case]
+    per_rank = _trained(case)
+    chunks = {key: ChunkBytes(held, pinned=held - movable)
+              for result in per_rank for key, (held, movable) in
+              result["swap"].chunk_bytes.items()}
+    assert len(chunks) == config.num_stages * config.microbatches
+    predicted = simulate(build_schedule(_spec(config)), CostModel(chunks=chunks))
+    for rank, result in zip(predicted.ranks, per_rank):
+        measured_swap = result["swap"].peak_activation_bytes
+        measured_plain = result["no-swap"].peak_activation_bytes
+        assert rank.peak_activation_bytes == pytest.approx(measured_swap, rel=0.01)
+        assert rank.peak_activation_bytes_no_swap == pytest.approx(measured_plain, rel=0.01)
 
 
 @pytest.mark.parametrize("how", ["raise", "die"])

@@ -507,3 +507,20 @@ def test_reset_peak_starts_from_what_is_held(mgr: SwapManager) -> None:
         small = y.sin().sum()
     assert mgr.stats().peak_device_bytes_held == 64
     backward(small)
+
+
+def test_group_bytes_split_what_moves_from_what_stays(mgr: SwapManager) -> None:
+    x = torch.randn(64, requires_grad=True)
+    w = torch.randn(64, requires_grad=True)
+    with mgr.group_context("g"):
+        loss = (x.exp() * w).sum()  # saves exp(x) (its output) and w; exp saves its output
+    mgr.protect_alias_tensors("g", [w])
+    held, movable = mgr.group_bytes("g").held, mgr.group_bytes("g").movable
+    assert (held, movable) == (2 * 64 * 4, 64 * 4)
+    mgr.launch_offload("g")
+    mgr.wait_offload("g")
+    assert mgr.group_bytes("g") == type(mgr.group_bytes("g"))(64 * 4, 0)
+    assert mgr.stats().bytes_offloaded == movable
+    mgr.launch_load("g")
+    mgr.wait_load("g")
+    backward(loss)

@@ -12,7 +12,7 @@ import dataclasses
 import hashlib
 import time
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -37,7 +37,7 @@ from pipeswap.schedule import (
     validate,
 )
 from pipeswap.schedule.steps import FSDP, OVERLAPS, P2P, SENDS
-from pipeswap.swap import SwapManager
+from pipeswap.swap import GroupBytes, SwapManager
 
 if TYPE_CHECKING:
     import torch
@@ -55,6 +55,9 @@ class StepReport:
     peak_activation_bytes: int  # most device bytes held by saved activations at once
     bytes_offloaded: int
     swapped_chunks: int
+    # per chunk of this rank, at the end of its forward: device bytes its saved activations
+    # hold, and the part an offload moves (the rest is shared with protected tensors)
+    chunk_bytes: Mapping[ChunkKey, GroupBytes]
 
 
 @dataclass
@@ -71,6 +74,7 @@ class _Run:
     micro_inputs: list[torch.Tensor] = field(default_factory=list)
     micro_targets: list[torch.Tensor] = field(default_factory=list)
     losses: dict[int, float] = field(default_factory=dict)
+    chunk_bytes: dict[ChunkKey, GroupBytes] = field(default_factory=dict)
 
 
 class PipelineExecutor:
@@ -311,6 +315,7 @@ class PipelineExecutor:
             peak_activation_bytes=stats.peak_device_bytes_held,
             bytes_offloaded=stats.bytes_offloaded - offloaded,
             swapped_chunks=len(self.swapped),
+            chunk_bytes=run.chunk_bytes,
         )
 
     def _take_batch(self, run: _Run, inputs: torch.Tensor | None,
@@ -396,6 +401,7 @@ class PipelineExecutor:
                 run.losses[micro] = float(loss.detach())
                 out = loss / self.microbatches
         run.session.protect(key, [x, out, target])
+        run.chunk_bytes[key] = self.manager.group_bytes(run.session.name(key))
         run.inputs[key], run.outputs[key] = x, out
 
     def _backward(self, run: _Run, key: ChunkKey, *, dx: bool, dw: bool) -> None:

@@ -73,6 +73,7 @@ class ModeResult:
     groups_alive_after_step: list[int] = field(default_factory=list)
     host_bytes_in_use_after_step: list[int] = field(default_factory=list)
     grads: dict[str, Any] | None = None  # name -> tensor, first step (keep_grads)
+    chunk_bytes: dict[tuple[int, int], tuple[int, int]] = field(default_factory=dict)
 
 
 def run_rank(rank: int, world_size: int, config: TrainConfig) -> dict[str, ModeResult]:
@@ -125,6 +126,8 @@ def run_rank(rank: int, world_size: int, config: TrainConfig) -> dict[str, ModeR
             optimizer.step()
             stats = executor.manager.stats()
             result.losses.append(list(report.losses))
+            result.chunk_bytes = {key: (b.held, b.movable)
+                                  for key, b in report.chunk_bytes.items()}
             result.step_seconds.append(report.seconds)
             result.peak_activation_bytes = max(result.peak_activation_bytes,
                                                report.peak_activation_bytes)

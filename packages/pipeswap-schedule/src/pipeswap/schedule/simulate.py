@@ -19,9 +19,10 @@ from __future__ import annotations
 import heapq
 from collections import defaultdict
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from pipeswap.schedule._gc import gc_paused
-from pipeswap.schedule.costs import CostModel
+from pipeswap.schedule.costs import ChunkBytes, CostModel
 from pipeswap.schedule.schedule import Schedule
 from pipeswap.schedule.steps import COMPUTE, OVERLAPS, ChunkKey, Order, Step, StepType
 from pipeswap.schedule.validation import validate
@@ -51,9 +52,9 @@ class SwappedChunk:
         return (self.stage, self.micro)
 
 
-@dataclass(frozen=True)
-class Span:
-    """Something that occupied a stream: for traces and plots."""
+class Span(NamedTuple):
+    """Something that occupied a stream: for traces and plots. (A NamedTuple: a big schedule
+    makes one per step, and these build several times faster than a dataclass.)"""
 
     stream: str  # "compute", "d2h", "h2d", "copy"
     label: str
@@ -120,59 +121,74 @@ def simulate(schedule: Schedule, costs: CostModel) -> SimulationResult:
     waiting: dict[tuple[str, int, int], list[int]] = defaultdict(list)
     runnable = list(range(len(ranks)))
     transfer = costs.p2p_time()
+    bytes_of = _ChunkBytesCache(costs)
+    times: dict[tuple[StepType, int, int], float] = {}
+
+    def duration_of(kind: StepType, stage: int, rank: int) -> float:
+        found = times.get((kind, stage, rank))
+        if found is None:
+            found = times[(kind, stage, rank)] = costs.compute_time(kind, stage, rank)
+        return found
 
     def publish(key: tuple[str, int, int], at: float) -> None:
         ready[key] = at
         for rank in waiting.pop(key, ()):
             heapq.heappush(runnable, rank)
 
-    def need(leaf: Step) -> tuple[str, int, int] | None:
-        stage, micro = leaf.key
-        if leaf.type is _F:
+    def need(kind: StepType, stage: int, micro: int) -> tuple[str, int, int] | None:
+        if kind is _F:
             return None if stage == 0 else ("F", stage - 1, micro)
-        if leaf.type is _B or leaf.type is _I:
+        if kind is _B or kind is _I:
             return None if stage == last_stage else ("B", stage + 1, micro)
         return None
 
-    def compute(state: _Rank, leaf: Step) -> None:
-        kind, key = leaf.type, leaf.key
-        stage, micro = key
-        wanted = need(leaf)
+    def compute(state: _Rank, leaf: Step, kind: StepType, stage: int, micro: int,
+                wanted: tuple[str, int, int] | None) -> None:
+        key = (stage, micro)
         start = state.compute if wanted is None else max(state.compute, ready[wanted])
-        duration = costs.compute_time(kind, stage, state.rank)
+        duration = duration_of(kind, stage, state.rank)
         state.compute = end = start + duration
         state.busy += duration
         state.spans.append(Span("compute", str(leaf), start, end))
         if kind is _F:
-            state.change(costs.chunk_bytes(key).total)
+            state.change(bytes_of(key).total)
             if stage < last_stage and stage_ranks[stage + 1] == state.rank:
                 publish(("F", stage, micro), end)  # local hand-off
             return
         if kind is not _W and stage > 0 and stage_ranks[stage - 1] == state.rank:
             publish(("B", stage, micro), end)
         if kind is _B or kind is _W or key not in state.split:
-            state.change(-costs.chunk_bytes(key).total)
+            state.change(-bytes_of(key).total)
 
-    def run(state: _Rank, step: Step) -> bool:
-        """Run ``step`` (an overlap's parts one after the other, as the runtime does);
-        False if it waits for another rank (``state.part`` keeps an overlap's progress)."""
-        leaves = step.sub_steps or (step,)  # an overlap's two parts, a batch's transfers
-        for leaf in leaves[state.part:]:
-            kind = leaf.type
-            wanted = need(leaf) if kind in COMPUTE else None
+    def run_leaf(state: _Rank, leaf: Step) -> bool:
+        """Run one leaf; False if it waits for another rank."""
+        kind = leaf.type
+        if kind in COMPUTE:
+            stage, micro = leaf.stage, leaf.micro
+            assert stage is not None and micro is not None
+            wanted = need(kind, stage, micro)
             if wanted is not None and wanted not in ready:
                 waiting[wanted].append(state.rank)
                 return False
+            compute(state, leaf, kind, stage, micro, wanted)
+        elif kind is _SEND_F or kind is _SEND_B:
+            stage, micro = leaf.key
+            publish(("F" if kind is _SEND_F else "B", stage, micro), state.compute + transfer)
+        elif kind in _SWAPS:
+            _swap(state, leaf, costs, bytes_of(leaf.key).movable)
+        # receives only post; FSDP steps take no time
+        return True
+
+    def run(state: _Rank, step: Step) -> bool:
+        """Run ``step``; an overlap's parts run one after the other, as in the runtime, and
+        ``state.part`` keeps a composite's progress while it waits for another rank."""
+        subs = step.sub_steps
+        if not subs:
+            return run_leaf(state, step)
+        for leaf in subs[state.part:]:
+            if not run_leaf(state, leaf):
+                return False
             state.part += 1
-            if kind in COMPUTE:
-                compute(state, leaf)
-            elif kind is _SEND_F or kind is _SEND_B:
-                stage, micro = leaf.key
-                publish(("F" if kind is _SEND_F else "B", stage, micro),
-                        state.compute + transfer)
-            elif kind in _SWAPS:
-                _swap(state, leaf, costs)
-            # receives only post; FSDP steps take no time
         state.part = 0
         return True
 
@@ -188,13 +204,12 @@ def simulate(schedule: Schedule, costs: CostModel) -> SimulationResult:
     if unfinished:  # validate() proved the orders run together; this would be a bug here
         raise AssertionError(f"simulation stalled on ranks {unfinished}")
     step_time = max((s.compute for s in ranks), default=0.0)
-    return SimulationResult(step_time, tuple(_result(s, step_time, costs) for s in ranks))
+    return SimulationResult(step_time, tuple(_result(s, step_time, bytes_of) for s in ranks))
 
 
-def _swap(state: _Rank, leaf: Step, costs: CostModel) -> None:
+def _swap(state: _Rank, leaf: Step, costs: CostModel, movable: int) -> None:
     key = leaf.key
     link = costs.rank_link(state.rank)
-    movable = costs.chunk_bytes(key).movable
     record = state.copies.setdefault(key, {})
     kind = leaf.type
     if kind is _LO:
@@ -236,7 +251,8 @@ def _wait(state: _Rank, until: float, record: dict[str, float], name: str) -> No
     record[f"{name}_stalled"] = float(until > reached)
 
 
-def _result(state: _Rank, step_time: float, costs: CostModel) -> RankResult:
+def _result(state: _Rank, step_time: float, costs: CostModel | _ChunkBytesCache
+            ) -> RankResult:
     swapped = []
     for (stage, micro), rec in state.copies.items():
         if "wait_load" not in rec:
@@ -254,8 +270,26 @@ def _result(state: _Rank, step_time: float, costs: CostModel) -> RankResult:
         memory=tuple(state.memory), swapped=tuple(swapped), spans=tuple(state.spans))
 
 
-def peak_without_swap(order: Order, costs: CostModel) -> int:
+class _ChunkBytesCache:
+    """``costs.chunk_bytes`` with each stage's default worked out once."""
+
+    def __init__(self, costs: CostModel) -> None:
+        self.costs = costs
+        self._stages: dict[int, ChunkBytes] = {}
+
+    def __call__(self, key: ChunkKey) -> ChunkBytes:
+        found = self.costs.chunks.get(key)
+        if found is not None:
+            return found
+        default = self._stages.get(key[0])
+        if default is None:
+            default = self._stages[key[0]] = self.costs.chunk_bytes(key)
+        return default
+
+
+def peak_without_swap(order: Order, costs: CostModel | _ChunkBytesCache) -> int:
     """The most activation bytes ``order`` holds at once if nothing is swapped."""
+    bytes_of = costs if isinstance(costs, _ChunkBytesCache) else _ChunkBytesCache(costs)
     split = {s.key for s in order if s is not None and s.type is _W}
     held = peak = 0
     for step in order:
@@ -264,8 +298,9 @@ def peak_without_swap(order: Order, costs: CostModel) -> int:
         for leaf in (step.sub_steps if step.type in OVERLAPS else (step,)):
             kind = leaf.type
             if kind is _F:
-                held += costs.chunk_bytes(leaf.key).total
-                peak = max(peak, held)
+                held += bytes_of(leaf.key).total
+                if held > peak:
+                    peak = held
             elif kind is _B or kind is _W or (kind is _I and leaf.key not in split):
-                held -= costs.chunk_bytes(leaf.key).total
+                held -= bytes_of(leaf.key).total
     return peak

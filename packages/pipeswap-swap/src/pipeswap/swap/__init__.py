@@ -6,6 +6,7 @@ torch is imported lazily: importing this package is cheap.
 
 from pipeswap.swap.__about__ import __version__
 from pipeswap.swap.manager import (
+    GroupBytes,
     GroupState,
     InPlaceModificationError,
     SwapError,
@@ -16,6 +17,7 @@ from pipeswap.swap.manager import (
 from pipeswap.swap.pool import HostBufferPool, PoolExhaustedError
 
 __all__ = [
+    "GroupBytes",
     "GroupState",
     "HostBufferPool",
     "InPlaceModificationError",

@@ -64,6 +64,14 @@ class SwapStats:
     skipped: dict[str, int]  # reason -> saved tensors left alone
 
 
+@dataclass(frozen=True)
+class GroupBytes:
+    """A group's device bytes: all it holds, and the part not protected (what moves)."""
+
+    held: int
+    movable: int
+
+
 @dataclass
 class _Storage:
     """One device storage saved by a group: all its saved views travel together.
@@ -481,6 +489,14 @@ class SwapManager:
         group.state = state
         group.storages.clear()
         del self._groups[group.name]
+
+    def group_bytes(self, name: str) -> GroupBytes:
+        """Device bytes the group holds now, and how many of them an offload would move."""
+        group = self._group(name, "group_bytes")
+        with self._lock:
+            held = sum(e.nbytes for e in group.storages.values() if e.resident)
+            movable = sum(e.nbytes for e, _ in self._swappable(group) if e.resident)
+        return GroupBytes(held, movable)
 
     def reset_peak(self) -> None:
         """Start the peak of device bytes held over from what is held now (e.g. per step)."""
