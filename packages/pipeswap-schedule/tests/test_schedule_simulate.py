@@ -56,6 +56,7 @@ def test_two_rank_gpipe_by_hand() -> None:
     assert (first.offload, first.wait_offload, first.load, first.wait_load) == (
         (1.0, 1.25), 2.0, (3.0, 3.25), 4.0)
     assert first.off_device == 1.0  # from WO at 2 s to LL at 3 s
+    assert first.lifespan == 7.0  # forward ends at 1 s, backward starts at 8 s
 
 
 def _count_peak(order: Order, with_swap: bool) -> int:

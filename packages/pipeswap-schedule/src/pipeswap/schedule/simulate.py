@@ -44,6 +44,7 @@ class SwappedChunk:
     wait_offload: float  # when compute reached WO (and, if later, the copy's end)
     load: tuple[float, float]  # H2D copy start, end
     wait_load: float
+    lifespan: float  # from the end of its forward to the start of its backward
     off_device: float  # seconds its movable bytes were not on the device
     hidden: bool  # neither wait stalled compute
 
@@ -99,6 +100,8 @@ class _Rank:
     spans: list[Span] = field(default_factory=list)
     copies: dict[ChunkKey, dict[str, float]] = field(default_factory=dict)
     split: set[ChunkKey] = field(default_factory=set)  # chunks whose backward ends with W
+    forwarded: dict[ChunkKey, float] = field(default_factory=dict)  # forward end
+    lifespans: dict[ChunkKey, float] = field(default_factory=dict)
 
     def change(self, delta: int) -> None:
         self.held += delta
@@ -152,11 +155,14 @@ def simulate(schedule: Schedule, costs: CostModel) -> SimulationResult:
         state.spans.append(Span("compute", str(leaf), start, end))
         if kind is _F:
             state.change(bytes_of(key).total)
+            state.forwarded[key] = end
             if stage < last_stage and stage_ranks[stage + 1] == state.rank:
                 publish(("F", stage, micro), end)  # local hand-off
             return
-        if kind is not _W and stage > 0 and stage_ranks[stage - 1] == state.rank:
-            publish(("B", stage, micro), end)
+        if kind is not _W:
+            state.lifespans[key] = start - state.forwarded[key]
+            if stage > 0 and stage_ranks[stage - 1] == state.rank:
+                publish(("B", stage, micro), end)
         if kind is _B or kind is _W or key not in state.split:
             state.change(-bytes_of(key).total)
 
@@ -260,6 +266,7 @@ def _result(state: _Rank, step_time: float, costs: CostModel | _ChunkBytesCache
         swapped.append(SwappedChunk(
             stage, micro, (rec["offload_start"], rec["offload_end"]), rec["wait_offload"],
             (rec["load_start"], rec["load_end"]), rec["wait_load"],
+            lifespan=state.lifespans[(stage, micro)],
             off_device=rec["off_until"] - rec["wait_offload"],
             hidden=not (rec["wait_offload_stalled"] or rec["wait_load_stalled"])))
     return RankResult(

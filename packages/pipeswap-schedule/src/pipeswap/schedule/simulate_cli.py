@@ -163,7 +163,8 @@ def report(result: SimulationResult, budget: MemoryBudgetPolicy | None) -> dict[
             "swapped_chunks": len(rank.swapped),
             "hidden_chunks": sum(c.hidden for c in rank.swapped),
             "chunks": [{"stage": c.stage, "micro": c.micro, "hidden": c.hidden,
-                        "off_device_s": c.off_device} for c in rank.swapped],
+                        "lifespan_s": c.lifespan, "off_device_s": c.off_device}
+                       for c in rank.swapped],
         }
         if budget is not None and rank.rank in budget.outcomes:
             outcome = budget.outcomes[rank.rank]
