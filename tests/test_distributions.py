@@ -22,10 +22,15 @@ PORTIONS = [name.removeprefix("pipeswap-") for name in EDGES]
 _NAME = re.compile(r"\s*([A-Za-z0-9][A-Za-z0-9._-]*)")
 
 
-def _requires(dist: str) -> dict[str, str]:
-    """Each Requires-Dist entry of ``dist``, by canonical project name."""
+def _requires(dist: str, extra: str | None = None) -> dict[str, str]:
+    """Each Requires-Dist entry of ``dist`` (of its ``extra``, if given), by canonical
+    project name, without the marker."""
     found = {}
-    for requirement in distribution(dist).requires or []:
+    for line in distribution(dist).requires or []:
+        requirement, _, raw_marker = line.partition(";")
+        marker = raw_marker.strip().replace("'", '"') or None
+        if marker != (None if extra is None else f'extra == "{extra}"'):
+            continue
         match = _NAME.match(requirement)
         assert match is not None, f"{dist}: unparsable Requires-Dist {requirement!r}"
         found[re.sub(r"[-_.]+", "-", match.group(1)).lower()] = requirement
@@ -49,6 +54,15 @@ def test_distribution_is_installed(dist: str) -> None:
 @pytest.mark.parametrize("dist", EDGES)
 def test_dependency_edges_follow_the_design(dist: str) -> None:
     assert set(_requires(dist)) == EDGES[dist]
+
+
+def test_the_only_extra_is_the_plot_support_of_the_schedule_package() -> None:
+    for dist in EDGES:
+        extras = distribution(dist).metadata.get_all("Provides-Extra") or []
+        assert extras == (["plot"] if dist == "pipeswap-schedule" else []), dist
+    plot = _requires("pipeswap-schedule", "plot")
+    assert set(plot) == {"matplotlib"}
+    assert ">=" in plot["matplotlib"] and "<" in plot["matplotlib"]
 
 
 @pytest.mark.parametrize("dist", EDGES)
