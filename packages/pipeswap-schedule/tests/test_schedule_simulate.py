@@ -9,12 +9,15 @@ import pytest
 
 from pipeswap.schedule import (
     DeadlockError,
+    Schedule,
     ScheduleError,
     ScheduleKind,
     ScheduleSpec,
     StepType,
     build_schedule,
     loads,
+    parse_order,
+    validate,
 )
 from pipeswap.schedule.costs import (
     ChunkBytes,
@@ -151,11 +154,21 @@ def test_per_stage_chunk_and_rank_overrides() -> None:
 
 
 def test_a_deadlock_is_reported_as_the_validator_does() -> None:
-    schedule = loads("rank 0: 0F0 0RECV_B0 0SEND_F0 0B0\n"
-                     "rank 1: 1RECV_F0 1F0 1B0 1SEND_B0")
+    # Stages 0, 1, 2 on ranks 0, 1, 0: rank 0 runs stage 2 before stage 0, so it waits for
+    # stage 1's output while rank 1 waits for stage 0's.
+    orders = ("2RECV_F0 2F0 2B0 2SEND_B0 0F0 0SEND_F0 0RECV_B0 0B0",
+              "1RECV_F0 1F0 1SEND_F0 1RECV_B0 1B0 1SEND_B0")
+    schedule = Schedule(tuple(parse_order(o) for o in orders), (0, 1, 0))
     with pytest.raises(DeadlockError) as info:
         simulate(schedule, CostModel())
-    assert info.value.cycle == ((0, "0RECV_B0", 1), (1, "1RECV_F0", 0))
+    assert info.value.cycle == ((0, "2F0", 1), (1, "1F0", 0))
+    # The simulator's transfers are tagged and do not wait: what only the ordered model
+    # (a send waits for its receive) calls a deadlock runs here.
+    ordered_only = loads("rank 0: 0F0 0RECV_B0 0SEND_F0 0B0\n"
+                         "rank 1: 1RECV_F0 1F0 1B0 1SEND_B0")
+    with pytest.raises(DeadlockError):
+        validate(ordered_only)
+    assert simulate(ordered_only, CostModel()).step_time == 6.0
 
 
 def test_transformer_costs_and_presets() -> None:

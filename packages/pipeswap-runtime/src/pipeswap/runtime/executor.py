@@ -159,7 +159,10 @@ class PipelineExecutor:
                         "FSDP steps are not run by this executor: build the schedule with "
                         "fsdp=False")
                 built = build_schedule(schedule, policy)
-            validate(built)
+            # gloo matches messages by tag and this executor never waits on a send before
+            # the step ends; NCCL pairs them in order, so a send waits for its receive.
+            validate(built, transport="tagged" if self.platform.device.type == "cpu"
+                     else "ordered")
         except ScheduleError as exc:
             raise PipelineSetupError(f"the schedule cannot run: {exc}") from exc
         if any(step is not None and step.type in FSDP

@@ -24,6 +24,7 @@ from pipeswap.runtime.launch import (
     spawn,
 )
 from pipeswap.schedule import ScheduleKind
+from pipeswap.schedule.build import V_SHAPED
 
 MODES = ("no-swap", "swap")
 
@@ -85,7 +86,7 @@ def run_rank(rank: int, world_size: int, config: TrainConfig) -> dict[str, ModeR
     from pipeswap.runtime.executor import PipelineExecutor
     from pipeswap.runtime.model import GPTConfig, build_gpt, lm_loss, split_stages
     from pipeswap.runtime.stage import PipelineStage
-    from pipeswap.schedule import ScheduleSpec
+    from pipeswap.schedule import ScheduleSpec, build_schedule
 
     if world_size != config.ranks:
         raise ValueError(f"config.ranks is {config.ranks} but {world_size} ranks were started")
@@ -103,13 +104,13 @@ def run_rank(rank: int, world_size: int, config: TrainConfig) -> dict[str, ModeR
                         microbatches=config.microbatches, stages_per_rank=config.stages_per_rank,
                         overlap_b_f=config.overlap_b_f, dxdw_split=config.dxdw_split,
                         batch_p2p=config.batch_p2p)
+    placement = build_schedule(spec).stage_ranks  # loop, or V for zbv and dualpipev
     results: dict[str, ModeResult] = {}
     for mode in config.modes:
         model = build_gpt(gpt, config.seed).to(platform.device)
         modules = split_stages(model, config.num_stages)
         stages = [PipelineStage(module, index, config.num_stages)
-                  for index, module in enumerate(modules)
-                  if index % config.ranks == rank]  # the loop placement of the built-ins
+                  for index, module in enumerate(modules) if placement[index] == rank]
         params = [p for stage in stages for p in stage.module.parameters()]
         optimizer = torch.optim.AdamW(params, lr=config.lr)
         executor = PipelineExecutor(stages, spec, config.microbatches, lm_loss,
@@ -237,6 +238,7 @@ def parse_args(argv: list[str] | None) -> tuple[TrainConfig, argparse.Namespace]
             "  pipeswap-train --schedule gpipe --ranks 2 --microbatches 4\n"
             "  pipeswap-train --schedule interleaved-1f1b --ranks 2 --stages-per-rank 2 \\\n"
             "      --overlap-b-f --dxdw-split --batch-p2p\n"
+            "  pipeswap-train --schedule dualpipev --ranks 2 --microbatches 4\n"
             "  pipeswap-train --no-swap --json                  # one mode, JSON for tools\n"
             "  torchrun --nproc-per-node 4 -m pipeswap.runtime.train --device cuda\n"),
         formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -248,7 +250,8 @@ def parse_args(argv: list[str] | None) -> tuple[TrainConfig, argparse.Namespace]
                         help=f"pipeline ranks to spawn (default {defaults.ranks}; under "
                         "torchrun, its world size)")
     parser.add_argument("--stages-per-rank", type=int, default=defaults.stages_per_rank,
-                        help="stages per rank (more than 1 needs interleaved-1f1b)")
+                        help="stages per rank (interleaved-1f1b, looped-bfs, interleaved-zb; "
+                             "zbv and dualpipev always run two)")
     parser.add_argument("--microbatches", type=int, default=defaults.microbatches,
                         help=f"microbatches per step (default {defaults.microbatches})")
     parser.add_argument("--steps", type=int, default=defaults.steps,
@@ -291,8 +294,12 @@ def parse_args(argv: list[str] | None) -> tuple[TrainConfig, argparse.Namespace]
     if args.batch_size % args.microbatches:
         parser.error(f"--batch-size {args.batch_size} does not split into "
                      f"{args.microbatches} microbatches: use a multiple of {args.microbatches}")
+    v_shaped = ScheduleKind(args.schedule) in V_SHAPED
+    if v_shaped and args.stages_per_rank not in (1, 2):
+        parser.error(f"{args.schedule} runs exactly two stages per rank")
     config = TrainConfig(
-        schedule=args.schedule, ranks=ranks, stages_per_rank=args.stages_per_rank,
+        schedule=args.schedule, ranks=ranks,
+        stages_per_rank=2 if v_shaped else args.stages_per_rank,
         microbatches=args.microbatches, steps=args.steps, batch_size=args.batch_size,
         seq_len=args.seq_len, width=args.width, layers=args.layers, seed=args.seed,
         device=args.device, overlap_b_f=args.overlap_b_f, dxdw_split=args.dxdw_split,

@@ -21,7 +21,13 @@ from pipeswap.schedule.generators import (
     interleaved_1f1b_compute,
     one_f_one_b,
 )
-from pipeswap.schedule.p2p import coalesce_p2p, insert_send_recv
+from pipeswap.schedule.p2p import coalesce_p2p, insert_send_recv, insert_send_recv_by_dependency
+from pipeswap.schedule.pytorch_family import (
+    dualpipev,
+    interleaved_zero_bubble,
+    looped_bfs,
+    zbv,
+)
 from pipeswap.schedule.schedule import Schedule
 from pipeswap.schedule.swap import SwapPolicy, inject_swap
 
@@ -30,6 +36,19 @@ class ScheduleKind(Enum):
     GPIPE = "gpipe"
     ONE_F_ONE_B = "1f1b"
     INTERLEAVED_1F1B = "interleaved-1f1b"
+    LOOPED_BFS = "looped-bfs"
+    INTERLEAVED_ZB = "interleaved-zb"
+    ZBV = "zbv"
+    DUALPIPEV = "dualpipev"
+
+
+#: Schedules that place several stages per rank.
+MULTI_STAGE = frozenset({ScheduleKind.INTERLEAVED_1F1B, ScheduleKind.LOOPED_BFS,
+                         ScheduleKind.INTERLEAVED_ZB, ScheduleKind.ZBV, ScheduleKind.DUALPIPEV})
+#: Schedules on a V: exactly two stages per rank.
+V_SHAPED = frozenset({ScheduleKind.ZBV, ScheduleKind.DUALPIPEV})
+#: Schedules whose generator emits computes only; a send/recv pass adds the P2P.
+COMPUTE_ONLY = MULTI_STAGE
 
 
 def schedule_kind(name: str | ScheduleKind) -> ScheduleKind:
@@ -62,16 +81,26 @@ class ScheduleSpec:
         check_positive("ranks", self.ranks)
         check_positive("microbatches", self.microbatches)
         check_positive("stages_per_rank", self.stages_per_rank)
-        interleaved = self.kind is ScheduleKind.INTERLEAVED_1F1B
+        kind = self.kind
+        interleaved = kind is ScheduleKind.INTERLEAVED_1F1B
         if not interleaved:
             for option in ("overlap_b_f", "less_memory"):
                 if getattr(self, option):
                     raise ScheduleError(
-                        f"{option} applies to interleaved-1f1b only, not {self.kind.value}")
-            if self.stages_per_rank != 1:
-                raise ScheduleError(
-                    f"{self.kind.value} runs one stage per rank: stages_per_rank must be 1, got "
-                    f"{self.stages_per_rank} (use interleaved-1f1b for several)")
+                        f"{option} applies to interleaved-1f1b only, not {kind.value}")
+        if kind not in MULTI_STAGE and self.stages_per_rank != 1:
+            raise ScheduleError(
+                f"{kind.value} runs one stage per rank: stages_per_rank must be 1, got "
+                f"{self.stages_per_rank} (use interleaved-1f1b for several)")
+        if kind in V_SHAPED and self.stages_per_rank not in (1, 2):
+            raise ScheduleError(f"{kind.value} runs exactly two stages per rank (a V); "
+                                f"stages_per_rank must be 2, got {self.stages_per_rank}")
+        if kind in V_SHAPED:
+            object.__setattr__(self, "stages_per_rank", 2)
+        if self.dxdw_split and kind in (ScheduleKind.INTERLEAVED_ZB, ScheduleKind.ZBV,
+                                        ScheduleKind.DUALPIPEV):
+            raise ScheduleError(f"{kind.value} splits its backwards into I and W itself: "
+                                "drop dxdw_split")
         if self.dxdw_split and not self.overlap_b_f:
             raise ScheduleError(
                 "dxdw_split=True requires overlap_b_f=True: the split applies to the backward "
@@ -84,12 +113,20 @@ Pass = Callable[[Schedule], Schedule]
 
 
 def generate(spec: ScheduleSpec) -> Schedule:
-    """The generator's output for ``spec``: with P2P for GPipe and 1F1B, compute columns for
-    Interleaved 1F1B (its P2P comes from the first pass of :func:`passes`)."""
+    """The generator's output for ``spec``: with P2P for GPipe and 1F1B, compute orders for
+    the multi-stage schedules (their P2P comes from the first pass of :func:`passes`)."""
     if spec.kind is ScheduleKind.GPIPE:
         return gpipe(spec.ranks, spec.microbatches)
     if spec.kind is ScheduleKind.ONE_F_ONE_B:
         return one_f_one_b(spec.ranks, spec.microbatches)
+    if spec.kind is ScheduleKind.LOOPED_BFS:
+        return looped_bfs(spec.ranks, spec.microbatches, spec.stages_per_rank)
+    if spec.kind is ScheduleKind.INTERLEAVED_ZB:
+        return interleaved_zero_bubble(spec.ranks, spec.microbatches, spec.stages_per_rank)
+    if spec.kind is ScheduleKind.ZBV:
+        return zbv(spec.ranks, spec.microbatches)
+    if spec.kind is ScheduleKind.DUALPIPEV:
+        return dualpipev(spec.ranks, spec.microbatches)
     return interleaved_1f1b_compute(
         spec.ranks,
         spec.microbatches,
@@ -103,7 +140,9 @@ def passes(spec: ScheduleSpec, swap_policy: SwapPolicy | None = None) -> list[tu
     """The passes ``spec`` asks for, named, in the order they run after :func:`generate`."""
     chosen: list[tuple[str, Pass]] = []
     if spec.kind is ScheduleKind.INTERLEAVED_1F1B:
-        chosen.append(("send/recv", insert_send_recv))
+        chosen.append(("send/recv", insert_send_recv))  # the seed's column scan
+    elif spec.kind in COMPUTE_ONLY:
+        chosen.append(("send/recv", insert_send_recv_by_dependency))
     if spec.dxdw_split:
         chosen.append(("dx/dw split", split_dxdw))
     if spec.fsdp:

@@ -98,3 +98,78 @@ def _flush(run: list[Step], out: list[Step | None]) -> None:
     else:
         out += run
     run.clear()
+
+
+@gc_paused
+def insert_send_recv_by_dependency(schedule: Schedule) -> Schedule:
+    """Add sends and receives to compute orders by running all ranks together.
+
+    Each tick, every rank takes its next step if the inputs of its computes are there: made
+    earlier on this rank, or sent by another rank in an earlier tick. The step enters the
+    order behind a receive for each input from another rank, and before a send for each
+    output another rank needs. A rank whose next step must wait loses the tick. This suits
+    orders that are not aligned in time columns (DualPipeV, ZBV, zero bubble), and gives
+    every send a receive that is posted after it in the ranks' common time, so the result
+    runs under the validator's rendezvous model too.
+    """
+    rank_of = schedule.stage_ranks
+    last = schedule.num_stages - 1
+    orders = schedule.orders
+    position = [0] * len(orders)
+    result: list[list[Step | None]] = [[] for _ in orders]
+    sent: set[tuple[bool, int, int]] = set()  # (gradient?, sending stage, micro)
+
+    def remote_input(leaf: Step) -> tuple[bool, int, int] | None:
+        stage, micro = leaf.key
+        if leaf.type is StepType.FWD and stage > 0 and rank_of[stage - 1] != rank_of[stage]:
+            return (False, stage - 1, micro)
+        if leaf.type in ACTIVATION_CONSUMERS and stage < last and (
+                rank_of[stage + 1] != rank_of[stage]):
+            return (True, stage + 1, micro)
+        return None
+
+    def remote_output(leaf: Step) -> tuple[bool, int, int] | None:
+        stage, micro = leaf.key
+        if leaf.type is StepType.FWD and stage < last and rank_of[stage + 1] != rank_of[stage]:
+            return (False, stage, micro)
+        if leaf.type in ACTIVATION_CONSUMERS and stage > 0 and (
+                rank_of[stage - 1] != rank_of[stage]):
+            return (True, stage, micro)
+        return None
+
+    while any(p < len(o) for p, o in zip(position, orders)):
+        now: set[tuple[bool, int, int]] = set()
+        moved = False
+        for rank, order in enumerate(orders):
+            if position[rank] >= len(order):
+                continue
+            step = order[position[rank]]
+            if step is None:
+                result[rank].append(None)
+                position[rank] += 1
+                moved = True
+                continue
+            leaves = step.compute_leaves
+            inputs = [i for i in map(remote_input, leaves) if i is not None]
+            if any(i not in sent for i in inputs):
+                continue
+            for grad, stage, micro in inputs:
+                kind = StepType.BWD_RECV if grad else StepType.FWD_RECV
+                result[rank].append(Step(kind, stage - 1 if grad else stage + 1, micro))
+            result[rank].append(step)
+            for leaf in leaves:
+                output = remote_output(leaf)
+                if output is not None:
+                    grad, stage, micro = output
+                    result[rank].append(Step(StepType.BWD_SEND if grad else StepType.FWD_SEND,
+                                             stage, micro))
+                    now.add(output)
+            position[rank] += 1
+            moved = True
+        if not moved:
+            stuck = ", ".join(f"rank {r} at {orders[r][p]}" for r, p in enumerate(position)
+                              if p < len(orders[r]))
+            raise ScheduleError(f"the compute orders cannot run together: {stuck} all wait "
+                                "for inputs no rank will produce first")
+        sent |= now
+    return Schedule(tuple(tuple(order) for order in result), rank_of)

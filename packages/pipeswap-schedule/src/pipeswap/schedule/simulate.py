@@ -113,7 +113,7 @@ class _Rank:
 @gc_paused
 def simulate(schedule: Schedule, costs: CostModel) -> SimulationResult:
     """Run every rank's order with ``costs``; see the module docstring for the model."""
-    validate(schedule)
+    validate(schedule, transport="tagged")  # the model below: sends never wait
     stage_ranks = schedule.stage_ranks
     last_stage = schedule.num_stages - 1
     ranks = [_Rank(r, order, split={s.key for s in order if s is not None and s.type is _W})

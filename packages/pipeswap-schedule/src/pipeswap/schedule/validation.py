@@ -25,7 +25,18 @@ from pipeswap.schedule.errors import (
     ValidationError,
 )
 from pipeswap.schedule.schedule import Schedule
-from pipeswap.schedule.steps import COMM, P2P, SENDS, ChunkKey, Order, Step, StepType, peer_stage
+from pipeswap.schedule.steps import (
+    ACTIVATION_CONSUMERS,
+    COMM,
+    COMPUTE,
+    P2P,
+    SENDS,
+    ChunkKey,
+    Order,
+    Step,
+    StepType,
+    peer_stage,
+)
 
 _SWAP_SEQUENCE = (
     StepType.SWAP_LAUNCH_OFFLOAD,
@@ -35,14 +46,105 @@ _SWAP_SEQUENCE = (
 )
 
 
+#: How sends and receives meet. ``ordered``: a send waits for its receive and the messages
+#: between two ranks pair first in, first out (NCCL, HCCL; the seed system's model).
+#: ``tagged``: a send never waits and a message meets the receive with its tag (gloo, as the
+#: pipeswap runtime tags every message); only a compute waits, for the data it receives.
+TRANSPORTS = ("ordered", "tagged")
+
+
 @gc_paused
-def validate(schedule: Schedule) -> None:
-    """Check every rank's order, then simulate all ranks' P2P together."""
+def validate(schedule: Schedule, *, transport: str = "ordered") -> None:
+    """Check every rank's order, then run all ranks' P2P together under ``transport``."""
+    if transport not in TRANSPORTS:
+        raise ValidationError(f"unknown transport {transport!r}; use one of {TRANSPORTS}")
     if schedule.num_stages == 0:
         raise ValidationError("the schedule has no steps: every rank's order is empty or idle")
     for rank in range(schedule.num_ranks):
         validate_rank(schedule, rank)
-    simulate_p2p(schedule)
+    if transport == "ordered":
+        simulate_p2p(schedule)
+    else:
+        simulate_tagged(schedule)
+
+
+@gc_paused
+def simulate_tagged(schedule: Schedule) -> None:
+    """Run all ranks with tagged, non-blocking transfers; raise if a message has no
+    counterpart or the ranks wait for each other's data in a cycle."""
+    orders, rank_of = schedule.orders, schedule.stage_ranks
+    sends: dict[tuple[bool, int, int], int] = {}  # (activation?, sending stage, micro) -> rank
+    receives: dict[tuple[bool, int, int], int] = {}
+    for rank, order in enumerate(orders):
+        for step in order:
+            for leaf in (step.p2p_leaves if step is not None else ()):
+                key = _payload(leaf)
+                if key in (sends if leaf.type in SENDS else receives):
+                    raise P2PError(f"rank {rank}: {leaf} appears twice", rank=rank)
+                (sends if leaf.type in SENDS else receives)[key] = rank
+    for key in sends.keys() ^ receives.keys():
+        activation, stage, micro = key
+        what = f"the {'activation' if activation else 'gradient'} of stage {stage} micro {micro}"
+        if key in sends:
+            raise P2PError(f"rank {sends[key]} sends {what}, which no rank receives",
+                           rank=sends[key])
+        raise P2PError(f"rank {receives[key]} receives {what}, which no rank sends",
+                       rank=receives[key])
+    last = schedule.num_stages - 1
+    position = [0] * len(orders)
+    part = [0] * len(orders)
+    sent: set[tuple[bool, int, int]] = set()
+    waits: dict[int, tuple[Step, tuple[bool, int, int]]] = {}
+
+    def needs(leaf: Step) -> tuple[bool, int, int] | None:
+        stage, micro = leaf.key
+        if leaf.type is StepType.FWD and stage > 0 and rank_of[stage - 1] != rank_of[stage]:
+            return (True, stage - 1, micro)
+        if leaf.type in ACTIVATION_CONSUMERS and stage < last and (
+                rank_of[stage + 1] != rank_of[stage]):
+            return (False, stage + 1, micro)
+        return None
+
+    moved = True
+    while moved:
+        moved = False
+        for rank, order in enumerate(orders):
+            waits.pop(rank, None)
+            while position[rank] < len(order):
+                step = order[position[rank]]
+                leaves = (() if step is None else step.sub_steps or (step,))
+                blocked = False
+                for leaf in leaves[part[rank]:]:
+                    if leaf.type in COMPUTE:
+                        need = needs(leaf)
+                        if need is not None and need not in sent:
+                            waits[rank] = (step, need)  # type: ignore[assignment]
+                            blocked = True
+                            break
+                    elif leaf.type in SENDS:
+                        sent.add(_payload(leaf))
+                    part[rank] += 1
+                if blocked:
+                    break
+                part[rank] = 0
+                position[rank] += 1
+                moved = True
+    if waits:
+        _report_tagged_deadlock(waits, sends)
+
+
+def _report_tagged_deadlock(waits: dict[int, tuple[Step, tuple[bool, int, int]]],
+                            sends: dict[tuple[bool, int, int], int]) -> None:
+    rank = next(iter(waits))
+    path: list[int] = []
+    while rank not in path and rank in waits:
+        path.append(rank)
+        rank = sends[waits[rank][1]]
+    start = path.index(rank) if rank in path else 0
+    cycle = tuple((r, str(waits[r][0]), sends[waits[r][1]]) for r in path[start:])
+    links = "; ".join(f"rank {r} waits at {s} for data from rank {p}" for r, s, p in cycle)
+    raise DeadlockError(f"deadlock: {links}. Each rank waits for data the other sends later: "
+                        "reorder the computes", cycle)
 
 
 _NO_SWAP = [None, None, None, None]
