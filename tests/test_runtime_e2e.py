@@ -38,6 +38,10 @@ CASES = {
         BASE, schedule="interleaved-1f1b", ranks=2, stages_per_rank=2, microbatches=4,
         overlap_b_f=True, dxdw_split=True, batch_p2p=True),
     "1f1b P4 M8": dataclasses.replace(BASE, schedule="1f1b", ranks=4, microbatches=8),
+    "zbv P2 M4": dataclasses.replace(BASE, schedule="zbv", ranks=2, stages_per_rank=2,
+                                     microbatches=4),
+    "dualpipev P2 M4": dataclasses.replace(BASE, schedule="dualpipev", ranks=2,
+                                           stages_per_rank=2, microbatches=4),
 }
 SLOW = {"1f1b P4 M8"}
 
@@ -116,7 +120,7 @@ def test_swap_is_exact_and_lowers_the_peak(case: str) -> None:
     want_loss, want_grads, stage_names = _reference(config)
     schedule = build_schedule(_spec(config))
     seen: set[str] = set()
-    last_rank = (config.num_stages - 1) % config.ranks
+    last_rank = schedule.stage_ranks[-1]
     for rank, result in enumerate(per_rank):
         plain, swap = result["no-swap"], result["swap"]
         # Swap changes no bit: losses of every step, and every gradient of the first step.

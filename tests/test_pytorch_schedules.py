@@ -1,0 +1,67 @@
+"""pipeswap's PyTorch-family generators give PyTorch's own compute orders.
+
+Compared against torch.distributed.pipelining (through its schedule visualizer, which builds
+each schedule class on mocked stages); skipped where that module is missing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+
+from pipeswap.schedule import Schedule, ScheduleError
+from pipeswap.schedule.pytorch_family import (
+    dualpipev,
+    interleaved_zero_bubble,
+    looped_bfs,
+    zbv,
+)
+
+visualizer = pytest.importorskip("torch.distributed.pipelining._schedule_visualizer")
+schedules = pytest.importorskip("torch.distributed.pipelining.schedules")
+
+GRID = [(ranks, micro) for ranks in (2, 3, 4) for micro in (1, 2, 3, 4, 6, 8, 12, 16)]
+MULTI: list[tuple[str, Callable[[int, int, int], Schedule]]] = [
+    ("ScheduleLoopedBFS", looped_bfs), ("ScheduleInterleavedZeroBubble", interleaved_zero_bubble)]
+V_SHAPED: list[tuple[str, Callable[[int, int], Schedule]]] = [
+    ("ScheduleZBVZeroBubble", zbv), ("ScheduleDualPipeV", dualpipev)]
+
+
+def _theirs(name: str, ranks: int, micro: int, local: int) -> list[list[str | None]] | None:
+    """PyTorch's orders, or None where PyTorch refuses the arguments."""
+    try:
+        orders = visualizer.get_schedule_ops(getattr(schedules, name), ranks, micro, local)
+    except (ValueError, AssertionError):
+        return None
+    return [[None if a is None else str(a) for a in order] for order in orders]
+
+
+def _ours(build: Callable[[], Schedule]) -> list[list[str | None]] | None:
+    try:
+        schedule = build()
+    except ScheduleError:
+        return None
+    return [[None if s is None else str(s) for s in order] for order in schedule.orders]
+
+
+@pytest.mark.parametrize(("name", "generate"), MULTI, ids=[n for n, _ in MULTI])
+@pytest.mark.parametrize("local", [2, 3, 4])
+def test_multi_stage_schedules_match_pytorch(
+        name: str, generate: Callable[[int, int, int], Schedule], local: int) -> None:
+    compared = 0
+    for ranks, micro in GRID:
+        theirs = _theirs(name, ranks, micro, local)
+        assert _ours(lambda: generate(ranks, micro, local)) == theirs, (ranks, micro)
+        compared += theirs is not None
+    assert compared >= len(GRID) // 2
+
+
+@pytest.mark.parametrize(("name", "generate"), V_SHAPED, ids=[n for n, _ in V_SHAPED])
+def test_v_schedules_match_pytorch(name: str, generate: Callable[[int, int], Schedule]) -> None:
+    compared = 0
+    for ranks, micro in GRID:
+        theirs = _theirs(name, ranks, micro, 2)
+        assert _ours(lambda: generate(ranks, micro)) == theirs, (ranks, micro)
+        compared += theirs is not None
+    assert compared >= len(GRID) // 2
