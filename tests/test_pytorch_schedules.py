@@ -65,3 +65,28 @@ def test_v_schedules_match_pytorch(name: str, generate: Callable[[int, int], Sch
         assert _ours(lambda: generate(ranks, micro)) == theirs, (ranks, micro)
         compared += theirs is not None
     assert compared >= len(GRID) // 2
+
+
+@pytest.mark.parametrize("name", ["ScheduleZBVZeroBubble", "ScheduleDualPipeV",
+                                  "ScheduleInterleavedZeroBubble", "ScheduleLoopedBFS"])
+def test_pytorch_csv_in_and_out(name: str) -> None:
+    import csv
+    import io
+
+    from pipeswap.schedule import validate
+    from pipeswap.schedule.formats import dumps_csv, loads_csv
+    from pipeswap.schedule.p2p import insert_send_recv_by_dependency
+    from pipeswap.schedule.swap import inject_swap
+
+    actions = visualizer.get_schedule_ops(getattr(schedules, name), 2, 8, 2)
+    theirs = io.StringIO()
+    csv.writer(theirs).writerows(actions)  # what PyTorch's _dump_csv writes, compute only
+    imported = loads_csv(theirs.getvalue())
+    assert dumps_csv(imported, compute_only=True) == theirs.getvalue()
+    lowered = inject_swap(insert_send_recv_by_dependency(imported))
+    validate(lowered, transport="tagged")
+    # PyTorch reads back what pipeswap writes, P2P included (no pipeswap-only steps here).
+    plain = insert_send_recv_by_dependency(imported)
+    for row in csv.reader(io.StringIO(dumps_csv(plain))):
+        parsed = [schedules._Action.from_str(cell) for cell in row]
+        assert [("" if a is None else str(a)) for a in parsed] == row

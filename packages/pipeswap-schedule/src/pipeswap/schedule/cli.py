@@ -13,6 +13,7 @@ from pipeswap.schedule.build import ScheduleKind, ScheduleSpec, build_schedule
 from pipeswap.schedule.errors import ScheduleError
 from pipeswap.schedule.formats import (
     describe,
+    dumps_csv,
     dumps_json,
     dumps_lines,
     loads,
@@ -22,8 +23,9 @@ from pipeswap.schedule.formats import (
 from pipeswap.schedule.costs import PRESETS
 from pipeswap.schedule.schedule import Schedule
 from pipeswap.schedule.simulate_cli import cost_arguments, parse_size, run_simulate
-from pipeswap.schedule.swap import MinGapPolicy, SwapPolicy
-from pipeswap.schedule.validation import validate
+from pipeswap.schedule.p2p import coalesce_p2p, insert_send_recv_by_dependency
+from pipeswap.schedule.swap import MinGapPolicy, SwapPolicy, inject_swap
+from pipeswap.schedule.validation import TRANSPORTS, validate
 
 PROG = "pipeswap-schedule"
 DESCRIPTION = """\
@@ -60,7 +62,10 @@ def _spec_arguments() -> argparse.ArgumentParser:
     group.add_argument(
         "--schedule", required=True, choices=[k.value for k in ScheduleKind],
         help="gpipe: all forwards then all backwards; 1f1b: one forward one backward after a "
-             "warm-up of P-r forwards; interleaved-1f1b: several stages per rank (--stages-per-rank)")
+             "warm-up of P-r forwards; interleaved-1f1b: several stages per rank "
+             "(--stages-per-rank), the seed system's; looped-bfs, interleaved-zb (ZB1P), zbv and "
+             "dualpipev: PyTorch's schedules of those names, with the same compute orders (zbv "
+             "and dualpipev: two stages per rank on a V)")
     group.add_argument("--ranks", "-P", type=int, required=True, metavar="P",
                        help="pipeline ranks")
     group.add_argument("--microbatches", "-M", type=int, required=True, metavar="M",
@@ -135,6 +140,38 @@ def _parser() -> argparse.ArgumentParser:
                     "steps run F < LO < WO < LL < WL < backward, and a simulation of all ranks "
                     "pairs every send with its receive without deadlock.")
     check.add_argument("file", help="schedule file, or - for standard input")
+    check.add_argument("--transport", choices=TRANSPORTS, default="ordered",
+                       help="ordered (default): a send waits for its receive and messages "
+                            "between two ranks pair in order, as NCCL; tagged: sends never "
+                            "wait and messages match by tag, as gloo and the pipeswap runtime "
+                            "on CPU (PyTorch-family schedules lowered by pipeswap need it "
+                            "unless their P2P is batched for NCCL)")
+
+    convert = commands.add_parser(
+        "convert", help="convert between JSON, grid lines and PyTorch's CSV; lower and swap",
+        description="Read a schedule in any form pipeswap knows (JSON, 'rank N:' lines, "
+                    "PyTorch's CSV, compute-only or with comms; detected from the content), "
+                    "optionally add sends and receives (--lower, for a compute-only CSV), "
+                    "batch them and inject swap steps, validate it, and write it out.",
+        epilog="Example: a compute-only CSV dumped by PyTorch's schedule._dump_csv(path, "
+               "'compute_only'), lowered, swapped and checked:\n"
+               f"  {PROG} convert zbv.csv --lower --swap --transport tagged --to json",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    convert.add_argument("file", help="schedule file, or - for standard input")
+    convert.add_argument("--to", choices=["json", "grid", "csv", "csv-compute"],
+                         default="json", help="output form (default json); csv-compute keeps "
+                         "only computes, as PyTorch's compute_only CSV")
+    convert.add_argument("--lower", action="store_true",
+                         help="add sends and receives to compute-only orders (by running all "
+                              "ranks together, as PyTorch's lowering does)")
+    convert.add_argument("--batch-p2p", action="store_true",
+                         help="coalesce adjacent sends/receives into BATCH_P2P steps")
+    convert.add_argument("--swap", action="store_true", help="inject swap steps (gap policy)")
+    convert.add_argument("--swap-min-gap", type=int, default=4, metavar="N",
+                         help="with --swap: the gap rule's threshold (default 4)")
+    convert.add_argument("--transport", choices=TRANSPORTS, default="ordered",
+                         help="P2P model for the final validation (see 'validate --help')")
+    convert.add_argument("--output", "-o", metavar="FILE", help="write here, not to stdout")
 
     show = commands.add_parser(
         "show", parents=[spec], help="render all ranks side by side with a swap summary",
@@ -179,7 +216,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         if args.command == "validate":
-            return _validate(args.file)
+            return _validate(args.file, args.transport)
+        if args.command == "convert":
+            return _convert(args)
         if args.command == "simulate":
             return run_simulate(args, _build)
         schedule = _build(args)
@@ -202,7 +241,31 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-def _validate(path: str) -> int:
+def _convert(args: argparse.Namespace) -> int:
+    schedule = loads(_read(args.file))
+    if args.lower:
+        if any(step is not None and step.p2p_leaves for order in schedule.orders
+               for step in order):
+            raise ScheduleError("--lower adds sends and receives to compute-only orders, but "
+                                "this schedule has them already")
+        schedule = insert_send_recv_by_dependency(schedule)
+    if args.batch_p2p:
+        schedule = coalesce_p2p(schedule)
+    if args.swap:
+        schedule = inject_swap(schedule, MinGapPolicy(args.swap_min_gap))
+    validate(schedule, transport=args.transport)
+    text = {"json": lambda: dumps_json(schedule), "grid": lambda: dumps_lines(schedule),
+            "csv": lambda: dumps_csv(schedule),
+            "csv-compute": lambda: dumps_csv(schedule, compute_only=True)}[args.to]()
+    if args.output:
+        Path(args.output).write_text(text if text.endswith("\n") else text + "\n",
+                                     encoding="utf-8")
+    else:
+        print(text, end="" if text.endswith("\n") else "\n")
+    return 0
+
+
+def _validate(path: str, transport: str = "ordered") -> int:
     try:
         text = _read(path)
     except OSError as exc:
@@ -214,7 +277,7 @@ def _validate(path: str) -> int:
         return 2
     try:
         schedule = loads(text)
-        validate(schedule)
+        validate(schedule, transport=transport)
     except ScheduleError as exc:
         print(f"invalid: {exc}", file=sys.stderr)
         return 1

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import csv
+import io
 import json
 from collections.abc import Iterable, Mapping
 
@@ -16,6 +18,7 @@ from pipeswap.schedule.text import (
     format_step,
     parse_order,
     parse_rank_lines,
+    parse_step,
 )
 
 JsonOrders = dict[str, dict[str, list[str | None]]]
@@ -56,8 +59,37 @@ def from_json(data: object) -> Schedule:
     return _schedule(dense_orders(orders))
 
 
+def dumps_csv(schedule: Schedule, *, compute_only: bool = False) -> str:
+    """PyTorch's CSV schedule format: one row per rank, one step per cell, an empty cell for
+    an idle slot. ``compute_only`` keeps only computes (F, B, I, W and their overlaps), the
+    form PyTorch's ``_load_csv(format="compute_only")`` reads; otherwise every step is
+    written (pipeswap's swap steps and P2P batches are extensions PyTorch does not read)."""
+    out = io.StringIO()
+    writer = csv.writer(out)
+    for order in schedule.orders:
+        writer.writerow("" if step is None else str(step) for step in order
+                        if step is None or not compute_only or step.compute_leaves)
+    return out.getvalue()
+
+
+def loads_csv(text: str) -> Schedule:
+    """Read PyTorch's CSV schedule format (either form); stages are placed where they run."""
+    orders = []
+    for rank, row in enumerate(csv.reader(io.StringIO(text))):
+        try:
+            orders.append(tuple(None if not cell.strip() else parse_step(cell.strip())
+                                for cell in row))
+        except ParseError as exc:
+            raise ParseError(f"row {rank + 1} (rank {rank}): {exc}") from exc
+    return _schedule(tuple(orders))
+
+
 def loads(text: str) -> Schedule:
-    """Read a schedule from JSON or from ``rank N: <steps>`` lines, whichever ``text`` is."""
+    """Read a schedule from JSON, from ``rank N: <steps>`` lines or from PyTorch's CSV,
+    whichever ``text`` is."""
+    first = next((line.strip() for line in text.splitlines() if line.strip()), "")
+    if first and not first.startswith("{") and not first.startswith("rank"):
+        return loads_csv(text)
     if text.lstrip().startswith("{"):
         try:
             data = json.loads(text)

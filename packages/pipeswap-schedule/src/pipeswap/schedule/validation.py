@@ -62,10 +62,22 @@ def validate(schedule: Schedule, *, transport: str = "ordered") -> None:
         raise ValidationError("the schedule has no steps: every rank's order is empty or idle")
     for rank in range(schedule.num_ranks):
         validate_rank(schedule, rank)
-    if transport == "ordered":
-        simulate_p2p(schedule)
-    else:
+    if transport == "tagged":
         simulate_tagged(schedule)
+        return
+    try:
+        simulate_p2p(schedule)
+    except (DeadlockError, P2PError) as exc:
+        try:
+            simulate_tagged(schedule)
+        except ValidationError:
+            raise exc from None
+        hint = (" (with tagged transfers, as gloo and the pipeswap runtime on CPU use, it "
+                "runs: validate with transport='tagged', --transport tagged on the command "
+                "line; on NCCL it would hang)")
+        if isinstance(exc, DeadlockError):
+            raise DeadlockError(str(exc) + hint, exc.cycle) from None
+        raise P2PError(str(exc) + hint, rank=exc.rank) from None
 
 
 @gc_paused
