@@ -76,3 +76,20 @@ def test_dualpipev_overlaps_a_forward_with_a_full_backward() -> None:
 def test_invalid_arguments_say_what_to_fix(spec: dict[str, object], message: str) -> None:
     with pytest.raises(ScheduleError, match=message.replace("(", r"\(").replace(")", r"\)")):
         build_schedule(ScheduleSpec(**spec))  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("kind", FAMILY, ids=lambda k: k.value)
+def test_the_command_line_builds_and_shows_them(kind: ScheduleKind,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    from pipeswap.schedule.cli import main
+    from pipeswap.schedule.formats import loads
+
+    argv = ["--schedule", kind.value, "--ranks", "2", "--microbatches", "4",
+            "--stages-per-rank", "2", "--swap"]
+    assert main(["orders", *argv, "--format", "json"]) == 0
+    printed = loads(capsys.readouterr().out)
+    assert printed == build_schedule(ScheduleSpec(kind, ranks=2, microbatches=4,
+                                                  stages_per_rank=2, swap=True))
+    assert main(["show", *argv]) == 0
+    shown = capsys.readouterr().out
+    assert "rank 0" in shown and "swapped" in shown
