@@ -31,3 +31,12 @@ def write_section(title: str, report: str) -> None:
     text = pattern.sub(lambda _: section, text) if pattern.search(text) else (
         text.rstrip("\n") + "\n\n" + section)
     BENCHMARKS_MD.write_text(text)
+
+
+def publish(title: str, report: str, write: bool) -> int:
+    """Print ``report``; with ``write``, also put it under ``title`` in BENCHMARKS.md. The
+    benchmark's exit status."""
+    print(report)
+    if write:
+        write_section(title, report)
+    return 0

@@ -34,7 +34,7 @@ from pipeswap.platform import Platform, Stream, available_platforms, get_platfor
 from pipeswap.swap import SwapManager
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _report import machine, write_section  # noqa: E402
+from _report import machine, publish, write_section  # noqa: E402
 
 SECTION = "## GPU swap check (`benchmarks/gpu_swap_check.py`)"
 
@@ -204,11 +204,11 @@ def main(argv: list[str] | None = None) -> int:
         report += ("\nThis is the CPU platform (worker-thread streams, matmuls on the same two "
                    "cores), not a GPU: run `python benchmarks/gpu_swap_check.py --write` on a "
                    "CUDA machine for the figures this check is for.\n")
-    if not args.json:
-        print(report)
-    if args.write:
-        write_section(SECTION, report)
-    return 0
+    if args.json:  # the JSON object above is the whole output
+        if args.write:
+            write_section(SECTION, report)
+        return 0
+    return publish(SECTION, report, args.write)
 
 
 if __name__ == "__main__":

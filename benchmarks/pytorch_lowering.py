@@ -32,7 +32,7 @@ from pipeswap.schedule.pytorch_family import (
 )
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _report import machine, write_section  # noqa: E402
+from _report import machine, publish  # noqa: E402
 
 SECTION = "## PyTorch-family lowering and checks (`benchmarks/pytorch_lowering.py`)"
 CASES: dict[str, Callable[[], Schedule]] = {
@@ -103,10 +103,7 @@ def main(argv: list[str] | None = None) -> int:
         "pipeswap's validation checks each rank's order (chunk lifecycle, swap steps, P2P "
         "placement) and runs all ranks with tagged transfers; PyTorch's simulator only orders "
         "ranks' actions and refuses OVERLAP_F_B.\n")
-    print(report)
-    if args.write:
-        write_section(SECTION, report)
-    return 0
+    return publish(SECTION, report, args.write)
 
 
 if __name__ == "__main__":

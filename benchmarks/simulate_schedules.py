@@ -26,7 +26,7 @@ from pipeswap.schedule.simulate import simulate
 from pipeswap.schedule.steps import SWAP
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _report import machine, write_section  # noqa: E402
+from _report import machine, publish  # noqa: E402
 
 SECTION = "## Simulator (`benchmarks/simulate_schedules.py`)"
 CASES = {
@@ -92,10 +92,7 @@ def main(argv: list[str] | None = None) -> int:
         "pipeswap's figure includes validating the schedule first and models time, copy "
         "streams and memory; PyTorch's orders rank steps only (no time, no streams, no memory) "
         "and gets the orders without swap steps.\n")
-    print(report)
-    if args.write:
-        write_section(SECTION, report)
-    return 0
+    return publish(SECTION, report, args.write)
 
 
 if __name__ == "__main__":

@@ -26,7 +26,7 @@ from pipeswap.platform import get_platform
 from pipeswap.swap import SwapManager
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _report import machine, write_section  # noqa: E402
+from _report import machine, publish  # noqa: E402
 
 SECTION = "## Swap overhead on CPU (`benchmarks/swap_overhead.py`)"
 
@@ -125,10 +125,7 @@ def main(argv: list[str] | None = None) -> int:
         f"| offload + reload, {moved >> 20} MiB a step, pool cold | {cold:.2f} GB/s | |\n"
         f"| offload + reload, pool warm (steady state) | {warm:.2f} GB/s | |\n"
     )
-    print(report)
-    if args.write:
-        write_section(SECTION, report)
-    return 0
+    return publish(SECTION, report, args.write)
 
 
 if __name__ == "__main__":

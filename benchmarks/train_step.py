@@ -25,7 +25,7 @@ from pipeswap.runtime.launch import backend_for
 from pipeswap.runtime.train import TrainConfig, run_rank, summarize
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _report import machine, write_section  # noqa: E402
+from _report import machine, publish  # noqa: E402
 
 SECTION = "## Training step, swap vs no swap (`benchmarks/train_step.py`)"
 
@@ -83,10 +83,7 @@ def main(argv: list[str] | None = None) -> int:
             "the peak is reached at the end of warm-up, when chunk 1 (the only swappable one "
             "held then) is still being copied out; the seed's gap rule does not wait for that "
             "copy before the next forward (issue 5's memory-budget policy is the tool for it).\n")
-    print(report)
-    if args.write:
-        write_section(SECTION, report)
-    return 0
+    return publish(SECTION, report, args.write)
 
 
 if __name__ == "__main__":

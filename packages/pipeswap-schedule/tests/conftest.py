@@ -1,4 +1,5 @@
-"""Shared fixtures for the schedule tests: the seed's worked examples as data."""
+"""Shared fixtures for the schedule tests: the seed's worked examples as data, and the
+command line run in-process."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from pipeswap.schedule import Schedule
+from pipeswap.schedule.cli import main
 from pipeswap.schedule.text import parse_rank_lines
 
 WORKED = Path(__file__).parent / "worked"
@@ -21,3 +23,21 @@ def worked() -> Callable[[str], Schedule]:
         return Schedule.from_orders(parse_rank_lines((WORKED / f"{name}.txt").read_text()))
 
     return load
+
+
+Cli = Callable[..., tuple[int, str, str]]
+
+
+@pytest.fixture
+def cli(capsys: pytest.CaptureFixture[str]) -> Cli:
+    """Run ``pipeswap-schedule ARGV...`` in-process: (exit code, stdout, stderr)."""
+
+    def run(*argv: str) -> tuple[int, str, str]:
+        try:
+            code = main(list(argv))
+        except SystemExit as exc:
+            code = int(exc.code or 0)
+        out, err = capsys.readouterr()
+        return code, out, err
+
+    return run

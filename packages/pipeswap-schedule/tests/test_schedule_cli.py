@@ -5,26 +5,20 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from pipeswap.schedule import ScheduleKind, ScheduleSpec, build_schedule, to_json
-from pipeswap.schedule.cli import main
 from pipeswap.schedule.formats import loads
 
-
-def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
-    try:
-        code = main(list(argv))
-    except SystemExit as exc:
-        code = int(exc.code or 0)
-    out, err = capsys.readouterr()
-    return code, out, err
+Cli = Callable[..., tuple[int, str, str]]  # the `cli` fixture of conftest.py
 
 
-def test_orders_json_is_the_documented_shape(capsys: pytest.CaptureFixture[str]) -> None:
-    code, out, _ = run(capsys, "orders", "--schedule", "interleaved-1f1b", "--ranks", "4",
+
+def test_orders_json_is_the_documented_shape(cli: Cli) -> None:
+    code, out, _ = cli("orders", "--schedule", "interleaved-1f1b", "--ranks", "4",
                        "--microbatches", "8", "--stages-per-rank", "2", "--swap",
                        "--format", "json")
     assert code == 0
@@ -36,8 +30,8 @@ def test_orders_json_is_the_documented_shape(capsys: pytest.CaptureFixture[str])
     assert data == to_json(build_schedule(spec))
 
 
-def test_orders_grid_reads_back(capsys: pytest.CaptureFixture[str]) -> None:
-    code, out, _ = run(capsys, "orders", "--schedule", "1f1b", "-P", "4", "-M", "8", "--fsdp",
+def test_orders_grid_reads_back(cli: Cli) -> None:
+    code, out, _ = cli("orders", "--schedule", "1f1b", "-P", "4", "-M", "8", "--fsdp",
                        "--batch-p2p", "--swap")
     assert code == 0 and out.startswith("rank 0: 0UNSHARD 0F0 0LO0")
     spec = ScheduleSpec(ScheduleKind.ONE_F_ONE_B, 4, 8, fsdp=True, batch_p2p=True, swap=True)
@@ -45,14 +39,14 @@ def test_orders_grid_reads_back(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_validate_accepts_what_orders_prints(
-    capsys: pytest.CaptureFixture[str], tmp_path: Path
+    cli: Cli, tmp_path: Path
 ) -> None:
     for fmt in ("json", "grid"):
-        _, out, _ = run(capsys, "orders", "--schedule", "interleaved-1f1b", "-P", "2", "-V", "2",
+        _, out, _ = cli("orders", "--schedule", "interleaved-1f1b", "-P", "2", "-V", "2",
                         "-M", "4", "--overlap-b-f", "--dxdw-split", "--swap", "--format", fmt)
         path = tmp_path / f"plan.{fmt}"
         path.write_text(out)
-        code, out, err = run(capsys, "validate", str(path))
+        code, out, err = cli("validate", str(path))
         assert (code, err) == (0, "")
         spec = ScheduleSpec(ScheduleKind.INTERLEAVED_1F1B, 2, 4, 2, overlap_b_f=True,
                             dxdw_split=True, swap=True)
@@ -61,12 +55,12 @@ def test_validate_accepts_what_orders_prints(
 
 
 def test_validate_reports_a_deadlock_and_exits_1(
-    capsys: pytest.CaptureFixture[str], tmp_path: Path
+    cli: Cli, tmp_path: Path
 ) -> None:
     path = tmp_path / "bad.json"
     path.write_text(json.dumps({"orders": {"0": ["0F0", "0RECV_B0", "0SEND_F0", "0B0"],
                                            "1": ["1RECV_F0", "1F0", "1B0", "1SEND_B0"]}}))
-    code, out, err = run(capsys, "validate", str(path))
+    code, out, err = cli("validate", str(path))
     assert code == 1 and out == ""
     assert err.startswith("invalid: deadlock: rank 0 waits at 0RECV_B0 for rank 1")
 
@@ -81,37 +75,37 @@ def test_validate_reports_a_deadlock_and_exits_1(
     ],
 )
 def test_validate_explains_bad_files(
-    capsys: pytest.CaptureFixture[str], tmp_path: Path, content: str, message: str
+    cli: Cli, tmp_path: Path, content: str, message: str
 ) -> None:
     path = tmp_path / "plan.txt"
     path.write_text(content)
-    code, _, err = run(capsys, "validate", str(path))
+    code, _, err = cli("validate", str(path))
     assert code == 1
     assert err.startswith(message)
 
 
 def test_validate_refuses_binary_and_empty_files(
-    capsys: pytest.CaptureFixture[str], tmp_path: Path
+    cli: Cli, tmp_path: Path
 ) -> None:
     binary = tmp_path / "plan.bin"
     binary.write_bytes(b"\xff\xfe\x00rank")
-    code, _, err = run(capsys, "validate", str(binary))
+    code, _, err = cli("validate", str(binary))
     assert code == 2 and "is not a text file" in err
     empty = tmp_path / "empty.json"
     empty.write_text('{"orders": {"0": []}}')
-    code, _, err = run(capsys, "validate", str(empty))
+    code, _, err = cli("validate", str(empty))
     assert code == 1 and "no steps" in err
 
 
 def test_validate_missing_file_is_a_usage_error(
-    capsys: pytest.CaptureFixture[str], tmp_path: Path
+    cli: Cli, tmp_path: Path
 ) -> None:
-    code, _, err = run(capsys, "validate", str(tmp_path / "nope.json"))
+    code, _, err = cli("validate", str(tmp_path / "nope.json"))
     assert code == 2 and "cannot read" in err and "nope.json" in err
 
 
-def test_show_marks_swap_steps_and_summarises_chunks(capsys: pytest.CaptureFixture[str]) -> None:
-    code, out, _ = run(capsys, "show", "--schedule", "1f1b", "-P", "4", "-M", "8", "--swap")
+def test_show_marks_swap_steps_and_summarises_chunks(cli: Cli) -> None:
+    code, out, _ = cli("show", "--schedule", "1f1b", "-P", "4", "-M", "8", "--swap")
     assert code == 0
     header = out.splitlines()[0]
     assert [h.strip() for h in header.split("|")[1:]] == ["rank 0", "rank 1", "rank 2", "rank 3"]
@@ -122,8 +116,8 @@ def test_show_marks_swap_steps_and_summarises_chunks(capsys: pytest.CaptureFixtu
     assert "rank 0: 64 steps: 16 compute slots, 16 P2P, 32 swap, 0 idle" in out
 
 
-def test_show_summary_only(capsys: pytest.CaptureFixture[str]) -> None:
-    code, out, _ = run(capsys, "show", "--schedule", "interleaved-1f1b", "-P", "4", "-V", "2",
+def test_show_summary_only(cli: Cli) -> None:
+    code, out, _ = cli("show", "--schedule", "interleaved-1f1b", "-P", "4", "-V", "2",
                        "-M", "8", "--swap", "--no-grid")
     assert code == 0 and "|" not in out
     assert "rank 2: 14 of 16 chunks swapped (stage 2 micro 0-7; stage 6 micro 1-6)" in out
@@ -142,20 +136,20 @@ def test_show_summary_only(capsys: pytest.CaptureFixture[str]) -> None:
     ],
 )
 def test_bad_options_exit_2_with_the_reason(
-    capsys: pytest.CaptureFixture[str], argv: list[str], message: str
+    cli: Cli, argv: list[str], message: str
 ) -> None:
-    code, out, err = run(capsys, *argv)
+    code, out, err = cli(*argv)
     assert code == 2 and out == ""
     assert err.startswith(f"pipeswap-schedule: error: {message}")
 
 
-def test_help_teaches_the_notation_and_commands(capsys: pytest.CaptureFixture[str]) -> None:
-    code, out, _ = run(capsys, "--help")
+def test_help_teaches_the_notation_and_commands(cli: Cli) -> None:
+    code, out, _ = cli("--help")
     assert code == 0
     for text in ("orders", "validate", "show", "LO / WO", "0F3 is stage 0's forward",
                  "examples:"):
         assert text in out
-    code, out, _ = run(capsys, "orders", "--help")
+    code, out, _ = cli("orders", "--help")
     assert code == 0 and "--swap-min-gap" in out and "--format" in out
 
 

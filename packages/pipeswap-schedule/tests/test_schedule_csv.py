@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from pipeswap.schedule import ScheduleKind, ScheduleSpec, build_schedule, validate
-from pipeswap.schedule.cli import main
 from pipeswap.schedule.formats import dumps_csv, loads, loads_csv
 from pipeswap.schedule.pytorch_family import dualpipev, zbv
+
+Cli = Callable[..., tuple[int, str, str]]  # the `cli` fixture of conftest.py
 
 
 def test_csv_round_trips_every_step_kind() -> None:
@@ -30,43 +32,35 @@ def test_compute_only_csv_keeps_computes_and_idle_slots() -> None:
     assert dumps_csv(lowered, compute_only=True) == text  # lowering adds only P2P
 
 
-def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
-    try:
-        code = main(list(argv))
-    except SystemExit as exc:
-        code = int(exc.code or 0)
-    out, err = capsys.readouterr()
-    return code, out, err
-
 
 def test_convert_lowers_swaps_and_validates_a_compute_only_csv(
-        capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+        cli: Cli, tmp_path: Path) -> None:
     path = tmp_path / "dualpipev.csv"
     path.write_text(dumps_csv(dualpipev(2, 8)))
-    code, out, err = run(capsys, "convert", str(path), "--lower", "--swap", "--transport",
+    code, out, err = cli("convert", str(path), "--lower", "--swap", "--transport",
                          "tagged", "--to", "json")
     assert code == 0, err
     schedule = loads(out)
     validate(schedule, transport="tagged")
     assert any(step is not None and step.type.value == "LO" for order in schedule.orders
                for step in order)
-    code, _, err = run(capsys, "convert", str(path), "--lower", "--swap")
+    code, _, err = cli("convert", str(path), "--lower", "--swap")
     assert code == 2 and "--transport tagged on the command line" in err  # ordered: NCCL hangs
-    code, out, _ = run(capsys, "convert", str(path), "--lower", "--transport", "tagged",
+    code, out, _ = cli("convert", str(path), "--lower", "--transport", "tagged",
                        "--to", "csv", "-o", str(tmp_path / "out.csv"))
     assert code == 0 and loads((tmp_path / "out.csv").read_text()).num_ranks == 2
 
 
-def test_convert_refuses_to_lower_what_has_p2p(capsys: pytest.CaptureFixture[str],
+def test_convert_refuses_to_lower_what_has_p2p(cli: Cli,
                                                tmp_path: Path) -> None:
     path = tmp_path / "gpipe.csv"
     path.write_text(dumps_csv(build_schedule(ScheduleSpec(ScheduleKind.GPIPE, 2, 4))))
-    code, _, err = run(capsys, "convert", str(path), "--lower")
+    code, _, err = cli("convert", str(path), "--lower")
     assert code == 2 and "has them already" in err
 
 
-def test_a_bad_cell_names_its_row(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+def test_a_bad_cell_names_its_row(cli: Cli, tmp_path: Path) -> None:
     path = tmp_path / "bad.csv"
     path.write_text("0F0,0B0\n1F0,1Q0\n")
-    code, _, err = run(capsys, "convert", str(path))
+    code, _, err = cli("convert", str(path))
     assert code == 2 and "row 2 (rank 1)" in err and "1Q0" in err

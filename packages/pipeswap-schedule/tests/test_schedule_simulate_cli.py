@@ -4,28 +4,22 @@ from __future__ import annotations
 
 import importlib.util
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
-from pipeswap.schedule.cli import main
 from pipeswap.schedule.simulate_cli import parse_size, parse_time
+
+Cli = Callable[..., tuple[int, str, str]]  # the `cli` fixture of conftest.py
 
 BASE = ["simulate", "--schedule", "1f1b", "--ranks", "4", "--microbatches", "8"]
 HAS_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
 
 
-def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
-    try:
-        code = main(list(argv))
-    except SystemExit as exc:
-        code = int(exc.code or 0)
-    out, err = capsys.readouterr()
-    return code, out, err
 
-
-def test_json_has_the_documented_fields(capsys: pytest.CaptureFixture[str]) -> None:
-    code, out, _ = run(capsys, *BASE, "--swap", "--forward-time", "1", "--activation-bytes",
+def test_json_has_the_documented_fields(cli: Cli) -> None:
+    code, out, _ = cli(*BASE, "--swap", "--forward-time", "1", "--activation-bytes",
                        "1KiB", "--format", "json")
     assert code == 0
     data = json.loads(out)
@@ -41,8 +35,8 @@ def test_json_has_the_documented_fields(capsys: pytest.CaptureFixture[str]) -> N
     assert [r["swapped_chunks"] for r in ranks] == [8, 6, 0, 0]
 
 
-def test_model_dimensions_and_a_preset(capsys: pytest.CaptureFixture[str]) -> None:
-    code, out, _ = run(capsys, *BASE, "--preset", "h100-pcie5", "--hidden", "4096",
+def test_model_dimensions_and_a_preset(cli: Cli) -> None:
+    code, out, _ = cli(*BASE, "--preset", "h100-pcie5", "--hidden", "4096",
                        "--seq-len", "4096", "--layers-per-stage", "2", "--policy", "gap",
                        "--format", "json")
     assert code == 0
@@ -52,15 +46,15 @@ def test_model_dimensions_and_a_preset(capsys: pytest.CaptureFixture[str]) -> No
 
 
 def test_the_budget_policy_reports_what_it_could_not_meet(
-        capsys: pytest.CaptureFixture[str]) -> None:
-    code, out, _ = run(capsys, *BASE, "--activation-bytes", "100", "--budget", "250")
+        cli: Cli) -> None:
+    code, out, _ = cli(*BASE, "--activation-bytes", "100", "--budget", "250")
     assert code == 0
     budget = next(line for line in out.splitlines() if line.startswith("budget"))
     assert budget.split()[1:] == ["short", "50", "B", "short", "50", "B", "met", "met"]
 
 
-def test_the_table_puts_ranks_side_by_side(capsys: pytest.CaptureFixture[str]) -> None:
-    code, out, _ = run(capsys, *BASE, "--swap")
+def test_the_table_puts_ranks_side_by_side(cli: Cli) -> None:
+    code, out, _ = cli(*BASE, "--swap")
     assert code == 0
     header = out.splitlines()[0].split()
     assert header == ["rank", "0", "1", "2", "3"]
@@ -76,15 +70,15 @@ def test_the_table_puts_ranks_side_by_side(capsys: pytest.CaptureFixture[str]) -
     (["--d2h-bandwidth", "0", "--swap"], "d2h_bandwidth must be > 0"),
     (["--activation-bytes", "lots"], "not a size: 'lots'"),
 ])
-def test_bad_options_say_what_to_fix(capsys: pytest.CaptureFixture[str], argv: list[str],
+def test_bad_options_say_what_to_fix(cli: Cli, argv: list[str],
                                      message: str) -> None:
-    code, _, err = run(capsys, *BASE, *argv)
+    code, _, err = cli(*BASE, *argv)
     assert code == 2 and message in err
 
 
-def test_a_trace_file_is_written(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+def test_a_trace_file_is_written(cli: Cli, tmp_path: Path) -> None:
     path = tmp_path / "step.json"
-    code, _, _ = run(capsys, *BASE, "--swap", "--trace", str(path))
+    code, _, _ = cli(*BASE, "--swap", "--trace", str(path))
     assert code == 0
     events = json.loads(path.read_text())["traceEvents"]
     assert {e["pid"] for e in events} == {0, 1, 2, 3}
@@ -92,9 +86,9 @@ def test_a_trace_file_is_written(capsys: pytest.CaptureFixture[str], tmp_path: P
 
 
 @pytest.mark.skipif(not HAS_MATPLOTLIB, reason="the [plot] extra is not installed here")
-def test_a_plot_is_drawn(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+def test_a_plot_is_drawn(cli: Cli, tmp_path: Path) -> None:
     for name in ("step.png", "step.svg"):
-        code, _, err = run(capsys, *BASE, "--swap", "--plot", str(tmp_path / name))
+        code, _, err = cli(*BASE, "--swap", "--plot", str(tmp_path / name))
         assert code == 0, err
     assert (tmp_path / "step.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert b"<svg" in (tmp_path / "step.svg").read_bytes()[:1000]
@@ -102,8 +96,8 @@ def test_a_plot_is_drawn(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> 
 
 @pytest.mark.skipif(HAS_MATPLOTLIB, reason="matplotlib is installed here")
 def test_plotting_without_the_extra_says_how_to_get_it(
-        capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
-    code, _, err = run(capsys, *BASE, "--swap", "--plot", str(tmp_path / "x.png"))
+        cli: Cli, tmp_path: Path) -> None:
+    code, _, err = cli(*BASE, "--swap", "--plot", str(tmp_path / "x.png"))
     assert code == 2 and "pip install 'pipeswap-schedule[plot]'" in err
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pipeswap.schedule._gc import gc_paused
 from pipeswap.schedule.errors import ScheduleError
-from pipeswap.schedule.schedule import Schedule
+from pipeswap.schedule.schedule import Message, Schedule
 from pipeswap.schedule.steps import (
     ACTIVATION_CONSUMERS,
     COMPUTE,
@@ -112,33 +112,13 @@ def insert_send_recv_by_dependency(schedule: Schedule) -> Schedule:
     every send a receive that is posted after it in the ranks' common time, so the result
     runs under the validator's rendezvous model too.
     """
-    rank_of = schedule.stage_ranks
-    last = schedule.num_stages - 1
     orders = schedule.orders
     position = [0] * len(orders)
     result: list[list[Step | None]] = [[] for _ in orders]
-    sent: set[tuple[bool, int, int]] = set()  # (gradient?, sending stage, micro)
-
-    def remote_input(leaf: Step) -> tuple[bool, int, int] | None:
-        stage, micro = leaf.key
-        if leaf.type is StepType.FWD and stage > 0 and rank_of[stage - 1] != rank_of[stage]:
-            return (False, stage - 1, micro)
-        if leaf.type in ACTIVATION_CONSUMERS and stage < last and (
-                rank_of[stage + 1] != rank_of[stage]):
-            return (True, stage + 1, micro)
-        return None
-
-    def remote_output(leaf: Step) -> tuple[bool, int, int] | None:
-        stage, micro = leaf.key
-        if leaf.type is StepType.FWD and stage < last and rank_of[stage + 1] != rank_of[stage]:
-            return (False, stage, micro)
-        if leaf.type in ACTIVATION_CONSUMERS and stage > 0 and (
-                rank_of[stage - 1] != rank_of[stage]):
-            return (True, stage, micro)
-        return None
+    sent: set[Message] = set()
 
     while any(p < len(o) for p, o in zip(position, orders)):
-        now: set[tuple[bool, int, int]] = set()
+        now: set[Message] = set()
         moved = False
         for rank, order in enumerate(orders):
             if position[rank] >= len(order):
@@ -150,19 +130,19 @@ def insert_send_recv_by_dependency(schedule: Schedule) -> Schedule:
                 moved = True
                 continue
             leaves = step.compute_leaves
-            inputs = [i for i in map(remote_input, leaves) if i is not None]
+            inputs = [i for i in map(schedule.remote_input, leaves) if i is not None]
             if any(i not in sent for i in inputs):
                 continue
-            for grad, stage, micro in inputs:
-                kind = StepType.BWD_RECV if grad else StepType.FWD_RECV
-                result[rank].append(Step(kind, stage - 1 if grad else stage + 1, micro))
+            for activation, sender, micro in inputs:
+                result[rank].append(Step(StepType.FWD_RECV, sender + 1, micro) if activation
+                                    else Step(StepType.BWD_RECV, sender - 1, micro))
             result[rank].append(step)
             for leaf in leaves:
-                output = remote_output(leaf)
+                output = schedule.remote_output(leaf)
                 if output is not None:
-                    grad, stage, micro = output
-                    result[rank].append(Step(StepType.BWD_SEND if grad else StepType.FWD_SEND,
-                                             stage, micro))
+                    result[rank].append(Step(
+                        StepType.FWD_SEND if output.activation else StepType.BWD_SEND,
+                        output.sender, output.micro))
                     now.add(output)
             position[rank] += 1
             moved = True
@@ -172,4 +152,4 @@ def insert_send_recv_by_dependency(schedule: Schedule) -> Schedule:
             raise ScheduleError(f"the compute orders cannot run together: {stuck} all wait "
                                 "for inputs no rank will produce first")
         sent |= now
-    return Schedule(tuple(tuple(order) for order in result), rank_of)
+    return Schedule(tuple(tuple(order) for order in result), schedule.stage_ranks)

@@ -4,10 +4,19 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 from enum import Enum
 
 from pipeswap.schedule.errors import ScheduleError
-from pipeswap.schedule.steps import Order, Step
+from pipeswap.schedule.steps import ACTIVATION_CONSUMERS, Order, Step, StepType
+
+
+class Message(NamedTuple):
+    """A transfer between stages: an activation (forward) or a gradient, by its sender."""
+
+    activation: bool
+    sender: int  # the stage that sends it
+    micro: int
 
 
 class StageMapping(Enum):
@@ -84,6 +93,30 @@ class Schedule:
 
     def stages_of(self, rank: int) -> tuple[int, ...]:
         return tuple(s for s, r in enumerate(self.stage_ranks) if r == rank)
+
+    def remote_input(self, leaf: Step) -> Message | None:
+        """What compute ``leaf`` receives from another rank, or None (first stage, last
+        stage's backward, or a neighbour on the same rank)."""
+        stage, micro = leaf.key
+        if leaf.type is StepType.FWD:
+            if stage > 0 and self.stage_ranks[stage - 1] != self.stage_ranks[stage]:
+                return Message(True, stage - 1, micro)
+        elif leaf.type in ACTIVATION_CONSUMERS and stage < self.num_stages - 1 and (
+                self.stage_ranks[stage + 1] != self.stage_ranks[stage]):
+            return Message(False, stage + 1, micro)
+        return None
+
+    def remote_output(self, leaf: Step) -> Message | None:
+        """What compute ``leaf`` sends to another rank, or None."""
+        stage, micro = leaf.key
+        if leaf.type is StepType.FWD:
+            if stage < self.num_stages - 1 and (
+                    self.stage_ranks[stage + 1] != self.stage_ranks[stage]):
+                return Message(True, stage, micro)
+        elif leaf.type in ACTIVATION_CONSUMERS and stage > 0 and (
+                self.stage_ranks[stage - 1] != self.stage_ranks[stage]):
+            return Message(False, stage, micro)
+        return None
 
     def map_orders(self, rewrite: Callable[[int, Order], Iterable[Step | None]]) -> Schedule:
         """A new schedule whose order for rank r is ``rewrite(r, order)``."""

@@ -26,7 +26,6 @@ from pipeswap.schedule.errors import (
 )
 from pipeswap.schedule.schedule import Schedule
 from pipeswap.schedule.steps import (
-    ACTIVATION_CONSUMERS,
     COMM,
     COMPUTE,
     P2P,
@@ -84,7 +83,7 @@ def validate(schedule: Schedule, *, transport: str = "ordered") -> None:
 def simulate_tagged(schedule: Schedule) -> None:
     """Run all ranks with tagged, non-blocking transfers; raise if a message has no
     counterpart or the ranks wait for each other's data in a cycle."""
-    orders, rank_of = schedule.orders, schedule.stage_ranks
+    orders = schedule.orders
     sends: dict[tuple[bool, int, int], int] = {}  # (activation?, sending stage, micro) -> rank
     receives: dict[tuple[bool, int, int], int] = {}
     for rank, order in enumerate(orders):
@@ -102,20 +101,10 @@ def simulate_tagged(schedule: Schedule) -> None:
                            rank=sends[key])
         raise P2PError(f"rank {receives[key]} receives {what}, which no rank sends",
                        rank=receives[key])
-    last = schedule.num_stages - 1
     position = [0] * len(orders)
     part = [0] * len(orders)
     sent: set[tuple[bool, int, int]] = set()
     waits: dict[int, tuple[Step, tuple[bool, int, int]]] = {}
-
-    def needs(leaf: Step) -> tuple[bool, int, int] | None:
-        stage, micro = leaf.key
-        if leaf.type is StepType.FWD and stage > 0 and rank_of[stage - 1] != rank_of[stage]:
-            return (True, stage - 1, micro)
-        if leaf.type in ACTIVATION_CONSUMERS and stage < last and (
-                rank_of[stage + 1] != rank_of[stage]):
-            return (False, stage + 1, micro)
-        return None
 
     moved = True
     while moved:
@@ -128,7 +117,7 @@ def simulate_tagged(schedule: Schedule) -> None:
                 blocked = False
                 for leaf in leaves[part[rank]:]:
                     if leaf.type in COMPUTE:
-                        need = needs(leaf)
+                        need = schedule.remote_input(leaf)
                         if need is not None and need not in sent:
                             waits[rank] = (step, need)  # type: ignore[assignment]
                             blocked = True
