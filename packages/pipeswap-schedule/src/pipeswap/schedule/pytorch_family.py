@@ -143,44 +143,48 @@ def zbv(ranks: int, microbatches: int) -> Schedule:
     total = max(2 * ranks - 1, microbatches)
     orders = []
     for rank in range(ranks):
-        first, second = rank, stages - 1 - rank
-        counts: dict[tuple[StepType, int], int] = defaultdict(int)
-        order: Slots = [None] * rank
-
-        def add(kind: StepType, stage: int, order: Slots = order,
-                counts: dict[tuple[StepType, int], int] = counts) -> None:
-            order.append(Step(kind, stage, counts[(kind, stage)]))
-            counts[(kind, stage)] += 1
-
-        for _ in range(2 * (ranks - rank) - 1):
-            add(F, first)
-        for _ in range(rank):
-            add(F, second)
-            add(F, first)
-        for _ in range(ranks - rank):
-            add(F, second)
-            add(I, second)
-            add(W, second)
-        while counts[(F, second)] < counts[(F, first)] or counts[(F, first)] < total:
-            if counts[(F, first)] < total:
-                add(F, first)
-            add(I, first)
-            add(W, first)
-            add(F, second)
-            add(I, second)
-            add(W, second)
-        for _ in range(rank):
-            add(I, first)
-            add(I, second)
-        for _ in range(ranks - rank):
-            add(I, first)
-            add(W, first)
-        for stage in (second, first):
-            while counts[(W, stage)] < counts[(I, stage)]:
-                add(W, stage)
+        order = _zbv_rank(rank, ranks, total)
         orders.append([s if s is not None and s.micro is not None and s.micro < microbatches
                        else None for s in order])
     return _schedule(orders, ranks, stages, StageMapping.V)
+
+
+def _zbv_rank(rank: int, ranks: int, total: int) -> Slots:
+    first, second = rank, 2 * ranks - 1 - rank
+    counts: dict[tuple[StepType, int], int] = defaultdict(int)
+    order: Slots = [None] * rank
+
+    def add(kind: StepType, stage: int) -> None:
+        order.append(Step(kind, stage, counts[(kind, stage)]))
+        counts[(kind, stage)] += 1
+
+    for _ in range(2 * (ranks - rank) - 1):
+        add(F, first)
+    for _ in range(rank):
+        add(F, second)
+        add(F, first)
+    for _ in range(ranks - rank):
+        add(F, second)
+        add(I, second)
+        add(W, second)
+    while counts[(F, second)] < counts[(F, first)] or counts[(F, first)] < total:
+        if counts[(F, first)] < total:
+            add(F, first)
+        add(I, first)
+        add(W, first)
+        add(F, second)
+        add(I, second)
+        add(W, second)
+    for _ in range(rank):
+        add(I, first)
+        add(I, second)
+    for _ in range(ranks - rank):
+        add(I, first)
+        add(W, first)
+    for stage in (second, first):
+        while counts[(W, stage)] < counts[(I, stage)]:
+            add(W, stage)
+    return order
 
 
 def dualpipev(ranks: int, microbatches: int) -> Schedule:
