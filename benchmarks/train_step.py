@@ -35,6 +35,10 @@ def cases(base: TrainConfig) -> dict[str, TrainConfig]:
         "1F1B P=4 M=8": dataclasses.replace(base, schedule="1f1b", ranks=4, microbatches=8),
         "Interleaved 1F1B P=2 V=2 M=8": dataclasses.replace(
             base, schedule="interleaved-1f1b", ranks=2, stages_per_rank=2, microbatches=8),
+        "ZBV P=2 M=8": dataclasses.replace(base, schedule="zbv", ranks=2, stages_per_rank=2,
+                                           microbatches=8),
+        "DualPipeV P=2 M=8": dataclasses.replace(base, schedule="dualpipev", ranks=2,
+                                                 stages_per_rank=2, microbatches=8),
     }
 
 
