@@ -13,7 +13,7 @@ import os
 import statistics
 import sys
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NoReturn
 
 from pipeswap.runtime.launch import (
     DEFAULT_TIMEOUT_S,
@@ -342,7 +342,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _main_torchrun(config: TrainConfig, args: argparse.Namespace) -> int:
+def _main_torchrun(config: TrainConfig, args: argparse.Namespace) -> NoReturn:
     import torch.distributed as dist
 
     from pipeswap.runtime.comm import gather_object
@@ -350,11 +350,18 @@ def _main_torchrun(config: TrainConfig, args: argparse.Namespace) -> int:
     rank, world = init_from_env(backend_for(config.device), config.timeout_s)
     try:
         gathered = gather_object(run_rank(rank, world, config))
+        dist.barrier()  # nobody tears the group down while another rank still uses it
     finally:
         dist.destroy_process_group()
     if gathered is not None:
         _report(config, args, gathered)  # type: ignore[arg-type]
-    return 0
+    # Leave without the interpreter's teardown, as the spawned ranks do (multiprocessing ends
+    # its children with os._exit): after this job under torchrun, torch 2.13 aborted there
+    # now and then ("terminate called without an active exception", exit -6) once all work
+    # was done and printed.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _report(config: TrainConfig, args: argparse.Namespace,
