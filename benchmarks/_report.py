@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 import platform
 import re
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 BENCHMARKS_MD = Path(__file__).resolve().parent.parent / "BENCHMARKS.md"
@@ -31,6 +33,16 @@ def write_section(title: str, report: str) -> None:
     text = pattern.sub(lambda _: section, text) if pattern.search(text) else (
         text.rstrip("\n") + "\n\n" + section)
     BENCHMARKS_MD.write_text(text)
+
+
+def best_of(run: Callable[[], object], repeat: int) -> float:
+    """The shortest of ``repeat`` timed runs of ``run``, in seconds."""
+    times = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - start)
+    return min(times)
 
 
 def publish(title: str, report: str, write: bool) -> int:

@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -32,7 +31,7 @@ from pipeswap.schedule.pytorch_family import (
 )
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _report import machine, publish  # noqa: E402
+from _report import best_of, machine, publish  # noqa: E402
 
 SECTION = "## PyTorch-family lowering and checks (`benchmarks/pytorch_lowering.py`)"
 CASES: dict[str, Callable[[], Schedule]] = {
@@ -42,14 +41,6 @@ CASES: dict[str, Callable[[], Schedule]] = {
     "DualPipeV P=16 M=256": lambda: dualpipev(16, 256),
 }
 
-
-def _best(run: Callable[[], object], repeat: int) -> float:
-    times = []
-    for _ in range(repeat):
-        start = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - start)
-    return min(times)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -75,16 +66,16 @@ def main(argv: list[str] | None = None) -> int:
         computes = sum(1 for order in compute.orders for s in order if s is not None)
 
         lowered = insert_send_recv_by_dependency(compute)
-        our_lower = _best(lambda: insert_send_recv_by_dependency(compute), args.repeat)
-        our_check = _best(lambda: validate(lowered, transport="tagged"), args.repeat)
+        our_lower = best_of(lambda: insert_send_recv_by_dependency(compute), args.repeat)
+        our_check = best_of(lambda: validate(lowered, transport="tagged"), args.repeat)
         def plain() -> dict[int, list[Any]]:  # a fresh copy: _add_send_recv consumes its input
             return {r: [a for a in o if a is not None] for r, o in actions.items()}
 
         their_lowered = _add_send_recv(plain(), lambda stage: ranks[stage], compute.num_stages)
-        their_lower = _best(lambda: _add_send_recv(plain(), lambda stage: ranks[stage],
+        their_lower = best_of(lambda: _add_send_recv(plain(), lambda stage: ranks[stage],
                                                    compute.num_stages), args.repeat)
         try:
-            their_check: float | None = _best(lambda: _simulate_comms_compute(
+            their_check: float | None = best_of(lambda: _simulate_comms_compute(
                 their_lowered, lambda stage: ranks[stage], compute.num_stages), args.repeat)
         except ValueError:  # "Unsupported action type": it cannot run OVERLAP_F_B
             their_check = None

@@ -15,18 +15,17 @@ from __future__ import annotations
 import argparse
 import datetime
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from pipeswap.schedule import Schedule, ScheduleKind, ScheduleSpec, StepType, build_schedule
+from pipeswap.schedule import Schedule, ScheduleKind, ScheduleSpec, build_schedule
 from pipeswap.schedule.costs import TransformerShape, from_preset
 from pipeswap.schedule.simulate import simulate
 from pipeswap.schedule.steps import SWAP
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _report import machine, publish  # noqa: E402
+from _report import best_of, machine, publish  # noqa: E402
 
 SECTION = "## Simulator (`benchmarks/simulate_schedules.py`)"
 CASES = {
@@ -37,14 +36,6 @@ CASES = {
         ScheduleKind.INTERLEAVED_1F1B, ranks=8, microbatches=64, stages_per_rank=2, swap=True),
 }
 
-
-def _best(run: Callable[[], object], repeat: int) -> float:
-    times = []
-    for _ in range(repeat):
-        start = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - start)
-    return min(times)
 
 
 def _torch_simulator(schedule: Schedule) -> Callable[[], object] | None:
@@ -77,9 +68,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name} ...", file=sys.stderr, flush=True)
         schedule = build_schedule(spec)
         steps = sum(1 for order in schedule.orders for step in order if step is not None)
-        ours = _best(lambda: simulate(schedule, costs), args.repeat)
+        ours = best_of(lambda: simulate(schedule, costs), args.repeat)
         theirs_run = _torch_simulator(schedule)
-        theirs = None if theirs_run is None else _best(theirs_run, 1 if steps > 100_000
+        theirs = None if theirs_run is None else best_of(theirs_run, 1 if steps > 100_000
                                                        else args.repeat)
         rows.append(f"| {name} | {steps:,} | {ours:.2f} s | "
                     + ("not installed | |" if theirs is None else

@@ -42,13 +42,11 @@ class ScheduleKind(Enum):
     DUALPIPEV = "dualpipev"
 
 
-#: Schedules that place several stages per rank.
+#: Schedules that place several stages per rank (their generators emit computes only).
 MULTI_STAGE = frozenset({ScheduleKind.INTERLEAVED_1F1B, ScheduleKind.LOOPED_BFS,
                          ScheduleKind.INTERLEAVED_ZB, ScheduleKind.ZBV, ScheduleKind.DUALPIPEV})
 #: Schedules on a V: exactly two stages per rank.
 V_SHAPED = frozenset({ScheduleKind.ZBV, ScheduleKind.DUALPIPEV})
-#: Schedules whose generator emits computes only; a send/recv pass adds the P2P.
-COMPUTE_ONLY = MULTI_STAGE
 
 
 def schedule_kind(name: str | ScheduleKind) -> ScheduleKind:
@@ -141,7 +139,7 @@ def passes(spec: ScheduleSpec, swap_policy: SwapPolicy | None = None) -> list[tu
     chosen: list[tuple[str, Pass]] = []
     if spec.kind is ScheduleKind.INTERLEAVED_1F1B:
         chosen.append(("send/recv", insert_send_recv))  # the seed's column scan
-    elif spec.kind in COMPUTE_ONLY:
+    elif spec.kind in MULTI_STAGE:  # computes only: P2P comes from a pass
         chosen.append(("send/recv", insert_send_recv_by_dependency))
     if spec.dxdw_split:
         chosen.append(("dx/dw split", split_dxdw))

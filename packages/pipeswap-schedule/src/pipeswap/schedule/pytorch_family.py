@@ -11,7 +11,6 @@ stages at the turn of the V share a rank and hand over locally).
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Callable
 
 from pipeswap.schedule.errors import ScheduleError
 from pipeswap.schedule.generators import check_positive
@@ -268,10 +267,3 @@ def _dualpipev_rank(rank: int, ranks: int, microbatches: int) -> Slots:
         weight_if_pending()
     return order
 
-
-GENERATORS: dict[str, Callable[..., Schedule]] = {
-    "looped-bfs": looped_bfs,
-    "interleaved-zb": interleaved_zero_bubble,
-    "zbv": zbv,
-    "dualpipev": dualpipev,
-}

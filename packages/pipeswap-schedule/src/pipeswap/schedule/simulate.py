@@ -48,10 +48,6 @@ class SwappedChunk:
     off_device: float  # seconds its movable bytes were not on the device
     hidden: bool  # neither wait stalled compute
 
-    @property
-    def key(self) -> ChunkKey:
-        return (self.stage, self.micro)
-
 
 class Span(NamedTuple):
     """Something that occupied a stream: for traces and plots. (A NamedTuple: a big schedule
