@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import warnings
 import weakref
 from collections.abc import Callable
 
@@ -103,28 +104,43 @@ def test_gradients_are_bit_identical_with_swap(make: Callable[[], torch.nn.Modul
         assert torch.equal(want, got)
 
 
+def _nbytes(ref: weakref.ref[torch.Tensor]) -> int:
+    """The storage size of a tensor only autograd holds (reading its size is safe freed)."""
+    tensor = ref()
+    assert tensor is not None
+    return tensor.untyped_storage().nbytes()
+
+
 def test_device_memory_is_released_and_accounted_exactly(mgr: SwapManager) -> None:
     x = torch.randn(64, 64, requires_grad=True)
     w = torch.randn(64, 64, requires_grad=True)
+
+    def forward() -> tuple[torch.Tensor, list[weakref.ref[torch.Tensor]]]:
+        a, b = x * 0.1, w * 0.1
+        y = (a @ b).exp()  # saves a, b and exp's output: nothing else holds them
+        return y.sum(), [weakref.ref(t) for t in (a, b, y)]
+
+    backward(forward()[0])
+    expected = x.grad
+    x.grad = None
     with mgr.group_context("g"):
-        h = x @ w  # saves x and w: leaves, not parameters -> swapped
-        y = h.exp()  # saves its output
-        loss = y.sum()
+        loss, saved = forward()
     held = mgr.stats().device_bytes_held
-    assert held == 3 * 64 * 64 * 4  # x, w and exp's output, one storage each
+    assert held == 3 * 64 * 64 * 4  # one storage each
     mgr.launch_offload("g")
     mgr.wait_offload("g")
-    assert x.untyped_storage().nbytes() == 0 and w.untyped_storage().nbytes() == 0
+    assert [_nbytes(ref) for ref in saved] == [0, 0, 0]
     stats = mgr.stats()
     assert stats.device_bytes_held == 0 and stats.bytes_offloaded == held
     assert stats.host_bytes_in_use >= held and stats.peak_device_bytes_held == held
+    assert stats.bytes_kept_referenced == 0
     mgr.launch_load("g")
     mgr.wait_load("g")
     stats = mgr.stats()
     assert stats.device_bytes_held == held and stats.bytes_reloaded == held
     assert stats.host_bytes_in_use == 0
     backward(loss)
-    assert x.grad is not None and torch.equal(x.grad, (y @ w.t()).detach())
+    assert x.grad is not None and expected is not None and torch.equal(x.grad, expected)
     mgr.finish_group("g")
     assert mgr.stats().device_bytes_held == 0 and mgr.active_group_count() == 0
 
@@ -161,8 +177,9 @@ def test_protected_aliases_are_never_freed(mgr: SwapManager) -> None:
     mgr.wait_offload("g")
     assert layer.weight.untyped_storage().nbytes() == 8 * 8 * 4
     assert keep.untyped_storage().nbytes() == 4 * 8 * 4
-    assert x.untyped_storage().nbytes() == 0
+    assert x.untyped_storage().nbytes() == 2 * 8 * 4  # the test still holds x: kept
     assert mgr.stats().skipped["parameter"] >= 1
+    assert mgr.stats().skipped["referenced outside saved activations"] == 1
     mgr.launch_load("g")
     mgr.wait_load("g")
     backward(out)
@@ -217,45 +234,51 @@ def test_sharing_with_a_group_whose_offload_is_in_flight_keeps_the_storage(
 
 
 def test_saving_a_storage_another_group_offloaded_is_refused(mgr: SwapManager) -> None:
-    shared = torch.randn(16, 16, requires_grad=True)
+    x = torch.randn(16, 16, requires_grad=True)
     with mgr.group_context("first"):
+        shared = x * 1
         a = shared.sin().sum()
+    shared_ref = weakref.ref(shared)
+    del shared  # only autograd holds it: the offload releases it
     mgr.launch_offload("first")
     mgr.wait_offload("first")
     with pytest.raises(SwapResidencyError, match=r"group_context\('second'\).*group 'first' "
                        r"\(offloaded\).*protect_alias_tensors\('first'"):
-        with mgr.group_context("second"):
-            _SaveOnly.apply(shared)  # type: ignore[no-untyped-call]
+        with mgr.group_context("second"):  # reached through a weak reference: not legal
+            _SaveOnly.apply(shared_ref())  # type: ignore[no-untyped-call]
     mgr.launch_load("first")  # the first group is untouched by the refusal
     mgr.wait_load("first")
     backward(a)
-    assert shared.grad is not None and torch.equal(shared.grad, shared.detach().cos())
+    assert x.grad is not None and torch.equal(x.grad, x.detach().cos())
 
 
 def test_protection_counts_until_wait_offload_and_is_refused_after(mgr: SwapManager) -> None:
     x = torch.randn(32, 32, requires_grad=True)
-    with mgr.group_context("late"):
-        h = x.exp()
-        a = (h * h).sum()  # saves h
+
+    def forward(name: str) -> tuple[torch.Tensor, weakref.ref[torch.Tensor]]:
+        with mgr.group_context(name):
+            h = x.exp()
+            loss = (h * h).sum()  # saves h
+        return loss, weakref.ref(h)
+
+    a, h_ref = forward("late")
     mgr.launch_offload("late")
-    mgr.protect_alias_tensors("late", [h])  # in flight: still in time
+    mgr.protect_alias_tensors("late", [h_ref()])  # in flight: still in time
     mgr.wait_offload("late")
-    assert h.untyped_storage().nbytes() == 32 * 32 * 4
+    assert _nbytes(h_ref) == 32 * 32 * 4
     mgr.launch_load("late")
     mgr.wait_load("late")
     backward(a)
 
-    with mgr.group_context("too late"):
-        h = x.exp()
-        b = (h * h).sum()
+    b, h_ref = forward("too late")
     mgr.launch_offload("too late")
     mgr.wait_offload("too late")
     with pytest.raises(SwapError, match=r"protect_alias_tensors\('too late'\): group is "
                        "offloaded and a storage to protect is already off the device"):
-        mgr.protect_alias_tensors("too late", [h])
+        mgr.protect_alias_tensors("too late", [h_ref()])
     mgr.launch_load("too late")  # the refusal changed nothing: h comes back with the group
     mgr.wait_load("too late")
-    assert h.untyped_storage().nbytes() == 32 * 32 * 4
+    assert _nbytes(h_ref) == 32 * 32 * 4
     backward(b)
 
 
@@ -341,30 +364,80 @@ def test_load_on_demand_during_a_load_in_flight_waits_for_it() -> None:
     assert mgr.stats().host_bytes_in_use == 0 and mgr.stats().device_bytes_held == 0
 
 
-def test_in_place_writes_after_save_are_detected(mgr: SwapManager) -> None:
-    x = torch.randn(16, requires_grad=True)
+def _inplace_after_save(mgr: SwapManager | None, moves: int) -> BaseException | None:
+    """Save exp's output, write it in place, optionally swap it, then backward: the error."""
+    x = torch.randn(1000, requires_grad=True)
+    if mgr is None:
+        y = (x * 2).exp()
+        loss = y.sum()
+    else:
+        with mgr.group_context("g"):
+            y = (x * 2).exp()
+            loss = y.sum()
+    y.mul_(3)
+    steps = [mgr.launch_offload, mgr.wait_offload, mgr.launch_load, mgr.wait_load] if mgr else []
+    for call in steps[:moves]:
+        call("g")
+    try:
+        backward(loss)
+    except RuntimeError as exc:
+        return exc
+    finally:
+        if mgr is not None:
+            mgr.abort_group("g")
+    return None
+
+
+@pytest.mark.parametrize("moves", [0, 1, 2, 4], ids=["collecting", "offloading", "kept",
+                                                     "reloaded"])
+def test_an_in_place_write_after_save_fails_backward_as_without_swap(
+    mgr: SwapManager, moves: int
+) -> None:
+    plain = _inplace_after_save(None, 0)
+    assert plain is not None and "modified by an inplace operation" in str(plain)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # y is held, so it stays on the device
+        swapped = _inplace_after_save(mgr, moves)
+    assert isinstance(swapped, InPlaceModificationError)
+    assert "modified by an inplace operation" in str(swapped)
+    assert "is at version 1; expected version 0" in str(swapped)
+    assert mgr.active_group_count() == 0 and mgr.stats().host_bytes_in_use == 0
+
+
+def test_an_in_place_write_to_a_released_activation_fails_backward(mgr: SwapManager) -> None:
+    x = torch.randn(64, requires_grad=True)
     with mgr.group_context("g"):
-        h = x * 2
-        h.sin().sum()  # sin saves its input h
-    h.data.add_(0)  # no version bump through .data ...
+        y = x.exp()
+        loss = y.sum()
+    y_ref = weakref.ref(y)
+    del y
+    _round_trip(mgr, "g")  # released and reloaded: the same tensor object comes back
+    tensor = y_ref()
+    assert tensor is not None
     with torch.no_grad():
-        h.add_(1)  # ... this one bumps the version
-    with pytest.raises(InPlaceModificationError, match="modified in place"):
-        mgr.launch_offload("g")
-    assert mgr.group_state("g") is GroupState.COLLECTING
+        tensor.add_(1)
+    del tensor
+    with pytest.raises(InPlaceModificationError, match="modified by an inplace operation"):
+        backward(loss)
     mgr.abort_group("g")
 
-    with mgr.group_context("g2"):
-        h2 = x * 3
-        h2.sin().sum()
-    mgr.launch_offload("g2")
+
+def test_a_saved_parameter_written_before_backward_fails_as_without_swap(
+    mgr: SwapManager,
+) -> None:
+    layer = torch.nn.Linear(8, 8)
+    mgr.protect_module(layer)
+    x = torch.randn(4, 8, requires_grad=True)  # so backward needs the weight
+    plain = layer(x).exp().sum()
+    with mgr.group_context("g"):
+        loss = layer(x).exp().sum()
     with torch.no_grad():
-        h2.add_(1)  # written while the copy may be running
-    with pytest.raises(InPlaceModificationError):
-        mgr.wait_offload("g2")
-    assert h2.untyped_storage().nbytes() == 16 * 4  # nothing was freed
-    assert mgr.stats().host_bytes_in_use == 0
-    mgr.abort_group("g2")
+        layer.weight.add_(1)  # an optimizer step before backward
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        backward(plain)
+    with pytest.raises(InPlaceModificationError, match="modified by an inplace operation"):
+        backward(loss)
+    mgr.abort_group("g")
 
 
 def test_abort_restores_everything_and_the_manager_goes_on(mgr: SwapManager) -> None:
@@ -402,12 +475,15 @@ def test_host_buffers_are_reused_in_steady_state(mgr: SwapManager) -> None:
 
 def test_small_tensors_stay_below_the_threshold() -> None:
     mgr = SwapManager(get_platform("cpu"), min_bytes=1024)
-    small, big = torch.randn(8, requires_grad=True), torch.randn(1024, requires_grad=True)
+    x_small, x_big = torch.randn(8, requires_grad=True), torch.randn(1024, requires_grad=True)
     with mgr.group_context("g"):
+        small, big = x_small * 1, x_big * 1
         loss = small.sin().sum() + big.sin().sum()  # sin saves its input
+    refs = [weakref.ref(small), weakref.ref(big)]
+    del small, big
     mgr.launch_offload("g")
     mgr.wait_offload("g")
-    assert small.untyped_storage().nbytes() == 8 * 4 and big.untyped_storage().nbytes() == 0
+    assert [_nbytes(ref) for ref in refs] == [8 * 4, 0]
     assert mgr.stats().skipped["below min_bytes"] == 1
     mgr.launch_load("g")
     mgr.wait_load("g")
@@ -418,15 +494,15 @@ def test_a_failed_launch_leaves_the_group_intact_and_returns_its_buffers() -> No
     mgr = SwapManager(get_platform("cpu"), pool_bytes=64 * 1024)
     tensors = [torch.randn(4096, requires_grad=True) for _ in range(6)]  # 16 KiB each
     with mgr.group_context("g"):
-        loss = torch.stack([t.sin().sum() for t in tensors]).sum()
+        loss = torch.stack([(t * 1).sin().sum() for t in tensors]).sum()
     with pytest.raises(PoolExhaustedError, match="raise max_bytes"):
         mgr.launch_offload("g")  # the fifth buffer does not fit under the cap
     assert mgr.group_state("g") is GroupState.COLLECTING
     assert mgr.stats().host_bytes_in_use == 0
-    assert all(t.untyped_storage().nbytes() == 4096 * 4 for t in tensors)
+    assert mgr.stats().device_bytes_held == 6 * 4096 * 4  # nothing was freed
     mgr.abort_group("g")
     backward(loss)  # nothing was lost
-    assert all(t.grad is not None for t in tensors)
+    assert all(t.grad is not None and torch.equal(t.grad, t.detach().cos()) for t in tensors)
 
 
 def test_groups_on_two_threads_do_not_mix() -> None:
@@ -457,25 +533,24 @@ def test_groups_on_two_threads_do_not_mix() -> None:
 
 
 def test_nested_group_contexts_restore_the_outer_group(mgr: SwapManager) -> None:
-    a, b, c = (torch.randn(64, requires_grad=True) for _ in range(3))
+    leaves = [torch.randn(64, requires_grad=True) for _ in range(3)]
     with mgr.group_context("outer"):
+        a, b, c = (leaf * 1 for leaf in leaves)
         outer_first = a.sin().sum()
         with mgr.group_context("inner"):
             inner = b.sin().sum()
         outer_last = c.sin().sum()  # back in the outer group
+    refs = [weakref.ref(t) for t in (a, b, c)]
+    del a, b, c
     mgr.launch_offload("inner")
     mgr.wait_offload("inner")
-    assert b.untyped_storage().nbytes() == 0  # only the inner group's save moved
-    assert a.untyped_storage().nbytes() == c.untyped_storage().nbytes() == 64 * 4
+    assert [_nbytes(ref) for ref in refs] == [64 * 4, 0, 64 * 4]  # only the inner save moved
     mgr.launch_offload("outer")
     mgr.wait_offload("outer")
-    assert a.untyped_storage().nbytes() == c.untyped_storage().nbytes() == 0
+    assert [_nbytes(ref) for ref in refs] == [0, 0, 0]
     for name in ("inner", "outer"):
         mgr.launch_load(name)
         mgr.wait_load(name)
-    backward(outer_first + inner + outer_last)
-    for leaf in (a, b, c):
-        assert leaf.grad is not None and torch.equal(leaf.grad, leaf.detach().cos())
 
 
 def test_the_manager_does_not_keep_freed_activations_alive(mgr: SwapManager) -> None:
@@ -524,3 +599,54 @@ def test_group_bytes_split_what_moves_from_what_stays(mgr: SwapManager) -> None:
     mgr.launch_load("g")
     mgr.wait_load("g")
     backward(loss)
+
+
+def test_tensors_the_program_still_holds_are_never_freed(mgr: SwapManager) -> None:
+    """The README's example: the input is a slice of a batch the program keeps. Releasing its
+    storage would make reading or writing ``x`` or ``batch`` a use-after-free."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.GELU(), torch.nn.Linear(64, 16))
+    batch = torch.randn(32, 16)
+    x = batch[:8]
+    mgr.protect_module(model)
+    expected = torch.autograd.grad(model(x).sum(), list(model.parameters()))
+    before = batch.clone()
+    with mgr.group_context("mb0"):
+        out = model(x)
+        loss = out.sum()
+    mgr.protect_alias_tensors("mb0", [out])
+    with pytest.warns(UserWarning, match="still references it"):
+        mgr.launch_offload("mb0")
+    mgr.wait_offload("mb0")
+    assert torch.equal(batch, before) and torch.equal(x, before[:8])  # readable: not freed
+    batch.data.add_(0)  # and writable (through .data: no version bump for autograd to see)
+    stats = mgr.stats()
+    assert stats.bytes_kept_referenced == batch.untyped_storage().nbytes()
+    assert stats.skipped["referenced outside saved activations"] == 1
+    assert stats.bytes_offloaded > 0  # the activations nothing else holds did move
+    mgr.launch_load("mb0")
+    mgr.wait_load("mb0")
+    got = torch.autograd.grad(loss, list(model.parameters()))
+    assert all(torch.equal(a, b) for a, b in zip(expected, got))
+    mgr.finish_group("mb0")
+    assert mgr.stats().host_bytes_in_use == 0
+
+
+def test_a_cpp_holder_outside_the_group_keeps_the_storage(mgr: SwapManager) -> None:
+    """An op outside the group saved the group's activation (no hooks): autograd reads it
+    directly in backward, so it must stay on the device."""
+    x = torch.randn(100, requires_grad=True)
+    w = torch.randn(100, requires_grad=True)
+
+    def forward() -> torch.Tensor:
+        with mgr.group_context("g"):
+            y = x.exp()
+        return (y * w).sum()  # mul saves y outside the group
+
+    loss = forward()
+    with pytest.warns(UserWarning, match="still references it"):
+        _round_trip(mgr, "g")
+    assert mgr.stats().bytes_kept_referenced == 100 * 4
+    backward(loss)
+    assert w.grad is not None and torch.equal(w.grad, x.detach().exp())
+    mgr.finish_group("g")

@@ -3,7 +3,10 @@
 A group collects what autograd saves while its :meth:`SwapManager.group_context` is active.
 Activations are handled per *storage*: every view of one storage is copied once (the whole
 storage, byte for byte) and restored together. The device storage is released only after its
-copy is known complete, and backward refuses to read a storage that is not resident.
+copy is known complete, and only when nothing but autograd's saved tensors can reach it (see
+:mod:`pipeswap.swap.references`), so no tensor a program still holds ever points to freed
+memory. Backward refuses to read a storage that is not resident, and a saved tensor written in
+place after it was saved fails backward exactly as it does without swap.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from pipeswap.platform import Event, Platform
 from pipeswap.swap.pool import HostBuffer, HostBufferPool
+from pipeswap.swap.references import referenced_elsewhere
 
 if TYPE_CHECKING:
     import torch
@@ -47,7 +51,8 @@ class SwapResidencyError(SwapError):
 
 
 class InPlaceModificationError(SwapError):
-    """A saved activation was written in place after autograd saved it."""
+    """Backward met a saved activation written in place after autograd saved it (the error
+    plain autograd raises there too)."""
 
 
 @dataclass(frozen=True)
@@ -61,7 +66,10 @@ class SwapStats:
     host_bytes_in_use: int
     host_buffers_allocated: int
     host_bytes_allocated: int
-    skipped: dict[str, int]  # reason -> saved tensors left alone
+    skipped: dict[str, int]  # reason -> saved tensors (or storages) left alone
+    # device bytes an offload left in place because a tensor outside autograd's saved
+    # activations still referenced their storage (freeing them would break that tensor)
+    bytes_kept_referenced: int
 
 
 @dataclass(frozen=True)
@@ -76,27 +84,25 @@ class GroupBytes:
 class _Storage:
     """One device storage saved by a group: all its saved views travel together.
 
-    The views are held weakly: autograd owns them (through :class:`_Saved`) and frees them
-    during backward, and swap must not keep that memory alive any longer. A storage whose
-    views are all gone has nothing left to move.
+    The views are reached weakly, through the :class:`_Saved` objects autograd owns: autograd
+    frees them during backward, and swap must not keep that memory alive any longer. A storage
+    whose views are all gone has nothing left to move.
     """
 
     nbytes: int
-    views: list[tuple[weakref.ref[torch.Tensor], int]] = field(default_factory=list)
+    saved: weakref.WeakSet[_Saved] = field(default_factory=weakref.WeakSet)
     protected: bool = False
     resident: bool = True
     host: HostBuffer | None = None
 
-    def live_views(self) -> list[tuple[torch.Tensor, int]]:
-        """(tensor, version when saved) for every saved view still alive."""
-        return [(t, v) for ref, v in self.views if (t := ref()) is not None]
+    def holders(self) -> list[_Saved]:
+        """The saved entries autograd still holds for this storage."""
+        return list(self.saved)
 
     def storage(self) -> Any | None:
         """The storage (``torch.UntypedStorage``), or None once no saved view is alive."""
-        for ref, _ in self.views:
-            tensor = ref()
-            if tensor is not None:
-                return tensor.untyped_storage()
+        for saved in self.saved:
+            return saved.tensor.untyped_storage()
         return None
 
     def bytes_tensor(self, storage: Any) -> torch.Tensor:
@@ -116,12 +122,16 @@ class _Group:
 
 
 class _Saved:
-    """What autograd keeps for a swapped tensor: unpack checks residency through it."""
+    """What autograd keeps for a tensor saved inside a group: the tensor, its version when
+    saved (autograd leaves that check to the hooks), and, when it may move, its group and
+    storage entry, through which unpack checks residency."""
 
-    __slots__ = ("group", "entry", "tensor")
+    __slots__ = ("group", "entry", "tensor", "version", "__weakref__")
 
-    def __init__(self, group: _Group, entry: _Storage, tensor: torch.Tensor) -> None:
+    def __init__(self, group: _Group | None, entry: _Storage | None, tensor: torch.Tensor
+                 ) -> None:
         self.group, self.entry, self.tensor = group, entry, tensor
+        self.version = tensor._version
 
 
 class SwapManager:
@@ -152,7 +162,7 @@ class SwapManager:
         self._protected: set[int] = set()  # storage keys protected manager-wide
         self._current: contextvars.ContextVar[str | None] = contextvars.ContextVar(
             f"pipeswap_swap_group_{id(self):x}", default=None)
-        self._offloaded = self._reloaded = self._held = self._peak = 0
+        self._offloaded = self._reloaded = self._held = self._peak = self._kept = 0
         self._skipped: Counter[str] = Counter()
 
     # -- groups ----------------------------------------------------------------------------
@@ -234,7 +244,7 @@ class SwapManager:
     def _pack(self, tensor: torch.Tensor) -> Any:
         name = self._current.get()
         if name is None:
-            return tensor
+            return _Saved(None, None, tensor)
         key = _storage_key(tensor)
         with self._lock:
             group = self._groups[name]
@@ -253,11 +263,11 @@ class SwapManager:
             reason = self._skip_reason(tensor)
             if reason is not None:
                 self._skipped[reason] += 1
-                return tensor
+                return _Saved(None, None, tensor)
             if owner is not None and owner[0] is not group:
                 owner[1].protected = True  # saved by two groups: it stays on the device
                 self._skipped["shared across groups"] += 1
-                return tensor
+                return _Saved(None, None, tensor)
             entry = group.storages.get(key)
             if entry is None or entry.storage() is None:  # new, or a dead storage's key
                 if entry is not None and entry.resident:
@@ -268,8 +278,9 @@ class SwapManager:
                 self._owner[key] = name
                 self._held += entry.nbytes
                 self._peak = max(self._peak, self._held)
-            entry.views.append((weakref.ref(tensor), tensor._version))
-        return _Saved(group, entry, tensor)
+            saved = _Saved(group, entry, tensor)
+            entry.saved.add(saved)
+        return saved
 
     def _skip_reason(self, tensor: torch.Tensor) -> str | None:
         import torch
@@ -293,10 +304,20 @@ class SwapManager:
             return None
         return group, entry
 
-    def _unpack(self, saved: Any) -> torch.Tensor:
-        if not isinstance(saved, _Saved):
-            return saved  # type: ignore[no-any-return]
+    def _unpack(self, saved: _Saved) -> torch.Tensor:
+        tensor = saved.tensor
+        if tensor._version != saved.version:
+            where = f" in swap group {saved.group.name!r}" if saved.group is not None else ""
+            raise InPlaceModificationError(
+                "one of the variables needed for gradient computation has been modified by an "
+                f"inplace operation: a {tensor.dtype} tensor of shape {tuple(tensor.shape)} "
+                f"saved{where} is at version {tensor._version}; expected version "
+                f"{saved.version} instead. Hint: as without swap, write to a copy (clone()) "
+                "or make the write before the op that saved it; "
+                "torch.autograd.set_detect_anomaly(True) shows that op")
         entry, group = saved.entry, saved.group
+        if entry is None or group is None:
+            return tensor
         if not entry.resident:
             if not self.load_on_demand:
                 raise SwapResidencyError(
@@ -316,7 +337,7 @@ class SwapManager:
                     group.loading = []  # wait_load still returns the buffers
                 else:
                     self._restore_now(group, entry)
-        return saved.tensor
+        return tensor
 
     # -- transfers -------------------------------------------------------------------------
 
@@ -330,21 +351,33 @@ class SwapManager:
                 moving.append((entry, storage))
         return moving
 
-    def _check_versions(self, group: _Group, call: str) -> None:
-        for entry, _ in self._swappable(group):
-            for tensor, version in entry.live_views():
-                if tensor._version != version:
-                    raise InPlaceModificationError(
-                        f"{call}({group.name!r}): a saved activation {tuple(tensor.shape)} was "
-                        f"modified in place after it was saved (version {version} -> "
-                        f"{tensor._version}); swapping it would lose that write")
+    def _releasable(self, candidates: list[tuple[_Storage, Any]]) -> list[tuple[_Storage, Any]]:
+        """The candidates nothing outside the saved activations references; the rest stay on
+        the device, counted in the stats (with a warning: that memory is not saved)."""
+        moving, kept = [], []
+        for entry, storage in candidates:
+            if referenced_elsewhere(entry.holders()):
+                kept.append(entry)
+            else:
+                moving.append((entry, storage))
+        if kept:
+            self._skipped["referenced outside saved activations"] += len(kept)
+            self._kept += sum(entry.nbytes for entry in kept)
+            warnings.warn(
+                "swap keeps an activation storage on the device: a tensor outside autograd's "
+                "saved activations still references it, and freeing it would leave that "
+                "tensor pointing at freed memory; drop such references before launch_offload "
+                "(or protect them with protect_alias_tensors) to save that memory",
+                stacklevel=3)
+        return moving
 
     def launch_offload(self, name: str) -> None:
-        """Start copying the group's storages to host memory on the D2H stream."""
+        """Start copying the group's storages to host memory on the D2H stream; a storage that
+        something outside the saved activations references is not copied (it cannot be
+        freed)."""
         group = self._group(name, "launch_offload")
         with self._lock:
             self._expect(group, "launch_offload", GroupState.COLLECTING)
-            self._check_versions(group, "launch_offload")
             ready = self.platform.new_event()
             ready.record()
             done = self.platform.new_event()
@@ -352,7 +385,7 @@ class SwapManager:
             try:
                 ready.wait(self._d2h)
                 with self.platform.stream(self._d2h):
-                    for entry, storage in self._swappable(group):
+                    for entry, storage in self._releasable(self._swappable(group)):
                         entry.host = self._pool.acquire(entry.nbytes)
                         taken.append(entry)
                         self.platform.copy_(entry.host.view, entry.bytes_tensor(storage))
@@ -366,21 +399,16 @@ class SwapManager:
             group.event, group.state = done, GroupState.OFFLOADING
 
     def wait_offload(self, name: str) -> None:
-        """Make compute wait for the offload, then release the group's device storage."""
+        """Make compute wait for the offload, then release the group's device storage (what
+        is still unreferenced outside the saved activations: the check is made again here)."""
         group = self._group(name, "wait_offload")
         with self._lock:
             self._expect(group, "wait_offload", GroupState.OFFLOADING)
             assert group.event is not None
             group.event.wait()
-            try:
-                self._check_versions(group, "wait_offload")
-            except InPlaceModificationError:
-                group.state = GroupState.COLLECTING  # nothing was freed; the copies are stale
-                for entry in group.storages.values():
-                    self._return_host(entry, group.event)
-                raise
-            moving = self._swappable(group)
-            for entry in group.storages.values():  # protected since the launch, or gone
+            copied = [(e, s) for e, s in self._swappable(group) if e.host is not None]
+            moving = self._releasable(copied)
+            for entry in group.storages.values():  # protected, referenced, gone, not copied
                 if all(entry is not other for other, _ in moving):
                     self._return_host(entry, group.event)
             for entry, storage in moving:
@@ -514,6 +542,7 @@ class SwapManager:
                 host_buffers_allocated=self._pool.allocated_blocks,
                 host_bytes_allocated=self._pool.allocated_bytes,
                 skipped=dict(self._skipped),
+                bytes_kept_referenced=self._kept,
             )
 
 
