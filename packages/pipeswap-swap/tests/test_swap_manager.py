@@ -650,3 +650,28 @@ def test_a_cpp_holder_outside_the_group_keeps_the_storage(mgr: SwapManager) -> N
     backward(loss)
     assert w.grad is not None and torch.equal(w.grad, x.detach().exp())
     mgr.finish_group("g")
+
+
+def test_exiting_with_an_offload_in_flight_exits_cleanly() -> None:
+    """The interpreter used to abort ("terminate called without an active exception") when
+    it exited while a copy stream was still copying."""
+    import subprocess
+    import sys
+
+    program = (
+        "import torch\n"
+        "from pipeswap.platform import get_platform\n"
+        "from pipeswap.swap import SwapManager\n"
+        "mgr = SwapManager(get_platform('cpu'))\n"
+        "def forward():\n"
+        "    x = torch.randn(2048, 2048, requires_grad=True)\n"
+        "    with mgr.group_context('g'):\n"
+        "        return (x * 1).exp().sum()\n"
+        "loss = forward()\n"
+        "mgr.launch_offload('g')\n"
+    )
+    for _ in range(3):
+        done = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True,
+                              timeout=120, check=False)
+        assert done.returncode == 0, done.stderr
+        assert "terminate called" not in done.stderr

@@ -164,6 +164,12 @@ class SwapManager:
             f"pipeswap_swap_group_{id(self):x}", default=None)
         self._offloaded = self._reloaded = self._held = self._peak = self._kept = 0
         self._skipped: Counter[str] = Counter()
+        # A copy still running when the interpreter exits aborts the process: drain first.
+        self._drain = weakref.finalize(self, _drain, (self._d2h, self._h2d))
+
+    def close(self) -> None:
+        """Wait for every transfer in flight (also done at interpreter exit)."""
+        self._drain()
 
     # -- groups ----------------------------------------------------------------------------
 
@@ -544,6 +550,12 @@ class SwapManager:
                 skipped=dict(self._skipped),
                 bytes_kept_referenced=self._kept,
             )
+
+
+def _drain(streams: tuple[Any, ...]) -> None:
+    for stream in streams:
+        with suppress(Exception):  # a failed copy was reported where it was waited for
+            stream.synchronize()
 
 
 def _storage_key(tensor: torch.Tensor) -> int:
