@@ -670,8 +670,7 @@ def test_exiting_with_an_offload_in_flight_exits_cleanly() -> None:
         "loss = forward()\n"
         "mgr.launch_offload('g')\n"
     )
-    for _ in range(3):
-        done = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True,
-                              timeout=120, check=False)
-        assert done.returncode == 0, done.stderr
-        assert "terminate called" not in done.stderr
+    done = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True,
+                          timeout=120, check=False)
+    assert done.returncode == 0, done.stderr
+    assert "terminate called" not in done.stderr

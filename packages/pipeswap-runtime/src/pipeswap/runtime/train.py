@@ -222,6 +222,17 @@ def render(summary: dict[str, Any]) -> str:
 
 # -- the command line ----------------------------------------------------------------------
 
+#: Most ranks one job starts (under torchrun: in all). Each rank is a process with its own
+#: torch, some 200 MB before any model, all started at once: a few dozen already crowd a
+#: workstation, and a slip such as --ranks 512 would exhaust its memory.
+_MAX_RANKS = 64
+#: Most (stage, microbatch) pairs in a schedule, ranks x stages per rank x microbatches. Every
+#: rank builds and walks the whole schedule, about six steps a pair: at this size that takes
+#: seconds and hundreds of MB in each rank, and it is checked before anything is built.
+_MAX_SCHEDULE_PAIRS = 100_000
+#: Longest --timeout: a rank that waits a day for a peer is hung, not slow.
+_MAX_TIMEOUT_S = 86_400.0
+
 
 def parse_args(argv: list[str] | None) -> tuple[TrainConfig, argparse.Namespace]:
     parser = argparse.ArgumentParser(
@@ -246,13 +257,13 @@ def parse_args(argv: list[str] | None) -> tuple[TrainConfig, argparse.Namespace]
     kinds = [k.value for k in ScheduleKind]
     parser.add_argument("--schedule", choices=kinds, default=defaults.schedule,
                         help=f"pipeline schedule (default {defaults.schedule})")
-    parser.add_argument("--ranks", type=int, default=defaults.ranks,
+    parser.add_argument("--ranks", "-P", type=int, default=defaults.ranks,
                         help=f"pipeline ranks to spawn (default {defaults.ranks}; under "
                         "torchrun, its world size)")
-    parser.add_argument("--stages-per-rank", type=int, default=defaults.stages_per_rank,
+    parser.add_argument("--stages-per-rank", "-V", type=int, default=defaults.stages_per_rank,
                         help="stages per rank (interleaved-1f1b, looped-bfs, interleaved-zb; "
                              "zbv and dualpipev always run two)")
-    parser.add_argument("--microbatches", type=int, default=defaults.microbatches,
+    parser.add_argument("--microbatches", "-M", type=int, default=defaults.microbatches,
                         help=f"microbatches per step (default {defaults.microbatches})")
     parser.add_argument("--steps", type=int, default=defaults.steps,
                         help=f"optimizer steps per mode (default {defaults.steps})")
@@ -263,8 +274,10 @@ def parse_args(argv: list[str] | None) -> tuple[TrainConfig, argparse.Namespace]
     parser.add_argument("--width", type=int, default=defaults.width, help="model width")
     parser.add_argument("--layers", type=int, default=None,
                         help="transformer blocks (default: two per stage)")
+    parser.add_argument("--lr", type=float, default=defaults.lr,
+                        help=f"AdamW learning rate (default {defaults.lr:g})")
     parser.add_argument("--device", default=defaults.device,
-                        help="cpu (gloo) or cuda (NCCL, one GPU per rank); default cpu")
+                        help="cpu (gloo) or cuda (NCCL, one GPU per local rank); default cpu")
     parser.add_argument("--overlap-b-f", action="store_true",
                         help="interleaved-1f1b: overlap each backward with a forward")
     parser.add_argument("--dxdw-split", action="store_true",
@@ -285,15 +298,12 @@ def parse_args(argv: list[str] | None) -> tuple[TrainConfig, argparse.Namespace]
                         help="seconds a rank waits for a peer before failing (default "
                         f"{defaults.timeout_s:.0f})")
     args = parser.parse_args(argv)
+    # Every check below runs before any rank starts, and a bad value ends here with one line.
     modes = ("no-swap",) if args.no_swap else ("swap",) if args.swap_only else MODES
-    ranks = int(os.environ["WORLD_SIZE"]) if launched_by_torchrun() else args.ranks
-    for name in ("ranks", "microbatches", "steps", "batch_size", "stages_per_rank"):
-        value = ranks if name == "ranks" else getattr(args, name)
-        if value < 1:
-            parser.error(f"--{name.replace('_', '-')} must be at least 1, got {value}")
-    if args.batch_size % args.microbatches:
-        parser.error(f"--batch-size {args.batch_size} does not split into "
-                     f"{args.microbatches} microbatches: use a multiple of {args.microbatches}")
+    torchrun = launched_by_torchrun()
+    ranks = int(os.environ["WORLD_SIZE"]) if torchrun else args.ranks
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", ranks)) if torchrun else ranks
+    _check_numbers(parser, args, ranks, torchrun)
     v_shaped = ScheduleKind(args.schedule) in V_SHAPED
     if v_shaped and args.stages_per_rank not in (1, 2):
         parser.error(f"{args.schedule} runs exactly two stages per rank")
@@ -301,26 +311,116 @@ def parse_args(argv: list[str] | None) -> tuple[TrainConfig, argparse.Namespace]
         schedule=args.schedule, ranks=ranks,
         stages_per_rank=2 if v_shaped else args.stages_per_rank,
         microbatches=args.microbatches, steps=args.steps, batch_size=args.batch_size,
-        seq_len=args.seq_len, width=args.width, layers=args.layers, seed=args.seed,
+        seq_len=args.seq_len, width=args.width, layers=args.layers, lr=args.lr, seed=args.seed,
         device=args.device, overlap_b_f=args.overlap_b_f, dxdw_split=args.dxdw_split,
         batch_p2p=args.batch_p2p, modes=modes, verbose=not args.json, timeout_s=args.timeout)
-    if config.num_layers < config.num_stages:
-        parser.error(f"--layers {config.num_layers} cannot fill {config.num_stages} stages")
     _check_schedule(parser, config)
+    if args.batch_size % args.microbatches:
+        parser.error(f"--batch-size {args.batch_size} does not split into "
+                     f"{args.microbatches} microbatches: use a multiple of {args.microbatches}")
+    if config.num_layers < config.num_stages:
+        parser.error(f"--layers {config.num_layers} cannot fill {config.num_stages} stages: "
+                     f"use at least {config.num_stages}, one block per stage")
+    _check_device(parser, config.device, local_ranks)
+    _check_memory(parser, config, local_ranks)
     return config, args
 
 
+def _check_numbers(parser: argparse.ArgumentParser, args: argparse.Namespace, ranks: int,
+                   torchrun: bool) -> None:
+    """Each number on its own: within what the model, the corpus and this machine allow."""
+    import math
+
+    from pipeswap.runtime.data import Corpus
+    from pipeswap.runtime.model import GPTConfig
+
+    chars = len(Corpus.bundled().text)  # a window is seq_len tokens and the next, one a char
+    heads = GPTConfig(vocab=1).heads
+    # option, value, lowest, highest (None: none of its own), why no higher
+    limits: list[tuple[str, int, int, int | None, str]] = [
+        ("torchrun's world size" if torchrun else "--ranks", ranks, 1, _MAX_RANKS,
+         "each rank is a process of its own with its own torch, all running at once"),
+        ("--stages-per-rank", args.stages_per_rank, 1, None, ""),
+        ("--microbatches", args.microbatches, 1, None, ""),
+        ("--steps", args.steps, 1, None, ""),
+        ("--batch-size", args.batch_size, 1, None, ""),
+        ("--seq-len", args.seq_len, 1, chars - 2,
+         f"the bundled corpus has {chars} characters, so use {chars - 2} or less"),
+        ("--width", args.width, heads, None, ""),
+        ("--seed", args.seed, 0, 2**64 - 1, "torch's seeds are 64-bit"),
+    ]
+    for option, value, lowest, highest, why in limits:
+        if value < lowest:
+            parser.error(f"{option} must be at least {lowest}, got {value}")
+        if highest is not None and value > highest:
+            parser.error(f"{option} must be at most {highest}, got {value}: {why}")
+    if args.width % heads:
+        parser.error(f"--width {args.width} does not split into the model's {heads} attention "
+                     f"heads: use a multiple of {heads}")
+    if not (math.isfinite(args.lr) and args.lr > 0):
+        parser.error(f"--lr must be a finite number above 0, got {args.lr}")
+    if not (math.isfinite(args.timeout) and 1 <= args.timeout <= _MAX_TIMEOUT_S):
+        parser.error(f"--timeout must be a finite number of seconds from 1 to "
+                     f"{_MAX_TIMEOUT_S:.0f} (how long a rank waits for a peer), got {args.timeout}")
+
+
 def _check_schedule(parser: argparse.ArgumentParser, config: TrainConfig) -> None:
-    """Refuse impossible schedule options here, before any process starts."""
-    from pipeswap.schedule import ScheduleError, ScheduleSpec
+    """Build the schedule as every rank will, so that its errors show here; refuse one too big
+    to build first."""
+    from pipeswap.schedule import ScheduleError, ScheduleSpec, build_schedule
 
     try:
-        ScheduleSpec(ScheduleKind(config.schedule), ranks=config.ranks,
-                     microbatches=config.microbatches, stages_per_rank=config.stages_per_rank,
-                     overlap_b_f=config.overlap_b_f, dxdw_split=config.dxdw_split,
-                     batch_p2p=config.batch_p2p)
+        spec = ScheduleSpec(ScheduleKind(config.schedule), ranks=config.ranks,
+                            microbatches=config.microbatches,
+                            stages_per_rank=config.stages_per_rank,
+                            overlap_b_f=config.overlap_b_f, dxdw_split=config.dxdw_split,
+                            batch_p2p=config.batch_p2p)
+        pairs = spec.ranks * spec.stages_per_rank * spec.microbatches
+        if pairs > _MAX_SCHEDULE_PAIRS:
+            parser.error(
+                f"{spec.ranks} ranks x {spec.stages_per_rank} stage(s) per rank x "
+                f"{spec.microbatches} microbatches make a schedule of {pairs} (stage, "
+                f"microbatch) pairs; at most {_MAX_SCHEDULE_PAIRS}, as every rank builds and "
+                "runs all of it: use fewer --microbatches, --ranks or --stages-per-rank")
+        build_schedule(spec)  # the generator's own checks, e.g. dualpipev's microbatches
     except ScheduleError as exc:
-        parser.error(str(exc))
+        parser.error(" ".join(str(exc).split()))
+
+
+def _check_device(parser: argparse.ArgumentParser, device: str, local_ranks: int) -> None:
+    """cpu, or cuda with a GPU for each rank on this machine (NCCL puts no two on one GPU)."""
+    if device == "cpu":
+        return
+    if device != "cuda":
+        parser.error(f"--device must be cpu or cuda, got {device!r} (cuda takes no index: "
+                     "each rank picks a GPU of its own)")
+    import torch
+
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if count == 0:
+        parser.error("--device cuda: no CUDA device is available here; use --device cpu")
+    if local_ranks > count:
+        parser.error(f"--device cuda runs one rank per GPU and this machine has {count}, not "
+                     f"{local_ranks}: run at most {count} ranks here, or use --device cpu")
+
+
+def _check_memory(parser: argparse.ArgumentParser, config: TrainConfig,
+                  local_ranks: int) -> None:
+    """Refuse a job whose weights and batches alone exceed this machine's memory."""
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, OSError, ValueError):  # no such figures here: nothing to compare
+        return
+    # A lower bound: each rank builds the whole model in float32 (about 12 width^2 weights a
+    # block) and every step's batches up front (int64 inputs and targets).
+    weights = 4 * 12 * config.width**2 * config.num_layers
+    batches = 2 * 8 * config.steps * config.batch_size * config.seq_len
+    need = local_ranks * (weights + batches)
+    if need > total:
+        parser.error(f"{local_ranks} ranks need at least {need // 2**30:,} GiB, more than this "
+                     f"machine's {total / 2**30:.1f} GiB: each holds the whole model and all "
+                     f"{config.steps} steps' batches; lower --width, --layers, --steps, "
+                     "--batch-size or --ranks")
 
 
 def main(argv: list[str] | None = None) -> int:

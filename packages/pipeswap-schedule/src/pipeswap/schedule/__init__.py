@@ -10,6 +10,7 @@ from pipeswap.schedule.dxdw import split_dxdw
 from pipeswap.schedule.errors import (
     ChunkOrderError,
     DeadlockError,
+    FSDPOrderError,
     P2PError,
     ParseError,
     ScheduleError,
@@ -38,6 +39,7 @@ __all__ = [
     "ChunkKey",
     "ChunkOrderError",
     "DeadlockError",
+    "FSDPOrderError",
     "MinGapPolicy",
     "Order",
     "P2PError",

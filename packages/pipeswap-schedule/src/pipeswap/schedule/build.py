@@ -47,6 +47,9 @@ MULTI_STAGE = frozenset({ScheduleKind.INTERLEAVED_1F1B, ScheduleKind.LOOPED_BFS,
                          ScheduleKind.INTERLEAVED_ZB, ScheduleKind.ZBV, ScheduleKind.DUALPIPEV})
 #: Schedules on a V: exactly two stages per rank.
 V_SHAPED = frozenset({ScheduleKind.ZBV, ScheduleKind.DUALPIPEV})
+#: The most (stage, micro) chunks a spec may ask for: with its sends, receives and swap steps
+#: a chunk takes about ten steps and 1 KiB, so this bounds a build near 1 GiB.
+MAX_CHUNKS = 2**20
 
 
 def schedule_kind(name: str | ScheduleKind) -> ScheduleKind:
@@ -95,6 +98,13 @@ class ScheduleSpec:
                                 f"stages_per_rank must be 2, got {self.stages_per_rank}")
         if kind in V_SHAPED:
             object.__setattr__(self, "stages_per_rank", 2)
+        chunks = self.ranks * self.stages_per_rank * self.microbatches
+        if chunks > MAX_CHUNKS:
+            raise ScheduleError(
+                f"{self.ranks} ranks x {self.stages_per_rank} stages per rank x "
+                f"{self.microbatches} microbatches make {chunks:,} chunks, over the "
+                f"{MAX_CHUNKS:,} that can be built (about 1 GiB of memory); ask for fewer "
+                "ranks, stages per rank or microbatches")
         if self.dxdw_split and kind in (ScheduleKind.INTERLEAVED_ZB, ScheduleKind.ZBV,
                                         ScheduleKind.DUALPIPEV):
             raise ScheduleError(f"{kind.value} splits its backwards into I and W itself: "

@@ -6,11 +6,11 @@ import argparse
 import os
 import sys
 from collections.abc import Sequence
-from pathlib import Path
 
 from pipeswap.schedule.__about__ import __version__
 from pipeswap.schedule.build import ScheduleKind, ScheduleSpec, build_schedule
 from pipeswap.schedule.errors import ScheduleError
+from pipeswap.schedule.files import FileAccessError, read_text, write_text
 from pipeswap.schedule.formats import (
     describe,
     dumps_csv,
@@ -22,9 +22,10 @@ from pipeswap.schedule.formats import (
 )
 from pipeswap.schedule.costs import PRESETS
 from pipeswap.schedule.schedule import Schedule
-from pipeswap.schedule.simulate_cli import cost_arguments, parse_size, run_simulate
+from pipeswap.schedule.simulate_cli import BYTES, cost_arguments, count, run_simulate
 from pipeswap.schedule.p2p import coalesce_p2p, insert_send_recv_by_dependency
 from pipeswap.schedule.swap import MinGapPolicy, SwapPolicy, inject_swap
+from pipeswap.schedule.text import MAX_DIGITS
 from pipeswap.schedule.validation import TRANSPORTS, validate
 
 PROG = "pipeswap-schedule"
@@ -110,12 +111,6 @@ def _build(args: argparse.Namespace, policy: SwapPolicy | None = None) -> Schedu
     return build_schedule(spec, policy or (gap if args.swap else None))
 
 
-def _read(path: str) -> str:
-    if path == "-":
-        return sys.stdin.read()
-    return Path(path).read_text(encoding="utf-8")
-
-
 def _parser() -> argparse.ArgumentParser:
     spec = _spec_arguments()
     parser = argparse.ArgumentParser(
@@ -140,6 +135,9 @@ def _parser() -> argparse.ArgumentParser:
                     "steps run F < LO < WO < LL < WL < backward, and a simulation of all ranks "
                     "pairs every send with its receive without deadlock.")
     check.add_argument("file", help="schedule file, or - for standard input")
+    check.add_argument("--microbatches", "-M", type=count(10**MAX_DIGITS - 1), metavar="M",
+                       help="the microbatch count the schedule must run (default: its highest "
+                            "micro + 1); every stage must compute micro 0..M-1 either way")
     check.add_argument("--transport", choices=TRANSPORTS, default="ordered",
                        help="ordered (default): a send waits for its receive and messages "
                             "between two ranks pair in order, as NCCL; tagged: sends never "
@@ -199,7 +197,7 @@ def _parser() -> argparse.ArgumentParser:
                           "(--swap-min-gap); cost, only chunks whose copies hide behind compute; "
                           "budget, the fewest exposed copies that bring each rank under "
                           "--budget")
-    sim.add_argument("--budget", type=parse_size, metavar="BYTES",
+    sim.add_argument("--budget", type=BYTES, metavar="BYTES",
                      help="per-rank activation budget for --policy budget (implies it)")
     sim.add_argument("--trace", metavar="FILE",
                      help="write a Chrome trace (open in Perfetto or chrome://tracing)")
@@ -212,37 +210,47 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run one command. Whatever goes wrong ends in one line on stderr and a non-zero exit,
+    never a traceback."""
+    try:
+        try:
+            return _run(argv)
+        finally:
+            sys.stdout.flush()  # here, where a closed pipe can still be caught
+    except BrokenPipeError:
+        # The reader (`| head`) left early: not an error. Point stdout at devnull so that
+        # the interpreter's own flush at exit has nothing left to fail on.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+
+
+def _run(argv: Sequence[str] | None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
     try:
         if args.command == "validate":
-            return _validate(args.file, args.transport)
+            return _validate(args)
         if args.command == "convert":
             return _convert(args)
         if args.command == "simulate":
             return run_simulate(args, _build)
         schedule = _build(args)
-    except ScheduleError as exc:
-        parser.exit(2, f"{PROG}: error: {exc}\n")
-    try:
         if args.command == "orders":
             print(dumps_json(schedule) if args.format == "json" else dumps_lines(schedule))
-        else:
-            if not args.no_grid:
-                print(render_grid(schedule))
-                print("\n* = swap step\n")
-            print(describe(schedule))
-            print()
-            print(swap_summary(schedule))
-        sys.stdout.flush()
-    except BrokenPipeError:
-        # The reader (`| head`) left early: not an error. Keep Python from complaining at exit.
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-    return 0
+            return 0
+        if not args.no_grid:
+            print(render_grid(schedule))
+            print("\n* = swap step\n")
+        print(describe(schedule))
+        print()
+        print(swap_summary(schedule))
+        return 0
+    except (ScheduleError, FileAccessError) as exc:
+        parser.exit(2, f"{PROG}: error: {exc}\n")
 
 
 def _convert(args: argparse.Namespace) -> int:
-    schedule = loads(_read(args.file))
+    schedule = loads(read_text(args.file))
     if args.lower:
         if any(step is not None and step.p2p_leaves for order in schedule.orders
                for step in order):
@@ -257,27 +265,20 @@ def _convert(args: argparse.Namespace) -> int:
     text = {"json": lambda: dumps_json(schedule), "grid": lambda: dumps_lines(schedule),
             "csv": lambda: dumps_csv(schedule),
             "csv-compute": lambda: dumps_csv(schedule, compute_only=True)}[args.to]()
+    text = text if text.endswith("\n") else text + "\n"
     if args.output:
-        Path(args.output).write_text(text if text.endswith("\n") else text + "\n",
-                                     encoding="utf-8")
+        write_text(args.output, text)
     else:
-        print(text, end="" if text.endswith("\n") else "\n")
+        print(text, end="")
     return 0
 
 
-def _validate(path: str, transport: str = "ordered") -> int:
-    try:
-        text = _read(path)
-    except OSError as exc:
-        print(f"{PROG}: error: cannot read {path}: {exc.strerror}", file=sys.stderr)
-        return 2
-    except UnicodeDecodeError:
-        print(f"{PROG}: error: {path} is not a text file (expected JSON or 'rank N:' lines "
-              "in UTF-8)", file=sys.stderr)
-        return 2
+def _validate(args: argparse.Namespace) -> int:
+    """Exit 0 if the schedule is valid, 1 with the reason if not (2 if it cannot be read)."""
+    text = read_text(args.file)
     try:
         schedule = loads(text)
-        validate(schedule, transport=transport)
+        validate(schedule, transport=args.transport, microbatches=args.microbatches)
     except ScheduleError as exc:
         print(f"invalid: {exc}", file=sys.stderr)
         return 1

@@ -77,8 +77,9 @@ class CostModel:
 
     def __post_init__(self) -> None:
         for name in ("forward", "backward", "p2p_latency"):
-            if not getattr(self, name) >= 0:
-                raise ScheduleError(f"cost {name} must be >= 0 seconds, got {getattr(self, name)}")
+            if not 0 <= getattr(self, name) < math.inf:
+                raise ScheduleError(f"cost {name} must be a finite number of seconds >= 0, "
+                                    f"got {getattr(self, name)}")
         for name, value in (("p2p_bandwidth", self.p2p_bandwidth),
                             ("d2h_bandwidth", self.link.d2h_bandwidth),
                             ("h2d_bandwidth", self.link.h2d_bandwidth),

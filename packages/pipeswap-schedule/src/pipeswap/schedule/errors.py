@@ -34,6 +34,12 @@ class ChunkOrderError(ValidationError):
     """A chunk's compute steps are missing, duplicated or out of order on a rank."""
 
 
+class FSDPOrderError(ValidationError):
+    """A stage's FSDP steps are out of order: gathers and frees that do not alternate, a
+    compute while the parameters are not gathered, or a gradient reduction missing, repeated
+    or before the stage's last gradient computation."""
+
+
 class SwapLifecycleError(ValidationError):
     """A swapped chunk's steps are not ``F < LO < WO < LL < WL < backward``."""
 

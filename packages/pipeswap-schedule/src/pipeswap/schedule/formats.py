@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import io
 import json
+import re
 from collections.abc import Iterable, Mapping
 
 from pipeswap.schedule.errors import ParseError, ScheduleError
@@ -16,12 +17,15 @@ from pipeswap.schedule.text import (
     dense_orders,
     format_rank_lines,
     format_step,
+    parse_number,
     parse_order,
     parse_rank_lines,
     parse_step,
+    quoted,
 )
 
 JsonOrders = dict[str, dict[str, list[str | None]]]
+_RANK_KEY = re.compile(r"0|[1-9][0-9]*")
 
 
 def to_json(schedule: Schedule) -> JsonOrders:
@@ -44,16 +48,18 @@ def from_json(data: object) -> Schedule:
         raise ParseError('expected a JSON object {"orders": {"0": [steps...], "1": [...]}}')
     orders = {}
     for key, steps in data["orders"].items():
-        if not (isinstance(key, str) and key.isdigit() and key == str(int(key))):
-            raise ParseError(f"rank keys are ranks written as \"0\", \"1\", ..., got {key!r}")
-        if int(key) in orders:
-            raise ParseError(f"rank {int(key)} appears twice")
+        if not (isinstance(key, str) and _RANK_KEY.fullmatch(key)):
+            shown = quoted(key) if isinstance(key, str) else repr(key)
+            raise ParseError(f"rank keys are ranks written as \"0\", \"1\", ..., got {shown}")
+        rank = parse_number(key, "rank")
+        if rank in orders:
+            raise ParseError(f"rank {rank} appears twice")
         if not isinstance(steps, list) or any(
             s is not None and not isinstance(s, str) for s in steps
         ):
             raise ParseError(f"rank {key}: expected a list of step strings and nulls")
         try:
-            orders[int(key)] = parse_order(steps)
+            orders[rank] = parse_order(steps)
         except ParseError as exc:
             raise ParseError(f"rank {key}: {exc}") from exc
     return _schedule(dense_orders(orders))
@@ -75,29 +81,39 @@ def dumps_csv(schedule: Schedule, *, compute_only: bool = False) -> str:
 def loads_csv(text: str) -> Schedule:
     """Read PyTorch's CSV schedule format (either form); stages are placed where they run."""
     orders = []
-    for rank, row in enumerate(csv.reader(io.StringIO(text))):
-        try:
-            orders.append(tuple(None if not cell.strip() else parse_step(cell.strip())
-                                for cell in row))
-        except ParseError as exc:
-            raise ParseError(f"row {rank + 1} (rank {rank}): {exc}") from exc
+    rows = csv.reader(io.StringIO(text))
+    try:
+        for rank, row in enumerate(rows):
+            try:
+                orders.append(tuple(None if not cell.strip() else parse_step(cell.strip())
+                                    for cell in row))
+            except ParseError as exc:
+                raise ParseError(f"row {rank + 1} (rank {rank}): {exc}") from exc
+    except csv.Error as exc:  # e.g. a cell over the csv module's limit of 128 KiB
+        raise ParseError(f"not a schedule in PyTorch's CSV form: line {rows.line_num}: {exc}; "
+                         "a cell holds one step, and a schedule file is JSON, "
+                         "'rank N: <steps>' lines or CSV") from None
     return _schedule(tuple(orders))
 
 
 def loads(text: str) -> Schedule:
     """Read a schedule from JSON, from ``rank N: <steps>`` lines or from PyTorch's CSV,
-    whichever ``text`` is."""
-    first = next((line.strip() for line in text.splitlines() if line.strip()), "")
-    if first and not first.startswith("{") and not first.startswith("rank"):
-        return loads_csv(text)
-    if text.lstrip().startswith("{"):
+    whichever ``text`` is (judged by its first line that is neither blank nor a comment)."""
+    first = next((stripped for line in text.splitlines()
+                  if (stripped := line.strip()) and not stripped.startswith("#")), "")
+    if first.startswith("{"):
         try:
             data = json.loads(text)
         except json.JSONDecodeError as exc:
-            raise ParseError(f"not valid JSON: {exc}") from exc
+            raise ParseError(f"not valid JSON: {exc}") from None
+        except ValueError:  # int() refuses numbers of over 4300 digits
+            raise ParseError('not a schedule: the JSON holds a number thousands of digits '
+                             'long; steps are strings such as "0F3"') from None
         except RecursionError:
             raise ParseError("not a schedule: the JSON is nested too deeply") from None
         return from_json(data)
+    if first and not first.startswith("rank"):
+        return loads_csv(text)
     return _schedule(parse_rank_lines(text))
 
 

@@ -23,8 +23,9 @@ def add_fsdp_steps(
     """Insert ``UNSHARD``/``RESHARD``/``REDUCE_GRAD`` for FSDP-managed stages.
 
     Before each step, the parameters of the next ``window`` distinct managed stages that
-    compute (looking ahead from that step) are gathered and every other gathered stage is
-    freed; at the end the remaining ones are freed in gather order. ``REDUCE_GRAD`` follows
+    compute (looking ahead from that step; more if the step itself, an overlap, computes
+    more) are gathered and every other gathered stage is freed; at the end the remaining
+    ones are freed in gather order. ``REDUCE_GRAD`` follows
     the step holding a stage's last parameter-gradient computation (B or W).
     ``managed_stages`` defaults to every stage.
     """
@@ -56,10 +57,11 @@ def _add(order: Order, managed: frozenset[int], window: int) -> list[Step | None
         step = order[i]
         if step is None or (step.type not in COMPUTE and step.type not in OVERLAPS):
             continue
-        stages = [leaf.stage for leaf in step.compute_leaves if leaf.stage in managed]
-        if stages and tuple(stages) != ahead[: len(stages)]:
+        stages = tuple(dict.fromkeys(leaf.stage for leaf in step.compute_leaves
+                                     if leaf.stage in managed))
+        if stages and stages != ahead[: len(stages)]:
             wanted_from[i + 1] = ahead
-            ahead = tuple(dict.fromkeys([*stages, *ahead]))[:window]
+            ahead = tuple(dict.fromkeys([*stages, *ahead]))[: max(window, len(stages))]
         for leaf in step.compute_leaves:
             stage = leaf.stage
             if leaf.type in _PARAM_GRADS and stage in managed and stage not in last_grad:

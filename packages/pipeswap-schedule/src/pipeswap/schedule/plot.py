@@ -57,5 +57,9 @@ def plot(result: SimulationResult, path: str | Path) -> None:
     memory.set_xlabel("time (s)")
     memory.legend(loc="upper right", fontsize="small")
     figure.tight_layout()
-    figure.savefig(Path(path))
-    plt.close(figure)
+    try:
+        figure.savefig(Path(path))
+    except ValueError as exc:  # a suffix no matplotlib backend writes
+        raise ScheduleError(f"cannot draw {path}: {exc}; name it .png, .svg or .pdf") from None
+    finally:
+        plt.close(figure)

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
 from enum import Enum
+from functools import cached_property
+from typing import NamedTuple
 
+from pipeswap.schedule._numbering import gaps, listing
 from pipeswap.schedule.errors import ScheduleError
 from pipeswap.schedule.steps import ACTIVATION_CONSUMERS, Order, Step, StepType
 
@@ -91,6 +93,14 @@ class Schedule:
     def num_stages(self) -> int:
         return len(self.stage_ranks)
 
+    @cached_property
+    def num_microbatches(self) -> int:
+        """The microbatch count the computes imply: the highest micro + 1 (0 with none). A
+        valid schedule computes every micro below it (see ``validate``)."""
+        return 1 + max((leaf.micro for order in self.orders for step in order
+                        if step is not None for leaf in step.compute_leaves
+                        if leaf.micro is not None), default=-1)
+
     def stages_of(self, rank: int) -> tuple[int, ...]:
         return tuple(s for s, r in enumerate(self.stage_ranks) if r == rank)
 
@@ -144,9 +154,8 @@ def infer_stage_ranks(orders: Sequence[Sequence[Step | None]]) -> tuple[int, ...
                     )
     if not owner:
         return ()
-    missing = sorted(set(range(max(owner) + 1)) - set(owner))
-    if missing:
-        raise ScheduleError(
-            f"stages must be numbered 0..S-1; no rank runs stage(s) {missing}"
-        )
-    return tuple(owner[stage] for stage in range(len(owner)))
+    end = max(owner) + 1
+    if end != len(owner):
+        missing = listing(gaps(owner, end), end - len(owner))
+        raise ScheduleError(f"stages must be numbered 0..S-1; no rank runs stage(s) {missing}")
+    return tuple(owner[stage] for stage in range(end))

@@ -13,6 +13,7 @@ from pipeswap.schedule.costs import CostModel, Link, TransformerShape, from_pres
 from pipeswap.schedule.costs import boundary_bytes as message_bytes
 from pipeswap.schedule.costs import transformer_costs
 from pipeswap.schedule.errors import ScheduleError
+from pipeswap.schedule.files import writing
 from pipeswap.schedule.policies import CostModelPolicy, MemoryBudgetPolicy
 from pipeswap.schedule.schedule import Schedule
 from pipeswap.schedule.simulate import SimulationResult, simulate
@@ -42,42 +43,80 @@ def parse_time(text: str) -> float:
     return float(number) * {"s": 1.0, None: 1.0, "ms": 1e-3, "us": 1e-6}[unit]
 
 
+def in_range(parse: Callable[[str], float], low: float, high: float,
+             allowed: str) -> Callable[[str], float]:
+    """``parse``, refusing a value outside ``low..high`` (inf and NaN included) with a message
+    naming the range: every cost stays finite, and so does every time the simulator adds up."""
+
+    def parse_in_range(text: str) -> float:
+        value = parse(text)
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"{text!r} is out of range: {allowed}")
+        return value
+
+    return parse_in_range
+
+
+def count(high: int) -> Callable[[str], int]:
+    """An integer option from 1 to ``high``."""
+
+    def parse_count(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+        if not 1 <= value <= high:
+            raise argparse.ArgumentTypeError(f"{value} is out of range: give 1 to {high:,}")
+        return value
+
+    return parse_count
+
+
+MAX_BYTES = 2**60  # 1 EiB
+MAX_SECONDS = 1e6  # about 11.6 days: no chunk's compute or message takes longer
+BYTES = in_range(parse_size, 0, MAX_BYTES, "give 0 to 2**60 bytes (1 EiB)")
+BANDWIDTH = in_range(parse_size, 1, MAX_BYTES, "give 1 to 2**60 bytes per second")
+FLOPS = in_range(parse_size, 1, 1e21, "give 1 to 1e21 FLOP/s")
+SECONDS = in_range(parse_time, 0, MAX_SECONDS, "give 0 to 1e6 s (about 11.6 days)")
+DIMENSION = count(2**24)
+
+
 def cost_arguments() -> argparse.ArgumentParser:
     parent = argparse.ArgumentParser(add_help=False)
     machine = parent.add_argument_group("machine")
     machine.add_argument("--preset", help="a machine's host link, P2P and FLOP/s: "
                          "h100-pcie5, h200-pcie5, gh200-nvlink-c2c")
-    machine.add_argument("--d2h-bandwidth", type=parse_size, metavar="B/s",
+    machine.add_argument("--d2h-bandwidth", type=BANDWIDTH, metavar="B/s",
                          help="device-to-host copy bandwidth")
-    machine.add_argument("--h2d-bandwidth", type=parse_size, metavar="B/s",
+    machine.add_argument("--h2d-bandwidth", type=BANDWIDTH, metavar="B/s",
                          help="host-to-device copy bandwidth")
     machine.add_argument("--no-duplex", action="store_true",
                          help="D2H and H2D share one copy stream (cannot run at once)")
-    machine.add_argument("--p2p-bandwidth", type=parse_size, metavar="B/s",
+    machine.add_argument("--p2p-bandwidth", type=BANDWIDTH, metavar="B/s",
                          help="stage-to-stage bandwidth")
-    machine.add_argument("--p2p-latency", type=parse_time, metavar="TIME",
+    machine.add_argument("--p2p-latency", type=SECONDS, metavar="TIME",
                          help="stage-to-stage latency")
-    machine.add_argument("--flops", type=parse_size, metavar="FLOP/s",
+    machine.add_argument("--flops", type=FLOPS, metavar="FLOP/s",
                          help="achieved FLOP/s, for the model dimensions (default: the "
                               "preset's, else 400e12)")
     model = parent.add_argument_group("model (one stage's chunk)")
-    model.add_argument("--hidden", type=int, help="hidden size")
-    model.add_argument("--seq-len", type=int, help="tokens per sequence")
-    model.add_argument("--layers-per-stage", type=int, help="transformer layers per stage")
-    model.add_argument("--micro-batch-size", type=int, default=1,
+    model.add_argument("--hidden", type=DIMENSION, help="hidden size")
+    model.add_argument("--seq-len", type=DIMENSION, help="tokens per sequence")
+    model.add_argument("--layers-per-stage", type=DIMENSION, help="transformer layers per stage")
+    model.add_argument("--micro-batch-size", type=DIMENSION, default=1,
                        help="sequences per microbatch (default 1)")
     model.add_argument("--dtype", choices=sorted(DTYPE_BYTES), default="bf16",
                        help="activation dtype (default bf16)")
     explicit = parent.add_argument_group("explicit costs (override the above)")
-    explicit.add_argument("--forward-time", type=parse_time, metavar="TIME",
+    explicit.add_argument("--forward-time", type=SECONDS, metavar="TIME",
                           help="one chunk's forward (default 1 s without a model)")
-    explicit.add_argument("--backward-time", type=parse_time, metavar="TIME",
+    explicit.add_argument("--backward-time", type=SECONDS, metavar="TIME",
                           help="one chunk's backward (default twice the forward)")
-    explicit.add_argument("--activation-bytes", type=parse_size, metavar="BYTES",
+    explicit.add_argument("--activation-bytes", type=BYTES, metavar="BYTES",
                           help="what one chunk's forward saves (default 1GiB without a model)")
-    explicit.add_argument("--pinned-bytes", type=parse_size, metavar="BYTES",
+    explicit.add_argument("--pinned-bytes", type=BYTES, metavar="BYTES",
                           help="the part of a chunk that never leaves the device (default 0)")
-    explicit.add_argument("--boundary-bytes", type=parse_size, metavar="BYTES",
+    explicit.add_argument("--boundary-bytes", type=BYTES, metavar="BYTES",
                           help="one stage-to-stage message")
     return parent
 
@@ -139,11 +178,13 @@ def run_simulate(args: argparse.Namespace,
     if args.trace:
         from pipeswap.schedule.trace import write_chrome_trace
 
-        write_chrome_trace(result, args.trace)
+        with writing(args.trace):
+            write_chrome_trace(result, args.trace)
     if args.plot:
         from pipeswap.schedule.plot import plot
 
-        plot(result, args.plot)
+        with writing(args.plot):
+            plot(result, args.plot)
     summary = report(result, budget)
     print(json.dumps(summary) if args.format == "json" else render(summary))
     return 0

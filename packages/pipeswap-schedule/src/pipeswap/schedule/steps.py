@@ -115,10 +115,11 @@ class Step:
             raise StepError(f"{kind.name} is a composite: put stage and micro on its sub-steps")
         subs = self.sub_steps
         if kind is StepType.BATCH_SEND_RECV:
-            if not subs or any(s.type not in P2P for s in subs):
+            other = next((s for s in subs if s.type not in P2P), None)
+            if not subs or other is not None:
                 raise StepError(
                     f"BATCH_P2P holds one or more P2P leaves (SEND_F, RECV_F, SEND_B, RECV_B), "
-                    f"got ({';'.join(str(s) for s in subs)})"
+                    f"got {other if subs else 'none'}"
                 )
             return
         if len(subs) != 2:

@@ -4,7 +4,7 @@ A leaf is ``{stage}{CODE}{micro}`` (``0F3``, ``2LO5``, ``3SEND_F1``), or ``{stag
 FSDP control (``1UNSHARD``); a composite is ``(a;b;...)NAME`` (``(0B4;0F7)OVERLAP_B_F``). An
 order is whitespace-separated steps with ``_`` for an idle slot; a schedule is one
 ``rank N: <order>`` line per rank. PyTorch pipelining's action strings for the kinds it has
-parse unchanged.
+parse unchanged. Numbers are ASCII digits, at most :data:`MAX_DIGITS` of them.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable, Sequence
 
+from pipeswap.schedule._numbering import gaps, listing
 from pipeswap.schedule.errors import ParseError, StepError
 from pipeswap.schedule.steps import COMPOSITES, Step, StepType
 
@@ -20,15 +21,35 @@ _LEAF_CODES = {t.value: t for t in StepType if t not in COMPOSITES}
 _COMPOSITE_CODES = {t.value: t for t in COMPOSITES}
 # Longest codes first so "SEND_F" is not read as "S" + garbage.
 _CODE_ALTERNATIVES = "|".join(sorted(map(re.escape, _LEAF_CODES), key=len, reverse=True))
-_LEAF = re.compile(rf"(\d+)({_CODE_ALTERNATIVES})(\d*)")
+# [0-9], not \d: int() reads any script's digits, and a step must mean one thing everywhere.
+_LEAF = re.compile(rf"([0-9]+)({_CODE_ALTERNATIVES})([0-9]*)")
 _COMPOSITE = re.compile(r"\((.*)\)([A-Z_0-9]+)")
-_RANK_LINE = re.compile(r"\s*rank\s+(\d+)\s*:(.*)")
+_RANK_LINE = re.compile(r"\s*rank\s+([0-9]+)\s*:(.*)")
+#: Stage, micro and rank numbers are indices: nine digits is far beyond any pipeline, and the
+#: bound keeps int() (which refuses over 4300 digits) and every message short.
+MAX_DIGITS = 9
+_QUOTED = 60
 
 EXPECTED_STEP = (
     "expected {stage}{CODE}{micro} with CODE one of F B I W SEND_F RECV_F SEND_B RECV_B "
     "LO WO LL WL (e.g. 0F3, 2LO5), {stage}UNSHARD|RESHARD|REDUCE_GRAD (e.g. 1UNSHARD), "
     "or (a;b;...)OVERLAP_F_B|OVERLAP_B_F|BATCH_P2P (e.g. (0B4;0F7)OVERLAP_B_F)"
 )
+
+
+def quoted(text: str) -> str:
+    """``repr(text)``, cut short for a message when ``text`` is long."""
+    if len(text) <= _QUOTED:
+        return repr(text)
+    return f"{text[:_QUOTED]!r}... ({len(text)} characters)"
+
+
+def parse_number(digits: str, what: str) -> int:
+    """An index written in ASCII digits; refuse more than :data:`MAX_DIGITS` of them."""
+    if len(digits) > MAX_DIGITS:
+        raise ParseError(f"the {what} number has {len(digits)} digits; numbers here have at "
+                         f"most {MAX_DIGITS}")
+    return int(digits)
 
 
 def parse_step(text: str) -> Step:
@@ -39,9 +60,11 @@ def parse_step(text: str) -> Step:
         inner, name = composite.groups()
         kind = _COMPOSITE_CODES.get(name)
         if kind is None:
-            raise ParseError(f"bad step {token!r}: unknown composite {name!r}; {EXPECTED_STEP}")
+            raise ParseError(f"bad step {quoted(token)}: unknown composite {quoted(name)}; "
+                             f"{EXPECTED_STEP}")
         if "(" in inner or ")" in inner:
-            raise ParseError(f"bad step {token!r}: composites cannot be nested; {EXPECTED_STEP}")
+            raise ParseError(f"bad step {quoted(token)}: composites cannot be nested; "
+                             f"{EXPECTED_STEP}")
         subs = tuple(_parse_leaf(part.strip(), token) for part in inner.split(";"))
         return _build(token, kind, None, None, subs)
     return _parse_leaf(token, token)
@@ -49,11 +72,16 @@ def parse_step(text: str) -> Step:
 
 def _parse_leaf(token: str, whole: str) -> Step:
     match = _LEAF.fullmatch(token)
+    where = "" if token == whole else f" in {quoted(whole)}"
     if match is None:
-        where = "" if token == whole else f" in {whole!r}"
-        raise ParseError(f"bad step {token!r}{where}: {EXPECTED_STEP}")
+        raise ParseError(f"bad step {quoted(token)}{where}: {EXPECTED_STEP}")
     stage, code, micro = match.groups()
-    return _build(whole, _LEAF_CODES[code], int(stage), int(micro) if micro else None, ())
+    try:
+        stage_index = parse_number(stage, "stage")
+        micro_index = parse_number(micro, "micro") if micro else None
+    except ParseError as exc:
+        raise ParseError(f"bad step {quoted(token)}{where}: {exc}") from None
+    return _build(whole, _LEAF_CODES[code], stage_index, micro_index, ())
 
 
 def _build(
@@ -62,7 +90,7 @@ def _build(
     try:
         return Step(kind, stage, micro, subs)
     except StepError as exc:
-        raise ParseError(f"bad step {token!r}: {exc}; {EXPECTED_STEP}") from exc
+        raise ParseError(f"bad step {quoted(token)}: {exc}; {EXPECTED_STEP}") from exc
 
 
 def parse_order(text: str | Iterable[str | None]) -> tuple[Step | None, ...]:
@@ -87,8 +115,12 @@ def parse_rank_lines(text: str) -> tuple[tuple[Step | None, ...], ...]:
             continue
         match = _RANK_LINE.fullmatch(line)
         if match is None:
-            raise ParseError(f"line {number}: expected 'rank N: <steps>', got {line.strip()!r}")
-        rank = int(match.group(1))
+            raise ParseError(f"line {number}: expected 'rank N: <steps>' with N in digits 0-9, "
+                             f"got {quoted(line.strip())}")
+        try:
+            rank = parse_number(match.group(1), "rank")
+        except ParseError as exc:
+            raise ParseError(f"line {number}: {exc}") from None
         if rank in orders:
             raise ParseError(f"line {number}: rank {rank} appears twice")
         try:
@@ -108,7 +140,8 @@ def dense_orders(
     """Turn ``{rank: order}`` into a tuple indexed by rank, refusing gaps in the numbering."""
     if not orders:
         raise ParseError("no ranks found: expected one order per rank")
-    missing = sorted(set(range(max(orders) + 1)) - set(orders))
-    if missing:
+    end = max(orders) + 1
+    if end != len(orders):
+        missing = listing(gaps(orders, end), end - len(orders))
         raise ParseError(f"ranks must be numbered 0..P-1; missing rank(s) {missing}")
-    return tuple(orders[rank] for rank in range(len(orders)))
+    return tuple(orders[rank] for rank in range(end))

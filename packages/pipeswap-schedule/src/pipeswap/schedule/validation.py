@@ -12,14 +12,17 @@ after the other) for a schedule this module accepts to be deadlock-free.
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from collections import deque
 from dataclasses import dataclass, field
 from itertools import chain
 
 from pipeswap.schedule._gc import gc_paused
+from pipeswap.schedule._numbering import SHOWN, gaps
 from pipeswap.schedule.errors import (
     ChunkOrderError,
     DeadlockError,
+    FSDPOrderError,
     P2PError,
     SwapLifecycleError,
     ValidationError,
@@ -53,14 +56,21 @@ TRANSPORTS = ("ordered", "tagged")
 
 
 @gc_paused
-def validate(schedule: Schedule, *, transport: str = "ordered") -> None:
-    """Check every rank's order, then run all ranks' P2P together under ``transport``."""
+def validate(
+    schedule: Schedule, *, transport: str = "ordered", microbatches: int | None = None
+) -> None:
+    """Check every rank's order, that every stage computes every microbatch (``microbatches``
+    of them, when given), then run all ranks' P2P together under ``transport``."""
     if transport not in TRANSPORTS:
         raise ValidationError(f"unknown transport {transport!r}; use one of {TRANSPORTS}")
+    if microbatches is not None and (
+        isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1
+    ):
+        raise ValidationError(f"microbatches must be an integer >= 1, got {microbatches!r}")
     if schedule.num_stages == 0:
         raise ValidationError("the schedule has no steps: every rank's order is empty or idle")
-    for rank in range(schedule.num_ranks):
-        validate_rank(schedule, rank)
+    forwards = [_check_rank(schedule, rank)[StepType.FWD] for rank in range(schedule.num_ranks)]
+    _check_complete(schedule, forwards, microbatches)
     if transport == "tagged":
         simulate_tagged(schedule)
         return
@@ -148,6 +158,58 @@ def _report_tagged_deadlock(waits: dict[int, tuple[Step, tuple[bool, int, int]]]
                         "reorder the computes", cycle)
 
 
+def _check_complete(schedule: Schedule, forwards: list[dict[ChunkKey, int]],
+                    microbatches: int | None) -> None:
+    """Every stage forwards every micro of ``0..M-1``, M being ``microbatches`` or else the
+    highest micro + 1: a schedule that skips one would train on part of the batch.
+
+    ``forwards`` holds each rank's forward positions by chunk, from :func:`_check_rank`,
+    which also pairs each forward with one backward (B, or I then W) and refuses duplicates;
+    so counting forwards per stage suffices, and costs one look at each chunk.
+    """
+    counts = [0] * schedule.num_stages
+    highest = -1
+    for positions in forwards:
+        for stage, micro in positions:
+            counts[stage] += 1
+            if micro > highest:
+                highest = micro
+    found = highest + 1
+    if found == 0:
+        raise ChunkOrderError("the schedule computes nothing: add each stage's forwards and "
+                              "backwards")
+    if microbatches is not None and found != microbatches:
+        fix = (f"add the steps of micro {found}..{microbatches - 1} to every stage"
+               if found < microbatches else f"drop the steps of micro {microbatches} and above")
+        raise ChunkOrderError(
+            f"the schedule runs {found} microbatches (micro 0..{found - 1}), not the "
+            f"{microbatches} expected: {fix}, or give {found} as the microbatch count")
+    short = [stage for stage, count in enumerate(counts) if count != found]
+    if short:
+        _report_missing(schedule, forwards, short, found)
+
+
+def _report_missing(schedule: Schedule, forwards: list[dict[ChunkKey, int]],
+                    stages: list[int], micros: int) -> None:
+    """Name the first chunks absent from ``stages`` (each forwards fewer than ``micros``)."""
+    forwarded: dict[int, set[int]] = {stage: set() for stage in stages}
+    for rank in {schedule.stage_ranks[stage] for stage in stages}:
+        for stage, micro in forwards[rank]:
+            if stage in forwarded:
+                forwarded[stage].add(micro)
+    chunks = [(stage, micro) for stage in stages for micro in gaps(forwarded[stage], micros)]
+    total = sum(micros - len(forwarded[stage]) for stage in stages)
+    named = ", ".join(f"(stage {s}, micro {m})" for s, m in chunks[:SHOWN])
+    more = f" and {total - SHOWN} more" if total > SHOWN else ""
+    stage, micro = chunks[0]
+    rank = schedule.stage_ranks[stage]
+    raise ChunkOrderError(
+        f"the schedule runs micro 0..{micros - 1} but never computes chunk(s) {named}{more}; "
+        f"every stage forwards and backwards each microbatch once: add {stage}F{micro} and "
+        f"{stage}B{micro} (or {stage}I{micro} then {stage}W{micro}) to rank {rank}'s order",
+        rank=rank)
+
+
 _NO_SWAP = [None, None, None, None]
 Where = dict[StepType, dict[ChunkKey, int]]  # type -> (stage, micro) -> position in the order
 
@@ -159,15 +221,24 @@ def validate_rank(schedule: Schedule, rank: int) -> None:
     Every step's stage lives on this rank; each forwarded chunk has exactly one backward
     after it (B, or I followed by W); swapped chunks run ``F < LO < WO < LL < WL <
     backward``; P2P steps go to a remote neighbour, receives precede the compute that needs
-    them and sends follow the compute that produces them. (Swap steps inside a composite
-    cannot be built at all: :class:`Step` refuses them.)
+    them and sends follow the compute that produces them; an input made on this rank (by a
+    neighbouring stage placed here) is made before it is used; FSDP steps keep each stage
+    they manage gathered while it computes. (Swap steps inside a composite cannot be built
+    at all: :class:`Step` refuses them.)
     """
+    _check_rank(schedule, rank)
+
+
+def _check_rank(schedule: Schedule, rank: int) -> Where:
+    """:func:`validate_rank`, returning where each chunk's steps are, for the checks across
+    ranks."""
     if not 0 <= rank < schedule.num_ranks:
         raise ValidationError(f"rank {rank} is not in this {schedule.num_ranks}-rank schedule")
     order = schedule.orders[rank]
     local = frozenset(schedule.stages_of(rank))
     remote_p2p = _remote_p2p(schedule, rank)
     where: Where = {kind: {} for kind in StepType}
+    fsdp: list[int] = []  # positions of FSDP steps
     for index, step in enumerate(order):
         if step is None:
             continue
@@ -175,7 +246,8 @@ def validate_rank(schedule: Schedule, rank: int) -> None:
             kind, stage, micro = leaf.type, leaf.stage, leaf.micro
             if stage not in local:
                 _misplaced(schedule, rank, leaf, step)
-            if micro is None:
+            if micro is None:  # FSDP control, checked as a whole below
+                fsdp.append(index)
                 continue
             if kind in P2P and (kind, stage) not in remote_p2p:
                 _needless_p2p(schedule, rank, leaf)
@@ -220,6 +292,113 @@ def validate_rank(schedule: Schedule, rank: int) -> None:
         _check_compute(rank, order, key, fwd, full, where)
         _check_swap(rank, order, key, fwd, consumer, where)
         _check_p2p(rank, order, key, fwd, consumer, neighbours[key[0]], where)
+    if any(stage + 1 in local for stage in local):
+        _check_handoffs(rank, order, local, where)
+    if fsdp:
+        _check_fsdp(rank, order, fsdp, where)
+    return where
+
+
+def _check_handoffs(rank: int, order: Order, local: frozenset[int], where: Where) -> None:
+    """Where neighbouring stages share this rank, nothing is sent between them: stage s's
+    forward of micro m must come after stage s-1's, and its backward (B or I) after stage
+    s+1's, earlier in this very order."""
+    fwds = where[StepType.FWD]
+    for (stage, micro), index in fwds.items():
+        if stage - 1 in local:
+            _check_input(rank, order, index, fwds.get((stage - 1, micro)),
+                         f"stage {stage - 1}'s output", f"{stage - 1}F{micro}")
+    consumers = {**where[StepType.BWD_INPUT], **where[StepType.BWD]}
+    for (stage, micro), index in consumers.items():
+        if stage + 1 in local:
+            _check_input(rank, order, index, consumers.get((stage + 1, micro)),
+                         f"stage {stage + 1}'s input gradient",
+                         f"{stage + 1}B{micro} (or {stage + 1}I{micro})")
+
+
+def _check_input(rank: int, order: Order, index: int, source: int | None, what: str,
+                 maker: str) -> None:
+    if source is not None and source < index:
+        return
+    when = "never" if source is None else f"only later, at {_fmt(order, source)}"
+    raise ChunkOrderError(
+        f"rank {rank}: {_fmt(order, index)} takes {what}, which this rank makes {when}; "
+        f"run {maker} before it", rank=rank)
+
+
+_PARAM_GRADS = frozenset({StepType.BWD, StepType.BWD_WEIGHT})
+
+
+def _check_fsdp(rank: int, order: Order, fsdp: list[int], where: Where) -> None:
+    """For each stage with FSDP steps (at positions ``fsdp``): UNSHARD and RESHARD
+    alternate, starting with UNSHARD and ending resharded; each of the stage's computes
+    (inside overlaps too) runs while it is gathered; REDUCE_GRAD comes once, after its last
+    B or W. The computes are looked up by chunk in ``where``, not by walking the order."""
+    gathered: dict[int, int] = {}  # stage -> position of the UNSHARD that gathered it
+    spans: dict[int, tuple[list[int], list[int]]] = {}  # stage -> (UNSHARDs, RESHARDs)
+    reduced: dict[int, int] = {}  # stage -> position of its REDUCE_GRAD
+    for index in fsdp:
+        kind, stage = order[index].type, order[index].stage  # type: ignore[union-attr]
+        assert stage is not None  # Step requires it
+        starts, ends = spans.setdefault(stage, ([], []))
+        if kind is StepType.FSDP_UNSHARD:
+            if stage in gathered:
+                raise FSDPOrderError(
+                    f"rank {rank}: {_fmt(order, index)} gathers stage {stage}, which "
+                    f"{_fmt(order, gathered[stage])} gathered already; free it with "
+                    f"{stage}RESHARD in between, or drop one of them", rank=rank)
+            gathered[stage] = index
+            starts.append(index)
+        elif kind is StepType.FSDP_RESHARD:
+            if gathered.pop(stage, None) is None:
+                raise FSDPOrderError(
+                    f"rank {rank}: {_fmt(order, index)} frees stage {stage}, which is not "
+                    f"gathered there; put {stage}UNSHARD before it (and before the stage's "
+                    "computes), or drop it", rank=rank)
+            ends.append(index)
+        elif stage in reduced:
+            raise FSDPOrderError(
+                f"rank {rank}: {stage}REDUCE_GRAD appears twice (positions {reduced[stage]} "
+                f"and {index}); reduce a stage's gradients once, after its last B or W",
+                rank=rank)
+        else:
+            reduced[stage] = index
+    ungathered: tuple[int, int] | None = None  # the first compute outside every span
+    last_grad: dict[int, int] = {}  # stage -> position of its last B or W
+    for kind in COMPUTE:
+        for (stage, _), index in where[kind].items():
+            if stage not in spans:
+                continue
+            starts, ends = spans[stage]  # a last UNSHARD without RESHARD spans to the end
+            span = bisect_right(starts, index) - 1
+            outside = span < 0 or (span < len(ends) and ends[span] < index)
+            if outside and (ungathered is None or index < ungathered[0]):
+                ungathered = (index, stage)
+            if kind in _PARAM_GRADS and index > last_grad.get(stage, -1):
+                last_grad[stage] = index
+    if ungathered is not None:
+        index, stage = ungathered
+        raise FSDPOrderError(
+            f"rank {rank}: {_fmt(order, index)} computes stage {stage} while its parameters "
+            f"are not gathered; stage {stage} has FSDP steps, so put {stage}UNSHARD before "
+            f"this compute (and {stage}RESHARD after it)", rank=rank)
+    if gathered:
+        stage, index = next(iter(gathered.items()))
+        raise FSDPOrderError(
+            f"rank {rank}: stage {stage} stays gathered: {_fmt(order, index)} has no "
+            f"{stage}RESHARD after it; add one after the stage's last compute", rank=rank)
+    for stage in sorted(spans):
+        grad = last_grad.get(stage)
+        after = ("after its last B or W" if grad is None
+                 else f"after its last gradient computation {_fmt(order, grad)}")
+        if stage not in reduced:
+            raise FSDPOrderError(
+                f"rank {rank}: stage {stage} has FSDP steps but no {stage}REDUCE_GRAD; add "
+                f"one {after}", rank=rank)
+        if grad is not None and grad > reduced[stage]:
+            raise FSDPOrderError(
+                f"rank {rank}: {_fmt(order, reduced[stage])} reduces stage {stage}'s "
+                f"gradients too early: move it {after}", rank=rank)
 
 
 def _remote_p2p(schedule: Schedule, rank: int) -> frozenset[tuple[StepType, int]]:
