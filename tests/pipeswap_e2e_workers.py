@@ -71,3 +71,81 @@ def bad_batch_then_recover(rank: int, world_size: int) -> tuple[list[str], int, 
         errors.append(str(exc))
     report = executor.step(inputs, targets)
     return errors, len(report.losses), executor.manager.active_group_count()
+
+
+class FailAt(torch.nn.Module):
+    """Wraps a stage: once armed, raises in its ``at``-th forward or backward call."""
+
+    def __init__(self, inner: torch.nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+        self.phase, self.at, self.calls = "", 0, {"forward": 0, "backward": 0}
+
+    def arm(self, phase: str, at: int) -> None:
+        self.phase, self.at, self.calls = phase, at, {"forward": 0, "backward": 0}
+
+    def _count(self, phase: str) -> None:
+        self.calls[phase] += 1
+        if self.phase == phase and self.calls[phase] == self.at:
+            raise RuntimeError(f"injected failure in {phase} call {self.at}")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self._count("forward")
+        out: torch.Tensor = self.inner(x)
+        if out.requires_grad:
+            out.register_hook(lambda grad: self._count("backward"))  # type: ignore[arg-type]
+        return out
+
+
+def fault_injection(rank: int, world_size: int, failing_rank: int, microbatches: int
+                    ) -> dict[str, object]:
+    """1F1B with swap; ``failing_rank``'s stage fails at each forward and each backward in
+    turn. Each failed step must fail on every rank, quickly, and leave nothing behind; after
+    ``recover()`` a clean step must equal the reference step bit for bit."""
+    import time
+
+    from pipeswap.runtime import PeerFailedError
+    from pipeswap.runtime.data import Corpus, batches
+    from pipeswap.runtime.model import GPTConfig, build_gpt, split_stages
+
+    torch.set_num_threads(1)
+    corpus = Corpus.bundled()
+    config = GPTConfig(vocab=len(corpus.vocab), seq_len=16, width=32, layers=world_size)
+    modules = split_stages(build_gpt(config, 0), world_size)
+    module = FailAt(modules[rank])
+    executor = PipelineExecutor([PipelineStage(module, rank, world_size)], "1f1b", microbatches,
+                                lm_loss, swap=True)
+    ((inputs, targets),) = batches(corpus.encode(), microbatches, 16, 1, 0)
+
+    def clean_step() -> tuple[tuple[float, ...], list[torch.Tensor]]:
+        module.zero_grad(set_to_none=True)
+        report = executor.step(inputs, targets)
+        return report.losses, [p.grad.clone() for p in module.parameters() if p.grad is not None]
+
+    reference = clean_step()
+    cases = []
+    for phase in ("forward", "backward"):
+        for at in range(1, microbatches + 1):
+            if rank == failing_rank:
+                module.arm(phase, at)
+            start = time.perf_counter()
+            try:
+                executor.step(inputs, targets)
+                outcome = "finished"
+            except PeerFailedError as exc:
+                outcome = f"peer {exc.failed_rank}: {exc}"
+            except RuntimeError as exc:
+                outcome = f"own: {exc}"
+            seconds = time.perf_counter() - start
+            module.arm("", 0)
+            stats = executor.manager.stats()
+            leftovers = (executor.manager.active_group_count(), stats.host_bytes_in_use)
+            executor.recover()
+            losses, grads = clean_step()
+            cases.append({
+                "case": f"{phase} {at}", "outcome": outcome, "seconds": seconds,
+                "leftovers": leftovers, "losses_equal": losses == reference[0],
+                "grads_equal": len(grads) == len(reference[1]) and all(
+                    torch.equal(a, b) for a, b in zip(grads, reference[1])),
+            })
+    return {"cases": cases, "swapped": len(executor.swapped)}

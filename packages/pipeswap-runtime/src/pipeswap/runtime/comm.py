@@ -10,10 +10,12 @@ CUDA the process group needs a CPU backend too, as ``backend_for`` sets up).
 
 from __future__ import annotations
 
+import datetime
+from contextlib import suppress
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from pipeswap.runtime.errors import PipelineCommError, PipelineSetupError
+from pipeswap.runtime.errors import PeerFailedError, PipelineCommError, PipelineSetupError
 from pipeswap.schedule import Step, StepType
 
 if TYPE_CHECKING:
@@ -23,6 +25,7 @@ if TYPE_CHECKING:
 _DTYPES = ("float32", "float64", "float16", "bfloat16", "int64", "int32", "uint8", "bool")
 _MAX_DIMS = 8
 _RUNS_IN_TAGS = 512
+_BREAK_TAG = 2**30  # never a transfer's tag: see break_links
 
 
 @dataclass(frozen=True)
@@ -68,13 +71,68 @@ class Transfer:
     peer: int
 
 
+class FailureBoard:
+    """Where the first rank to fail posts what failed, so that its peers, which only see a
+    broken connection, can name the rank and step: one key of the rendezvous store per
+    communication group."""
+
+    def __init__(self, group: dist.ProcessGroup) -> None:
+        import torch.distributed as dist
+
+        self._store = dist.PrefixStore(f"pipeswap/{group.group_name}/",
+                                       dist.distributed_c10d._get_default_store())
+
+    def post(self, text: str) -> None:
+        """Record ``text`` unless another rank's failure came first."""
+        with suppress(Exception):  # the store may be gone with its rank; peers still fail
+            self._store.compare_set("failed", "", text)
+
+    def read(self) -> str | None:
+        """The first failure posted, if any."""
+        try:
+            if self._store.check(["failed"]):
+                return bytes(self._store.get("failed")).decode("utf-8", "replace")
+        except Exception:  # noqa: BLE001 - no store, no story: the caller says what it saw
+            return None
+        return None
+
+
+def break_links(group: dist.ProcessGroup) -> None:
+    """Close this rank's connections in ``group`` so that every peer blocked on it fails at
+    once instead of at its timeout (gloo closes a connection whose receive timed out)."""
+    import torch
+    import torch.distributed as dist
+
+    me = dist.get_rank(group)
+    for peer in range(dist.get_world_size(group)):
+        if peer != me:
+            with suppress(Exception):
+                dist.irecv(torch.zeros(1), dist.get_global_rank(group, peer), group=group,
+                           tag=_BREAK_TAG).wait(datetime.timedelta(milliseconds=1))
+
+
+def group_timeout(group: dist.ProcessGroup | None) -> datetime.timedelta:
+    """The timeout ``group`` was created with (torch's default where it does not say)."""
+    import torch
+    import torch.distributed as dist
+
+    try:
+        pg = group if group is not None else dist.distributed_c10d._get_default_group()
+        timeout: datetime.timedelta = pg._get_backend(torch.device("cpu")).options._timeout
+        return timeout
+    except (AttributeError, RuntimeError):
+        return dist.default_pg_timeout
+
+
 class Transport:
     """Sends and receives of one executor over one process group."""
 
     def __init__(self, group: dist.ProcessGroup | None, stage_ranks: tuple[int, ...],
-                 microbatches: int, device: torch.device) -> None:
+                 microbatches: int, device: torch.device, board: FailureBoard | None = None
+                 ) -> None:
         import torch.distributed as dist
 
+        self.board = board
         self.group = group
         self.rank = dist.get_rank(group)
         self.stage_ranks = stage_ranks
@@ -143,10 +201,21 @@ class Transport:
     def _error(self, step: Step, exc: BaseException) -> PipelineCommError:
         verb = "sending to" if step.type in (StepType.FWD_SEND, StepType.BWD_SEND) else (
             "receiving from")
+        return self.failure(f"{step} ({verb} rank {self.peer(step)})", exc)
+
+    def failure(self, where: str, exc: BaseException) -> PipelineCommError:
+        """The error for a transfer or collective at ``where`` that failed with ``exc``: a
+        :class:`PeerFailedError` naming the rank that failed first when one said so."""
+        posted = self.board.read() if self.board is not None else None
+        if posted is not None:
+            failed_rank = int(posted.split(" ", 2)[1])
+            return PeerFailedError(
+                f"rank {self.rank} stopped at {where}: {posted}. Call recover() on the "
+                "executor of every rank before the next step (or exit)", failed_rank)
         return PipelineCommError(
-            f"rank {self.rank}: {step} ({verb} rank {self.peer(step)}) failed: {exc}. The peer "
-            "rank raised, died or runs another schedule (see its output); the wait is bounded "
-            "by the process group's timeout. Re-create the process group before going on.")
+            f"rank {self.rank}: {where} failed: {exc}. A peer rank died, was stopped or runs "
+            "another schedule (see its output); call recover() on the executor of every rank "
+            "before the next step (or exit)")
 
     # -- shapes, once ---------------------------------------------------------------------
 

@@ -14,4 +14,13 @@ class PipelineSetupError(PipelineError):
 
 class PipelineCommError(PipelineError):
     """A transfer with a peer rank failed or timed out: the peer died, raised, or runs a
-    different schedule. The process group is not usable afterwards."""
+    different schedule. Call ``PipelineExecutor.recover()`` on every rank to go on."""
+
+
+class PeerFailedError(PipelineCommError):
+    """Another rank's step failed first (``failed_rank``); this rank stopped its own step.
+    Call ``PipelineExecutor.recover()`` on every rank to go on."""
+
+    def __init__(self, message: str, failed_rank: int) -> None:
+        super().__init__(message)
+        self.failed_rank = failed_rank

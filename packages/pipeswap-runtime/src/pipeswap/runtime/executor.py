@@ -4,6 +4,12 @@ Gradients are those of the **mean** of the microbatch losses: each microbatch's 
 scaled by 1/M before its backward, so with equal microbatches and a loss that averages over
 its batch, ``.grad`` equals that of the whole batch's loss on one device. Gradients
 accumulate in ``.grad``; zero them between steps as usual.
+
+A step succeeds on every rank or fails on every rank: the rank that fails first posts what
+failed and closes its connections, so its peers stop at once with a
+:class:`~pipeswap.runtime.errors.PeerFailedError` naming it, and the step ends with an
+agreement of all ranks. After a failure, :meth:`PipelineExecutor.recover` on every rank gives
+the executor a fresh communication group; the next step then runs as if nothing had failed.
 """
 
 from __future__ import annotations
@@ -13,12 +19,21 @@ import hashlib
 import time
 import warnings
 from collections.abc import Callable, Mapping, Sequence
+from contextlib import suppress
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from pipeswap.platform import Platform, get_platform
-from pipeswap.runtime.comm import TensorMeta, Transfer, Transport, all_gather_ints
-from pipeswap.runtime.errors import PipelineError, PipelineSetupError
+from pipeswap.runtime.comm import (
+    FailureBoard,
+    TensorMeta,
+    Transfer,
+    Transport,
+    all_gather_ints,
+    break_links,
+    group_timeout,
+)
+from pipeswap.runtime.errors import PipelineCommError, PipelineError, PipelineSetupError
 from pipeswap.runtime.microbatch import split_microbatches
 from pipeswap.runtime.session import SwapSession
 from pipeswap.runtime.stage import PipelineStage
@@ -129,14 +144,44 @@ class PipelineExecutor:
         self.manager = manager or SwapManager(self.platform)
         for stage in self.stages:
             self.manager.protect_module(stage.module)
-        self.transport = Transport(self.group, self.schedule.stage_ranks, microbatches,
-                                   self.platform.device)
+        self.transport = self._new_transport()
+        self._failed: str | None = None  # why the last step failed, until recover()
         self._input_meta: TensorMeta | None = None
         self._shapes_known = False
         self._runs = 0
         self.swapped = set(swapped_chunks(self.schedule)[self.rank])
 
     # -- set-up ----------------------------------------------------------------------------
+
+    def _new_transport(self) -> Transport:
+        """A transport over a communication group of its own, so that a failed step can
+        break it (see :meth:`recover`) without touching the caller's process group."""
+        import torch.distributed as dist
+
+        ranks = [r if self.group is None else dist.get_global_rank(self.group, r)
+                 for r in range(self.world)]
+        # Every rank of the world creates it (the pipeline spans the world today), which
+        # keeps group names unique however many executors and recoveries there are.
+        comm = dist.new_group(ranks, timeout=group_timeout(self.group))
+        transport = Transport(comm, self.schedule.stage_ranks, self.microbatches,
+                              self.platform.device, FailureBoard(comm))
+        if hasattr(self, "transport"):
+            transport.boundary = self.transport.boundary
+        return transport
+
+    def recover(self) -> None:
+        """After a failed step, on every rank: replace the broken communication group with a
+        fresh one. The failed step left no swap group, transfer or host buffer behind, so
+        the next step (gradients zeroed as usual) gives what it would have without the
+        failure. Collective over the pipeline's ranks."""
+        import torch.distributed as dist
+
+        old = self.transport.group
+        self.transport = self._new_transport()
+        self._failed = None
+        if old is not None:
+            with suppress(Exception):  # already broken on purpose; only its memory is left
+                dist.destroy_process_group(old)
 
     def _build(self, schedule: Schedule | ScheduleSpec | str, swap: bool,
                policy: SwapPolicy | None) -> Schedule:
@@ -162,7 +207,7 @@ class PipelineExecutor:
             # gloo matches messages by tag and this executor never waits on a send before
             # the step ends; NCCL pairs them in order, so a send waits for its receive.
             validate(built, transport="tagged" if self.platform.device.type == "cpu"
-                     else "ordered")
+                     else "ordered", microbatches=self.microbatches)
         except ScheduleError as exc:
             raise PipelineSetupError(f"the schedule cannot run: {exc}") from exc
         if any(step is not None and step.type in FSDP
@@ -181,8 +226,7 @@ class PipelineExecutor:
             raise PipelineSetupError(
                 f"the schedule has {schedule.num_stages} stages but the stages say "
                 f"num_stages={self.num_stages}")
-        micros = 1 + max((step.micro for order in schedule.orders for step in order
-                          if step is not None and step.micro is not None), default=-1)
+        micros = schedule.num_microbatches
         if micros != self.microbatches:
             raise PipelineSetupError(
                 f"the schedule runs {micros} microbatches but microbatches={self.microbatches}; "
@@ -268,6 +312,10 @@ class PipelineExecutor:
         ``inputs`` is needed on the rank of the first stage, ``targets`` on the rank of the
         last (other ranks may pass them too; they are ignored).
         """
+        if self._failed is not None:
+            raise PipelineError(
+                f"rank {self.rank}: a previous step failed ({self._failed}); call recover() on "
+                "every rank before the next step")
         start = time.perf_counter()
         self._runs += 1
         run = _Run(SwapSession(self.manager, f"x{id(self):x}.run{self._runs}"))
@@ -278,8 +326,8 @@ class PipelineExecutor:
             problem = exc
         # One collective before any transfer: a rank refusing its batch stops every rank
         # here, and the process group stays usable for the next step.
-        refused = [rank for rank, bad in enumerate(all_gather_ints(problem is not None,
-                                                                   self.group)) if bad]
+        refused = [rank for rank, bad in enumerate(self._all_gather(problem is not None,
+                                                                    "the batch check")) if bad]
         if problem is not None:
             raise problem
         if refused:
@@ -293,22 +341,26 @@ class PipelineExecutor:
                                               run.micro_inputs[0].dtype)
         self.manager.reset_peak()
         offloaded = self.manager.stats().bytes_offloaded
+        at: Step | None = None
         try:
-            for step in self.schedule.orders[self.rank]:
-                if step is not None:
-                    self._run(run, step)
+            for at in self.schedule.orders[self.rank]:
+                if at is not None:
+                    self._run(run, at)
+            at = None
             for transfer in run.sends:
                 self.transport.wait(transfer)
             if run.receives:
                 raise PipelineError(
                     f"rank {self.rank}: the schedule posted receives no step consumed: "
                     f"{', '.join(str(t.step) for t in run.receives.values())}")
-        except BaseException:
+            self._all_gather(0, "the end-of-step agreement")
+        except BaseException as exc:
+            self._fail(exc, at)
             try:
                 run.session.close()
-            except Exception as exc:  # noqa: BLE001 - the step's own error is the one to see
+            except Exception as close_exc:  # noqa: BLE001 - the step's error is the one to see
                 warnings.warn(f"closing the swap session after a failed step also failed: "
-                              f"{exc}", stacklevel=2)
+                              f"{close_exc}", stacklevel=2)
             raise
         run.session.close()
         stats = self.manager.stats()
@@ -320,6 +372,27 @@ class PipelineExecutor:
             swapped_chunks=len(self.swapped),
             chunk_bytes=run.chunk_bytes,
         )
+
+    def _all_gather(self, value: int, what: str) -> list[int]:
+        """A collective of the step over the communication group; a peer that failed makes
+        it raise at once, naming that peer."""
+        try:
+            return all_gather_ints(value, self.transport.group)
+        except RuntimeError as exc:
+            raise self.transport.failure(what, exc) from exc
+
+    def _fail(self, exc: BaseException, at: Step | None) -> None:
+        """Tell the peers this step failed here: post the reason (if this rank failed first)
+        and break the connections, so that no peer waits for this rank until its timeout."""
+        where = f"{at} of step {self._runs}" if at is not None else f"the end of step {self._runs}"
+        first_line = (str(exc).strip().splitlines() or [""])[0][:300]
+        reason = f"rank {self.rank} failed at {where}: {type(exc).__name__}: {first_line}"
+        if not isinstance(exc, PipelineCommError):
+            assert self.transport.board is not None
+            self.transport.board.post(reason)
+        self._failed = reason
+        assert self.transport.group is not None
+        break_links(self.transport.group)
 
     def _take_batch(self, run: _Run, inputs: torch.Tensor | None,
                     targets: torch.Tensor | None) -> None:

@@ -438,6 +438,12 @@ def main(argv: list[str] | None = None) -> int:
     except RankFailedError as exc:
         print(f"pipeswap-train: {exc}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        print("pipeswap-train: interrupted; every rank was stopped", file=sys.stderr)
+        return 130
+    except SystemExit as exc:  # SIGTERM: spawn stopped every rank first
+        print("pipeswap-train: terminated; every rank was stopped", file=sys.stderr)
+        return exc.code if isinstance(exc.code, int) else 1
     _report(config, args, per_rank)
     return 0
 

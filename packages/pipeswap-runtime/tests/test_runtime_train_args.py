@@ -1,0 +1,134 @@
+"""``pipeswap-train`` refuses every bad argument with one line, before it starts any rank."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from pipeswap.runtime import train
+from pipeswap.runtime.data import Corpus
+from pipeswap.runtime.train import TrainConfig, main, parse_args
+
+CORPUS = len(Corpus.bundled().text)
+NO_GPU = pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is present")
+
+BAD = [
+    (["--device", "bogus"], ["--device", "cpu or cuda", "'bogus'"]),
+    (["--device", "cuda:1"], ["--device", "cpu or cuda", "a GPU of its own"]),
+    pytest.param(["--device", "cuda"], ["no CUDA device", "--device cpu"], marks=NO_GPU),
+    (["--timeout", "0"], ["--timeout", "finite", "from 1 to 86400", "got 0.0"]),
+    (["--timeout", "-1"], ["--timeout", "finite", "got -1.0"]),
+    (["--timeout", "inf"], ["--timeout", "finite", "got inf"]),
+    (["--timeout", "nan"], ["--timeout", "finite", "got nan"]),
+    (["--timeout", "1e9"], ["--timeout", "86400"]),
+    (["--seq-len", "100000"], ["--seq-len", f"{CORPUS} characters", f"{CORPUS - 2} or less"]),
+    (["--seq-len", "0"], ["--seq-len must be at least 1, got 0"]),
+    (["--width", "0"], ["--width must be at least 4, got 0"]),
+    (["--width", "-64"], ["--width must be at least 4"]),
+    (["--width", "30"], ["--width 30", "4 attention heads", "multiple of 4"]),
+    (["--layers", "0"], ["--layers 0 cannot fill 4 stages", "at least 4"]),
+    (["--layers", "-3"], ["--layers -3 cannot fill 4 stages"]),
+    (["--lr", "0"], ["--lr", "finite number above 0", "got 0.0"]),
+    (["--lr", "-0.1"], ["--lr", "finite number above 0"]),
+    (["--lr", "nan"], ["--lr", "finite number above 0", "got nan"]),
+    (["--lr", "inf"], ["--lr", "finite number above 0", "got inf"]),
+    (["--seed", "-1"], ["--seed must be at least 0, got -1"]),
+    (["--seed", str(2**64)], ["--seed must be at most 18446744073709551615", "64-bit"]),
+    (["--batch-size", "0"], ["--batch-size must be at least 1, got 0"]),
+    (["--batch-size", "10"], ["--batch-size 10 does not split into 8 microbatches"]),
+    (["--steps", "-5"], ["--steps must be at least 1, got -5"]),
+    (["--microbatches", "0"], ["--microbatches must be at least 1, got 0"]),
+    (["--ranks", "0"], ["--ranks must be at least 1, got 0"]),
+    (["--stages-per-rank", "0"], ["--stages-per-rank must be at least 1, got 0"]),
+    (["--stages-per-rank", "2"], ["stages_per_rank must be 1", "interleaved-1f1b"]),
+    (["--schedule", "zbv", "--stages-per-rank", "3"], ["zbv runs exactly two stages per rank"]),
+    (["--schedule", "dualpipev", "--microbatches", "2"],
+     ["dualpipev needs at least as many microbatches as stages (8 for 4 ranks), got 2"]),
+    (["--schedule", "dualpipev", "-P", "2", "-M", "2", "--batch-size", "4"],
+     ["dualpipev needs at least as many microbatches as stages (4 for 2 ranks)"]),
+    (["--overlap-b-f"], ["overlap_b_f applies to interleaved-1f1b only"]),
+    (["--schedule", "interleaved-1f1b", "-P", "2", "-V", "2", "--dxdw-split"],
+     ["dxdw_split=True requires overlap_b_f=True"]),
+    (["-P", "512", "-M", "100000"], ["--ranks must be at most 64, got 512", "process"]),
+    (["-P", "64", "-M", "2000", "--batch-size", "2000"],
+     ["64 ranks x 1 stage(s) per rank x 2000 microbatches", "at most 100000"]),
+    (["-M", "100000", "--batch-size", "100000"], ["at most 100000", "--microbatches"]),
+    (["--width", "100000"], ["GiB", "more than this machine's", "--width"]),
+    (["--layers", "10000000"], ["GiB", "more than this machine's"]),
+    (["--steps", "1000000000"], ["GiB", "more than this machine's", "--steps"]),
+    (["--ranks", "four"], ["--ranks/-P: invalid int value: 'four'"]),
+]
+
+
+@pytest.fixture
+def no_ranks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Not under torchrun, and fail the test if anything tries to start a rank."""
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+
+    def started(*args: Any, **kwargs: Any) -> None:
+        pytest.fail("a rank was started for arguments that should have been refused")
+
+    monkeypatch.setattr(train, "spawn", started)
+    monkeypatch.setattr(train, "init_from_env", started, raising=False)
+
+
+def _refused(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert "Traceback" not in captured.err
+    errors = [line for line in captured.err.splitlines() if "error:" in line]
+    assert len(errors) == 1 and errors[0].startswith("pipeswap-train: error: "), captured.err
+    assert captured.err.rstrip().endswith(errors[0])  # the last line, after the usage
+    return errors[0]
+
+
+@pytest.mark.parametrize(("argv", "words"), BAD)
+def test_a_bad_argument_gets_one_line_and_starts_no_rank(
+        argv: list[str], words: list[str], no_ranks: None,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    line = _refused(argv, capsys)
+    for word in words:
+        assert word in line
+
+
+def test_under_torchrun_its_world_size_meets_the_same_limits(
+        monkeypatch: pytest.MonkeyPatch, no_ranks: None,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "512")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "29500")
+    line = _refused([], capsys)
+    assert "torchrun's world size" in line and "at most 64, got 512" in line
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_needs_a_gpu_per_rank(no_ranks: None, capsys: pytest.CaptureFixture[str]) -> None:
+    count = torch.cuda.device_count()
+    line = _refused(["--device", "cuda", "--ranks", str(count + 1)], capsys)
+    assert f"this machine has {count}" in line
+
+
+def test_the_defaults_parse_to_the_default_config(no_ranks: None) -> None:
+    config, args = parse_args([])
+    assert config == TrainConfig() and not args.json
+
+
+@pytest.mark.parametrize("argv", [
+    ["--schedule", "gpipe", "--ranks", "2", "--microbatches", "4"],
+    ["--schedule", "interleaved-1f1b", "--ranks", "2", "--stages-per-rank", "2",
+     "--overlap-b-f", "--dxdw-split", "--batch-p2p"],
+    ["--schedule", "dualpipev", "--ranks", "2", "--microbatches", "4"],
+    ["--schedule", "zbv", "-P", "2", "-V", "2", "-M", "2", "--batch-size", "4"],
+    ["--no-swap", "--json", "--lr", "1e-4", "--timeout", "1", "--seed", str(2**64 - 1)],
+    ["-P", "64", "-M", "16", "--width", "4", "--seq-len", str(CORPUS - 2), "--steps", "1"],
+])
+def test_the_documented_and_boundary_values_parse(argv: list[str], no_ranks: None) -> None:
+    config, _ = parse_args(argv)
+    assert config.num_layers >= config.num_stages
