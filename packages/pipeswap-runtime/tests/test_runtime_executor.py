@@ -9,7 +9,13 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from pipeswap.runtime import PipelineExecutor, PipelineSetupError, PipelineStage, StepReport
+from pipeswap.runtime import (
+    PipelineError,
+    PipelineExecutor,
+    PipelineSetupError,
+    PipelineStage,
+    StepReport,
+)
 from pipeswap.runtime.comm import TensorMeta
 from pipeswap.runtime.microbatch import split_microbatches
 from pipeswap.runtime.model import GPTConfig, build_gpt, lm_loss, split_stages
@@ -98,6 +104,9 @@ def test_a_failed_step_leaves_nothing_behind_and_the_next_one_works(group: None)
     assert executor.manager.active_group_count() == 0
     assert stats.host_bytes_in_use == 0 and stats.device_bytes_held == 0
     model.zero_grad(set_to_none=True)
+    with pytest.raises(PipelineError, match=r"call recover\(\) on every rank"):
+        executor.step(*_batch(3))
+    executor.recover()
     report = executor.step(*_batch(3))
     fresh, fresh_model = _executor(swap=True)
     assert fresh.step(*_batch(3)).losses == report.losses
@@ -214,3 +223,39 @@ def test_stage_outputs_and_microbatch_counts_that_cannot_work(group: None) -> No
                        "microbatches=4"):
         PipelineExecutor(stages, ScheduleSpec(ScheduleKind.INTERLEAVED_1F1B, ranks=1,
                                               microbatches=8, stages_per_rank=2), 4, lm_loss)
+
+
+class _ExpThenInPlace(torch.nn.Module):
+    """``lin(x).exp().mul_(0.5)``: exp saves its output, which the in-place write changes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.lin(x).exp().mul_(0.5)
+        return out
+
+
+@pytest.mark.parametrize("swap", [False, True], ids=["no swap", "swap"])
+def test_an_in_place_write_to_a_saved_activation_fails_as_in_plain_autograd(
+    group: None, swap: bool
+) -> None:
+    torch.manual_seed(0)
+    module = _ExpThenInPlace()
+    x, y = torch.randn(4, 4), torch.randn(4, 4)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        torch.nn.functional.mse_loss(module(x), y).backward()  # type: ignore[no-untyped-call]
+    executor = PipelineExecutor([PipelineStage(module, 0, 1)], "gpipe", 2,
+                                torch.nn.functional.mse_loss, swap=swap)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        executor.step(x, y)
+    assert executor.manager.active_group_count() == 0
+    assert executor.manager.stats().host_bytes_in_use == 0
+
+
+def test_a_schedule_missing_a_microbatch_is_refused(group: None) -> None:
+    schedule = loads("rank 0: 0F0 0B0 0F1 0B1 0F3 0B3")
+    with pytest.raises(PipelineSetupError, match=r"micro.*2"):
+        PipelineExecutor([PipelineStage(torch.nn.Linear(4, 4), 0, 1)], schedule, 4,
+                         torch.nn.functional.mse_loss)

@@ -207,7 +207,7 @@ class PipelineExecutor:
             # gloo matches messages by tag and this executor never waits on a send before
             # the step ends; NCCL pairs them in order, so a send waits for its receive.
             validate(built, transport="tagged" if self.platform.device.type == "cpu"
-                     else "ordered", microbatches=self.microbatches)
+                     else "ordered")  # every micro below the count: see _check_stages
         except ScheduleError as exc:
             raise PipelineSetupError(f"the schedule cannot run: {exc}") from exc
         if any(step is not None and step.type in FSDP
