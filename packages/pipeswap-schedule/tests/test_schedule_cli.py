@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from collections.abc import Callable
@@ -163,3 +164,112 @@ def test_runs_as_a_module_and_reads_stdin() -> None:
         input=plan.stdout, capture_output=True, text=True)
     assert checked.returncode == 0, checked.stderr
     assert checked.stdout.startswith("valid: 2 ranks, 2 stages")
+
+
+def _one_line_error(code: int, err: str, expected: int = 2) -> str:
+    """The command failed with ``expected`` and said why in one line, without a traceback."""
+    assert code == expected, err
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    return err
+
+
+@pytest.mark.parametrize("command", ["convert", "validate"])
+def test_unreadable_files_are_one_line_errors(cli: Cli, tmp_path: Path, command: str) -> None:
+    binary = tmp_path / "plan.bin"
+    binary.write_bytes(b"\xff\xfe\x00rank")
+    for path, message in (
+        (tmp_path / "nope.json", f"cannot read {tmp_path / 'nope.json'}: no such file; check "
+                                 "the path, or give - to read standard input"),
+        (tmp_path, f"cannot read {tmp_path}: it is a directory; give a schedule file"),
+        (binary, f"{binary} is not a text file: expected a schedule in UTF-8"),
+    ):
+        code, out, err = cli(command, str(path))
+        assert out == ""
+        assert _one_line_error(code, err).startswith(f"pipeswap-schedule: error: {message}")
+
+
+def test_convert_output_that_cannot_be_written_is_a_one_line_error(
+        cli: Cli, tmp_path: Path) -> None:
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps(to_json(build_schedule(ScheduleSpec(ScheduleKind.GPIPE, 2, 2)))))
+    missing = tmp_path / "no" / "such" / "dir" / "out.json"
+    code, _, err = cli("convert", str(plan), "-o", str(missing))
+    assert _one_line_error(code, err) == (
+        f"pipeswap-schedule: error: cannot write {missing}: the directory {missing.parent} "
+        "does not exist; create it first\n")
+    code, _, err = cli("convert", str(plan), "--output", str(tmp_path))
+    assert "it is a directory; give a file name" in _one_line_error(code, err)
+    code, _, err = cli("convert", str(plan), "-o", str(tmp_path / "out.json"))
+    assert (code, err) == (0, "")
+    assert loads((tmp_path / "out.json").read_text()) == loads(plan.read_text())
+
+
+def test_validate_refuses_a_schedule_that_skips_a_microbatch(
+        cli: Cli, tmp_path: Path) -> None:
+    path = tmp_path / "gap.txt"
+    path.write_text("rank 0: 0F0 0B0 0F1 0B1 0F3 0B3\n")
+    code, _, err = cli("validate", str(path))
+    assert "never computes chunk(s) (stage 0, micro 2)" in _one_line_error(code, err, 1)
+    path.write_text("rank 0: 0F0 0B0 0F1 0B1\n")
+    code, out, _ = cli("validate", str(path), "--microbatches", "2")
+    assert (code, out) == (0, "valid: 1 ranks, 1 stages, 4 steps\n")
+    code, _, err = cli("validate", str(path), "--microbatches", "4")
+    assert _one_line_error(code, err, 1) == (
+        "invalid: the schedule runs 2 microbatches (micro 0..1), not the 4 expected: add the "
+        "steps of micro 2..3 to every stage, or give 2 as the microbatch count\n")
+    code, _, err = cli("validate", str(path), "-M", "0")
+    assert code == 2 and "argument --microbatches/-M: 0 is out of range: give 1 to" in err
+
+
+@pytest.mark.parametrize(("content", "message"), [
+    ("rank 0: 0F0 0UNSHARD 0B0\n", "invalid: rank 0: 0F0 (position 0) computes stage 0 while "
+                                   "its parameters are not gathered"),
+    ("rank 0: 0UNSHARD 0UNSHARD 0F0 0B0 0REDUCE_GRAD 0RESHARD 0RESHARD\n",
+     "invalid: rank 0: 0UNSHARD (position 1) gathers stage 0, which 0UNSHARD (position 0) "
+     "gathered already"),
+    ("rank \u0663: 0F0 0B0\n", "invalid: line 1: expected 'rank N: <steps>' with N in "
+                              "digits 0-9"),
+    ("rank 0: " + "0" * 200_000 + "F0\n", "invalid: line 1 (rank 0): bad step '000"),
+    ("0F0," + "x" * 140_000 + "\n", "invalid: not a schedule in PyTorch's CSV form: line 1: "
+                                    "field larger than field limit (131072)"),
+])
+def test_validate_probes_exit_1_with_one_line(
+        cli: Cli, tmp_path: Path, content: str, message: str) -> None:
+    path = tmp_path / "plan.txt"
+    path.write_text(content)
+    code, _, err = cli("validate", str(path))
+    assert _one_line_error(code, err, 1).startswith(message)
+    assert len(err) < 1000
+
+
+def test_a_schedule_too_big_to_build_is_refused_up_front(cli: Cli) -> None:
+    code, out, err = cli("orders", "--schedule", "1f1b", "-P", "512", "-M", "100000")
+    assert out == ""
+    assert _one_line_error(code, err) == (
+        "pipeswap-schedule: error: 512 ranks x 1 stages per rank x 100000 microbatches make "
+        "51,200,000 chunks, over the 1,048,576 that can be built (about 1 GiB of memory); ask "
+        "for fewer ranks, stages per rank or microbatches\n")
+
+
+@pytest.mark.parametrize("argv", [
+    ["orders", "--schedule", "1f1b", "-P", "2", "-M", "4"],
+    ["show", "--schedule", "1f1b", "-P", "2", "-M", "4"],
+    ["validate", "PLAN"],
+    ["convert", "PLAN"],
+    ["simulate", "--schedule", "1f1b", "-P", "2", "-M", "4"],
+], ids=lambda argv: argv[0])
+def test_a_reader_that_leaves_early_ends_it_quietly(tmp_path: Path, argv: list[str]) -> None:
+    # As `... | head` does: nobody reads stdout any more. No traceback, no "Exception
+    # ignored" at interpreter exit, and no error status.
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps(to_json(build_schedule(ScheduleSpec(ScheduleKind.GPIPE, 2, 2)))))
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", "pipeswap.schedule.cli",
+             *(str(plan) if a == "PLAN" else a for a in argv)],
+            stdout=write, stderr=subprocess.PIPE, text=True, timeout=60)
+    finally:
+        os.close(write)
+    assert (done.returncode, done.stderr) == (0, "")

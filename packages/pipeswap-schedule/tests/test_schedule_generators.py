@@ -97,11 +97,13 @@ def test_gpipe_runs_all_forwards_then_all_backwards_with_sends_right_after() -> 
 
 
 def test_every_generator_option_combination_validates() -> None:
+    # ...with every microbatch computed: validate() refuses a schedule that skips one.
     for ranks, micros in itertools.product(range(1, 6), range(1, 10)):
         for fsdp, batch, swap in itertools.product((False, True), repeat=3):
             for kind in (ScheduleKind.GPIPE, ScheduleKind.ONE_F_ONE_B):
                 validate(build_schedule(ScheduleSpec(kind, ranks, micros, fsdp=fsdp,
-                                                     batch_p2p=batch, swap=swap)))
+                                                     batch_p2p=batch, swap=swap)),
+                         microbatches=micros)
             for v, (overlap, dxdw, less) in itertools.product(
                 range(1, 4), [(False, False, False), (False, False, True), (True, False, False),
                               (True, True, False)]
@@ -109,7 +111,21 @@ def test_every_generator_option_combination_validates() -> None:
                 spec = ScheduleSpec(ScheduleKind.INTERLEAVED_1F1B, ranks, micros, v,
                                     overlap_b_f=overlap, dxdw_split=dxdw, less_memory=less,
                                     fsdp=fsdp, batch_p2p=batch, swap=swap)
-                validate(build_schedule(spec))
+                validate(build_schedule(spec), microbatches=micros)
+
+
+@pytest.mark.parametrize("kind", [ScheduleKind.LOOPED_BFS, ScheduleKind.INTERLEAVED_ZB,
+                                  ScheduleKind.ZBV, ScheduleKind.DUALPIPEV],
+                         ids=lambda k: k.value)
+def test_every_pytorch_family_option_combination_validates(kind: ScheduleKind) -> None:
+    for ranks, micros, v in itertools.product(range(1, 5), range(1, 9), (1, 2)):
+        for fsdp, batch, swap in itertools.product((False, True), repeat=3):
+            try:
+                schedule = build_schedule(ScheduleSpec(kind, ranks, micros, v, fsdp=fsdp,
+                                                       batch_p2p=batch, swap=swap))
+            except ScheduleError:  # e.g. dualpipev with fewer microbatches than stages
+                continue
+            validate(schedule, transport="tagged", microbatches=micros)
 
 
 Spec = Callable[[], ScheduleSpec]

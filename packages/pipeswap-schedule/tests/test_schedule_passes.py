@@ -2,19 +2,26 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 
 from pipeswap.schedule import (
     Schedule,
     ScheduleError,
+    ScheduleKind,
+    ScheduleSpec,
     StepType,
     add_fsdp_steps,
+    build_schedule,
     coalesce_p2p,
+    inject_swap,
     insert_send_recv,
     interleaved_1f1b_compute,
     one_f_one_b,
     parse_order,
     split_dxdw,
+    validate,
 )
 from pipeswap.schedule.steps import COMM, FSDP, Step
 from pipeswap.schedule.text import format_order
@@ -142,3 +149,35 @@ def test_dxdw_split_refuses_batched_p2p() -> None:
     schedule = coalesce_p2p(insert_send_recv(interleaved_1f1b_compute(2, 4, 2, overlap_b_f=True)))
     with pytest.raises(ScheduleError, match="split_dxdw runs before P2P batching"):
         split_dxdw(schedule)
+
+
+def test_fsdp_with_a_window_of_one_gathers_both_stages_of_an_overlap() -> None:
+    # (1B0;0F1)OVERLAP_B_F computes two stages at once: both must be gathered, window or not.
+    schedule = add_fsdp_steps(insert_send_recv(interleaved_1f1b_compute(1, 2, 2,
+                                                                        overlap_b_f=True)),
+                              window=1)
+    gathered: set[int] = set()
+    for step in schedule.orders[0]:
+        if step is None:
+            continue
+        if step.type is StepType.FSDP_UNSHARD:
+            gathered.add(step.stage)  # type: ignore[arg-type]
+        elif step.type is StepType.FSDP_RESHARD:
+            gathered.discard(step.stage)
+        if step.compute_leaves:
+            assert {leaf.stage for leaf in step.compute_leaves} <= gathered, step
+            assert len(gathered) <= 2  # the window, widened only as far as an overlap needs
+    validate(schedule)
+
+
+@pytest.mark.parametrize("kind", list(ScheduleKind), ids=lambda k: k.value)
+def test_fsdp_on_every_generator_window_and_managed_set_validates(kind: ScheduleKind) -> None:
+    for ranks, micros, window in itertools.product((1, 2, 3), (2, 4, 6), (1, 2, 3)):
+        try:
+            base = build_schedule(ScheduleSpec(kind, ranks, micros, 2))
+        except ScheduleError:  # e.g. dualpipev with fewer microbatches than stages
+            continue
+        for managed in (None, [0], range(0, base.num_stages, 2)):
+            fsdp = add_fsdp_steps(base, managed, window=window)
+            for schedule in (fsdp, inject_swap(coalesce_p2p(fsdp))):
+                validate(schedule, transport="tagged", microbatches=micros)

@@ -124,6 +124,15 @@ def test_a_link_of_zero_bandwidth_is_refused() -> None:
         CostModel(link=Link(0.0, 1e9))
 
 
+@pytest.mark.parametrize("name", ["forward", "backward", "p2p_latency"])
+def test_an_infinite_or_negative_time_is_refused(name: str) -> None:
+    # An infinite time would make the whole step "inf s" and its bubble NaN.
+    for value in (math.inf, math.nan, -1.0):
+        with pytest.raises(ScheduleError, match=f"cost {name} must be a finite number of "
+                                                "seconds >= 0"):
+            CostModel(**{name: value})  # type: ignore[arg-type]
+
+
 def test_non_duplex_links_queue_offloads_behind_loads() -> None:
     schedule = build_schedule(ScheduleSpec(ScheduleKind.GPIPE, ranks=2, microbatches=8,
                                            swap=True))

@@ -67,13 +67,48 @@ def test_the_table_puts_ranks_side_by_side(cli: Cli) -> None:
     (["--policy", "cost", "--budget", "1GiB"], "--budget applies to --policy budget, not cost"),
     (["--hidden", "4096"], "needs all of --hidden, --seq-len and --layers-per-stage"),
     (["--preset", "tpu"], "unknown preset 'tpu'"),
-    (["--d2h-bandwidth", "0", "--swap"], "d2h_bandwidth must be > 0"),
+    (["--d2h-bandwidth", "0", "--swap"],
+     "argument --d2h-bandwidth: '0' is out of range: give 1 to 2**60 bytes per second"),
     (["--activation-bytes", "lots"], "not a size: 'lots'"),
 ])
 def test_bad_options_say_what_to_fix(cli: Cli, argv: list[str],
                                      message: str) -> None:
     code, _, err = cli(*BASE, *argv)
     assert code == 2 and message in err
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--activation-bytes", "1e400"], "'1e400' is out of range: give 0 to 2**60 bytes (1 EiB)"),
+    (["--pinned-bytes", "2e18"], "'2e18' is out of range: give 0 to 2**60 bytes"),
+    (["--boundary-bytes", "1e400"], "'1e400' is out of range"),
+    (["--budget", "1e400"], "'1e400' is out of range"),
+    (["--forward-time", "1e400"], "'1e400' is out of range: give 0 to 1e6 s (about 11.6 days)"),
+    (["--forward-time", "1e308"], "'1e308' is out of range: give 0 to 1e6 s"),
+    (["--backward-time", "2e6s"], "'2e6s' is out of range"),
+    (["--p2p-latency", "1e400"], "'1e400' is out of range"),
+    (["--d2h-bandwidth", "1e-400"], "'1e-400' is out of range: give 1 to 2**60 bytes per second"),
+    (["--h2d-bandwidth", "0.5"], "'0.5' is out of range"),
+    (["--p2p-bandwidth", "1e400"], "'1e400' is out of range"),
+    (["--flops", "0"], "'0' is out of range: give 1 to 1e21 FLOP/s"),
+    (["--micro-batch-size", "0"], "0 is out of range: give 1 to 16,777,216"),
+    (["--hidden", "1e3"], "not an integer: '1e3'"),
+    (["--seq-len", "99999999999"], "99999999999 is out of range"),
+    (["--layers-per-stage", "-2"], "-2 is out of range"),
+])
+def test_cost_options_must_be_finite_and_in_range(cli: Cli, argv: list[str],
+                                                  message: str) -> None:
+    # Before, 1e400 was inf: an OverflowError, or a report of "inf s" and "nan%".
+    code, out, err = cli(*BASE, *argv)
+    assert code == 2 and out == "" and "Traceback" not in err
+    assert err.splitlines()[-1].startswith(
+        f"pipeswap-schedule simulate: error: argument {argv[0]}: {message}")
+
+
+def test_a_trace_that_cannot_be_written_is_a_one_line_error(cli: Cli, tmp_path: Path) -> None:
+    missing = tmp_path / "no" / "trace.json"
+    code, _, err = cli(*BASE, "--trace", str(missing))
+    assert (code, err) == (2, f"pipeswap-schedule: error: cannot write {missing}: the "
+                              f"directory {missing.parent} does not exist; create it first\n")
 
 
 def test_a_trace_file_is_written(cli: Cli, tmp_path: Path) -> None:
@@ -99,6 +134,15 @@ def test_plotting_without_the_extra_says_how_to_get_it(
         cli: Cli, tmp_path: Path) -> None:
     code, _, err = cli(*BASE, "--swap", "--plot", str(tmp_path / "x.png"))
     assert code == 2 and "pip install 'pipeswap-schedule[plot]'" in err
+
+
+@pytest.mark.skipif(not HAS_MATPLOTLIB, reason="the [plot] extra is not installed here")
+def test_a_plot_format_matplotlib_cannot_write_is_a_one_line_error(
+        cli: Cli, tmp_path: Path) -> None:
+    code, _, err = cli(*BASE, "--plot", str(tmp_path / "step.xyz"))
+    assert code == 2 and err.count("\n") == 1
+    assert err.startswith(f"pipeswap-schedule: error: cannot draw {tmp_path / 'step.xyz'}: ")
+    assert err.endswith("; name it .png, .svg or .pdf\n")
 
 
 def test_units() -> None:

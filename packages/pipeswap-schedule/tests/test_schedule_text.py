@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 
 import pytest
 
@@ -154,3 +155,65 @@ def test_bad_json_schedules_are_refused_clearly(data: object, message: str) -> N
 def test_absurdly_nested_json_is_a_parse_error() -> None:
     with pytest.raises(ParseError, match="nested too deeply"):
         loads('{"orders": ' + "[" * 100_000 + "]" * 100_000 + "}")
+
+
+@pytest.mark.parametrize(("read", "message"), [
+    (lambda: parse_step("\u0660F\u0660"), "bad step"),  # Arabic-Indic zeros
+    (lambda: parse_rank_lines("rank \u0663: 0F0 0B0\n"),
+     "line 1: expected 'rank N: <steps>' with N in digits 0-9, got 'rank \u0663: 0F0 0B0'"),
+    (lambda: from_json({"orders": {"\u0663": ["0F0"]}}), "rank keys are ranks written as"),
+    (lambda: from_json({"orders": {"\u00b2": ["0F0"]}}), "rank keys are ranks written as"),
+])
+def test_numbers_are_ascii_digits_only(read: object, message: str) -> None:
+    # int() reads any script's digits (and str.isdigit() accepts '²', which int() refuses).
+    with pytest.raises(ParseError, match=re.escape(message)):
+        read()  # type: ignore[operator]
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    ("rank 0: 1234567890F0", "the stage number has 10 digits; numbers here have at most 9"),
+    ("rank 0: 0F0000000000001", "the micro number has 13 digits"),
+    ("rank 0: " + "1" * 200_000 + "F0", "the stage number has 200000 digits"),
+    ("rank 1234567890: 0F0", "line 1: the rank number has 10 digits"),
+    ('{"orders": {"1234567890": ["0F0"]}}', "the rank number has 10 digits"),
+])
+def test_long_numbers_are_refused_with_the_limit(text: str, message: str) -> None:
+    with pytest.raises(ParseError, match=message) as info:
+        loads(text)
+    assert len(str(info.value)) < 1000  # a huge token is quoted cut short
+
+
+def test_a_huge_number_in_json_is_a_parse_error() -> None:
+    with pytest.raises(ParseError, match="a number thousands of digits long"):
+        loads('{"orders": {"0": [' + "1" * 5000 + "]}}")
+
+
+def test_gaps_in_the_numbering_are_counted_without_building_them() -> None:
+    # One stray big number must cost neither memory nor a page of output.
+    with pytest.raises(ParseError, match=re.escape(
+            "missing rank(s) [0, 1, 2, 3, 4] and 999999994 more")):
+        loads("rank 999999999: 0F0")
+    with pytest.raises(ParseError, match=re.escape(
+            "no rank runs stage(s) [1, 2, 3, 4, 5] and 999999993 more")):
+        loads("rank 0: 0F0 999999999F0")
+
+
+def test_a_schedule_file_may_start_with_a_comment() -> None:
+    assert loads("# the plan\n\nrank 0: 0F0 0B0\n") == loads("rank 0: 0F0 0B0")
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    ("0F0," + "x" * 140_000, "field larger than field limit (131072)"),
+    ("\r0", "new-line character seen in unquoted field"),
+])
+def test_what_the_csv_module_refuses_is_a_parse_error(text: str, message: str) -> None:
+    with pytest.raises(ParseError, match=re.escape(message)) as info:
+        loads(text)
+    assert str(info.value).startswith("not a schedule in PyTorch's CSV form: line 1: ")
+
+
+def test_a_bad_batch_names_the_leaf_that_does_not_belong() -> None:
+    leaves = ";".join(f"0SEND_F{m}" for m in range(10_000))
+    with pytest.raises(ParseError, match="P2P leaves .*, got 0F1;") as info:
+        parse_step(f"({leaves};0F1)BATCH_P2P")
+    assert len(str(info.value)) < 1000

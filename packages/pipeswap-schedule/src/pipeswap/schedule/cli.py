@@ -64,9 +64,9 @@ def _spec_arguments() -> argparse.ArgumentParser:
         "--schedule", required=True, choices=[k.value for k in ScheduleKind],
         help="gpipe: all forwards then all backwards; 1f1b: one forward one backward after a "
              "warm-up of P-r forwards; interleaved-1f1b: several stages per rank "
-             "(--stages-per-rank), the seed system's; looped-bfs, interleaved-zb (ZB1P), zbv and "
-             "dualpipev: PyTorch's schedules of those names, with the same compute orders (zbv "
-             "and dualpipev: two stages per rank on a V)")
+             "(--stages-per-rank), as in MindSpore hyper-parallel; looped-bfs, interleaved-zb "
+             "(ZB1P), zbv and dualpipev: PyTorch's schedules of those names, with the same "
+             "compute orders (zbv and dualpipev: two stages per rank on a V)")
     group.add_argument("--ranks", "-P", type=int, required=True, metavar="P",
                        help="pipeline ranks")
     group.add_argument("--microbatches", "-M", type=int, required=True, metavar="M",
@@ -90,7 +90,8 @@ def _spec_arguments() -> argparse.ArgumentParser:
                        help="inject activation swap steps (LO, WO, LL, WL) as the last pass")
     group.add_argument("--swap-min-gap", type=int, default=4, metavar="N",
                        help="with --swap: swap a chunk when its backward is at least N compute "
-                            "slots after its forward (default 4, the seed system's rule; min 3)")
+                            "slots after its forward (default 4, MindSpore hyper-parallel's "
+                            "rule; min 3)")
     return parent
 
 
@@ -130,10 +131,13 @@ def _parser() -> argparse.ArgumentParser:
 
     check = commands.add_parser(
         "validate", help="check a schedule file; exit 0 if valid, 1 if not",
-        description="Check a schedule (the JSON or grid that 'orders' prints): each rank's "
-                    "chunks are forwarded and backwarded once in order, dx precedes dw, swap "
-                    "steps run F < LO < WO < LL < WL < backward, and a simulation of all ranks "
-                    "pairs every send with its receive without deadlock.")
+        description="Check a schedule (the JSON or grid that 'orders' prints): every stage "
+                    "forwards and backwards each microbatch 0..M-1 once, in order, dx before "
+                    "dw; swap steps run F < LO < WO < LL < WL < backward; a stage with FSDP "
+                    "steps is gathered (UNSHARD) for each of its computes, freed (RESHARD) in "
+                    "turn and its gradients reduced once after its last backward; and a "
+                    "simulation of all ranks pairs every send with its receive without "
+                    "deadlock.")
     check.add_argument("file", help="schedule file, or - for standard input")
     check.add_argument("--microbatches", "-M", type=count(10**MAX_DIGITS - 1), metavar="M",
                        help="the microbatch count the schedule must run (default: its highest "
@@ -193,8 +197,9 @@ def _parser() -> argparse.ArgumentParser:
                + "; ".join(f"{p.name}: {p.source}" for p in PRESETS.values()),
         formatter_class=argparse.RawDescriptionHelpFormatter)
     sim.add_argument("--policy", choices=["gap", "cost", "budget"], default=None,
-                     help="which chunks to swap (implies --swap): gap, the seed's rule "
-                          "(--swap-min-gap); cost, only chunks whose copies hide behind compute; "
+                     help="which chunks to swap (implies --swap): gap, MindSpore "
+                          "hyper-parallel's rule (--swap-min-gap); cost, only chunks whose "
+                          "copies hide behind compute; "
                           "budget, the fewest exposed copies that bring each rank under "
                           "--budget")
     sim.add_argument("--budget", type=BYTES, metavar="BYTES",

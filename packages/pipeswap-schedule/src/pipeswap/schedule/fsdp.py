@@ -25,9 +25,8 @@ def add_fsdp_steps(
     Before each step, the parameters of the next ``window`` distinct managed stages that
     compute (looking ahead from that step; more if the step itself, an overlap, computes
     more) are gathered and every other gathered stage is freed; at the end the remaining
-    ones are freed in gather order. ``REDUCE_GRAD`` follows
-    the step holding a stage's last parameter-gradient computation (B or W).
-    ``managed_stages`` defaults to every stage.
+    ones are freed in gather order. ``REDUCE_GRAD`` follows the step holding a stage's last
+    parameter-gradient computation (B or W). ``managed_stages`` defaults to every stage.
     """
     if isinstance(window, bool) or not isinstance(window, int) or window < 1:
         raise ScheduleError(f"window must be an integer >= 1, got {window!r}")
