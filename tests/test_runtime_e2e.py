@@ -186,9 +186,14 @@ def test_a_failing_rank_makes_the_others_fail_promptly(how: str) -> None:
     else:
         assert "died with exit code 3" in failures[0]
     # Rank 1 fails waiting for micro 1, or for micro 0 when rank 0 died before its send of
-    # micro 0 left the socket.
-    assert "PipelineCommError" in failures[1]
-    assert re.search(r"rank 1: 1RECV_F[01] \(receiving from rank 0\) failed", failures[1])
+    # micro 0 left the socket; a rank that raised first also says where and why.
+    if how == "raise":
+        assert "PeerFailedError" in failures[1]
+        assert re.search(r"rank 1 stopped at 1RECV_F[01] \(receiving from rank 0\): rank 0 "
+                         r"failed at 0F\d of step 1: ValueError: boom", failures[1])
+    else:
+        assert "PipelineCommError" in failures[1]
+        assert re.search(r"rank 1: 1RECV_F[01] \(receiving from rank 0\) failed", failures[1])
 
 
 @pytest.mark.parametrize(
