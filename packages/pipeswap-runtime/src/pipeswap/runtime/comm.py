@@ -79,8 +79,8 @@ class FailureBoard:
     def __init__(self, group: dist.ProcessGroup) -> None:
         import torch.distributed as dist
 
-        self._store = dist.PrefixStore(f"pipeswap/{group.group_name}/",
-                                       dist.distributed_c10d._get_default_store())
+        self._store = dist.PrefixStore(  # type: ignore[attr-defined]
+            f"pipeswap/{group.group_name}/", dist.distributed_c10d._get_default_store())
 
     def post(self, text: str) -> None:
         """Record ``text`` unless another rank's failure came first."""
@@ -107,8 +107,10 @@ def break_links(group: dist.ProcessGroup) -> None:
     for peer in range(dist.get_world_size(group)):
         if peer != me:
             with suppress(Exception):
-                dist.irecv(torch.zeros(1), dist.get_global_rank(group, peer), group=group,
-                           tag=_BREAK_TAG).wait(datetime.timedelta(milliseconds=1))
+                work = dist.irecv(torch.zeros(1), dist.get_global_rank(group, peer),
+                                  group=group, tag=_BREAK_TAG)
+                if work is not None:
+                    work.wait(datetime.timedelta(milliseconds=1))
 
 
 def group_timeout(group: dist.ProcessGroup | None) -> datetime.timedelta:

@@ -80,7 +80,7 @@ def _known_tensors(holders: Sequence[HoldsTensor]
 
 
 def _use_count(tensor: torch.Tensor) -> int:
-    uses: int = tensor._use_count()
+    uses: int = tensor._use_count()  # type: ignore[attr-defined]
     return uses
 
 
