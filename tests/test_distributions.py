@@ -1,4 +1,4 @@
-"""The four pipeswap distributions install together and keep DESIGN.md's dependency edges."""
+"""The four pipeswap distributions install together and keep their dependency edges."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from types import ModuleType
 
 import pytest
 
-# distribution -> the distributions it may require (DESIGN.md, "Packages and dependency edges")
+# distribution -> the distributions it may require (README.md, "Installing the packages")
 EDGES: dict[str, set[str]] = {
     "pipeswap-schedule": set(),
     "pipeswap-platform": {"torch"},

@@ -14,7 +14,7 @@ existing steps, never inside one:
 ============  ==============================================================================
 
 Compute slots count containers: an overlap of a backward and a forward is one slot.
-Differences from the seed system: local control steps (FSDP, swap) are transparent when
+Differences from MindSpore hyper-parallel: local control steps (FSDP, swap) are transparent when
 looking for a compute's P2P block, FSDP placement applies per stage, and a reload never
 precedes the offload wait. The pass is linear in the order length.
 """
@@ -85,7 +85,7 @@ class SwapPolicy(Protocol):
 class MinGapPolicy:
     """Swap every chunk whose backward is at least ``min_gap`` compute slots after its forward.
 
-    ``min_gap=4`` is the seed system's rule: three computes in between leave one to hide the
+    ``min_gap=4`` is MindSpore hyper-parallel's rule: three computes in between leave one to hide the
     offload, one to hide the reload and one to spare.
     """
 

@@ -137,7 +137,7 @@ class _Saved:
 class SwapManager:
     """Offload and reload groups of saved activations on one platform.
 
-    ``min_bytes``: saved tensors whose storage is smaller stay on the device (0, the seed's
+    ``min_bytes``: saved tensors whose storage is smaller stay on the device (0, MindSpore hyper-parallel's
     behaviour, swaps everything eligible). ``load_on_demand``: when backward reaches an
     activation that is not resident, load it synchronously with a warning instead of raising.
     """
