@@ -14,6 +14,7 @@ from pipeswap.schedule import (
     ScheduleKind,
     ScheduleSpec,
     StageMapping,
+    Lowering,
     StepType,
     build_schedule,
     gpipe,
@@ -106,7 +107,7 @@ def test_every_generator_option_combination_validates() -> None:
                          microbatches=micros)
             for v, (overlap, dxdw, less) in itertools.product(
                 range(1, 4), [(False, False, False), (False, False, True), (True, False, False),
-                              (True, True, False)]
+                              (True, True, False), (True, False, True), (True, True, True)]
             ):
                 spec = ScheduleSpec(ScheduleKind.INTERLEAVED_1F1B, ranks, micros, v,
                                     overlap_b_f=overlap, dxdw_split=dxdw, less_memory=less,
@@ -118,14 +119,18 @@ def test_every_generator_option_combination_validates() -> None:
                                   ScheduleKind.ZBV, ScheduleKind.DUALPIPEV],
                          ids=lambda k: k.value)
 def test_every_pytorch_family_option_combination_validates(kind: ScheduleKind) -> None:
+    """The default (early) lowering runs on an in-order transport (NCCL); the deferred one
+    on a tagged transport (gloo)."""
     for ranks, micros, v in itertools.product(range(1, 5), range(1, 9), (1, 2)):
         for fsdp, batch, swap in itertools.product((False, True), repeat=3):
-            try:
-                schedule = build_schedule(ScheduleSpec(kind, ranks, micros, v, fsdp=fsdp,
-                                                       batch_p2p=batch, swap=swap))
-            except ScheduleError:  # e.g. dualpipev with fewer microbatches than stages
-                continue
-            validate(schedule, transport="tagged", microbatches=micros)
+            for lowering, transport in ((None, "ordered"), (Lowering.DEFERRED, "tagged")):
+                try:
+                    schedule = build_schedule(ScheduleSpec(
+                        kind, ranks, micros, v, fsdp=fsdp, batch_p2p=batch, swap=swap,
+                        lowering=lowering))
+                except ScheduleError:  # e.g. dualpipev with fewer microbatches than stages
+                    continue
+                validate(schedule, transport=transport, microbatches=micros)
 
 
 Spec = Callable[[], ScheduleSpec]
@@ -144,10 +149,15 @@ Spec = Callable[[], ScheduleSpec]
         (lambda: ScheduleSpec(ScheduleKind.INTERLEAVED_1F1B, 2, 4, 2, dxdw_split=True),
          "dxdw_split=True requires overlap_b_f=True"),
         (lambda: ScheduleSpec(ScheduleKind.INTERLEAVED_1F1B, 2, 4, 2, overlap_b_f=True,
-                              less_memory=True), "less_memory=True cannot be combined"),
+                              less_memory=True, lowering=Lowering.COLUMNS),
+         "the columns lowering cannot order less_memory with overlap_b_f"),
+        (lambda: ScheduleSpec(ScheduleKind.ZBV, 2, 4, lowering=Lowering.COLUMNS),
+         "zbv takes 'early' (the default) or 'deferred'"),
+        (lambda: ScheduleSpec(ScheduleKind.ONE_F_ONE_B, 2, 4, lowering=Lowering.EARLY),
+         "1f1b is generated with its sends and receives in place"),
+        (lambda: ScheduleSpec(ScheduleKind.ZBV, 2, 4, lowering="late"),  # type: ignore[arg-type]
+         "unknown lowering 'late'; allowed: early, deferred, columns"),
         (lambda: ScheduleSpec("zigzag", 2, 4), "unknown schedule 'zigzag'; allowed: gpipe, 1f1b"),  # type: ignore[arg-type]
-        (lambda: interleaved_1f1b_compute(2, 4, 2, overlap_b_f=True, less_memory=True),
-         "less_memory=True cannot be combined"),
     ],
 )
 def test_invalid_arguments_name_the_argument(make: Spec, message: str) -> None:

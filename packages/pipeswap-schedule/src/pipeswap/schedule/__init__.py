@@ -5,7 +5,7 @@ schedules without torch or a GPU.
 """
 
 from pipeswap.schedule.__about__ import __version__
-from pipeswap.schedule.build import ScheduleKind, ScheduleSpec, build_schedule
+from pipeswap.schedule.build import Lowering, ScheduleKind, ScheduleSpec, build_schedule
 from pipeswap.schedule.dxdw import split_dxdw
 from pipeswap.schedule.errors import (
     ChunkOrderError,
@@ -21,7 +21,12 @@ from pipeswap.schedule.errors import (
 from pipeswap.schedule.formats import dumps_lines, from_json, loads, to_json
 from pipeswap.schedule.fsdp import add_fsdp_steps
 from pipeswap.schedule.generators import gpipe, interleaved_1f1b_compute, one_f_one_b
-from pipeswap.schedule.p2p import coalesce_p2p, insert_send_recv
+from pipeswap.schedule.p2p import (
+    coalesce_p2p,
+    insert_send_recv,
+    insert_send_recv_by_dependency,
+    insert_send_recv_early,
+)
 from pipeswap.schedule.schedule import Schedule, StageMapping, stage_to_rank
 from pipeswap.schedule.steps import ChunkKey, Order, Step, StepType
 from pipeswap.schedule.swap import (
@@ -40,6 +45,7 @@ __all__ = [
     "ChunkOrderError",
     "DeadlockError",
     "FSDPOrderError",
+    "Lowering",
     "MinGapPolicy",
     "Order",
     "P2PError",
@@ -66,6 +72,8 @@ __all__ = [
     "gpipe",
     "inject_swap",
     "insert_send_recv",
+    "insert_send_recv_by_dependency",
+    "insert_send_recv_early",
     "interleaved_1f1b_compute",
     "loads",
     "one_f_one_b",

@@ -1,4 +1,5 @@
-"""Build a finished schedule: generate, then run the passes in the seed system's order.
+"""Build a finished schedule: generate, then run the passes in MindSpore hyper-parallel's
+order.
 
 generate (+ send/recv, + dx/dw split) → FSDP → P2P batching → swap injection. Swap comes last
 so it sees the final FSDP steps and P2P batches and never splits one.
@@ -15,13 +16,17 @@ from pipeswap.schedule.dxdw import split_dxdw
 from pipeswap.schedule.errors import ScheduleError
 from pipeswap.schedule.fsdp import add_fsdp_steps
 from pipeswap.schedule.generators import (
-    check_interleaved_options,
     check_positive,
     gpipe,
     interleaved_1f1b_compute,
     one_f_one_b,
 )
-from pipeswap.schedule.p2p import coalesce_p2p, insert_send_recv, insert_send_recv_by_dependency
+from pipeswap.schedule.p2p import (
+    coalesce_p2p,
+    insert_send_recv,
+    insert_send_recv_by_dependency,
+    insert_send_recv_early,
+)
 from pipeswap.schedule.pytorch_family import (
     dualpipev,
     interleaved_zero_bubble,
@@ -42,6 +47,26 @@ class ScheduleKind(Enum):
     DUALPIPEV = "dualpipev"
 
 
+class Lowering(Enum):
+    """How sends and receives are added to compute orders.
+
+    ``EARLY``: PyTorch's default, receives posted where a run of all ranks reaches them;
+    valid on every transport. ``DEFERRED``: each receive right before its consumer; tagged
+    transports (gloo) only. ``COLUMNS``: MindSpore hyper-parallel's scan of aligned time
+    columns, interleaved-1f1b's own. GPipe and 1F1B are generated with their P2P in place.
+    """
+
+    EARLY = "early"
+    DEFERRED = "deferred"
+    COLUMNS = "columns"
+
+
+LOWERINGS: dict[Lowering, Callable[[Schedule], Schedule]] = {
+    Lowering.EARLY: insert_send_recv_early,
+    Lowering.DEFERRED: insert_send_recv_by_dependency,
+    Lowering.COLUMNS: insert_send_recv,
+}
+
 #: Schedules that place several stages per rank (their generators emit computes only).
 MULTI_STAGE = frozenset({ScheduleKind.INTERLEAVED_1F1B, ScheduleKind.LOOPED_BFS,
                          ScheduleKind.INTERLEAVED_ZB, ScheduleKind.ZBV, ScheduleKind.DUALPIPEV})
@@ -50,6 +75,16 @@ V_SHAPED = frozenset({ScheduleKind.ZBV, ScheduleKind.DUALPIPEV})
 #: The most (stage, micro) chunks a spec may ask for: with its sends, receives and swap steps
 #: a chunk takes about ten steps and 1 KiB, so this bounds a build near 1 GiB.
 MAX_CHUNKS = 2**20
+
+
+def lowering_kind(name: str | Lowering) -> Lowering:
+    if isinstance(name, Lowering):
+        return name
+    try:
+        return Lowering(name)
+    except ValueError:
+        allowed = ", ".join(k.value for k in Lowering)
+        raise ScheduleError(f"unknown lowering {name!r}; allowed: {allowed}") from None
 
 
 def schedule_kind(name: str | ScheduleKind) -> ScheduleKind:
@@ -76,9 +111,12 @@ class ScheduleSpec:
     fsdp: bool = False
     batch_p2p: bool = False
     swap: bool = False
+    lowering: Lowering | None = None  # None: the schedule's default (see default_lowering)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "kind", schedule_kind(self.kind))
+        if self.lowering is not None:
+            object.__setattr__(self, "lowering", lowering_kind(self.lowering))
         check_positive("ranks", self.ranks)
         check_positive("microbatches", self.microbatches)
         check_positive("stages_per_rank", self.stages_per_rank)
@@ -113,8 +151,31 @@ class ScheduleSpec:
             raise ScheduleError(
                 "dxdw_split=True requires overlap_b_f=True: the split applies to the backward "
                 "inside each OVERLAP_B_F step")
-        if interleaved:  # the generator's own argument checks, before anything is built
-            check_interleaved_options(overlap_b_f=self.overlap_b_f, less_memory=self.less_memory)
+        if self.lowering is not None and kind not in MULTI_STAGE:
+            raise ScheduleError(
+                f"{kind.value} is generated with its sends and receives in place (MindSpore "
+                f"hyper-parallel's order); a lowering (here {self.lowering.value!r}) applies to "
+                "multi-stage schedules only: drop it")
+        if self.lowering is Lowering.COLUMNS and not interleaved:
+            raise ScheduleError(
+                f"the columns lowering needs interleaved-1f1b's time-aligned orders; "
+                f"{kind.value} takes 'early' (the default) or 'deferred'")
+        if self.lowering is Lowering.COLUMNS and self.overlap_b_f and self.less_memory:
+            raise ScheduleError(
+                "the columns lowering cannot order less_memory with overlap_b_f: the shallow "
+                "warm-up leaves no slot between a forward and the overlap that consumes its "
+                "output, so a receive would land after its consumer; use lowering 'early' "
+                "(the default for this combination)")
+
+    @property
+    def effective_lowering(self) -> Lowering | None:
+        """The lowering this spec builds with (None for GPipe and 1F1B)."""
+        if self.lowering is not None or self.kind not in MULTI_STAGE:
+            return self.lowering
+        if self.kind is ScheduleKind.INTERLEAVED_1F1B and not (
+                self.overlap_b_f and self.less_memory):
+            return Lowering.COLUMNS  # hyper-parallel's exact orders
+        return Lowering.EARLY
 
 
 Pass = Callable[[Schedule], Schedule]
@@ -147,10 +208,9 @@ def generate(spec: ScheduleSpec) -> Schedule:
 def passes(spec: ScheduleSpec, swap_policy: SwapPolicy | None = None) -> list[tuple[str, Pass]]:
     """The passes ``spec`` asks for, named, in the order they run after :func:`generate`."""
     chosen: list[tuple[str, Pass]] = []
-    if spec.kind is ScheduleKind.INTERLEAVED_1F1B:
-        chosen.append(("send/recv", insert_send_recv))  # the seed's column scan
-    elif spec.kind in MULTI_STAGE:  # computes only: P2P comes from a pass
-        chosen.append(("send/recv", insert_send_recv_by_dependency))
+    lowering = spec.effective_lowering
+    if lowering is not None:  # multi-stage generators emit computes only
+        chosen.append((f"send/recv ({lowering.value})", LOWERINGS[lowering]))
     if spec.dxdw_split:
         chosen.append(("dx/dw split", split_dxdw))
     if spec.fsdp:

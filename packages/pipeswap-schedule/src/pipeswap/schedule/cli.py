@@ -8,7 +8,7 @@ import sys
 from collections.abc import Sequence
 
 from pipeswap.schedule.__about__ import __version__
-from pipeswap.schedule.build import ScheduleKind, ScheduleSpec, build_schedule
+from pipeswap.schedule.build import LOWERINGS, Lowering, ScheduleKind, ScheduleSpec, build_schedule
 from pipeswap.schedule.errors import ScheduleError
 from pipeswap.schedule.files import FileAccessError, read_text, write_text
 from pipeswap.schedule.formats import (
@@ -23,7 +23,7 @@ from pipeswap.schedule.formats import (
 from pipeswap.schedule.costs import PRESETS
 from pipeswap.schedule.schedule import Schedule
 from pipeswap.schedule.simulate_cli import BYTES, cost_arguments, count, run_simulate
-from pipeswap.schedule.p2p import coalesce_p2p, insert_send_recv_by_dependency
+from pipeswap.schedule.p2p import coalesce_p2p
 from pipeswap.schedule.swap import MinGapPolicy, SwapPolicy, inject_swap
 from pipeswap.schedule.text import MAX_DIGITS
 from pipeswap.schedule.validation import TRANSPORTS, validate
@@ -82,6 +82,15 @@ def _spec_arguments() -> argparse.ArgumentParser:
                             "(W); needs --overlap-b-f")
     group.add_argument("--less-memory", action="store_true",
                        help="interleaved-1f1b: half-depth warm-up (fewer live activations)")
+    group.add_argument("--lowering", choices=[k.value for k in Lowering], default=None,
+                       help="how sends and receives are placed in compute orders. early (the default for "
+                            "looped-bfs, interleaved-zb, zbv, dualpipev): receives posted as "
+                            "soon as a run of all ranks reaches them, as PyTorch's runtime does "
+                            "by default; runs on every transport, NCCL included. deferred: each "
+                            "receive right before the compute that needs it (PyTorch's "
+                            "deferred receives); gloo/tagged transports only. columns "
+                            "(interleaved-1f1b's default): MindSpore hyper-parallel's scan of "
+                            "aligned time columns")
     group.add_argument("--fsdp", action="store_true",
                        help="every stage is FSDP-managed: add UNSHARD/RESHARD/REDUCE_GRAD")
     group.add_argument("--batch-p2p", action="store_true",
@@ -107,6 +116,7 @@ def _build(args: argparse.Namespace, policy: SwapPolicy | None = None) -> Schedu
         fsdp=args.fsdp,
         batch_p2p=args.batch_p2p,
         swap=args.swap or policy is not None,
+        lowering=args.lowering,
     )
     gap = MinGapPolicy(args.swap_min_gap)  # checked even without --swap: a typo shows
     return build_schedule(spec, policy or (gap if args.swap else None))
@@ -145,9 +155,8 @@ def _parser() -> argparse.ArgumentParser:
     check.add_argument("--transport", choices=TRANSPORTS, default="ordered",
                        help="ordered (default): a send waits for its receive and messages "
                             "between two ranks pair in order, as NCCL; tagged: sends never "
-                            "wait and messages match by tag, as gloo and the pipeswap runtime "
-                            "on CPU (PyTorch-family schedules lowered by pipeswap need it "
-                            "unless their P2P is batched for NCCL)")
+                            "wait and messages match by tag, as gloo (only schedules built "
+                            "with --lowering deferred need it)")
 
     convert = commands.add_parser(
         "convert", help="convert between JSON, grid lines and PyTorch's CSV; lower and swap",
@@ -157,15 +166,20 @@ def _parser() -> argparse.ArgumentParser:
                     "batch them and inject swap steps, validate it, and write it out.",
         epilog="Example: a compute-only CSV dumped by PyTorch's schedule._dump_csv(path, "
                "'compute_only'), lowered, swapped and checked:\n"
-               f"  {PROG} convert zbv.csv --lower --swap --transport tagged --to json",
+               f"  {PROG} convert zbv.csv --lower --swap --to json",
         formatter_class=argparse.RawDescriptionHelpFormatter)
     convert.add_argument("file", help="schedule file, or - for standard input")
     convert.add_argument("--to", choices=["json", "grid", "csv", "csv-compute"],
                          default="json", help="output form (default json); csv-compute keeps "
                          "only computes, as PyTorch's compute_only CSV")
     convert.add_argument("--lower", action="store_true",
-                         help="add sends and receives to compute-only orders (by running all "
-                              "ranks together, as PyTorch's lowering does)")
+                         help="add sends and receives to compute-only orders, as PyTorch's "
+                              "runtime does (see --lowering)")
+    convert.add_argument("--lowering", choices=[Lowering.EARLY.value, Lowering.DEFERRED.value],
+                         default=Lowering.EARLY.value,
+                         help="with --lower: early (default; equals PyTorch's lowering, runs "
+                              "on NCCL) or deferred (receives right before their consumers; "
+                              "needs --transport tagged)")
     convert.add_argument("--batch-p2p", action="store_true",
                          help="coalesce adjacent sends/receives into BATCH_P2P steps")
     convert.add_argument("--swap", action="store_true", help="inject swap steps (gap policy)")
@@ -261,7 +275,7 @@ def _convert(args: argparse.Namespace) -> int:
                for step in order):
             raise ScheduleError("--lower adds sends and receives to compute-only orders, but "
                                 "this schedule has them already")
-        schedule = insert_send_recv_by_dependency(schedule)
+        schedule = LOWERINGS[Lowering(args.lowering)](schedule)
     if args.batch_p2p:
         schedule = coalesce_p2p(schedule)
     if args.swap:

@@ -122,22 +122,12 @@ def interleaved_1f1b_compute(
     check_positive("ranks", ranks)
     check_positive("microbatches", microbatches)
     check_positive("stages_per_rank", stages_per_rank)
-    check_interleaved_options(overlap_b_f=overlap_b_f, less_memory=less_memory)
     layout = _RoundLayout(ranks, microbatches, stages_per_rank)
     orders = tuple(
         layout.rank_order(r, overlap_b_f=overlap_b_f, less_memory=less_memory)
         for r in range(ranks)
     )
     return Schedule(orders, stage_to_rank(ranks, ranks * stages_per_rank, StageMapping.LOOP))
-
-
-def check_interleaved_options(*, overlap_b_f: bool, less_memory: bool) -> None:
-    """Refuse the one option pair the seed accepts but cannot order correctly."""
-    if less_memory and overlap_b_f:
-        raise ScheduleError(
-            "less_memory=True cannot be combined with overlap_b_f=True: the shallow warm-up "
-            "leaves no time slot between a forward and the overlap that consumes its output, "
-            "so the receive would land after its consumer; choose one of the two")
 
 
 class _RoundLayout:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pipeswap.schedule._gc import gc_paused
 from pipeswap.schedule.errors import ScheduleError
+from pipeswap.schedule.lockstep import Visibility, Waiting, lockstep
 from pipeswap.schedule.schedule import Message, Schedule
 from pipeswap.schedule.steps import (
     ACTIVATION_CONSUMERS,
@@ -101,55 +102,183 @@ def _flush(run: list[Step], out: list[Step | None]) -> None:
 
 
 @gc_paused
-def insert_send_recv_by_dependency(schedule: Schedule) -> Schedule:
-    """Add sends and receives to compute orders by running all ranks together.
+def insert_send_recv_early(schedule: Schedule) -> Schedule:
+    """Add sends and receives to compute orders the way PyTorch's pipeline runtime lowers a
+    compute-only schedule by default: receives posted early, where a run of all ranks
+    together reaches them.
 
-    Each tick, every rank takes its next step if the inputs of its computes are there: made
-    earlier on this rank, or sent by another rank in an earlier tick. The step enters the
-    order behind a receive for each input from another rank, and before a send for each
-    output another rank needs. A rank whose next step must wait loses the tick. This suits
-    orders that are not aligned in time columns (DualPipeV, ZBV, zero bubble), and gives
-    every send a receive that is posted after it in the ranks' common time, so the result
-    runs under the validator's rendezvous model too.
+    Ranks take turns in rank order, one item a turn; a compute waits until its input exists
+    (received, or made by a neighbouring stage on this rank). A compute enters its order
+    followed by a send for each output another rank needs, and the matching receive enters
+    the receiver's order at that moment, so a rank whose turn comes later in the same round
+    can already use it. Idle slots take no turn; the FSDP actions PyTorch adds to every order
+    before lowering each take one (see :func:`pytorch_turns`), so that for the same compute
+    orders the result equals PyTorch's, step for step. Each pair of ranks then posts its
+    messages in one order on both ends, which an in-order transport (NCCL) needs.
     """
-    orders = schedule.orders
-    position = [0] * len(orders)
-    result: list[list[Step | None]] = [[] for _ in orders]
-    sent: set[Message] = set()
+    _require_compute_only(schedule, "insert_send_recv_early")
+    micros = schedule.num_microbatches
+    last = schedule.num_stages - 1
+    out: list[list[Step | None]] = [[] for _ in schedule.orders]
 
-    while any(p < len(o) for p, o in zip(position, orders)):
-        now: set[Message] = set()
-        moved = False
-        for rank, order in enumerate(orders):
-            if position[rank] >= len(order):
-                continue
-            step = order[position[rank]]
-            if step is None:
-                result[rank].append(None)
-                position[rank] += 1
-                moved = True
-                continue
-            leaves = step.compute_leaves
-            inputs = [i for i in map(schedule.remote_input, leaves) if i is not None]
-            if any(i not in sent for i in inputs):
-                continue
-            for activation, sender, micro in inputs:
-                result[rank].append(Step(StepType.FWD_RECV, sender + 1, micro) if activation
-                                    else Step(StepType.BWD_RECV, sender - 1, micro))
-            result[rank].append(step)
-            for leaf in leaves:
-                output = schedule.remote_output(leaf)
-                if output is not None:
-                    result[rank].append(Step(
-                        StepType.FWD_SEND if output.activation else StepType.BWD_SEND,
-                        output.sender, output.micro))
-                    now.add(output)
-            position[rank] += 1
-            moved = True
-        if not moved:
-            stuck = ", ".join(f"rank {r} at {orders[r][p]}" for r, p in enumerate(position)
-                              if p < len(orders[r]))
-            raise ScheduleError(f"the compute orders cannot run together: {stuck} all wait "
-                                "for inputs no rank will produce first")
-        sent |= now
+    def needs(step: Step | None) -> list[Message]:
+        return [] if step is None else [
+            m for m in map(lambda leaf: _input(leaf, last), step.compute_leaves) if m]
+
+    def take(rank: int, step: Step | None) -> list[Message]:
+        if step is None:
+            return []
+        out[rank].append(step)
+        made = []
+        for leaf in step.compute_leaves:
+            made.append(_output(leaf))
+            sent = schedule.remote_output(leaf)
+            if sent is not None:
+                send, recv = _pair(sent)
+                out[rank].append(send)
+                out[schedule.stage_ranks[recv.stage]].append(recv)  # type: ignore[index]
+        return made
+
+    turns = [pytorch_turns(order, micros) for order in schedule.orders]
+    waiting = lockstep(turns, needs, take, visibility=Visibility.AT_ONCE)
+    if waiting:
+        _cannot_run(waiting)
+    return Schedule(tuple(tuple(order) for order in out), schedule.stage_ranks)
+
+
+def pytorch_turns(order: Order, microbatches: int) -> list[Step | None]:
+    """A compute order as PyTorch's runtime hands it to its send/recv lowering: idle slots
+    dropped, and a turn (``None``) for each UNSHARD, RESHARD and REDUCE_GRAD it inserts
+    first. Those turns delay the rank within the lowering's rounds, so they decide where
+    receives land. PyTorch keeps up to three stages gathered, chosen by looking ahead; a
+    stage's gradients are reduced after its ``microbatches``-th B or W.
+    """
+    computes = [step for step in order if step is not None]
+    turns: list[Step | None] = []
+    gathered: list[int] = []
+    reductions = dict.fromkeys(
+        (leaf.stage for step in computes for leaf in step.compute_leaves), 0)
+    for index, upcoming in enumerate(_upcoming_stages(computes, 3)):
+        step = computes[index]
+        turns += [None] * (sum(s not in upcoming for s in gathered)
+                           + sum(s not in gathered for s in upcoming))
+        gathered = upcoming
+        turns.append(step)
+        for leaf in step.compute_leaves:
+            if leaf.type in _PARAM_GRADS:
+                reductions[leaf.stage] += 1
+                turns += [None] * (reductions[leaf.stage] == microbatches)
+    return turns
+
+
+def _upcoming_stages(computes: list[Step], count: int) -> list[list[int]]:
+    """For each position, the first ``count`` distinct stages from there on, as PyTorch's
+    FSDP lowering looks ahead (it checks the count only after a whole overlap).
+
+    Where fewer than ``count`` stages remain, the look-ahead runs to the end: those answers
+    come from one backward pass, so the whole costs time linear in the order's length
+    rather than quadratic.
+    """
+    tails: list[list[int]] = [[] for _ in range(len(computes) + 1)]
+    for index in range(len(computes) - 1, -1, -1):
+        tail = [leaf.stage for leaf in computes[index].compute_leaves]  # type: ignore[misc]
+        tails[index] = list(dict.fromkeys(tail + tails[index + 1]))
+    result = []
+    for index in range(len(computes)):
+        if len(tails[index]) < count:
+            result.append(tails[index])
+            continue
+        seen: list[int] = []
+        for step in computes[index:]:
+            for leaf in step.compute_leaves:
+                if leaf.stage not in seen:
+                    seen.append(leaf.stage)  # type: ignore[arg-type]
+            if len(seen) >= count:
+                break
+        result.append(seen)
+    return result
+
+
+@gc_paused
+def insert_send_recv_by_dependency(schedule: Schedule) -> Schedule:
+    """Add sends and receives to compute orders, each receive right before the compute that
+    consumes it (PyTorch calls this placement deferred receives).
+
+    Ranks take turns, one step a turn; a step whose remote inputs were not sent in an
+    earlier round waits. The step enters the order behind a receive for each input from
+    another rank, and before a send for each output another rank needs. Every receive is
+    then posted after its send in the ranks' common time, which runs with tagged transfers
+    (gloo); an in-order transport may deadlock on it: use :func:`insert_send_recv_early`
+    there.
+    """
+    _require_compute_only(schedule, "insert_send_recv_by_dependency")
+    result: list[list[Step | None]] = [[] for _ in schedule.orders]
+
+    def needs(step: Step | None) -> list[Message]:
+        return [] if step is None else [
+            m for m in map(schedule.remote_input, step.compute_leaves) if m is not None]
+
+    def take(rank: int, step: Step | None) -> list[Message]:
+        if step is None:
+            result[rank].append(None)
+            return []
+        for activation, sender, micro in needs(step):
+            result[rank].append(Step(StepType.FWD_RECV, sender + 1, micro) if activation
+                                else Step(StepType.BWD_RECV, sender - 1, micro))
+        result[rank].append(step)
+        made = []
+        for leaf in step.compute_leaves:
+            output = schedule.remote_output(leaf)
+            if output is not None:
+                result[rank].append(_pair(output)[0])
+                made.append(output)
+        return made
+
+    waiting = lockstep(schedule.orders, needs, take, visibility=Visibility.NEXT_ROUND)
+    if waiting:
+        _cannot_run(waiting)
     return Schedule(tuple(tuple(order) for order in result), schedule.stage_ranks)
+
+
+_PARAM_GRADS = frozenset({StepType.BWD, StepType.BWD_WEIGHT})
+
+
+def _require_compute_only(schedule: Schedule, name: str) -> None:
+    for order in schedule.orders:
+        for step in order:
+            if step is not None and step.type not in COMPUTE and step.type not in OVERLAPS:
+                raise ScheduleError(
+                    f"{name} takes compute-only orders (F, B, I, W, overlaps, idle slots); "
+                    f"found {step}: lower the compute orders before any other pass")
+
+
+def _input(leaf: Step, last: int) -> Message | None:
+    """What ``leaf`` needs from a neighbouring stage, on this rank or another."""
+    stage, micro = leaf.key
+    if leaf.type is StepType.FWD:
+        return Message(True, stage - 1, micro) if stage > 0 else None
+    if leaf.type in ACTIVATION_CONSUMERS:
+        return Message(False, stage + 1, micro) if stage < last else None
+    return None
+
+
+def _output(leaf: Step) -> Message:
+    stage, micro = leaf.key
+    return Message(leaf.type is StepType.FWD, stage, micro)
+
+
+def _pair(message: Message) -> tuple[Step, Step]:
+    """The send and the receive that move ``message``."""
+    activation, sender, micro = message
+    if activation:
+        return (Step(StepType.FWD_SEND, sender, micro), Step(StepType.FWD_RECV, sender + 1, micro))
+    return (Step(StepType.BWD_SEND, sender, micro), Step(StepType.BWD_RECV, sender - 1, micro))
+
+
+def _cannot_run(waiting: list[Waiting[Step | None]]) -> None:
+    stuck = ", ".join(f"rank {w.rank} at {w.item} (waits for the "
+                      f"{'activation' if w.missing.activation else 'gradient'} of stage "
+                      f"{w.missing.sender} micro {w.missing.micro})" for w in waiting)
+    raise ScheduleError(f"the compute orders cannot run together: {stuck}; no rank produces "
+                        "these first. Reorder the computes so each input is made before the "
+                        "step that needs it")

@@ -14,7 +14,8 @@ from collections import defaultdict
 
 from pipeswap.schedule.errors import ScheduleError
 from pipeswap.schedule.generators import check_positive
-from pipeswap.schedule.schedule import Schedule, StageMapping, stage_to_rank
+from pipeswap.schedule.lockstep import Visibility, lockstep
+from pipeswap.schedule.schedule import Message, Schedule, StageMapping, stage_to_rank
 from pipeswap.schedule.steps import Step, StepType
 
 F, B, I, W = StepType.FWD, StepType.BWD, StepType.BWD_INPUT, StepType.BWD_WEIGHT
@@ -109,26 +110,23 @@ def _zero_bubble_rank(rank: int, ranks: int, microbatches: int, local: int,
 
 
 def _delay_forwards(orders: list[Slots]) -> list[Slots]:
-    """Walk all ranks a slot at a time; a forward whose input no rank has produced by the
-    previous slot waits one slot (an idle slot goes in front of it)."""
-    done: set[tuple[int, int]] = set()  # forwards (stage, micro) finished
+    """Run all ranks a slot at a time; a forward whose input no rank produced in an earlier
+    slot waits one slot (an idle slot goes in front of it)."""
     result: list[Slots] = [[] for _ in orders]
-    position = [0] * len(orders)
-    while any(p < len(o) for p, o in zip(position, orders)):
-        finished = set()
-        for rank, order in enumerate(orders):
-            if position[rank] >= len(order):
-                continue
-            step = order[position[rank]]
-            if step is not None and step.type is F and step.stage and (
-                    (step.stage - 1, step.micro) not in done):
-                result[rank].append(None)
-                continue
-            result[rank].append(step)
-            position[rank] += 1
-            if step is not None and step.type is F:
-                finished.add(step.key)
-        done |= finished
+
+    def needs(step: Step | None) -> list[Message]:
+        if step is not None and step.type is F and step.stage:
+            return [Message(True, step.stage - 1, step.micro or 0)]
+        return []
+
+    def take(rank: int, step: Step | None) -> list[Message]:
+        result[rank].append(step)
+        return [] if step is None or step.type is not F else [Message(True, *step.key)]
+
+    waiting = lockstep(orders, needs, take, visibility=Visibility.NEXT_ROUND,
+                       wait=lambda rank: result[rank].append(None))
+    if waiting:  # the generators' orders always run; this guards against a broken one
+        raise ScheduleError(f"forwards wait for inputs no rank makes: {waiting}")
     return result
 
 

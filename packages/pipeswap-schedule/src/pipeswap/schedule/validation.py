@@ -27,7 +27,8 @@ from pipeswap.schedule.errors import (
     SwapLifecycleError,
     ValidationError,
 )
-from pipeswap.schedule.schedule import Schedule
+from pipeswap.schedule.lockstep import Visibility, lockstep
+from pipeswap.schedule.schedule import Message, Schedule
 from pipeswap.schedule.steps import (
     COMM,
     COMPUTE,
@@ -81,9 +82,9 @@ def validate(
             simulate_tagged(schedule)
         except ValidationError:
             raise exc from None
-        hint = (" (with tagged transfers, as gloo and the pipeswap runtime on CPU use, it "
-                "runs: validate with transport='tagged', --transport tagged on the command "
-                "line; on NCCL it would hang)")
+        hint = (" (with tagged transfers, as gloo has, it runs: validate with "
+                "transport='tagged', --transport tagged on the command line; on NCCL it would "
+                "hang: lower compute orders with the early lowering for NCCL)")
         if isinstance(exc, DeadlockError):
             raise DeadlockError(str(exc) + hint, exc.cycle) from None
         raise P2PError(str(exc) + hint, rank=exc.rank) from None
@@ -111,40 +112,26 @@ def simulate_tagged(schedule: Schedule) -> None:
                            rank=sends[key])
         raise P2PError(f"rank {receives[key]} receives {what}, which no rank sends",
                        rank=receives[key])
-    position = [0] * len(orders)
-    part = [0] * len(orders)
-    sent: set[tuple[bool, int, int]] = set()
-    waits: dict[int, tuple[Step, tuple[bool, int, int]]] = {}
+    # Leaves one by one (with the step that holds them): a send never waits, a compute
+    # waits for the data it receives.
+    leaves = [[(step, leaf) for step in order if step is not None
+               for leaf in step.sub_steps or (step,)] for order in orders]
 
-    moved = True
-    while moved:
-        moved = False
-        for rank, order in enumerate(orders):
-            waits.pop(rank, None)
-            while position[rank] < len(order):
-                step = order[position[rank]]
-                leaves = (() if step is None else step.sub_steps or (step,))
-                blocked = False
-                for leaf in leaves[part[rank]:]:
-                    if leaf.type in COMPUTE:
-                        need = schedule.remote_input(leaf)
-                        if need is not None and need not in sent:
-                            waits[rank] = (step, need)  # type: ignore[assignment]
-                            blocked = True
-                            break
-                    elif leaf.type in SENDS:
-                        sent.add(_payload(leaf))
-                    part[rank] += 1
-                if blocked:
-                    break
-                part[rank] = 0
-                position[rank] += 1
-                moved = True
-    if waits:
-        _report_tagged_deadlock(waits, sends)
+    def needs(item: tuple[Step, Step]) -> list[Message]:
+        leaf = item[1]
+        need = schedule.remote_input(leaf) if leaf.type in COMPUTE else None
+        return [] if need is None else [need]
+
+    def take(_rank: int, item: tuple[Step, Step]) -> list[Message]:
+        leaf = item[1]
+        return [Message(*_payload(leaf))] if leaf.type in SENDS else []
+
+    waiting = lockstep(leaves, needs, take, visibility=Visibility.AT_ONCE, run_on=True)
+    if waiting:
+        _report_tagged_deadlock({w.rank: (w.item[0], w.missing) for w in waiting}, sends)
 
 
-def _report_tagged_deadlock(waits: dict[int, tuple[Step, tuple[bool, int, int]]],
+def _report_tagged_deadlock(waits: dict[int, tuple[Step, Message]],
                             sends: dict[tuple[bool, int, int], int]) -> None:
     rank = next(iter(waits))
     path: list[int] = []
