@@ -181,8 +181,8 @@ def _upcoming_stages(computes: list[Step], count: int) -> list[list[int]]:
     """
     tails: list[list[int]] = [[] for _ in range(len(computes) + 1)]
     for index in range(len(computes) - 1, -1, -1):
-        tail = [leaf.stage for leaf in computes[index].compute_leaves]  # type: ignore[misc]
-        tails[index] = list(dict.fromkeys(tail + tails[index + 1]))
+        here = [leaf.key[0] for leaf in computes[index].compute_leaves]
+        tails[index] = list(dict.fromkeys(here + tails[index + 1]))
     result = []
     for index in range(len(computes)):
         if len(tails[index]) < count:
