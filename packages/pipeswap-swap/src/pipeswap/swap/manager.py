@@ -95,6 +95,12 @@ class _Storage:
     resident: bool = True
     host: HostBuffer | None = None
 
+    def alive(self) -> bool:
+        """Whether a saved view is still alive (:meth:`storage` is not None), without
+        iterating: a WeakSet drops a dead entry at once, and its length discounts the removals
+        an iteration in progress holds back."""
+        return len(self.saved) > 0
+
     def holders(self) -> list[_Saved]:
         """The saved entries autograd still holds for this storage."""
         return list(self.saved)
@@ -151,6 +157,7 @@ class SwapManager:
         load_on_demand: bool = False,
     ) -> None:
         self.platform = platform
+        self._device = platform.device  # read for every saved tensor
         self.min_bytes = min_bytes
         self.load_on_demand = load_on_demand
         self._pool = HostBufferPool(platform, pool_bytes)
@@ -248,16 +255,20 @@ class SwapManager:
             entry.protected = True
 
     def _pack(self, tensor: torch.Tensor) -> Any:
+        # Every tensor autograd saves in a group comes through here: kept lean (one storage
+        # object per call, no WeakSet iteration where its length answers).
         name = self._current.get()
         if name is None:
             return _Saved(None, None, tensor)
-        key = _storage_key(tensor)
+        storage = tensor.untyped_storage()
+        key: int = storage._cdata
         with self._lock:
             group = self._groups[name]
             if group.state is not GroupState.COLLECTING:
                 raise SwapError(f"group_context({name!r}): group is {group.state.value}; "
                                 "collecting needs it collecting")
-            owner = self._live_entry(self._owner.get(key), key)
+            owner_name = self._owner.get(key)
+            owner = None if owner_name is None else self._live_entry(owner_name, key)
             if owner is not None and not owner[1].resident:
                 other = owner[0]
                 raise SwapResidencyError(
@@ -266,7 +277,8 @@ class SwapManager:
                     "the device, so the op read freed memory; protect tensors that later "
                     f"forwards use (protect_alias_tensors({other.name!r}, ...)) before "
                     "launch_offload")
-            reason = self._skip_reason(tensor)
+            nbytes = storage.nbytes()
+            reason = self._skip_reason(tensor, nbytes)
             if reason is not None:
                 self._skipped[reason] += 1
                 return _Saved(None, None, tensor)
@@ -275,11 +287,10 @@ class SwapManager:
                 self._skipped["shared across groups"] += 1
                 return _Saved(None, None, tensor)
             entry = group.storages.get(key)
-            if entry is None or entry.storage() is None:  # new, or a dead storage's key
+            if entry is None or not entry.alive():  # new, or a dead storage's key
                 if entry is not None and entry.resident:
                     self._held -= entry.nbytes
-                entry = _Storage(tensor.untyped_storage().nbytes(),
-                                 protected=key in self._protected)
+                entry = _Storage(nbytes, protected=key in self._protected)
                 group.storages[key] = entry
                 self._owner[key] = name
                 self._held += entry.nbytes
@@ -288,14 +299,16 @@ class SwapManager:
             entry.saved.add(saved)
         return saved
 
-    def _skip_reason(self, tensor: torch.Tensor) -> str | None:
+    def _skip_reason(self, tensor: torch.Tensor, nbytes: int) -> str | None:
+        """Why a saved tensor (its storage ``nbytes`` long) stays out of swap, if it does."""
         import torch
 
-        if isinstance(tensor, torch.nn.Parameter) or isinstance(tensor._base, torch.nn.Parameter):
+        base = tensor._base
+        if isinstance(tensor, torch.nn.Parameter) or (
+                base is not None and isinstance(base, torch.nn.Parameter)):
             return "parameter"
-        if tensor.device != self.platform.device:
+        if tensor.device != self._device:
             return "other device"
-        nbytes = tensor.untyped_storage().nbytes()
         if nbytes == 0:
             return "empty storage"
         if nbytes < self.min_bytes:
@@ -306,7 +319,7 @@ class SwapManager:
         """The group and entry that hold storage ``key`` with a saved view still alive."""
         group = self._groups.get(name) if name is not None else None
         entry = group.storages.get(key) if group is not None else None
-        if group is None or entry is None or entry.storage() is None:
+        if group is None or entry is None or not entry.alive():
             return None
         return group, entry
 
@@ -527,9 +540,13 @@ class SwapManager:
     def group_bytes(self, name: str) -> GroupBytes:
         """Device bytes the group holds now, and how many of them an offload would move."""
         group = self._group(name, "group_bytes")
-        with self._lock:
-            held = sum(e.nbytes for e in group.storages.values() if e.resident)
-            movable = sum(e.nbytes for e, _ in self._swappable(group) if e.resident)
+        held = movable = 0
+        with self._lock:  # one pass; movable as _swappable counts it, without storage objects
+            for entry in group.storages.values():
+                if entry.resident:
+                    held += entry.nbytes
+                    if not entry.protected and entry.alive():
+                        movable += entry.nbytes
         return GroupBytes(held, movable)
 
     def reset_peak(self) -> None:
