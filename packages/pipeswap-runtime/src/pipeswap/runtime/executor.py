@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from pipeswap.platform import Platform, get_platform
+from pipeswap.runtime.backward import ChunkAutograd, forward_chunk
 from pipeswap.runtime.comm import (
     FailureBoard,
     TensorMeta,
@@ -80,9 +81,7 @@ class _Run:
     """The state of one step: what each chunk holds until its backward is done."""
 
     session: SwapSession
-    inputs: dict[ChunkKey, torch.Tensor] = field(default_factory=dict)
-    outputs: dict[ChunkKey, torch.Tensor] = field(default_factory=dict)  # loss on the last
-    grads_out: dict[ChunkKey, torch.Tensor] = field(default_factory=dict)
+    chunks: dict[ChunkKey, ChunkAutograd] = field(default_factory=dict)  # forward to last B/W
     grads_in: dict[ChunkKey, torch.Tensor | None] = field(default_factory=dict)
     receives: dict[tuple[StepType, ChunkKey], Transfer] = field(default_factory=dict)
     sends: list[Transfer] = field(default_factory=list)
@@ -441,7 +440,7 @@ class PipelineExecutor:
         for step in steps:
             if step.type in SENDS:
                 key = step.key
-                tensor = (run.outputs[key].detach() if step.type is StepType.FWD_SEND
+                tensor = (self._output(run, key) if step.type is StepType.FWD_SEND
                           else run.grads_in.pop(key, None))
                 if tensor is None:
                     raise PipelineError(f"{step}: stage {key[0]}'s input got no gradient to "
@@ -459,6 +458,14 @@ class PipelineExecutor:
         transfer = run.receives.pop((kind, key), None)
         return None if transfer is None else self.transport.wait(transfer)
 
+    def _output(self, run: _Run, key: ChunkKey) -> torch.Tensor:
+        """The chunk's forward output, detached, to send or hand over to the next stage."""
+        chunk = run.chunks.get(key)
+        if chunk is None or chunk.output is None:
+            raise PipelineError(f"stage {key[0]} micro {key[1]}: its output is needed after "
+                                "its backward began")
+        return chunk.output.detach()
+
     def _forward(self, run: _Run, key: ChunkKey) -> None:
         stage_index, micro = key
         stage = self._by_index[stage_index]
@@ -467,53 +474,42 @@ class PipelineExecutor:
         else:
             received = self._received(run, StepType.FWD_RECV, key)
             if received is None:  # the previous stage runs here: hand over locally
-                received = run.outputs[(stage_index - 1, micro)].detach()
+                received = self._output(run, (stage_index - 1, micro))
             x = received.requires_grad_(True)
         target = run.micro_targets[micro] if stage.is_last else None
-        with run.session.forward(key):
-            out = stage.forward(x)
-            if target is not None:
-                loss = self.loss_fn(out, target)
-                run.losses[micro] = float(loss.detach())
-                out = loss / self.microbatches
-        run.session.protect(key, [x, out, target])
+        chunk = forward_chunk(stage.forward, x, target=target, loss_fn=self.loss_fn,
+                              scale=self.microbatches, saving=run.session.forward(key))
+        if chunk.loss is not None:
+            run.losses[micro] = chunk.loss
+        run.session.protect(key, [x, chunk.output, target])
         run.chunk_bytes[key] = self.manager.group_bytes(run.session.name(key))
-        run.inputs[key], run.outputs[key] = x, out
+        run.chunks[key] = chunk
 
     def _backward(self, run: _Run, key: ChunkKey, *, dx: bool, dw: bool) -> None:
-        import torch
-
+        """B (dx and dw), I (dx) or W (dw) of one chunk; the autograd is in
+        :mod:`pipeswap.runtime.backward`. The swap group ends after the chunk's last step."""
         stage_index, micro = key
         stage = self._by_index[stage_index]
-        root = run.outputs[key]
-        grad = run.grads_out.get(key)
-        if grad is None and not stage.is_last:
-            grad = self._received(run, StepType.BWD_RECV, key)
-            if grad is None:  # the next stage runs here
-                grad = run.grads_in.pop((stage_index + 1, micro), None)
-            if grad is None:
-                raise PipelineError(
-                    f"stage {stage_index} micro {micro}: no gradient for its output (the next "
-                    "stage's output does not depend on its input)")
-            run.grads_out[key] = grad
-        x = run.inputs[key]
-        if dx and dw:
-            torch.autograd.backward(root, grad)
+        chunk = run.chunks[key]
+        if dx:
+            grad = None
+            if not stage.is_last:
+                grad = self._received(run, StepType.BWD_RECV, key)
+                if grad is None:  # the next stage runs here
+                    grad = run.grads_in.pop((stage_index + 1, micro), None)
+                if grad is None:
+                    raise PipelineError(
+                        f"stage {stage_index} micro {micro}: no gradient for its output (the "
+                        "next stage's output does not depend on its input)")
+            grad_in = chunk.backward(grad) if dw else chunk.backward_input(grad)
             if not stage.is_first:
-                run.grads_in[key] = x.grad
-        elif dx:
-            if not stage.is_first:
-                (run.grads_in[key],) = torch.autograd.grad(root, [x], grad, retain_graph=True,
-                                                           allow_unused=True)
-            return  # the chunk's state stays for its W step
+                run.grads_in[key] = grad_in
+            if not dw:
+                return  # the chunk keeps what its W step needs
         else:
-            params = [p for p in stage.module.parameters() if p.requires_grad]
-            if params:  # a frozen stage has no weight gradient; dropping the graph is all
-                torch.autograd.backward(root, grad, inputs=params)
+            chunk.backward_weight()
         run.session.finish(key)
-        del run.outputs[key], run.inputs[key]
-        run.grads_out.pop(key, None)
-
+        del run.chunks[key]
 
 
 def _kind(name: str) -> ScheduleKind:

@@ -1,0 +1,340 @@
+"""The autograd of one chunk (one stage, one microbatch): its forward, and its backward, whole
+(B) or split at the weight edges into an input part (I) and a weight part (W).
+
+Why split: a zero-bubble schedule runs I as soon as the next stage's gradient arrives (the
+previous stage waits for its result) and W later, in what would be a bubble. That only pays
+if I + W costs what B costs: W must compute the weight gradients and nothing else.
+
+How. The *dx path* is every graph node on a path from the chunk's output to its input: I runs
+exactly those (a backward with the input as its only target). Some of them also send gradient
+out of the dx path towards parameters: a Linear's addmm, a LayerNorm, the add of a positional
+embedding. These are the *weight nodes*. During I a pre-hook on each weight node keeps the
+gradient it receives; W enters the graph again at the weight nodes (``GradientEdge`` roots fed
+with the kept gradients) with the parameters as its only targets, so autograd reruns each
+weight node for its parameter outputs alone, then the subgraphs below it that lead to
+parameters, and no node of the dx path. Each part of B runs once, in I or in W, and the
+parameters' own accumulate nodes fill ``.grad`` in W, as in B.
+
+W runs one backward per *group*: parameters whose weight nodes or subgraphs are linked share
+one, so every weight node runs once. A group is done in I instead when one of its weight nodes
+reaches the group's parameters again through the dx path (one parameter used at two depths,
+e.g. one Linear applied twice in a row): from the upper node W would rerun the dx path down to
+the lower one and add its gradient twice. I then also targets those parameters, so their
+nodes run once, in I, which accumulates their ``.grad``.
+
+Memory between I and W. I must keep the graph (the weight nodes run again in W), so autograd
+frees nothing; and the swap manager's saved-tensor hooks hold each saved tensor, so a node
+that saved its own output (softmax, log-softmax, LayerNorm's statistics) would keep itself
+and everything below it alive forever unless a backward frees it. So right after I every
+node with saved tensors that W will not run (the rest of the dx path, the loss above the
+topmost weight node) is run once more on its own, with no gradient (no arithmetic), by a
+backward that frees what it saved. W keeps only the weight nodes, their subgraphs and the
+gradients they received; its own backward frees those.
+
+A stage whose input does not require grad (the first) has no dx path: I does nothing and W
+is a B. Limitation: hooks registered on intermediate tensors (``Tensor.register_hook``,
+``retain_grad``) or on graph nodes may run again in W, or with no gradient after I.
+
+torch is imported inside the functions: importing the runtime stays cheap.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+    from torch.autograd.graph import GradientEdge, Node
+
+Grads = tuple["torch.Tensor | None", ...]
+
+_ACCUMULATE = "torch::autograd::AccumulateGrad"
+
+
+def forward_chunk(
+    forward: Callable[[torch.Tensor], torch.Tensor],
+    x: torch.Tensor,
+    *,
+    target: torch.Tensor | None = None,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+    scale: int = 1,
+    saving: AbstractContextManager[object] | None = None,
+) -> ChunkAutograd:
+    """Run the stage on ``x`` inside ``saving`` (the swap group that collects what autograd
+    saves). With a ``target`` (the last stage) the output goes through ``loss_fn`` and is
+    divided by ``scale`` (the microbatch count), so the gradients are the mean loss's."""
+    with saving if saving is not None else nullcontext():
+        out = forward(x)
+        loss: float | None = None
+        if target is not None:
+            if loss_fn is None:
+                raise ValueError("a target needs a loss_fn")
+            value = loss_fn(out, target)
+            loss = float(value.detach())
+            out = value / scale
+    return ChunkAutograd(x, out, loss)
+
+
+@dataclass(eq=False)
+class _Plan:
+    """How one chunk's backward splits (see the module's docstring)."""
+
+    nodes: list[Node]  # the weight nodes W starts from
+    groups: list[tuple[list[int], list[torch.Tensor]]]  # (indices into nodes, parameters)
+    in_input: list[torch.Tensor]  # parameters I computes (the groups W cannot)
+    release: list[tuple[Node, GradientEdge]]  # nodes only I runs, and a child edge each
+    received: list[Grads | None] = field(default_factory=list)  # per weight node, from I
+
+
+@dataclass(eq=False)
+class ChunkAutograd:
+    """One chunk from its forward to its last backward step.
+
+    ``output`` is what backward starts from: the stage output, or on the last stage the
+    scaled loss (``loss`` holds the unscaled value). Call :meth:`backward`, or
+    :meth:`backward_input` then :meth:`backward_weight`, once; each drops what it no longer
+    needs, and after the last one the chunk holds nothing.
+    """
+
+    input: torch.Tensor | None
+    output: torch.Tensor | None
+    loss: float | None = None
+    _grad: torch.Tensor | None = None  # the output's gradient, while W still needs it
+    _plan: _Plan | None = field(default=None, repr=False)
+    _done: str = ""  # "", "B", "I" or "W": the backward steps run so far
+
+    def backward(self, grad: torch.Tensor | None) -> torch.Tensor | None:
+        """B: the whole backward from the output (``grad``: its gradient; None for the
+        scaled loss). Parameters and the input accumulate ``.grad``; returns the input's."""
+        import torch
+
+        root, x = self._take("B")
+        torch.autograd.backward(root, grad)
+        return x.grad if x.is_leaf and x.requires_grad else None
+
+    def backward_input(self, grad: torch.Tensor | None) -> torch.Tensor | None:
+        """I: the input's gradient, accumulated into its ``.grad`` as B does and returned
+        (None where the output does not depend on the input). Keeps for W the gradients
+        arriving at the weight nodes, and frees what W does not need."""
+        import torch
+
+        root, x = self._take("I")
+        plan = (_split(root, x) if root.requires_grad and x.requires_grad and x.is_leaf
+                else None)
+        if plan is None:  # no dx path: W does it all, as a B
+            self.output, self._grad = root, grad
+            return None
+        plan.received = [None] * len(plan.nodes)
+        handles = [node.register_prehook(_keeper(plan.received, index))
+                   for index, node in enumerate(plan.nodes)]
+        try:
+            torch.autograd.backward(root, grad, inputs=[x, *plan.in_input], retain_graph=True)
+        finally:
+            for handle in handles:
+                handle.remove()
+        for node, child in plan.release:
+            _release(node, child)
+        plan.release = []
+        self._plan = plan
+        return x.grad
+
+    def backward_weight(self) -> None:
+        """W: the parameters' gradients, accumulated into ``.grad`` as B accumulates them."""
+        import torch
+        from torch.autograd.graph import GradientEdge
+
+        if self._done != "I":
+            raise RuntimeError(f"W of a chunk after {self._done or 'its forward'}: run I "
+                               "first, and W once")
+        self._done = "W"
+        plan, root, grad = self._plan, self.output, self._grad
+        self._plan = self.output = self._grad = None
+        if plan is None:
+            if root is not None and root.requires_grad:  # else: frozen, nothing to do
+                torch.autograd.backward(root, grad)
+            return
+        for members, params in plan.groups:
+            edges, grads = [], []
+            for index in members:
+                for slot, g in enumerate(plan.received[index] or ()):
+                    if g is not None:
+                        edges.append(GradientEdge(plan.nodes[index], slot))
+                        grads.append(g)
+            if edges:  # frees the graph it runs (weight nodes and their subgraphs)
+                torch.autograd.backward(edges, grads, inputs=params)
+
+    def _take(self, step: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """The output and the input, dropped from the chunk (the caller keeps what it
+        needs)."""
+        if self._done or self.output is None or self.input is None:
+            raise RuntimeError(f"{step} of a chunk after {self._done}: each chunk runs B, or "
+                               "I then W, once")
+        root, x = self.output, self.input
+        self.output = self.input = None
+        self._done = step
+        return root, x
+
+
+def _keeper(store: list[Grads | None], index: int) -> Callable[[Grads], None]:
+    def keep(grads: Grads) -> None:
+        store[index] = grads
+    return keep
+
+
+def _no_gradient(grads: Grads) -> Grads:
+    return tuple(None for _ in grads)
+
+
+def _release(node: Node, child: GradientEdge) -> None:
+    """Run ``node`` alone with no gradient and free what it saved: the backward's target is
+    one of its child edges that no other child reaches, so nothing else runs, and the
+    pre-hook turns the placeholder gradient into none."""
+    import torch
+    from torch.autograd.graph import GradientEdge
+
+    slots = [(slot, meta) for slot, meta in enumerate(getattr(node, "_input_metadata", ()))
+             if meta.dtype.is_floating_point or meta.dtype.is_complex]
+    if not slots:
+        return  # nothing to root a backward at; autograd frees it with the graph
+    slot, meta = slots[0]
+    placeholder = torch.zeros((), dtype=meta.dtype, device=meta.device).expand(meta.shape)
+    handle = node.register_prehook(_no_gradient)
+    try:
+        torch.autograd.grad([GradientEdge(node, slot)], [child], [placeholder],
+                            allow_unused=True)
+    finally:
+        handle.remove()
+
+
+def _split(root: torch.Tensor, x: torch.Tensor) -> _Plan | None:
+    """Find the weight nodes, their groups and the nodes to free after I; None when the
+    output does not reach ``x`` (a leaf)."""
+    from torch.autograd.graph import GradientEdge, get_gradient_edge
+
+    assert root.grad_fn is not None
+    stop = get_gradient_edge(x).node  # the input's accumulate node: the dx path ends there
+    order, children = _post_order(root.grad_fn, stop)
+    position = {id(node): index for index, node in enumerate(order)}
+    to_x: dict[int, bool] = {}
+    reach: dict[int, int] = {}  # node -> bit set of the parameters it leads to
+    leaves: list[Node] = []
+    for node in order:
+        kids = [child for child, _ in children[id(node)]]
+        if node is stop:
+            to_x[id(node)], reach[id(node)] = True, 0
+        elif node.name() == _ACCUMULATE:  # another leaf: a parameter
+            to_x[id(node)], reach[id(node)] = False, 1 << len(leaves)
+            leaves.append(node)
+        else:
+            to_x[id(node)] = any(to_x[id(kid)] for kid in kids)
+            mask = 0
+            for kid in kids:
+                mask |= reach[id(kid)]
+            reach[id(node)] = mask
+    if not to_x[id(root.grad_fn)]:
+        return None
+    # Weight nodes: on the dx path, with an edge leaving it towards parameters.
+    starts: list[tuple[Node, int, int]] = []  # (node, params off the dx path, params on it)
+    for node in order:
+        if node is stop or not to_x[id(node)]:
+            continue
+        off = on = 0
+        for kid, _ in children[id(node)]:
+            if to_x[id(kid)]:
+                on |= reach[id(kid)]
+            else:
+                off |= reach[id(kid)]
+        if off:
+            starts.append((node, off, on))
+    groups: list[int] = []  # disjoint bit sets; a weight node's parameters share one
+    for _, off, _ in starts:
+        merged, apart = off, []
+        for group in groups:
+            if group & merged:
+                merged |= group
+            else:
+                apart.append(group)
+        groups = [*apart, merged]
+    plan = _Plan([], [], [], [])
+    in_input = 0  # bit set of the parameters I computes
+    for group in groups:
+        members = [(node, on) for node, off, on in starts if off & group]
+        params = [_variable(leaves[i]) for i in range(len(leaves)) if group >> i & 1]
+        if any(on & group for _, on in members):  # W would rerun the dx path: do it in I
+            plan.in_input.extend(params)
+            in_input |= group
+            continue
+        first = len(plan.nodes)
+        plan.nodes.extend(node for node, _ in members)
+        plan.groups.append((list(range(first, len(plan.nodes))), params))
+    # What I runs and W does not: the dx path but W's weight nodes, and the subgraphs of the
+    # parameters I computes. Each is freed through its topmost child edge (no other child
+    # reaches it, so the freeing backward runs that node alone), never one into a leaf with
+    # tensor hooks (they would see the missing gradient).
+    in_w = {id(node) for node in plan.nodes}
+    for node in order:
+        if (node is stop or id(node) in in_w or not _saves_tensors(node)
+                or not (to_x[id(node)] or reach[id(node)] & in_input)):
+            continue
+        usable = [(child, nr) for child, nr in children[id(node)] if not _hooked_leaf(child)]
+        if usable:
+            child, nr = max(usable, key=lambda edge: position[id(edge[0])])
+            plan.release.append((node, GradientEdge(child, nr)))
+    return plan
+
+
+_SAVES: dict[type, bool] = {}
+
+
+def _saves_tensors(node: Node) -> bool:
+    """Whether nodes of this kind keep saved tensors (autograd's own expose them as
+    ``_raw_saved_*``; a custom Function's context may always)."""
+    kind = type(node)
+    saves = _SAVES.get(kind)
+    if saves is None:
+        saves = _SAVES[kind] = hasattr(kind, "saved_tensors") or any(
+            name.startswith("_raw_saved_") for name in dir(kind))
+    return saves
+
+
+def _hooked_leaf(node: Node) -> bool:
+    return node.name() == _ACCUMULATE and bool(getattr(_variable(node), "_backward_hooks",
+                                                       None))
+
+
+def _variable(node: Node) -> torch.Tensor:
+    variable: torch.Tensor = getattr(node, "variable")  # noqa: B009 - not in Node's stubs
+    return variable
+
+
+def _post_order(root: Node, stop: Node
+                ) -> tuple[list[Node], dict[int, list[tuple[Node, int]]]]:
+    """Every node reachable from ``root`` without passing ``stop``, children before parents
+    (iterative: graphs are deep), and each node's edges (child, input slot), one per child.
+    The list holds the node objects, which keeps their ids valid as keys."""
+    order: list[Node] = []
+    children: dict[int, list[tuple[Node, int]]] = {}
+
+    def edges(node: Node) -> list[tuple[Node, int]]:
+        found: dict[int, tuple[Node, int]] = {}
+        if node is not stop:
+            for child, nr in node.next_functions:
+                if child is not None:
+                    found.setdefault(id(child), (child, nr))
+        children[id(node)] = list(found.values())
+        return children[id(node)]
+
+    stack = [(root, iter(edges(root)))]
+    while stack:
+        node, pending = stack[-1]
+        for child, _ in pending:
+            if id(child) not in children:
+                stack.append((child, iter(edges(child))))
+                break
+        else:
+            stack.pop()
+            order.append(node)
+    return order, children
