@@ -56,8 +56,8 @@ def mismatched(rank: int, world_size: int, what: str) -> str:
 
 
 def bad_batch_then_recover(rank: int, world_size: int) -> tuple[list[str], int, int]:
-    """Rank 0 gets a batch that does not split; then both ranks run a good step."""
-    from pipeswap.runtime import PipelineSetupError
+    """Rank 0 gets a batch that does not split; every rank recovers, then runs a good step."""
+    from pipeswap.runtime import PipelineError
 
     torch.manual_seed(0)
     stage = PipelineStage(torch.nn.Linear(8, 8), rank, world_size)
@@ -67,8 +67,9 @@ def bad_batch_then_recover(rank: int, world_size: int) -> tuple[list[str], int, 
     errors = []
     try:
         executor.step(inputs[:6] if rank == 0 else inputs, targets)
-    except PipelineSetupError as exc:
-        errors.append(str(exc))
+    except PipelineError as exc:
+        errors.append(f"{type(exc).__name__}: {exc}")
+    executor.recover()
     report = executor.step(inputs, targets)
     return errors, len(report.losses), executor.manager.active_group_count()
 

@@ -20,7 +20,7 @@ from pipeswap.runtime.comm import TensorMeta
 from pipeswap.runtime.microbatch import split_microbatches
 from pipeswap.runtime.model import GPTConfig, build_gpt, lm_loss, split_stages
 from pipeswap.runtime.train import parse_args
-from pipeswap.schedule import ScheduleKind, ScheduleSpec, loads
+from pipeswap.schedule import Lowering, ScheduleKind, ScheduleSpec, build_schedule, loads
 
 
 @pytest.fixture
@@ -83,6 +83,27 @@ def test_two_local_stages_swap_without_changing_a_bit(group: None) -> None:
         assert torch.equal(with_swap, without)
 
 
+def test_without_swap_nothing_goes_through_the_swap_manager(group: None) -> None:
+    """A run without swap costs what plain autograd costs: no saved-tensor hook sees a
+    tensor, so no peak is reported; asked to account, it counts every chunk and gives the
+    same numerics."""
+    plain, plain_model = _executor(swap=False)
+    report = plain.step(*_batch(4))
+    assert report.peak_activation_bytes is None and report.chunk_bytes == {}
+    stats = plain.manager.stats()
+    assert stats.peak_device_bytes_held == 0 and not stats.skipped
+    model = build_gpt(CONFIG, seed=0)
+    first, second = split_stages(model, 2)
+    counted = PipelineExecutor([PipelineStage(first, 0, 2), PipelineStage(second, 1, 2)],
+                               SPEC, 4, lm_loss, account_activations=True)
+    accounted = counted.step(*_batch(4))
+    assert accounted.peak_activation_bytes is not None and accounted.peak_activation_bytes > 0
+    assert len(accounted.chunk_bytes) == 2 * 4
+    assert accounted.losses == report.losses
+    for got, want in zip(_grads(model), _grads(plain_model)):
+        assert torch.equal(got, want)
+
+
 def test_matches_the_unsplit_model(group: None) -> None:
     executor, model = _executor(swap=True)
     inputs, targets = _batch(2)
@@ -122,8 +143,13 @@ def test_set_up_errors_say_what_to_fix(group: None) -> None:
     inputs, targets = _batch(4)
     with pytest.raises(PipelineSetupError, match="batch size 6 .* into 4 equal microbatches"):
         executor.step(inputs[:6], targets[:6])
+    with pytest.raises(PipelineError, match="a previous step failed .* call recover"):
+        executor.step(inputs, targets)
+    executor.recover()
     with pytest.raises(PipelineSetupError, match="runs the first stage: pass inputs"):
         executor.step(None, targets)
+    executor.recover()
+    assert len(executor.step(inputs, targets).losses) == 4
     with pytest.raises(PipelineSetupError, match="FSDP"):
         PipelineExecutor(stages, ScheduleSpec(ScheduleKind.INTERLEAVED_1F1B, ranks=1,
                                               microbatches=4, stages_per_rank=2, fsdp=True),
@@ -136,6 +162,22 @@ def test_set_up_errors_say_what_to_fix(group: None) -> None:
         PipelineExecutor(stages[:1], SPEC, 4, lm_loss)
     with pytest.raises(PipelineSetupError, match="unknown schedule 'zigzag'"):
         PipelineExecutor(stages, "zigzag", 4, lm_loss)
+
+
+def test_schedules_are_checked_on_the_in_order_transport_unless_asked(group: None) -> None:
+    """A CPU run validates as NCCL would: receives placed right before their consumers
+    (the deferred lowering) are refused on ZBV, and pass the check with 'tagged' (then fail
+    only because this group has one rank, not two)."""
+    stages = [PipelineStage(torch.nn.Linear(4, 4), 0, 4)]
+    deferred = build_schedule(ScheduleSpec(ScheduleKind.ZBV, ranks=2, microbatches=4,
+                                           lowering=Lowering.DEFERRED))
+    with pytest.raises(PipelineSetupError, match="the schedule cannot run: deadlock.*on NCCL "
+                                                 "it would hang"):
+        PipelineExecutor(stages, deferred, 4, lm_loss)
+    with pytest.raises(PipelineSetupError, match="for 2 ranks but the process group has 1"):
+        PipelineExecutor(stages, deferred, 4, lm_loss, check_transport="tagged")
+    with pytest.raises(PipelineSetupError, match="check_transport='fast': use 'ordered'"):
+        PipelineExecutor(stages, deferred, 4, lm_loss, check_transport="fast")
 
 
 def test_refuses_to_run_without_a_process_group() -> None:

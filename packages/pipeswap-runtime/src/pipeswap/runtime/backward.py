@@ -68,12 +68,12 @@ def forward_chunk(
     divided by ``scale`` (the microbatch count), so the gradients are the mean loss's."""
     with saving if saving is not None else nullcontext():
         out = forward(x)
-        loss: float | None = None
+        loss: torch.Tensor | None = None
         if target is not None:
             if loss_fn is None:
                 raise ValueError("a target needs a loss_fn")
             value = loss_fn(out, target)
-            loss = float(value.detach())
+            loss = value.detach()  # read by the caller once a step: no host sync per chunk
             out = value / scale
     return ChunkAutograd(x, out, loss)
 
@@ -94,14 +94,14 @@ class ChunkAutograd:
     """One chunk from its forward to its last backward step.
 
     ``output`` is what backward starts from: the stage output, or on the last stage the
-    scaled loss (``loss`` holds the unscaled value). Call :meth:`backward`, or
+    scaled loss (``loss`` holds the unscaled value, detached). Call :meth:`backward`, or
     :meth:`backward_input` then :meth:`backward_weight`, once; each drops what it no longer
     needs, and after the last one the chunk holds nothing.
     """
 
     input: torch.Tensor | None
     output: torch.Tensor | None
-    loss: float | None = None
+    loss: torch.Tensor | None = None
     _grad: torch.Tensor | None = None  # the output's gradient, while W still needs it
     _plan: _Plan | None = field(default=None, repr=False)
     _done: str = ""  # "", "B", "I" or "W": the backward steps run so far

@@ -5,10 +5,10 @@ scaled by 1/M before its backward, so with equal microbatches and a loss that av
 its batch, ``.grad`` equals that of the whole batch's loss on one device. Gradients
 accumulate in ``.grad``; zero them between steps as usual.
 
-A step succeeds on every rank or fails on every rank: the rank that fails first posts what
-failed and closes its connections, so its peers stop at once with a
-:class:`~pipeswap.runtime.errors.PeerFailedError` naming it, and the step ends with an
-agreement of all ranks. After a failure, :meth:`PipelineExecutor.recover` on every rank gives
+A step succeeds on every rank or fails on every rank: the rank that fails first (a refused
+batch included) posts what failed and closes its connections, so its peers stop at once with
+a :class:`~pipeswap.runtime.errors.PeerFailedError` naming it, and the step ends with an
+agreement of all ranks, its one collective. After a failure, :meth:`PipelineExecutor.recover` on every rank gives
 the executor a fresh communication group; the next step then runs as if nothing had failed.
 """
 
@@ -53,6 +53,7 @@ from pipeswap.schedule import (
     validate,
 )
 from pipeswap.schedule.steps import FSDP, OVERLAPS, P2P, SENDS
+from pipeswap.schedule.validation import TRANSPORTS
 from pipeswap.swap import GroupBytes, SwapManager
 
 if TYPE_CHECKING:
@@ -68,7 +69,9 @@ class StepReport:
 
     losses: tuple[float, ...]  # per microbatch, on the rank of the last stage; else empty
     seconds: float
-    peak_activation_bytes: int  # most device bytes held by saved activations at once
+    # most device bytes held by saved activations at once; None unless the executor
+    # accounts every chunk (account_activations)
+    peak_activation_bytes: int | None
     bytes_offloaded: int
     swapped_chunks: int
     # per chunk of this rank, at the end of its forward: device bytes its saved activations
@@ -87,7 +90,8 @@ class _Run:
     sends: list[Transfer] = field(default_factory=list)
     micro_inputs: list[torch.Tensor] = field(default_factory=list)
     micro_targets: list[torch.Tensor] = field(default_factory=list)
-    losses: dict[int, float] = field(default_factory=dict)
+    losses: dict[int, torch.Tensor] = field(default_factory=dict)  # read once, at the end
+    accounted: set[ChunkKey] = field(default_factory=set)  # chunks with a swap group
     chunk_bytes: dict[ChunkKey, GroupBytes] = field(default_factory=dict)
 
 
@@ -96,9 +100,16 @@ class PipelineExecutor:
 
     ``schedule``: a :class:`Schedule` (used as given), a :class:`ScheduleSpec`, or a schedule
     name (``"gpipe"``, ``"1f1b"``, ``"interleaved-1f1b"``) built for this group's size, the
-    stage count and ``microbatches``. ``swap``: inject swap steps (with ``swap_policy``, the
-    seed's gap rule by default) and run them. Saved activations are accounted through a
-    swap manager either way, so :class:`StepReport` compares like with like.
+    stage count and ``microbatches``. ``swap``: inject swap steps (with ``swap_policy``,
+    MindSpore hyper-parallel's gap rule by default) and run them.
+
+    ``account_activations``: collect every chunk's saved tensors through the swap manager, so
+    that :class:`StepReport` gives the peak of saved activations and each chunk's bytes
+    (default: only with ``swap``; a run without swap then costs nothing over plain autograd,
+    and only swapped chunks go through the manager's hooks). ``check_transport``: the
+    transport model the schedule must run under before anything runs: ``"ordered"`` (NCCL's,
+    the default on every device, so a CPU run proves what NCCL needs) or ``"tagged"`` (gloo
+    only, for schedules built with the deferred lowering).
     """
 
     def __init__(
@@ -112,6 +123,8 @@ class PipelineExecutor:
         swap_policy: SwapPolicy | None = None,
         platform: Platform | None = None,
         manager: SwapManager | None = None,
+        account_activations: bool | None = None,
+        check_transport: str = "ordered",
     ) -> None:
         import torch.distributed as dist
 
@@ -130,10 +143,12 @@ class PipelineExecutor:
         self.loss_fn = loss_fn
         self.platform = platform or get_platform()
         self._by_index = {stage.stage_index: stage for stage in self.stages}
+        self.account = swap if account_activations is None else account_activations
         built: Schedule | None = None
         problem: PipelineSetupError | None = None
         try:
-            built = self._build(schedule, swap, swap_policy)
+            self._check_transport(check_transport)
+            built = self._build(schedule, swap, swap_policy, check_transport)
             self._check_stages(built)
         except PipelineSetupError as exc:
             problem = exc
@@ -182,8 +197,21 @@ class PipelineExecutor:
             with suppress(Exception):  # already broken on purpose; only its memory is left
                 dist.destroy_process_group(old)
 
+    def _check_transport(self, transport: str) -> None:
+        import torch.distributed as dist
+
+        if transport not in TRANSPORTS:
+            raise PipelineSetupError(
+                f"check_transport={transport!r}: use 'ordered' (NCCL's model, the default) or "
+                "'tagged' (gloo's)")
+        if transport == "tagged" and dist.get_backend(self.group) != "gloo":
+            raise PipelineSetupError(
+                f"check_transport='tagged' matches gloo's tagged messages, but this group "
+                f"runs {dist.get_backend(self.group)}, which pairs sends and receives in "
+                "order: keep 'ordered' and build the schedule with the early lowering")
+
     def _build(self, schedule: Schedule | ScheduleSpec | str, swap: bool,
-               policy: SwapPolicy | None) -> Schedule:
+               policy: SwapPolicy | None, transport: str) -> Schedule:
         try:
             if isinstance(schedule, Schedule):
                 if swap or policy is not None:
@@ -203,10 +231,10 @@ class PipelineExecutor:
                         "FSDP steps are not run by this executor: build the schedule with "
                         "fsdp=False")
                 built = build_schedule(schedule, policy)
-            # gloo matches messages by tag and this executor never waits on a send before
-            # the step ends; NCCL pairs them in order, so a send waits for its receive.
-            validate(built, transport="tagged" if self.platform.device.type == "cpu"
-                     else "ordered")  # every micro below the count: see _check_stages
+            # Ordered unless asked: NCCL pairs sends and receives in order, and a schedule
+            # that passes on CPU then passes there. (Every micro below the count: see
+            # _check_stages.)
+            validate(built, transport=transport)
         except ScheduleError as exc:
             raise PipelineSetupError(f"the schedule cannot run: {exc}") from exc
         if any(step is not None and step.type in FSDP
@@ -318,30 +346,20 @@ class PipelineExecutor:
         start = time.perf_counter()
         self._runs += 1
         run = _Run(SwapSession(self.manager, f"x{id(self):x}.run{self._runs}"))
-        problem: PipelineSetupError | None = None
-        try:
-            self._take_batch(run, inputs, targets)
-        except PipelineSetupError as exc:
-            problem = exc
-        # One collective before any transfer: a rank refusing its batch stops every rank
-        # here, and the process group stays usable for the next step.
-        refused = [rank for rank, bad in enumerate(self._all_gather(problem is not None,
-                                                                    "the batch check")) if bad]
-        if problem is not None:
-            raise problem
-        if refused:
-            raise PipelineSetupError(f"rank(s) {refused} refused this step's batch (see their "
-                                     "errors); nothing ran on any rank")
-        if not self._shapes_known:
-            self._exchange_shapes(run.micro_inputs[0] if run.micro_inputs else None)
-            self._shapes_known = True
-            if run.micro_inputs:
-                self._input_meta = TensorMeta(tuple(run.micro_inputs[0].shape),
-                                              run.micro_inputs[0].dtype)
         self.manager.reset_peak()
         offloaded = self.manager.stats().bytes_offloaded
-        at: Step | None = None
+        at: Step | str | None = "its batch check"
         try:
+            # No collective first: a rank refusing its batch fails the step like any other
+            # failure, and its peers stop at their first transfer with it.
+            self._take_batch(run, inputs, targets)
+            if not self._shapes_known:
+                at = "the exchange of stage boundary shapes"
+                self._exchange_shapes(run.micro_inputs[0] if run.micro_inputs else None)
+                self._shapes_known = True
+                if run.micro_inputs:
+                    self._input_meta = TensorMeta(tuple(run.micro_inputs[0].shape),
+                                                  run.micro_inputs[0].dtype)
             for at in self.schedule.orders[self.rank]:
                 if at is not None:
                     self._run(run, at)
@@ -363,10 +381,15 @@ class PipelineExecutor:
             raise
         run.session.close()
         stats = self.manager.stats()
+        losses: list[float] = []
+        if run.losses:  # one host sync for all of them
+            import torch
+
+            losses = torch.stack([run.losses[m] for m in sorted(run.losses)]).tolist()
         return StepReport(
-            losses=tuple(run.losses[m] for m in sorted(run.losses)),
+            losses=tuple(losses),
             seconds=time.perf_counter() - start,
-            peak_activation_bytes=stats.peak_device_bytes_held,
+            peak_activation_bytes=stats.peak_device_bytes_held if self.account else None,
             bytes_offloaded=stats.bytes_offloaded - offloaded,
             swapped_chunks=len(self.swapped),
             chunk_bytes=run.chunk_bytes,
@@ -380,10 +403,10 @@ class PipelineExecutor:
         except RuntimeError as exc:
             raise self.transport.failure(what, exc) from exc
 
-    def _fail(self, exc: BaseException, at: Step | None) -> None:
+    def _fail(self, exc: BaseException, at: Step | str | None) -> None:
         """Tell the peers this step failed here: post the reason (if this rank failed first)
         and break the connections, so that no peer waits for this rank until its timeout."""
-        where = f"{at} of step {self._runs}" if at is not None else f"the end of step {self._runs}"
+        where = f"{at if at is not None else 'the end'} of step {self._runs}"
         first_line = (str(exc).strip().splitlines() or [""])[0][:300]
         reason = f"rank {self.rank} failed at {where}: {type(exc).__name__}: {first_line}"
         if not isinstance(exc, PipelineCommError):
@@ -477,12 +500,16 @@ class PipelineExecutor:
                 received = self._output(run, (stage_index - 1, micro))
             x = received.requires_grad_(True)
         target = run.micro_targets[micro] if stage.is_last else None
+        accounted = self.account or key in self.swapped
         chunk = forward_chunk(stage.forward, x, target=target, loss_fn=self.loss_fn,
-                              scale=self.microbatches, saving=run.session.forward(key))
+                              scale=self.microbatches,
+                              saving=run.session.forward(key) if accounted else None)
         if chunk.loss is not None:
             run.losses[micro] = chunk.loss
-        run.session.protect(key, [x, chunk.output, target])
-        run.chunk_bytes[key] = self.manager.group_bytes(run.session.name(key))
+        if accounted:
+            run.accounted.add(key)
+            run.session.protect(key, [x, chunk.output, target])
+            run.chunk_bytes[key] = self.manager.group_bytes(run.session.name(key))
         run.chunks[key] = chunk
 
     def _backward(self, run: _Run, key: ChunkKey, *, dx: bool, dw: bool) -> None:
@@ -508,7 +535,8 @@ class PipelineExecutor:
                 return  # the chunk keeps what its W step needs
         else:
             chunk.backward_weight()
-        run.session.finish(key)
+        if key in run.accounted:
+            run.session.finish(key)
         del run.chunks[key]
 
 

@@ -113,8 +113,10 @@ def run_rank(rank: int, world_size: int, config: TrainConfig) -> dict[str, ModeR
                   for index, module in enumerate(modules) if placement[index] == rank]
         params = [p for stage in stages for p in stage.module.parameters()]
         optimizer = torch.optim.AdamW(params, lr=config.lr)
+        # Both modes account every chunk's saved activations, to compare their peaks.
         executor = PipelineExecutor(stages, spec, config.microbatches, lm_loss,
-                                    swap=mode == "swap", platform=platform)
+                                    swap=mode == "swap", platform=platform,
+                                    account_activations=True)
         result = results[mode] = ModeResult(swapped_chunks=len(executor.swapped))
         for number, (inputs, targets) in enumerate(data, 1):
             optimizer.zero_grad(set_to_none=True)
@@ -130,6 +132,7 @@ def run_rank(rank: int, world_size: int, config: TrainConfig) -> dict[str, ModeR
             result.chunk_bytes = {key: (b.held, b.movable)
                                   for key, b in report.chunk_bytes.items()}
             result.step_seconds.append(report.seconds)
+            assert report.peak_activation_bytes is not None  # accounted above
             result.peak_activation_bytes = max(result.peak_activation_bytes,
                                                report.peak_activation_bytes)
             result.bytes_offloaded += report.bytes_offloaded
