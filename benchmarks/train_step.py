@@ -85,8 +85,9 @@ def main(argv: list[str] | None = None) -> int:
             "two cores as the ranks' compute, so the time ratio shows swap's bookkeeping and "
             "memcpy cost, not PCIe overlap. Rank 1 of 1F1B swaps 6 chunks but its peak stays: "
             "the peak is reached at the end of warm-up, when chunk 1 (the only swappable one "
-            "held then) is still being copied out; the seed's gap rule does not wait for that "
-            "copy before the next forward (issue 5's memory-budget policy is the tool for it).\n")
+            "held then) is still being copied out; MindSpore hyper-parallel's gap rule does not "
+            "wait for that copy before the next forward (the budget policy, `simulate --policy "
+            "budget`, is the tool for it).\n")
     return publish(SECTION, report, args.write)
 
 

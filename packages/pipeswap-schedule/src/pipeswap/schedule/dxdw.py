@@ -18,7 +18,7 @@ def split_dxdw(schedule: Schedule) -> Schedule:
     ``(sB m;F)OVERLAP_B_F`` becomes ``(sI m;F)OVERLAP_B_F`` and ``sW m`` runs right after the
     gradient P2P that follows the overlap, so the input gradient leaves for the previous stage
     before the weight gradient is computed, while forward P2P still waits behind dw (this is
-    where the seed system puts W; its worked examples show it). Stage 0 keeps whole
+    where MindSpore hyper-parallel puts W; its worked examples show it). Stage 0 keeps whole
     backwards: it sends no input gradient, so splitting would gain nothing. P2P order is
     unchanged. Run it before P2P batching, which would hide the gradient P2P in batches.
     """

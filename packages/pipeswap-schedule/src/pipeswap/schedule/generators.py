@@ -1,7 +1,8 @@
-"""Schedule generators: GPipe, 1F1B and Interleaved 1F1B, exactly as the seed system orders them.
+"""Schedule generators: GPipe, 1F1B and Interleaved 1F1B, exactly as MindSpore hyper-parallel
+orders them.
 
-GPipe and 1F1B come with their P2P steps placed (the seed places them while generating, with a
-send-first / recv-first pattern that keeps blocking P2P deadlock-free). Interleaved 1F1B is
+GPipe and 1F1B come with their P2P steps placed (hyper-parallel places them while generating,
+with a send-first / recv-first pattern that keeps blocking P2P deadlock-free). Interleaved 1F1B is
 generated as aligned compute columns (``None`` = idle slot) and gets its P2P from
 :func:`pipeswap.schedule.p2p.insert_send_recv`.
 """
@@ -131,7 +132,7 @@ def interleaved_1f1b_compute(
 
 
 class _RoundLayout:
-    """The seed's round layout: which stage each of a rank's V*M forward/backward ops hits."""
+    """MindSpore hyper-parallel's round layout: which stage each of a rank's V*M forward/backward ops hits."""
 
     def __init__(self, ranks: int, micros: int, chunks: int) -> None:
         self.ranks, self.micros, self.chunks = ranks, micros, chunks

@@ -50,7 +50,7 @@ _SWAP_SEQUENCE = (
 
 
 #: How sends and receives meet. ``ordered``: a send waits for its receive and the messages
-#: between two ranks pair first in, first out (NCCL, HCCL; the seed system's model).
+#: between two ranks pair first in, first out (NCCL, HCCL; MindSpore hyper-parallel's model).
 #: ``tagged``: a send never waits and a message meets the receive with its tag (gloo, as the
 #: pipeswap runtime tags every message); only a compute waits, for the data it receives.
 TRANSPORTS = ("ordered", "tagged")
