@@ -104,21 +104,26 @@ def test_gradients_are_bit_identical_with_swap(make: Callable[[], torch.nn.Modul
         assert torch.equal(want, got)
 
 
-def _nbytes(ref: weakref.ref[torch.Tensor]) -> int:
-    """The storage size of a tensor only autograd holds (reading its size is safe freed)."""
-    tensor = ref()
-    assert tensor is not None
-    return tensor.untyped_storage().nbytes()
+def _storages(*tensors: torch.Tensor) -> list[torch.UntypedStorage]:
+    """Handles on the tensors' storages, to read their sizes once only autograd holds the
+    tensors: a storage handle is no tensor (it cannot read freed memory), so the manager may
+    still release the storage, and reading its size is safe then."""
+    return [t.untyped_storage() for t in tensors]
+
+
+def _on(storage: torch.UntypedStorage) -> torch.Tensor:
+    """A new float32 tensor over ``storage`` (how a program could reach a released one)."""
+    return torch.empty(0).set_(storage)
 
 
 def test_device_memory_is_released_and_accounted_exactly(mgr: SwapManager) -> None:
     x = torch.randn(64, 64, requires_grad=True)
     w = torch.randn(64, 64, requires_grad=True)
 
-    def forward() -> tuple[torch.Tensor, list[weakref.ref[torch.Tensor]]]:
+    def forward() -> tuple[torch.Tensor, list[torch.UntypedStorage]]:
         a, b = x * 0.1, w * 0.1
         y = (a @ b).exp()  # saves a, b and exp's output: nothing else holds them
-        return y.sum(), [weakref.ref(t) for t in (a, b, y)]
+        return y.sum(), _storages(a, b, y)
 
     backward(forward()[0])
     expected = x.grad
@@ -129,7 +134,7 @@ def test_device_memory_is_released_and_accounted_exactly(mgr: SwapManager) -> No
     assert held == 3 * 64 * 64 * 4  # one storage each
     mgr.launch_offload("g")
     mgr.wait_offload("g")
-    assert [_nbytes(ref) for ref in saved] == [0, 0, 0]
+    assert [storage.nbytes() for storage in saved] == [0, 0, 0]
     stats = mgr.stats()
     assert stats.device_bytes_held == 0 and stats.bytes_offloaded == held
     assert stats.host_bytes_in_use >= held and stats.peak_device_bytes_held == held
@@ -238,14 +243,14 @@ def test_saving_a_storage_another_group_offloaded_is_refused(mgr: SwapManager) -
     with mgr.group_context("first"):
         shared = x * 1
         a = shared.sin().sum()
-    shared_ref = weakref.ref(shared)
+    (storage,) = _storages(shared)
     del shared  # only autograd holds it: the offload releases it
     mgr.launch_offload("first")
     mgr.wait_offload("first")
     with pytest.raises(SwapResidencyError, match=r"group_context\('second'\).*group 'first' "
                        r"\(offloaded\).*protect_alias_tensors\('first'"):
-        with mgr.group_context("second"):  # reached through a weak reference: not legal
-            _SaveOnly.apply(shared_ref())  # type: ignore[no-untyped-call]
+        with mgr.group_context("second"):  # reached through the storage: not legal
+            _SaveOnly.apply(_on(storage).requires_grad_())  # type: ignore[no-untyped-call]
     mgr.launch_load("first")  # the first group is untouched by the refusal
     mgr.wait_load("first")
     backward(a)
@@ -255,30 +260,30 @@ def test_saving_a_storage_another_group_offloaded_is_refused(mgr: SwapManager) -
 def test_protection_counts_until_wait_offload_and_is_refused_after(mgr: SwapManager) -> None:
     x = torch.randn(32, 32, requires_grad=True)
 
-    def forward(name: str) -> tuple[torch.Tensor, weakref.ref[torch.Tensor]]:
+    def forward(name: str) -> tuple[torch.Tensor, torch.UntypedStorage]:
         with mgr.group_context(name):
             h = x.exp()
             loss = (h * h).sum()  # saves h
-        return loss, weakref.ref(h)
+        return loss, h.untyped_storage()
 
-    a, h_ref = forward("late")
+    a, h_storage = forward("late")
     mgr.launch_offload("late")
-    mgr.protect_alias_tensors("late", [h_ref()])  # in flight: still in time
+    mgr.protect_alias_tensors("late", [_on(h_storage)])  # in flight: still in time
     mgr.wait_offload("late")
-    assert _nbytes(h_ref) == 32 * 32 * 4
+    assert h_storage.nbytes() == 32 * 32 * 4
     mgr.launch_load("late")
     mgr.wait_load("late")
     backward(a)
 
-    b, h_ref = forward("too late")
+    b, h_storage = forward("too late")
     mgr.launch_offload("too late")
     mgr.wait_offload("too late")
     with pytest.raises(SwapError, match=r"protect_alias_tensors\('too late'\): group is "
                        "offloaded and a storage to protect is already off the device"):
-        mgr.protect_alias_tensors("too late", [h_ref()])
+        mgr.protect_alias_tensors("too late", [_on(h_storage)])
     mgr.launch_load("too late")  # the refusal changed nothing: h comes back with the group
     mgr.wait_load("too late")
-    assert _nbytes(h_ref) == 32 * 32 * 4
+    assert h_storage.nbytes() == 32 * 32 * 4
     backward(b)
 
 
@@ -405,19 +410,20 @@ def test_an_in_place_write_after_save_fails_backward_as_without_swap(
 
 
 def test_an_in_place_write_to_a_released_activation_fails_backward(mgr: SwapManager) -> None:
+    """The saved entry's alias shares the tensor's version counter: a write made before the
+    program dropped the tensor still fails backward after the storage was released and
+    reloaded (the copies themselves bump no version)."""
     x = torch.randn(64, requires_grad=True)
     with mgr.group_context("g"):
         y = x.exp()
         loss = y.sum()
-    y_ref = weakref.ref(y)
-    del y
-    _round_trip(mgr, "g")  # released and reloaded: the same tensor object comes back
-    tensor = y_ref()
-    assert tensor is not None
     with torch.no_grad():
-        tensor.add_(1)
-    del tensor
-    with pytest.raises(InPlaceModificationError, match="modified by an inplace operation"):
+        y.add_(1)
+    (storage,) = _storages(y)
+    del y
+    _round_trip(mgr, "g")
+    assert mgr.stats().bytes_offloaded == storage.nbytes() == 64 * 4  # it was released
+    with pytest.raises(InPlaceModificationError, match="is at version 1; expected version 0"):
         backward(loss)
     mgr.abort_group("g")
 
@@ -479,11 +485,11 @@ def test_small_tensors_stay_below_the_threshold() -> None:
     with mgr.group_context("g"):
         small, big = x_small * 1, x_big * 1
         loss = small.sin().sum() + big.sin().sum()  # sin saves its input
-    refs = [weakref.ref(small), weakref.ref(big)]
+    storages = _storages(small, big)
     del small, big
     mgr.launch_offload("g")
     mgr.wait_offload("g")
-    assert [_nbytes(ref) for ref in refs] == [8 * 4, 0]
+    assert [storage.nbytes() for storage in storages] == [8 * 4, 0]
     assert mgr.stats().skipped["below min_bytes"] == 1
     mgr.launch_load("g")
     mgr.wait_load("g")
@@ -540,14 +546,14 @@ def test_nested_group_contexts_restore_the_outer_group(mgr: SwapManager) -> None
         with mgr.group_context("inner"):
             inner = b.sin().sum()
         outer_last = c.sin().sum()  # back in the outer group
-    refs = [weakref.ref(t) for t in (a, b, c)]
+    storages = _storages(a, b, c)
     del a, b, c
     mgr.launch_offload("inner")
     mgr.wait_offload("inner")
-    assert [_nbytes(ref) for ref in refs] == [64 * 4, 0, 64 * 4]  # only the inner save moved
+    assert [s.nbytes() for s in storages] == [64 * 4, 0, 64 * 4]  # only the inner save moved
     mgr.launch_offload("outer")
     mgr.wait_offload("outer")
-    assert [_nbytes(ref) for ref in refs] == [0, 0, 0]
+    assert [s.nbytes() for s in storages] == [0, 0, 0]
     for name in ("inner", "outer"):
         mgr.launch_load(name)
         mgr.wait_load(name)

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from pipeswap.platform import Event, Platform
 from pipeswap.swap.pool import HostBuffer, HostBufferPool
-from pipeswap.swap.references import referenced_elsewhere
+from pipeswap.swap.references import referenced_elsewhere, saved_alias
 
 if TYPE_CHECKING:
     import torch
@@ -128,16 +128,23 @@ class _Group:
 
 
 class _Saved:
-    """What autograd keeps for a tensor saved inside a group: the tensor, its version when
-    saved (autograd leaves that check to the hooks), and, when it may move, its group and
-    storage entry, through which unpack checks residency."""
+    """What autograd keeps for a tensor saved inside a group: an alias of the tensor (its
+    storage, geometry and version counter, without its autograd identity: see
+    :func:`~pipeswap.swap.references.saved_alias`), its version when saved (autograd leaves
+    that check to the hooks), and, when it may move, its group and storage entry, through
+    which unpack checks residency.
+
+    Never the tensor itself: for an op that saves its own output, the tensor's ``grad_fn`` is
+    the node that holds this object, a cycle through C++ that Python's collector cannot break,
+    so a graph dropped without a backward would leak with all its activations."""
 
     __slots__ = ("group", "entry", "tensor", "version", "__weakref__")
 
     def __init__(self, group: _Group | None, entry: _Storage | None, tensor: torch.Tensor
                  ) -> None:
-        self.group, self.entry, self.tensor = group, entry, tensor
-        self.version = tensor._version
+        self.group, self.entry = group, entry
+        self.tensor = saved_alias(tensor)
+        self.version = self.tensor._version  # the tensor's: the counter is shared
 
 
 class SwapManager:

@@ -3,17 +3,25 @@
 Releasing a storage (resizing it to zero bytes) is safe only when no tensor a program can still
 use points into it: a read through such a tensor would be a use-after-free, a crash or silently
 wrong numbers. The saved tensors themselves are safe to cut off, since autograd reaches them
-only through the swap manager's unpack hook, which checks residency first. Everything else
-shows up in three reference counts, exact in CPython and torch:
+only through the swap manager's unpack hook, which checks residency first.
+
+A saved entry holds :func:`saved_alias` of the tensor autograd saved, never the tensor itself:
+an alias sharing its storage and version counter, with no autograd identity (no ``grad_fn``,
+no view base). Holding the tensor would close a reference cycle through C++ for every op that
+saves its own output (node -> saved variable -> entry -> tensor -> ``grad_fn`` == node), which
+Python's collector cannot see: a graph dropped without a backward would never be freed. The
+alias also means the saved entries reach nothing but the storage, so everything else that can
+still use it shows up in three reference counts, exact in CPython and torch:
 
 - the storage's use count: one per tensor viewing it, plus one for its Python object; one
-  more is a tensor the saved views do not account for (another view, a ``.data`` alias);
-- each such tensor's use count: one for its Python object, plus one per saved view whose base
-  it is; one more is a C++ holder (an autograd node that saved it outside the hooks);
-- each such tensor's Python reference count: one per saved entry holding it (and one that
-  torch itself keeps while views hold the tensor); one more is a variable or container.
+  more than the entries' aliases is any other tensor (the tensor autograd saved, still held by
+  the program or by an autograd node that saved it outside the hooks, a view, a ``.data`` or
+  ``.detach()`` alias, an unpacked saved tensor);
+- each alias's use count: one for its Python object; one more is a C++ holder (a view of it);
+- each alias's Python reference count: one per saved entry holding it; one more is a variable
+  or container.
 
-Each count is compared with that of a fresh tensor taken the same way, so the check does not
+Each count is compared with that of a fresh alias taken the same way, so the check does not
 depend on interpreter details; anything unexpected (or a torch without these counters) keeps
 the storage on the device: the cost of a doubt is memory, never a crash.
 """
@@ -30,14 +38,24 @@ if TYPE_CHECKING:
 
 
 class HoldsTensor(Protocol):
-    """One of autograd's saved entries: it holds one reference to its tensor."""
+    """One of autograd's saved entries: it holds one reference to its tensor, a
+    :func:`saved_alias`."""
 
     tensor: torch.Tensor
 
 
+def saved_alias(tensor: torch.Tensor) -> torch.Tensor:
+    """What a saved entry holds for ``tensor``: the same storage, view geometry and version
+    counter (an in-place write to ``tensor`` shows in its ``_version``), and no autograd
+    identity (no ``grad_fn``, no ``_base``), so it keeps neither the graph nor a view base
+    alive. Unpacked, autograd attaches the saved tensor's ``grad_fn`` or gradient accumulator
+    to it again."""
+    return tensor.detach()
+
+
 def referenced_elsewhere(holders: Sequence[HoldsTensor]) -> bool:
     """True unless the tensors of ``holders`` (the live saved entries of one storage, each
-    holding one reference) and their view bases are all that reference their storage."""
+    holding one reference to its :func:`saved_alias`) are all that reference their storage."""
     if not holders:
         return False
     if not _counters_available():
@@ -46,15 +64,11 @@ def referenced_elsewhere(holders: Sequence[HoldsTensor]) -> bool:
     fresh = _fresh_counts()
     storage = next(iter(known.values())).untyped_storage()
     if _storage_uses(storage) - fresh.storage != len(known):
-        return True
-    bases = Counter(id(t._base) for t in known.values() if t._base is not None)
-    if any(_use_count(t) - fresh.impl != bases[key] for key, t in known.items()):
-        return True  # a C++ holder besides the Python object and the known views
-    # A tensor that views hold keeps one more Python reference of its own: torch lets the
-    # tensor own its Python object while C++ still uses it.
+        return True  # another tensor views the storage (a view base counts here too)
+    if any(_use_count(t) - fresh.impl != 0 for t in known.values()):
+        return True  # a C++ holder besides the Python object: a view of the alias
     python = _python_refs(known)
-    return any(python[key] - fresh.python != expected_python[key] + (bases[key] > 0)
-               for key in known)
+    return any(python[key] - fresh.python != expected_python[key] for key in known)
 
 
 def _counters_available() -> bool:
@@ -65,17 +79,13 @@ def _counters_available() -> bool:
 
 def _known_tensors(holders: Sequence[HoldsTensor]
                    ) -> tuple[dict[int, torch.Tensor], Counter[int]]:
-    """The saved tensors and their view bases by id, and how many holders each saved one has
-    (the Python references to it that are expected)."""
+    """The saved aliases by id, and how many holders each has (the Python references to it
+    that are expected)."""
     known: dict[int, torch.Tensor] = {}
     expected: Counter[int] = Counter()
     for holder in holders:
         known.setdefault(id(holder.tensor), holder.tensor)
         expected[id(holder.tensor)] += 1
-    for tensor in list(known.values()):
-        base = tensor._base
-        if base is not None:
-            known.setdefault(id(base), base)
     return known, expected
 
 
@@ -85,7 +95,7 @@ def _use_count(tensor: torch.Tensor) -> int:
 
 
 class _Counts:
-    """A fresh tensor's counts, taken exactly as :func:`referenced_elsewhere` takes them."""
+    """A fresh alias's counts, taken exactly as :func:`referenced_elsewhere` takes them."""
 
     def __init__(self, storage: int, impl: int, python: int) -> None:
         self.storage, self.impl, self.python = storage, impl, python
@@ -94,7 +104,9 @@ class _Counts:
 def _fresh_counts() -> _Counts:
     import torch
 
-    known = {0: torch.empty(1)}
+    # An alias as the pack hook makes it, of a tensor nothing holds any more: what one saved
+    # entry's alias counts when it alone reaches its storage, less the entry's own reference.
+    known = {0: saved_alias(torch.empty(1))}
     storage = _storage_uses(known[0].untyped_storage()) - 1
     impl = _use_count(known[0])
     return _Counts(storage, impl, _python_refs(known)[0])
