@@ -6,14 +6,13 @@ from __future__ import annotations
 
 import copy
 import gc
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import TypeVar
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch.utils.flop_counter import FlopCounterMode
 
 from pipeswap.platform import get_platform
@@ -361,13 +360,6 @@ def test_parameters_reached_through_several_paths(module: type[torch.nn.Module])
 
 
 # -- the executor's I and W steps ---------------------------------------------------------------
-
-@pytest.fixture
-def group() -> Iterator[None]:
-    store = dist.HashStore()  # type: ignore[attr-defined]
-    dist.init_process_group("gloo", rank=0, world_size=1, store=store)
-    yield
-    dist.destroy_process_group()
 
 
 def test_the_executor_splits_zbv_backwards_into_exact_i_and_w_steps(group: None) -> None:

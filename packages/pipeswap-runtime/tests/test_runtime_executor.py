@@ -3,11 +3,8 @@ one, real autograd. Multi-process runs are in the root suite (tests/test_runtime
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 import torch
-import torch.distributed as dist
 
 from pipeswap.runtime import (
     PipelineError,
@@ -23,12 +20,6 @@ from pipeswap.runtime.train import parse_args
 from pipeswap.schedule import Lowering, ScheduleKind, ScheduleSpec, build_schedule, loads
 
 
-@pytest.fixture
-def group() -> Iterator[None]:
-    store = dist.HashStore()  # type: ignore[attr-defined]
-    dist.init_process_group("gloo", rank=0, world_size=1, store=store)
-    yield
-    dist.destroy_process_group()
 
 
 CONFIG = GPTConfig(vocab=16, seq_len=8, width=16, heads=2, layers=2)

@@ -180,4 +180,4 @@ def test_fsdp_on_every_generator_window_and_managed_set_validates(kind: Schedule
         for managed in (None, [0], range(0, base.num_stages, 2)):
             fsdp = add_fsdp_steps(base, managed, window=window)
             for schedule in (fsdp, inject_swap(coalesce_p2p(fsdp))):
-                validate(schedule, transport="tagged", microbatches=micros)
+                validate(schedule, microbatches=micros)

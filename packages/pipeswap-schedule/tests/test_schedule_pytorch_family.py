@@ -25,13 +25,13 @@ FAMILY = [ScheduleKind.LOOPED_BFS, ScheduleKind.INTERLEAVED_ZB, ScheduleKind.ZBV
 
 @pytest.mark.parametrize("kind", FAMILY, ids=lambda k: k.value)
 @pytest.mark.parametrize(("ranks", "micro"), [(2, 4), (3, 6), (4, 8)])
-def test_each_builds_with_swap_and_runs_with_tagged_transfers(
+def test_each_builds_with_swap_and_runs_with_in_order_transfers(
         kind: ScheduleKind, ranks: int, micro: int) -> None:
-    for options in ({}, {"batch_p2p": True}, {"fsdp": True}):
+    for batch_p2p, fsdp in ((False, False), (True, False), (False, True)):
         spec = ScheduleSpec(kind, ranks=ranks, microbatches=micro, stages_per_rank=2,
-                            swap=True, **options)
+                            swap=True, batch_p2p=batch_p2p, fsdp=fsdp)
         schedule = build_schedule(spec)
-        validate(schedule, transport="tagged")  # F < LO < WO < LL < WL < backward, P2P, ...
+        validate(schedule)  # F < LO < WO < LL < WL < backward, P2P paired in order (NCCL)...
         assert any(swapped_chunks(schedule))
         for order in schedule.orders:
             for step in order:

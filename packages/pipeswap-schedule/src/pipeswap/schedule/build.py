@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
+from typing import TypeVar
 
 from pipeswap.schedule._gc import gc_paused
 from pipeswap.schedule.dxdw import split_dxdw
@@ -47,6 +48,9 @@ class ScheduleKind(Enum):
     DUALPIPEV = "dualpipev"
 
 
+E = TypeVar("E", bound=Enum)
+
+
 class Lowering(Enum):
     """How sends and receives are added to compute orders.
 
@@ -78,23 +82,23 @@ MAX_CHUNKS = 2**20
 
 
 def lowering_kind(name: str | Lowering) -> Lowering:
-    if isinstance(name, Lowering):
-        return name
-    try:
-        return Lowering(name)
-    except ValueError:
-        allowed = ", ".join(k.value for k in Lowering)
-        raise ScheduleError(f"unknown lowering {name!r}; allowed: {allowed}") from None
+    return _member(Lowering, name, "lowering")
 
 
 def schedule_kind(name: str | ScheduleKind) -> ScheduleKind:
-    if isinstance(name, ScheduleKind):
+    return _member(ScheduleKind, name, "schedule")
+
+
+def _member(enum: type[E], name: str | E, what: str) -> E:
+    """``name``'s member of ``enum`` (a member passes through), or a one-line error listing
+    the allowed names."""
+    if isinstance(name, enum):
         return name
     try:
-        return ScheduleKind(name)
+        return enum(name)
     except ValueError:
-        allowed = ", ".join(k.value for k in ScheduleKind)
-        raise ScheduleError(f"unknown schedule {name!r}; allowed: {allowed}") from None
+        allowed = ", ".join(member.value for member in enum)
+        raise ScheduleError(f"unknown {what} {name!r}; allowed: {allowed}") from None
 
 
 @dataclass(frozen=True)
