@@ -115,7 +115,7 @@ class ScheduleSpec:
     fsdp: bool = False
     batch_p2p: bool = False
     swap: bool = False
-    lowering: Lowering | None = None  # None: the schedule's default (see default_lowering)
+    lowering: Lowering | None = None  # None: the schedule's default (effective_lowering)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "kind", schedule_kind(self.kind))
