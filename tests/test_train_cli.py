@@ -24,7 +24,9 @@ def test_spawned_run_prints_the_json_contract() -> None:
     assert summary["step_time_ratio"] > 0
     assert [entry["rank"] for entry in summary["per_rank"]] == [0, 1]
     for entry in summary["per_rank"]:
-        assert entry["swapped_chunks"] == 4  # GPipe P=2 M=4 swaps every chunk on both ranks
+        # The default policy swaps a chunk only where that lowers the rank's peak; on GPipe
+        # P=2 M=4 it does on both ranks.
+        assert entry["swapped_chunks"] > 0
         assert 0 < entry["peak_activation_bytes_swap"] < entry["peak_activation_bytes_no_swap"]
     assert summary["losses"]["swap"] == summary["losses"]["no-swap"]
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeswap.schedule import ScheduleKind, ScheduleSpec, build_schedule, to_json
+from pipeswap.schedule import MinGapPolicy, ScheduleKind, ScheduleSpec, build_schedule, to_json
 from pipeswap.schedule.formats import loads
 
 Cli = Callable[..., tuple[int, str, str]]  # the `cli` fixture of conftest.py
@@ -33,10 +33,10 @@ def test_orders_json_is_the_documented_shape(cli: Cli) -> None:
 
 def test_orders_grid_reads_back(cli: Cli) -> None:
     code, out, _ = cli("orders", "--schedule", "1f1b", "-P", "4", "-M", "8", "--fsdp",
-                       "--batch-p2p", "--swap")
+                       "--batch-p2p", "--policy", "gap")
     assert code == 0 and out.startswith("rank 0: 0UNSHARD 0F0 0LO0")
     spec = ScheduleSpec(ScheduleKind.ONE_F_ONE_B, 4, 8, fsdp=True, batch_p2p=True, swap=True)
-    assert loads(out) == build_schedule(spec)
+    assert loads(out) == build_schedule(spec, MinGapPolicy())
 
 
 def test_validate_accepts_what_orders_prints(
@@ -106,7 +106,7 @@ def test_validate_missing_file_is_a_usage_error(
 
 
 def test_show_marks_swap_steps_and_summarises_chunks(cli: Cli) -> None:
-    code, out, _ = cli("show", "--schedule", "1f1b", "-P", "4", "-M", "8", "--swap")
+    code, out, _ = cli("show", "--schedule", "1f1b", "-P", "4", "-M", "8", "--policy", "gap")
     assert code == 0
     header = out.splitlines()[0]
     assert [h.strip() for h in header.split("|")[1:]] == ["rank 0", "rank 1", "rank 2", "rank 3"]
@@ -119,7 +119,7 @@ def test_show_marks_swap_steps_and_summarises_chunks(cli: Cli) -> None:
 
 def test_show_summary_only(cli: Cli) -> None:
     code, out, _ = cli("show", "--schedule", "interleaved-1f1b", "-P", "4", "-V", "2",
-                       "-M", "8", "--swap", "--no-grid")
+                       "-M", "8", "--policy", "gap", "--no-grid")
     assert code == 0 and "|" not in out
     assert "rank 2: 14 of 16 chunks swapped (stage 2 micro 0-7; stage 6 micro 1-6)" in out
 

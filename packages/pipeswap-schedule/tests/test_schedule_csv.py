@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeswap.schedule import ScheduleKind, ScheduleSpec, build_schedule, validate
+from pipeswap.schedule import MinGapPolicy, ScheduleKind, ScheduleSpec, build_schedule, validate
 from pipeswap.schedule.formats import dumps_csv, loads, loads_csv
 from pipeswap.schedule.pytorch_family import dualpipev, zbv
 
@@ -16,7 +16,7 @@ Cli = Callable[..., tuple[int, str, str]]  # the `cli` fixture of conftest.py
 
 def test_csv_round_trips_every_step_kind() -> None:
     schedule = build_schedule(ScheduleSpec(ScheduleKind.DUALPIPEV, ranks=2, microbatches=4,
-                                           batch_p2p=True, swap=True))
+                                           batch_p2p=True, swap=True), MinGapPolicy())
     text = dumps_csv(schedule)
     assert loads_csv(text) == schedule and loads(text) == schedule  # loads detects CSV
     assert "(0F3;3B1)OVERLAP_F_B" in text and "BATCH_P2P" in text and "0LO0" in text

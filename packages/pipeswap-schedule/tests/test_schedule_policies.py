@@ -2,16 +2,25 @@
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Sequence
+
 import pytest
 
 from pipeswap.schedule import (
+    MinGapPolicy,
     ScheduleKind,
     ScheduleSpec,
+    SwapCandidate,
+    SwapPlacement,
     build_schedule,
+    inject_swap,
+    swap_candidates,
     swapped_chunks,
 )
+from pipeswap.schedule.steps import Order
 from pipeswap.schedule.costs import CostModel, Link
-from pipeswap.schedule.policies import CostModelPolicy, MemoryBudgetPolicy
+from pipeswap.schedule.policies import CostModelPolicy, MemoryBudgetPolicy, PeakPolicy
 from pipeswap.schedule.simulate import simulate
 
 ONE_F_ONE_B = ScheduleSpec(ScheduleKind.ONE_F_ONE_B, ranks=4, microbatches=8, swap=True)
@@ -50,14 +59,14 @@ def test_the_budget_takes_the_chunks_that_stall_least() -> None:
     costs = CostModel(forward=1.0, backward=4.0, activation_bytes=100, link=Link(50.0, 50.0))
     policy = MemoryBudgetPolicy(costs, budget=300)
     chosen = simulate(build_schedule(ONE_F_ONE_B, policy), costs).ranks[0]
-    gap_rule = simulate(build_schedule(ONE_F_ONE_B), costs).ranks[0]
+    gap_rule = simulate(build_schedule(ONE_F_ONE_B, MinGapPolicy()), costs).ranks[0]
     outcome = policy.outcomes[0]
     assert outcome.met and chosen.peak_activation_bytes == gap_rule.peak_activation_bytes == 300
     assert outcome.exposed_copy == chosen.exposed_copy < gap_rule.exposed_copy
 
 
 def test_the_cost_policy_takes_only_chunks_whose_copies_hide() -> None:
-    gap_rule = build_schedule(ONE_F_ONE_B)
+    gap_rule = build_schedule(ONE_F_ONE_B, MinGapPolicy())
     fast = CostModel(forward=1.0, backward=2.0, activation_bytes=100, link=Link(1e6, 1e6))
     assert swapped_chunks(build_schedule(ONE_F_ONE_B, CostModelPolicy(fast))) == \
         swapped_chunks(gap_rule)  # everything hides on a fast link
@@ -83,3 +92,75 @@ def test_a_budget_per_rank_must_cover_every_rank() -> None:
 
     with pytest.raises(ScheduleError, match="no figure for rank 2"):
         build_schedule(ONE_F_ONE_B, MemoryBudgetPolicy(UNIT, budget={0: 1, 1: 1}))
+
+
+# -- the peak policy (the default) ------------------------------------------------------------
+
+H100_1F1B = ScheduleSpec(ScheduleKind.ONE_F_ONE_B, ranks=8, microbatches=16, swap=True)
+
+
+def _h100() -> CostModel:
+    """hidden 8192, seq 4096, 4 layers a stage on h100-pcie5: a copy of a chunk (4.25 GiB,
+    83 ms at 55 GB/s) takes longer than its forward (71 ms), shorter than its backward."""
+    from pipeswap.schedule.costs import TransformerShape, from_preset
+
+    return from_preset("h100-pcie5", TransformerShape(8192, 4096, 4, 1, 2))
+
+
+def test_the_peak_policy_swaps_only_what_lowers_a_ranks_peak() -> None:
+    costs = _h100()
+    policy = PeakPolicy(costs)
+    result = simulate(build_schedule(H100_1F1B, policy), costs)
+    for rank in result.ranks:
+        if rank.swapped:
+            assert rank.peak_activation_bytes < rank.peak_activation_bytes_no_swap, rank.rank
+        assert rank.exposed_copy == 0, rank.rank  # every copy hides
+    assert [bool(rank.swapped) for rank in result.ranks] == [True] * 4 + [False] * 4
+    # Rank 0 holds 4 of its 8 chunks at most. (3 would need the warm-up's offloads, 83 ms
+    # each, to keep up with 71 ms forwards: only a budget exposes copies for that.)
+    zero = result.ranks[0]
+    assert zero.peak_activation_bytes * 2 == zero.peak_activation_bytes_no_swap
+    # Each chunk taken lowers the peak: without any one of them the rank holds more.
+    order = build_schedule(dataclasses.replace(H100_1F1B, swap=False)).orders[0]
+    chosen = policy.select(swap_candidates(order, 0), order)
+    for key in chosen:
+        fewer = {k: p for k, p in chosen.items() if k != key}
+        held = simulate(inject_swap(build_schedule(dataclasses.replace(H100_1F1B, swap=False)),
+                                    _Fixed({0: fewer})), costs).ranks[0]
+        assert held.peak_activation_bytes > zero.peak_activation_bytes, key
+
+
+def test_the_gap_rule_swaps_for_nothing_where_the_peak_policy_does_not() -> None:
+    costs = _h100()
+    gap = simulate(build_schedule(H100_1F1B, MinGapPolicy()), costs).ranks[5]
+    peak = simulate(build_schedule(H100_1F1B, PeakPolicy(costs)), costs).ranks[5]
+    assert len(gap.swapped) == 14 and gap.peak_activation_bytes == gap.peak_activation_bytes_no_swap
+    assert not peak.swapped
+
+
+@pytest.mark.parametrize("chunks", [3, 2])
+def test_a_budget_is_met_by_exposing_copies_and_says_how_much(chunks: int) -> None:
+    costs = _h100()
+    chunk = costs.chunk_bytes((0, 0)).total
+    policy = PeakPolicy(costs, budget=chunks * chunk)
+    result = simulate(build_schedule(H100_1F1B, policy), costs)
+    zero, outcome = result.ranks[0], policy.outcomes[0]
+    assert outcome.met and zero.peak_activation_bytes <= chunks * chunk
+    assert zero.exposed_copy > 0 and outcome.exposed_copy > 0  # the price, reported
+    without = PeakPolicy(costs)
+    build_schedule(H100_1F1B, without)
+    assert without.outcomes[0].exposed_copy == 0 and not without.outcomes[0].budget
+    if chunks == 3:  # the old budget policy meets it too, with more stall on rank 0
+        old = simulate(build_schedule(H100_1F1B, MemoryBudgetPolicy(costs, 3 * chunk)), costs)
+        assert zero.exposed_copy <= old.ranks[0].exposed_copy
+
+
+class _Fixed:
+    """A policy that returns given placements per rank."""
+
+    def __init__(self, chosen: dict[int, dict[tuple[int, int], SwapPlacement]]) -> None:
+        self.chosen = chosen
+
+    def select(self, candidates: Sequence[SwapCandidate], order: Order
+               ) -> dict[tuple[int, int], SwapPlacement]:
+        return self.chosen.get(candidates[0].rank if candidates else 0, {})

@@ -8,6 +8,7 @@ import math
 import pytest
 
 from pipeswap.schedule import (
+    MinGapPolicy,
     DeadlockError,
     Schedule,
     ScheduleError,
@@ -41,7 +42,7 @@ def test_two_rank_gpipe_by_hand() -> None:
     # Rank 0 forwards at 0-4; each activation reaches rank 1 0.5 s later, so rank 1
     # forwards at 1.5-5.5 and backwards at 5.5-13.5; each gradient reaches rank 0 0.5 s
     # after it is computed, so rank 0's backwards run at 8-10, 10-12, 12-14 and 14-16.
-    result = simulate(build_schedule(GPIPE), FAST)
+    result = simulate(build_schedule(GPIPE, MinGapPolicy()), FAST)
     assert result.step_time == 16.0
     zero, one = result.ranks
     assert [(s.label, s.start, s.end) for s in zero.spans if s.stream == "compute"] == [

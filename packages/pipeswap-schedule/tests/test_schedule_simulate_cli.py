@@ -19,7 +19,7 @@ HAS_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
 
 
 def test_json_has_the_documented_fields(cli: Cli) -> None:
-    code, out, _ = cli(*BASE, "--swap", "--forward-time", "1", "--activation-bytes",
+    code, out, _ = cli(*BASE, "--policy", "gap", "--forward-time", "1", "--activation-bytes",
                        "1KiB", "--format", "json")
     assert code == 0
     data = json.loads(out)
@@ -47,7 +47,8 @@ def test_model_dimensions_and_a_preset(cli: Cli) -> None:
 
 def test_the_budget_policy_reports_what_it_could_not_meet(
         cli: Cli) -> None:
-    code, out, _ = cli(*BASE, "--activation-bytes", "100", "--budget", "250")
+    code, out, _ = cli(*BASE, "--activation-bytes", "100", "--policy", "budget", "--budget",
+                       "250")
     assert code == 0
     budget = next(line for line in out.splitlines() if line.startswith("budget"))
     assert budget.split()[1:] == ["short", "50", "B", "short", "50", "B", "met", "met"]
@@ -64,7 +65,7 @@ def test_the_table_puts_ranks_side_by_side(cli: Cli) -> None:
 
 @pytest.mark.parametrize(("argv", "message"), [
     (["--policy", "budget"], "--policy budget needs --budget BYTES"),
-    (["--policy", "cost", "--budget", "1GiB"], "--budget applies to --policy budget, not cost"),
+    (["--policy", "cost", "--budget", "1GiB"], "--budget applies to --policy peak and --policy budget, not cost"),
     (["--hidden", "4096"], "needs all of --hidden, --seq-len and --layers-per-stage"),
     (["--preset", "tpu"], "unknown preset 'tpu'"),
     (["--d2h-bandwidth", "0", "--swap"],
@@ -113,7 +114,7 @@ def test_a_trace_that_cannot_be_written_is_a_one_line_error(cli: Cli, tmp_path: 
 
 def test_a_trace_file_is_written(cli: Cli, tmp_path: Path) -> None:
     path = tmp_path / "step.json"
-    code, _, _ = cli(*BASE, "--swap", "--trace", str(path))
+    code, _, _ = cli(*BASE, "--policy", "gap", "--trace", str(path))
     assert code == 0
     events = json.loads(path.read_text())["traceEvents"]
     assert {e["pid"] for e in events} == {0, 1, 2, 3}

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 
 import pytest
 
@@ -15,6 +15,7 @@ from pipeswap.schedule import (
     Step,
     StepType,
     SwapCandidate,
+    SwapPlacement,
     add_fsdp_steps,
     build_schedule,
     coalesce_p2p,
@@ -32,6 +33,8 @@ from pipeswap.schedule import (
 )
 from pipeswap.schedule.steps import ACTIVATION_CONSUMERS, Order
 from pipeswap.schedule.swap import inject_swap_order
+
+GAP = MinGapPolicy()  # MindSpore hyper-parallel's rule: its worked examples
 from pipeswap.schedule.text import format_order, parse_step
 
 Load = Callable[[str], Schedule]
@@ -47,14 +50,14 @@ def _strip_swap(schedule: Schedule) -> Schedule:
     ("name", "build"),
     [
         ("1f1b_p4_m8_plain", lambda: one_f_one_b(4, 8)),
-        ("1f1b_p4_m8_swap", lambda: inject_swap(one_f_one_b(4, 8))),
-        ("gpipe_p2_m4_swap", lambda: inject_swap(gpipe(2, 4))),
+        ("1f1b_p4_m8_swap", lambda: inject_swap(one_f_one_b(4, 8), GAP)),
+        ("gpipe_p2_m4_swap", lambda: inject_swap(gpipe(2, 4), GAP)),
         ("interleaved_p4_v2_m8_swap",
-         lambda: inject_swap(insert_send_recv(interleaved_1f1b_compute(4, 8, 2)))),
+         lambda: inject_swap(insert_send_recv(interleaved_1f1b_compute(4, 8, 2)), GAP)),
         ("interleaved_p2_v2_m4_overlap_dxdw_swap",
          lambda: inject_swap(split_dxdw(insert_send_recv(
-             interleaved_1f1b_compute(2, 4, 2, overlap_b_f=True))))),
-        ("1f1b_p4_m8_fsdp_swap", lambda: inject_swap(add_fsdp_steps(one_f_one_b(4, 8)))),
+             interleaved_1f1b_compute(2, 4, 2, overlap_b_f=True))), GAP)),
+        ("1f1b_p4_m8_fsdp_swap", lambda: inject_swap(add_fsdp_steps(one_f_one_b(4, 8)), GAP)),
     ],
 )
 def test_worked_examples_reproduce_exactly(
@@ -71,24 +74,24 @@ def test_worked_examples_reproduce_exactly(
 def test_build_schedule_runs_the_passes_in_the_seed_order(worked: Load) -> None:
     spec = ScheduleSpec(ScheduleKind.INTERLEAVED_1F1B, 2, 4, 2, overlap_b_f=True,
                         dxdw_split=True, swap=True)
-    assert build_schedule(spec) == worked("interleaved_p2_v2_m4_overlap_dxdw_swap")
+    assert build_schedule(spec, GAP) == worked("interleaved_p2_v2_m4_overlap_dxdw_swap")
     fsdp = ScheduleSpec(ScheduleKind.ONE_F_ONE_B, 4, 8, fsdp=True, swap=True)
-    assert build_schedule(fsdp) == worked("1f1b_p4_m8_fsdp_swap")
+    assert build_schedule(fsdp, GAP) == worked("1f1b_p4_m8_fsdp_swap")
 
 
 def test_injection_only_adds_swap_steps(worked: Load) -> None:
     for name in ("1f1b_p4_m8_swap", "interleaved_p4_v2_m8_swap", "1f1b_p4_m8_fsdp_swap"):
         swapped = worked(name)
-        assert inject_swap(_strip_swap(swapped)) == swapped
+        assert inject_swap(_strip_swap(swapped), GAP) == swapped
 
 
 def test_1f1b_swaps_the_seeds_chunks() -> None:
-    chunks = swapped_chunks(inject_swap(one_f_one_b(4, 8)))
+    chunks = swapped_chunks(inject_swap(one_f_one_b(4, 8), GAP))
     assert [[m for _, m in c] for c in chunks] == [list(range(8)), list(range(1, 7)), [], []]
 
 
 def test_interleaved_swaps_the_seeds_chunks() -> None:
-    chunks = swapped_chunks(inject_swap(insert_send_recv(interleaved_1f1b_compute(4, 8, 2))))
+    chunks = swapped_chunks(inject_swap(insert_send_recv(interleaved_1f1b_compute(4, 8, 2)), GAP))
 
     def keys(*groups: tuple[int, Sequence[int]]) -> list[tuple[int, int]]:
         return [(stage, m) for stage, micros in groups for m in micros]
@@ -104,7 +107,7 @@ def _pos(order: Sequence[Step | None], text: str) -> int:
 
 
 def test_gpipe_lifecycle_per_micro() -> None:
-    order = inject_swap(gpipe(2, 4)).orders[0]
+    order = inject_swap(gpipe(2, 4), GAP).orders[0]
     for m in range(4):
         f, lo, wo, ll, wl, b = (_pos(order, f"0{c}{m}") for c in ("F", "LO", "WO", "LL", "WL", "B"))
         assert f < lo < _pos(order, f"0SEND_F{m}")
@@ -113,7 +116,7 @@ def test_gpipe_lifecycle_per_micro() -> None:
 
 
 def test_load_is_launched_one_compute_ahead_of_the_backward() -> None:
-    order = inject_swap(one_f_one_b(4, 8)).orders[0]
+    order = inject_swap(one_f_one_b(4, 8), GAP).orders[0]
     assert _pos(order, "0WO0") < _pos(order, "0LL0") < _pos(order, "0F3")
     assert _pos(order, "0LL0") < _pos(order, "0SEND_F3")
 
@@ -121,14 +124,14 @@ def test_load_is_launched_one_compute_ahead_of_the_backward() -> None:
 def test_coalesced_batches_are_never_split() -> None:
     order = parse_order("0F0 0SEND_F0 0F1 0RECV_B0 0SEND_F1 0F2 0SEND_F2 0F3 0SEND_F3 0B0")
     batched = coalesce_p2p(Schedule((order, ()), (0, 1)))
-    done = inject_swap(batched).orders[0]
+    done = inject_swap(batched, GAP).orders[0]
     assert format_order(done) == ("0F0 0LO0 0SEND_F0 0F1 (0RECV_B0;0SEND_F1)BATCH_P2P 0WO0 "
                                   "0F2 0SEND_F2 0LL0 0F3 0SEND_F3 0WL0 0B0")
 
 
 def test_overlap_containers_are_one_slot_and_get_waits_around_them() -> None:
     schedule = inject_swap(split_dxdw(insert_send_recv(
-        interleaved_1f1b_compute(4, 8, 2, overlap_b_f=True))))
+        interleaved_1f1b_compute(4, 8, 2, overlap_b_f=True))), GAP)
     validate(schedule)
     order = schedule.orders[0]
     for step in order:
@@ -166,7 +169,7 @@ def test_seed_overlap_fragment_verbatim() -> None:
     # The seed's §4.8 rank-0 fragment for Interleaved P=4 V=2 M=8 with overlap_b_f: the reload
     # wait precedes the whole overlap, the overlap's forward offloads after it.
     order = format_order(inject_swap(insert_send_recv(
-        interleaved_1f1b_compute(4, 8, 2, overlap_b_f=True))).orders[0])
+        interleaved_1f1b_compute(4, 8, 2, overlap_b_f=True)), GAP).orders[0])
     assert ("_ _ _ 4RECV_B0 4LL0 0F6 0LO6 0SEND_F6 0WO5 4LL1 4WL0 (4B0;0F7)OVERLAP_B_F 0LO7 "
             "4SEND_B0 4RECV_B1 0SEND_F7 4RECV_F4 0WO6 4LL2 4WL1 (4B1;4F4)OVERLAP_B_F 4LO4") in order
 
@@ -231,7 +234,7 @@ def test_reload_never_precedes_the_offload_wait() -> None:
 
 def test_policy_decides_which_chunks_swap() -> None:
     base = one_f_one_b(4, 8)
-    default = swapped_chunks(inject_swap(base))
+    default = swapped_chunks(inject_swap(base, GAP))
     looser = swapped_chunks(inject_swap(base, MinGapPolicy(3)))
     assert [len(c) for c in default] == [8, 6, 0, 0]
     assert [len(c) for c in looser] == [8, 8, 6, 0]  # rank 2's steady gap is 3
@@ -261,8 +264,18 @@ def test_policies_that_ask_for_the_impossible_are_refused() -> None:
                    ) -> Collection[tuple[int, int]]:
             return {c.key for c in candidates}
 
-    with pytest.raises(ScheduleError, match=r"chunk \(2, 0\) on rank 2.*only 2 compute slot"):
+    with pytest.raises(ScheduleError, match=r"chunk \(2, 0\) on rank 2 with 1 slot\(s\) to "
+                                            r"offload and 1 to reload, but its backward is 2 "):
         inject_swap(one_f_one_b(4, 8), Greedy())
+
+    class Wide:
+        def select(self, candidates: Sequence[SwapCandidate], order: Order
+                   ) -> Mapping[tuple[int, int], SwapPlacement]:
+            return {c.key: SwapPlacement(2, 2) for c in candidates if c.gap >= 4}
+
+    with pytest.raises(ScheduleError, match=r"with 2 slot\(s\) to offload and 2 to reload, "
+                                            r"but its backward is 4 compute slot"):
+        inject_swap(one_f_one_b(4, 8), Wide())
 
     class Stranger:
         def __init__(self, chunk: tuple[int, int]) -> None:
@@ -281,4 +294,21 @@ def test_policies_that_ask_for_the_impossible_are_refused() -> None:
 
 def test_injecting_twice_is_refused() -> None:
     with pytest.raises(ScheduleError, match="already has swap steps"):
-        inject_swap(inject_swap(one_f_one_b(4, 8)))
+        inject_swap(inject_swap(one_f_one_b(4, 8)), GAP)
+
+
+def test_a_placement_moves_the_offload_wait_and_the_load_launch() -> None:
+    """Two slots to offload put WO after the second compute that follows the forward; two
+    to reload put LL before the second compute ahead of the backward."""
+    order = parse_order("0F0 0F1 0F2 0F3 0B0 0F4 0B1 0B2 0B3 0B4")
+
+    class Placed:
+        def select(self, candidates: Sequence[SwapCandidate], order: Order
+                   ) -> Mapping[tuple[int, int], SwapPlacement]:
+            return {(0, 0): SwapPlacement(offload_slots=2, load_slots=1),
+                    (0, 1): SwapPlacement(offload_slots=1, load_slots=2)}
+
+    placed = format_order(inject_swap_order(order, Placed()))
+    assert placed == ("0F0 0LO0 0F1 0LO1 0F2 0WO0 0WO1 0LL0 0F3 0LL1 0WL0 0B0 0F4 0WL1 0B1 "
+                      "0B2 0B3 0B4")
+    validate_rank(Schedule((tuple(parse_order(placed)),), (0,)), 0)

@@ -32,6 +32,7 @@ from pipeswap.schedule.steps import ChunkKey, Order, Step, StepType
 from pipeswap.schedule.swap import (
     MinGapPolicy,
     SwapCandidate,
+    SwapPlacement,
     SwapPolicy,
     inject_swap,
     swap_candidates,
@@ -60,6 +61,7 @@ __all__ = [
     "StepType",
     "SwapCandidate",
     "SwapLifecycleError",
+    "SwapPlacement",
     "SwapPolicy",
     "ValidationError",
     "__version__",

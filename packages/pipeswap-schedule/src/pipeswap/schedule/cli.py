@@ -22,7 +22,14 @@ from pipeswap.schedule.formats import (
 )
 from pipeswap.schedule.costs import PRESETS
 from pipeswap.schedule.schedule import Schedule
-from pipeswap.schedule.simulate_cli import BYTES, cost_arguments, count, run_simulate
+from pipeswap.schedule.simulate_cli import (
+    choose_policy,
+    cost_arguments,
+    costs_from,
+    count,
+    policy_arguments,
+    run_simulate,
+)
 from pipeswap.schedule.p2p import coalesce_p2p
 from pipeswap.schedule.swap import MinGapPolicy, SwapPolicy, inject_swap
 from pipeswap.schedule.text import MAX_DIGITS
@@ -124,6 +131,7 @@ def _build(args: argparse.Namespace, policy: SwapPolicy | None = None) -> Schedu
 
 def _parser() -> argparse.ArgumentParser:
     spec = _spec_arguments()
+    costs, policies = cost_arguments(), policy_arguments()
     parser = argparse.ArgumentParser(
         prog=PROG, description=DESCRIPTION, epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -131,7 +139,7 @@ def _parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     orders = commands.add_parser(
-        "orders", parents=[spec], help="print every rank's final order",
+        "orders", parents=[spec, policies, costs], help="print every rank's final order",
         description="Build a schedule and print every rank's final order.",
         epilog="The JSON form is {\"orders\": {\"0\": [\"0F0\", \"0LO0\", null, ...], ...}}: rank "
                "keys are strings, idle slots null. The grid form is one 'rank N: steps' line per "
@@ -159,7 +167,8 @@ def _parser() -> argparse.ArgumentParser:
                             "with --lowering deferred need it)")
 
     convert = commands.add_parser(
-        "convert", help="convert between JSON, grid lines and PyTorch's CSV; lower and swap",
+        "convert", parents=[policies, costs],
+        help="convert between JSON, grid lines and PyTorch's CSV; lower and swap",
         description="Read a schedule in any form pipeswap knows (JSON, 'rank N:' lines, "
                     "PyTorch's CSV, compute-only or with comms; detected from the content), "
                     "optionally add sends and receives (--lower, for a compute-only CSV), "
@@ -182,7 +191,8 @@ def _parser() -> argparse.ArgumentParser:
                               "needs --transport tagged)")
     convert.add_argument("--batch-p2p", action="store_true",
                          help="coalesce adjacent sends/receives into BATCH_P2P steps")
-    convert.add_argument("--swap", action="store_true", help="inject swap steps (gap policy)")
+    convert.add_argument("--swap", action="store_true",
+                         help="inject swap steps (with --policy, default gap)")
     convert.add_argument("--swap-min-gap", type=int, default=4, metavar="N",
                          help="with --swap: the gap rule's threshold (default 4)")
     convert.add_argument("--transport", choices=TRANSPORTS, default="ordered",
@@ -190,13 +200,13 @@ def _parser() -> argparse.ArgumentParser:
     convert.add_argument("--output", "-o", metavar="FILE", help="write here, not to stdout")
 
     show = commands.add_parser(
-        "show", parents=[spec], help="render all ranks side by side with a swap summary",
+        "show", parents=[spec, policies, costs], help="render all ranks side by side with a swap summary",
         description="Build a schedule and render it: one column per rank (swap steps marked *), "
                     "then which (stage, micro) chunks each rank swaps.")
     show.add_argument("--no-grid", action="store_true", help="print only the summary")
 
     sim = commands.add_parser(
-        "simulate", parents=[spec, cost_arguments()],
+        "simulate", parents=[spec, policies, costs],
         help="predict step time, bubbles, exposed copy time and peak memory per rank",
         description="Build a schedule and run all ranks together on a cost model: one compute "
                     "and two copy streams per rank, sends and receives as cross-rank "
@@ -210,14 +220,6 @@ def _parser() -> argparse.ArgumentParser:
                "then the explicit options, each overriding the one before. Presets: "
                + "; ".join(f"{p.name}: {p.source}" for p in PRESETS.values()),
         formatter_class=argparse.RawDescriptionHelpFormatter)
-    sim.add_argument("--policy", choices=["gap", "cost", "budget"], default=None,
-                     help="which chunks to swap (implies --swap): gap, MindSpore "
-                          "hyper-parallel's rule (--swap-min-gap); cost, only chunks whose "
-                          "copies hide behind compute; "
-                          "budget, the fewest exposed copies that bring each rank under "
-                          "--budget")
-    sim.add_argument("--budget", type=BYTES, metavar="BYTES",
-                     help="per-rank activation budget for --policy budget (implies it)")
     sim.add_argument("--trace", metavar="FILE",
                      help="write a Chrome trace (open in Perfetto or chrome://tracing)")
     sim.add_argument("--plot", metavar="FILE",
@@ -253,7 +255,8 @@ def _run(argv: Sequence[str] | None) -> int:
             return _convert(args)
         if args.command == "simulate":
             return run_simulate(args, _build)
-        schedule = _build(args)
+        policy, _ = choose_policy(args, costs_from(args))
+        schedule = _build(args, policy)
         if args.command == "orders":
             print(dumps_json(schedule) if args.format == "json" else dumps_lines(schedule))
             return 0
@@ -278,8 +281,9 @@ def _convert(args: argparse.Namespace) -> int:
         schedule = LOWERINGS[Lowering(args.lowering)](schedule)
     if args.batch_p2p:
         schedule = coalesce_p2p(schedule)
+    policy, _ = choose_policy(args, costs_from(args))
     if args.swap:
-        schedule = inject_swap(schedule, MinGapPolicy(args.swap_min_gap))
+        schedule = inject_swap(schedule, policy or MinGapPolicy(args.swap_min_gap))
     validate(schedule, transport=args.transport)
     text = {"json": lambda: dumps_json(schedule), "grid": lambda: dumps_lines(schedule),
             "csv": lambda: dumps_csv(schedule),

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pipeswap.schedule.costs import CostModel
 from pipeswap.schedule.errors import ScheduleError
 from pipeswap.schedule.steps import COMPUTE, OVERLAPS, ChunkKey, Order, StepType
-from pipeswap.schedule.swap import SwapCandidate
+from pipeswap.schedule.swap import SwapCandidate, SwapPlacement
 
 #: Fewest compute slots from forward to backward for a swapped chunk to leave the device.
 SAVING_GAP = 4
@@ -184,3 +184,184 @@ class MemoryBudgetPolicy:
         after = line.ends[c.forward_slot + 1] - line.starts[c.forward_slot + 1]
         before = line.ends[c.backward_slot - 1] - line.starts[c.backward_slot - 1]
         return max(0.0, d2h - after) + max(0.0, h2d - before)
+
+
+#: The most compute slots a placement gives one copy (see :class:`SwapPlacement`).
+MAX_COPY_SLOTS = 3
+#: Placements to try, tightest first; zero slots (compute waits for the whole copy) only
+#: where a budget allows exposed copies.
+_PLACEMENTS = sorted(((off, load) for off in range(MAX_COPY_SLOTS + 1)
+                      for load in range(MAX_COPY_SLOTS + 1)), key=lambda p: (sum(p), p))
+
+
+@dataclass(frozen=True)
+class PeakOutcome:
+    """What the peak policy achieved on one rank (on that rank's own timeline)."""
+
+    rank: int
+    peak: int
+    peak_no_swap: int
+    exposed_copy: float  # compute time the chosen copies stall (0 unless a budget needed it)
+    budget: int | None = None
+
+    @property
+    def met(self) -> bool:
+        return self.budget is None or self.peak <= self.budget
+
+    @property
+    def shortfall(self) -> int:
+        """Bytes by which the peak stays over the budget (0 when met or without one)."""
+        return 0 if self.budget is None else max(0, self.peak - self.budget)
+
+
+@dataclass
+class PeakPolicy:
+    """Swap only what lowers the rank's peak of saved activations, with copies hidden.
+
+    Greedy on the rank's own timeline: while some chunk can lower the highest point, take the
+    one that covers most of the slots at that height with copies that still hide behind
+    compute (each copy may take 1 to :data:`MAX_COPY_SLOTS` compute slots, queued on its
+    stream behind the copies already taken), giving it the tightest placement that hides.
+    With a ``budget`` (bytes, or per rank) still exceeded, chunks whose copies stall compute
+    are taken next, least added stall first (a copy may then take zero slots: compute waits
+    for it), until the budget is met. Last, every chunk whose
+    removal would not raise the peak is dropped: nothing is swapped for nothing.
+    :attr:`outcomes` reports per rank the peak reached and the stall accepted.
+    """
+
+    costs: CostModel
+    budget: int | Mapping[int, int] | None = None
+    outcomes: dict[int, PeakOutcome] = field(default_factory=dict)
+
+    def budget_for(self, rank: int) -> int | None:
+        if self.budget is None or isinstance(self.budget, int):
+            return self.budget
+        if rank not in self.budget:
+            raise ScheduleError(f"the memory budget gives no figure for rank {rank}")
+        return self.budget[rank]
+
+    def select(self, candidates: Sequence[SwapCandidate], order: Order
+               ) -> dict[ChunkKey, SwapPlacement]:
+        rank = candidates[0].rank if candidates else 0
+        budget = self.budget_for(rank)
+        plan = _PeakPlan(self.costs, rank, _Timeline.of(order, self.costs, rank), candidates)
+        peak_no_swap = max(plan.held, default=0)
+        plan.lower(budget, allow_stall=False)
+        if budget is not None and max(plan.held, default=0) > budget:
+            plan.lower(budget, allow_stall=True)
+        plan.prune()
+        self.outcomes[rank] = PeakOutcome(rank, max(plan.held, default=0), peak_no_swap,
+                                          plan.stall(plan.copies()), budget)
+        return dict(plan.chosen)
+
+
+class _PeakPlan:
+    """The chunks a :class:`PeakPolicy` has taken on one rank, and what the rank holds in
+    each compute slot with them."""
+
+    def __init__(self, costs: CostModel, rank: int, line: _Timeline,
+                 candidates: Sequence[SwapCandidate]) -> None:
+        self.costs, self.rank, self.line = costs, rank, line
+        self.duplex = costs.rank_link(rank).duplex
+        self.candidates = [c for c in candidates if c.gap >= 2]  # off the device a slot
+        self.chosen: dict[ChunkKey, SwapPlacement] = {}
+        self.by_key = {c.key: c for c in self.candidates}
+        held = [0] * (len(line.ends) + 1)  # a difference array over slots, then prefix sums
+        for c in candidates:
+            total = costs.chunk_bytes(c.key).total
+            held[c.forward_slot] += total
+            held[line.last_slot.get(c.key, c.backward_slot) + 1] -= total
+        for slot in range(1, len(held)):
+            held[slot] += held[slot - 1]
+        held.pop()
+        self.held = held
+
+    def off_slots(self, c: SwapCandidate, placement: SwapPlacement) -> range:
+        """The slots during which ``c`` is off the device when placed so."""
+        return range(c.forward_slot + placement.offload_slots + 1,
+                     c.backward_slot - placement.load_slots)
+
+    def _shift(self, key: ChunkKey, placement: SwapPlacement, sign: int) -> None:
+        movable = self.costs.chunk_bytes(key).movable
+        for slot in self.off_slots(self.by_key[key], placement):
+            self.held[slot] -= sign * movable
+
+    def copies(self, extra: tuple[ChunkKey, SwapPlacement] | None = None
+               ) -> list[tuple[float, float, float, str]]:
+        """(earliest start, duration, deadline, stream) of every chosen copy."""
+        chosen = dict(self.chosen)
+        if extra is not None:
+            chosen[extra[0]] = extra[1]
+        line, out = self.line, []
+        for key, (off, load) in chosen.items():
+            c = self.by_key[key]
+            d2h, h2d = _copy_times(self.costs, self.rank, key)
+            out.append((line.ends[c.forward_slot], d2h, line.ends[c.forward_slot + off],
+                        "d2h" if self.duplex else "copy"))
+            out.append((line.starts[c.backward_slot - load], h2d,
+                        line.starts[c.backward_slot], "h2d" if self.duplex else "copy"))
+        return out
+
+    @staticmethod
+    def stall(copies: list[tuple[float, float, float, str]]) -> float:
+        """Compute time the copies hold up: each stream runs its copies in order of start,
+        and a copy ending after its deadline stalls compute by the difference."""
+        free: dict[str, float] = {}
+        total = 0.0
+        for start, duration, deadline, stream in sorted(copies):
+            end = max(start, free.get(stream, 0.0)) + duration
+            total += max(0.0, end - deadline)
+            free[stream] = end
+        return total
+
+    def lower(self, budget: int | None, *, allow_stall: bool) -> None:
+        """Take chunks (or, with ``allow_stall``, widen a taken chunk's time off the device)
+        while the peak can be lowered: without stalls as far as it goes, with them until it
+        is within ``budget``."""
+        while self.held:
+            peak = max(self.held)
+            if allow_stall and budget is not None and peak <= budget:
+                return
+            top = [slot for slot, value in enumerate(self.held) if value == peak]
+            best: tuple[tuple[float, int, int, int], ChunkKey, SwapPlacement] | None = None
+            base = self.stall(self.copies())
+            for c in self.candidates:
+                if not c.forward_slot < top[0] < c.backward_slot:
+                    continue
+                now = self.chosen.get(c.key)
+                if now is not None and (not allow_stall or top[0] in self.off_slots(c, now)):
+                    continue
+                for placement in map(SwapPlacement._make, _PLACEMENTS):
+                    if not allow_stall and min(placement) == 0:
+                        continue
+                    span = self.off_slots(c, placement)
+                    if top[0] not in span or (now is not None and not (
+                            set(self.off_slots(c, now)) <= set(span))):
+                        continue
+                    added = self.stall(self.copies((c.key, placement))) - base
+                    if added > 0 and not allow_stall:
+                        continue
+                    covered = sum(slot in span for slot in top)
+                    order = (added, -covered, -self.costs.chunk_bytes(c.key).movable,
+                             sum(placement))
+                    if best is None or order < best[0]:
+                        best = (order, c.key, placement)
+                    if not allow_stall:
+                        break  # the tightest placement of this chunk that hides
+            if best is None:
+                return
+            _, key, placement = best
+            if key in self.chosen:
+                self._shift(key, self.chosen[key], -1)
+            self.chosen[key] = placement
+            self._shift(key, placement, +1)
+
+    def prune(self) -> None:
+        """Drop, latest taken first, each chunk whose removal leaves the peak as it is."""
+        for key in reversed(list(self.chosen)):
+            peak = max(self.held)
+            placement = self.chosen.pop(key)
+            self._shift(key, placement, -1)
+            if max(self.held) > peak:  # it was lowering the peak: keep it
+                self.chosen[key] = placement
+                self._shift(key, placement, +1)

@@ -14,7 +14,7 @@ from pipeswap.schedule.costs import boundary_bytes as message_bytes
 from pipeswap.schedule.costs import transformer_costs
 from pipeswap.schedule.errors import ScheduleError
 from pipeswap.schedule.files import writing
-from pipeswap.schedule.policies import CostModelPolicy, MemoryBudgetPolicy
+from pipeswap.schedule.policies import CostModelPolicy, MemoryBudgetPolicy, PeakPolicy
 from pipeswap.schedule.schedule import Schedule
 from pipeswap.schedule.simulate import SimulationResult, simulate
 from pipeswap.schedule.swap import SwapPolicy
@@ -158,22 +158,58 @@ def costs_from(args: argparse.Namespace) -> CostModel:
         p2p_latency=given(args.p2p_latency, model.p2p_latency))
 
 
-def run_simulate(args: argparse.Namespace,
-                 build: Callable[[argparse.Namespace, SwapPolicy | None], Schedule]) -> int:
-    costs = costs_from(args)
-    name = "budget" if args.budget is not None and args.policy is None else args.policy
-    policy: SwapPolicy | None = None
-    budget: MemoryBudgetPolicy | None = None
+#: The policy ``--swap``, ``--policy`` and ``--budget`` use when no other is named.
+DEFAULT_POLICY = "peak"
+POLICIES = ("peak", "gap", "cost", "budget")
+Outcomes = MemoryBudgetPolicy | PeakPolicy
+
+
+def policy_arguments() -> argparse.ArgumentParser:
+    parent = argparse.ArgumentParser(add_help=False)
+    group = parent.add_argument_group("which chunks to swap")
+    group.add_argument(
+        "--policy", choices=POLICIES, default=None,
+        help=f"implies --swap (default {DEFAULT_POLICY}). peak: only chunks that lower the "
+             "rank's peak of saved activations, as far as copies stay hidden behind compute "
+             "on the cost model, each copy given 1-3 compute slots; gap: MindSpore "
+             "hyper-parallel's rule (--swap-min-gap); cost: every chunk whose copies hide; "
+             "budget: the fewest exposed copies that bring each rank under --budget")
+    group.add_argument(
+        "--budget", type=BYTES, metavar="BYTES",
+        help="per-rank activation budget (implies --swap): the peak policy then also takes "
+             "chunks whose copies stall compute, least stall first, until the budget is met "
+             "(simulate reports the exposed copy time); also for --policy budget")
+    return parent
+
+
+def choose_policy(args: argparse.Namespace, costs: CostModel
+                  ) -> tuple[SwapPolicy | None, Outcomes | None]:
+    """The policy the arguments ask for (None: no swap, or the gap rule's
+    ``--swap-min-gap``), and the object whose ``outcomes`` report per rank."""
+    if not (args.swap or args.policy is not None or args.budget is not None):
+        return None, None
+    args.swap = True
+    name = args.policy or DEFAULT_POLICY
+    if args.budget is not None and name not in ("peak", "budget"):
+        raise ScheduleError(f"--budget applies to --policy peak and --policy budget, not "
+                            f"{name}")
     if name == "budget":
         if args.budget is None:
             raise ScheduleError("--policy budget needs --budget BYTES")
-        policy = budget = MemoryBudgetPolicy(costs, int(args.budget))
-    elif args.budget is not None:
-        raise ScheduleError(f"--budget applies to --policy budget, not {name}")
-    elif name == "cost":
-        policy = CostModelPolicy(costs)
-    elif name == "gap":
-        args.swap = True
+        budget = MemoryBudgetPolicy(costs, int(args.budget))
+        return budget, budget
+    if name == "peak":
+        peak = PeakPolicy(costs, None if args.budget is None else int(args.budget))
+        return peak, peak
+    if name == "cost":
+        return CostModelPolicy(costs), None
+    return None, None  # gap: the builder applies --swap-min-gap
+
+
+def run_simulate(args: argparse.Namespace,
+                 build: Callable[[argparse.Namespace, SwapPolicy | None], Schedule]) -> int:
+    costs = costs_from(args)
+    policy, budget = choose_policy(args, costs)
     result = simulate(build(args, policy), costs)
     if args.trace:
         from pipeswap.schedule.trace import write_chrome_trace
@@ -190,7 +226,7 @@ def run_simulate(args: argparse.Namespace,
     return 0
 
 
-def report(result: SimulationResult, budget: MemoryBudgetPolicy | None) -> dict[str, Any]:
+def report(result: SimulationResult, budget: Outcomes | None) -> dict[str, Any]:
     """The JSON object of ``--format json``."""
     per_rank = []
     for rank in result.ranks:
@@ -207,8 +243,8 @@ def report(result: SimulationResult, budget: MemoryBudgetPolicy | None) -> dict[
                         "lifespan_s": c.lifespan, "off_device_s": c.off_device}
                        for c in rank.swapped],
         }
-        if budget is not None and rank.rank in budget.outcomes:
-            outcome = budget.outcomes[rank.rank]
+        outcome = budget.outcomes.get(rank.rank) if budget is not None else None
+        if outcome is not None and outcome.budget is not None:
             entry["budget"] = {"bytes": outcome.budget, "met": outcome.met,
                                "shortfall_bytes": outcome.shortfall}
         per_rank.append(entry)

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from bisect import bisect_left
 from collections import defaultdict
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple, Protocol
 
@@ -73,11 +73,29 @@ class SwapCandidate(NamedTuple):
         return self.backward_slot - self.forward_slot
 
 
+class SwapPlacement(NamedTuple):
+    """Where a swapped chunk's waits go, in compute slots: the offload copy runs during the
+    ``offload_slots`` computes after the forward (``WO`` follows the last of them), the
+    reload during the ``load_slots`` computes before the backward (``LL`` precedes the
+    first). More slots hide a longer copy and keep the chunk on the device longer; zero
+    slots frees (or loads) the chunk right at its compute, and compute waits for the whole
+    copy."""
+
+    offload_slots: int = 1
+    load_slots: int = 1
+
+
+#: MindSpore hyper-parallel's placement: one compute to hide each copy.
+DEFAULT_PLACEMENT = SwapPlacement()
+
+
 class SwapPolicy(Protocol):
     """Chooses which candidate chunks of one rank get swapped; ``order`` is that rank's order
-    before swap injection (for policies that weigh costs or memory)."""
+    before swap injection (for policies that weigh costs or memory). A policy returns the
+    chunks (placed as :data:`DEFAULT_PLACEMENT`) or a placement for each."""
 
-    def select(self, candidates: Sequence[SwapCandidate], order: Order) -> Collection[ChunkKey]:
+    def select(self, candidates: Sequence[SwapCandidate], order: Order
+               ) -> Collection[ChunkKey] | Mapping[ChunkKey, SwapPlacement]:
         ...
 
 
@@ -106,9 +124,20 @@ class MinGapPolicy:
 
 @gc_paused
 def inject_swap(schedule: Schedule, policy: SwapPolicy | None = None) -> Schedule:
-    """Insert swap steps into every rank's order for the chunks ``policy`` selects."""
-    chosen = MinGapPolicy() if policy is None else policy
+    """Insert swap steps into every rank's order for the chunks ``policy`` selects (by
+    default :func:`default_policy`)."""
+    chosen = default_policy() if policy is None else policy
     return schedule.map_orders(lambda rank, order: inject_swap_order(order, chosen, rank=rank))
+
+
+def default_policy() -> SwapPolicy:
+    """The peak policy on the default cost model (uniform chunks, a backward twice a
+    forward): swap only chunks that lower a rank's peak, copies hidden. ``MinGapPolicy()``
+    gives MindSpore hyper-parallel's orders."""
+    from pipeswap.schedule.costs import CostModel
+    from pipeswap.schedule.policies import PeakPolicy
+
+    return PeakPolicy(CostModel())
 
 
 def swap_candidates(order: Order, rank: int = 0) -> list[SwapCandidate]:
@@ -167,8 +196,10 @@ def inject_swap_order(order: Order, policy: SwapPolicy, *, rank: int = 0) -> lis
     """Insert swap steps into one rank's order (see the module docstring for the anchors)."""
     slots = _Slots(order)
     candidates = slots.candidates(rank)
-    selected = set(policy.select(candidates, order))
-    unknown = selected - {(c.stage, c.micro) for c in candidates}
+    chosen = policy.select(candidates, order)
+    selected: Mapping[ChunkKey, SwapPlacement] = (
+        chosen if isinstance(chosen, Mapping) else dict.fromkeys(chosen, DEFAULT_PLACEMENT))
+    unknown = selected.keys() - {(c.stage, c.micro) for c in candidates}
     if unknown:
         raise ScheduleError(
             f"the swap policy selected chunk(s) {sorted(unknown)} on rank {rank}, which are not "
@@ -206,19 +237,22 @@ def inject_swap_order(order: Order, policy: SwapPolicy, *, rank: int = 0) -> lis
     wait_after: defaultdict[int, list[Step]] = defaultdict(list)
     container = slots.container
     for _, stage, micro, f_slot, b_slot in candidates:
-        if (stage, micro) not in selected:
+        placement = selected.get((stage, micro))
+        if placement is None:
             continue
-        if b_slot - f_slot < MIN_FEASIBLE_GAP:
+        off, load = placement
+        if min(off, load) < 0 or b_slot - f_slot < off + load + 1:
             raise ScheduleError(
-                f"the swap policy selected chunk {(stage, micro)} on rank {rank}, whose backward "
-                f"is only {b_slot - f_slot} compute slot(s) after its forward; swapping needs >= "
-                f"{MIN_FEASIBLE_GAP} so the offload completes before the reload starts"
+                f"the swap policy selected chunk {(stage, micro)} on rank {rank} with "
+                f"{off} slot(s) to offload and {load} to reload, but its backward is "
+                f"{b_slot - f_slot} compute slot(s) after its forward; slots are >= 0 and the "
+                "offload must end before the reload starts (gap >= slots + 1)"
             )
         f_container, b_container = container[f_slot], container[b_slot]
-        wait_offload_at = after_compute(container[f_slot + 1])
+        wait_offload_at = after_compute(container[f_slot + off])
         gathers = slots.unshards.get(stage)
-        if gathers is None:  # H2D overlaps the compute right before the backward
-            load_at = container[b_slot - 1]
+        if gathers is None:  # H2D overlaps the computes right before the backward
+            load_at = container[b_slot - load]
         else:  # FSDP stage: overlap the H2D with the last re-gather of its parameters, if any
             latest = bisect_left(gathers, b_container) - 1
             gather = gathers[latest] if latest >= 0 else -1
