@@ -273,3 +273,27 @@ def test_a_reader_that_leaves_early_ends_it_quietly(tmp_path: Path, argv: list[s
     finally:
         os.close(write)
     assert (done.returncode, done.stderr) == (0, "")
+
+
+def test_policy_options_are_the_same_on_every_command(cli: Cli, tmp_path: Path) -> None:
+    """--policy and --budget (and the cost options) work on orders, show, convert and
+    simulate alike; the default is the peak policy, and --swap-min-gap means the gap rule."""
+    base = ["--schedule", "1f1b", "-P", "4", "-M", "8"]
+    code, peak, _ = cli("orders", *base, "--swap")
+    assert code == 0 and loads(peak) == build_schedule(ScheduleSpec(
+        ScheduleKind.ONE_F_ONE_B, 4, 8, swap=True))
+    code, gap, _ = cli("orders", *base, "--swap-min-gap", "4")
+    assert code == 0 and loads(gap) == build_schedule(ScheduleSpec(
+        ScheduleKind.ONE_F_ONE_B, 4, 8, swap=True), MinGapPolicy())
+    assert gap != peak
+    code, out, _ = cli("show", *base, "--policy", "peak", "--budget", "1GiB", "--no-grid")
+    assert code == 0 and "rank 3: 0 of 8 chunks swapped" in out
+    path = tmp_path / "plain.json"
+    path.write_text(json.dumps(to_json(build_schedule(ScheduleSpec(
+        ScheduleKind.ONE_F_ONE_B, 4, 8)))))
+    code, out, _ = cli("convert", str(path), "--policy", "gap", "--to", "grid")
+    assert code == 0 and loads(out) == loads(gap)
+    code, _, err = cli("orders", *base, "--policy", "peak", "--swap-min-gap", "5")
+    assert code == 2 and "--swap-min-gap sets the gap policy's threshold" in err
+    code, _, err = cli("orders", *base, "--policy", "cost", "--budget", "1GiB")
+    assert code == 2 and "--budget applies to --policy peak and --policy budget" in err

@@ -103,11 +103,12 @@ def _spec_arguments() -> argparse.ArgumentParser:
     group.add_argument("--batch-p2p", action="store_true",
                        help="coalesce adjacent sends/receives into BATCH_P2P steps")
     group.add_argument("--swap", action="store_true",
-                       help="inject activation swap steps (LO, WO, LL, WL) as the last pass")
-    group.add_argument("--swap-min-gap", type=int, default=4, metavar="N",
-                       help="with --swap: swap a chunk when its backward is at least N compute "
-                            "slots after its forward (default 4, MindSpore hyper-parallel's "
-                            "rule; min 3)")
+                       help="inject activation swap steps (LO, WO, LL, WL) as the last pass, "
+                            "for the chunks --policy picks (default peak)")
+    group.add_argument("--swap-min-gap", type=int, default=None, metavar="N",
+                       help="the gap policy (implies it and --swap): swap a chunk when its "
+                            "backward is at least N compute slots after its forward (4 is "
+                            "MindSpore hyper-parallel's rule; min 3)")
     return parent
 
 
@@ -125,7 +126,7 @@ def _build(args: argparse.Namespace, policy: SwapPolicy | None = None) -> Schedu
         swap=args.swap or policy is not None,
         lowering=args.lowering,
     )
-    gap = MinGapPolicy(args.swap_min_gap)  # checked even without --swap: a typo shows
+    gap = MinGapPolicy(4 if args.swap_min_gap is None else args.swap_min_gap)
     return build_schedule(spec, policy or (gap if args.swap else None))
 
 
@@ -192,9 +193,10 @@ def _parser() -> argparse.ArgumentParser:
     convert.add_argument("--batch-p2p", action="store_true",
                          help="coalesce adjacent sends/receives into BATCH_P2P steps")
     convert.add_argument("--swap", action="store_true",
-                         help="inject swap steps (with --policy, default gap)")
-    convert.add_argument("--swap-min-gap", type=int, default=4, metavar="N",
-                         help="with --swap: the gap rule's threshold (default 4)")
+                         help="inject swap steps for the chunks --policy picks (default peak)")
+    convert.add_argument("--swap-min-gap", type=int, default=None, metavar="N",
+                         help="the gap policy's threshold (implies it and --swap; 4 is "
+                              "MindSpore hyper-parallel's rule)")
     convert.add_argument("--transport", choices=TRANSPORTS, default="ordered",
                          help="P2P model for the final validation (see 'validate --help')")
     convert.add_argument("--output", "-o", metavar="FILE", help="write here, not to stdout")
@@ -283,7 +285,8 @@ def _convert(args: argparse.Namespace) -> int:
         schedule = coalesce_p2p(schedule)
     policy, _ = choose_policy(args, costs_from(args))
     if args.swap:
-        schedule = inject_swap(schedule, policy or MinGapPolicy(args.swap_min_gap))
+        schedule = inject_swap(schedule, policy or MinGapPolicy(
+            4 if args.swap_min_gap is None else args.swap_min_gap))
     validate(schedule, transport=args.transport)
     text = {"json": lambda: dumps_json(schedule), "grid": lambda: dumps_lines(schedule),
             "csv": lambda: dumps_csv(schedule),

@@ -186,10 +186,19 @@ def choose_policy(args: argparse.Namespace, costs: CostModel
                   ) -> tuple[SwapPolicy | None, Outcomes | None]:
     """The policy the arguments ask for (None: no swap, or the gap rule's
     ``--swap-min-gap``), and the object whose ``outcomes`` report per rank."""
-    if not (args.swap or args.policy is not None or args.budget is not None):
+    gap = getattr(args, "swap_min_gap", None)
+    if gap is not None:
+        from pipeswap.schedule.swap import MinGapPolicy
+
+        MinGapPolicy(gap)  # its own check: >= 3
+        if args.policy not in (None, "gap"):
+            raise ScheduleError(f"--swap-min-gap sets the gap policy's threshold; drop it or "
+                                f"--policy {args.policy}")
+    if not (args.swap or args.policy is not None or args.budget is not None
+            or gap is not None):
         return None, None
     args.swap = True
-    name = args.policy or DEFAULT_POLICY
+    name = args.policy or ("gap" if gap is not None else DEFAULT_POLICY)
     if args.budget is not None and name not in ("peak", "budget"):
         raise ScheduleError(f"--budget applies to --policy peak and --policy budget, not "
                             f"{name}")
