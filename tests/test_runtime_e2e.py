@@ -21,7 +21,7 @@ import torch
 from pipeswap.runtime import RankFailedError, spawn
 from pipeswap.runtime.data import Corpus, batches
 from pipeswap.runtime.model import GPTConfig, build_gpt, lm_loss, split_stages
-from pipeswap.runtime.train import ModeResult, TrainConfig, run_rank
+from pipeswap.runtime.train import ModeResult, TrainConfig, run_rank, swap_policy
 from pipeswap.schedule import ScheduleKind, ScheduleSpec, Step, StepType, build_schedule
 from pipeswap.schedule.costs import ChunkBytes, CostModel
 from pipeswap.schedule.simulate import simulate
@@ -49,8 +49,13 @@ CASES = {
                                      microbatches=4),
     "dualpipev P2 M4": dataclasses.replace(BASE, schedule="dualpipev", ranks=2,
                                            stages_per_rank=2, microbatches=4),
+    # MindSpore hyper-parallel's gap rule instead of the default peak policy
+    "1f1b P4 M8 gap rule": dataclasses.replace(BASE, schedule="1f1b", ranks=4, microbatches=8,
+                                               policy="gap"),
+    "zbv P2 M4 gap rule": dataclasses.replace(BASE, schedule="zbv", ranks=2, stages_per_rank=2,
+                                              microbatches=4, policy="gap"),
 }
-SLOW = {"1f1b P4 M8"}
+SLOW = {"1f1b P4 M8", "1f1b P4 M8 gap rule"}
 
 
 @functools.lru_cache(maxsize=None)
@@ -125,7 +130,7 @@ def test_swap_is_exact_and_lowers_the_peak(case: str) -> None:
     config = CASES[case]
     per_rank = _trained(case)
     want_loss, want_grads, stage_names = _reference(config)
-    schedule = build_schedule(_spec(config))
+    schedule = build_schedule(_spec(config), swap_policy(config.policy))
     seen: set[str] = set()
     last_rank = schedule.stage_ranks[-1]
     for rank, result in enumerate(per_rank):
@@ -148,6 +153,18 @@ def test_swap_is_exact_and_lowers_the_peak(case: str) -> None:
             assert swap.peak_activation_bytes < plain.peak_activation_bytes, rank
         else:
             assert swap.peak_activation_bytes <= plain.peak_activation_bytes, rank
+        # The allocator's peak (torch's profiler, in step 1) never rises either, and falls
+        # where the counted one fell: by at least half the counted saving, less the bytes of
+        # the parameter gradients, which the first backward allocates and the manager does not
+        # count: a swap run's peak can move past that backward, as GPipe's does here, where
+        # the allocator saves a quarter to a third of what the manager counts.
+        assert plain.peak_allocated_bytes is not None and swap.peak_allocated_bytes is not None
+        assert swap.peak_allocated_bytes <= plain.peak_allocated_bytes, rank
+        counted = plain.peak_activation_bytes - swap.peak_activation_bytes
+        if counted > 0:
+            allocated = plain.peak_allocated_bytes - swap.peak_allocated_bytes
+            grads = sum(grad.numel() * grad.element_size() for grad in plain.grads.values())
+            assert allocated > 0 and allocated >= counted / 2 - grads, (rank, allocated, counted)
         assert (swap.bytes_offloaded > 0) == (swap.swapped_chunks > 0)
         assert plain.bytes_offloaded == 0
         # Nothing left behind after any step.
@@ -164,20 +181,32 @@ def test_swap_is_exact_and_lowers_the_peak(case: str) -> None:
     "case", [pytest.param(name, marks=[pytest.mark.slow] if name in SLOW else [])
              for name in CASES])
 def test_the_simulator_predicts_the_measured_peaks(case: str) -> None:
-    """Fed the bytes the runtime measured per chunk, the simulator's peak per rank, with
-    and without swap, is the runtime's measured peak (within 1 %)."""
+    """Fed the bytes the runtime measured per chunk (held and movable at the end of its
+    forward; for a split backward, what its I leaves for its W), the simulator's peak per
+    rank, with and without swap, is the peak the runtime's swap manager counted, to the byte."""
     config = CASES[case]
     per_rank = _trained(case)
-    chunks = {key: ChunkBytes(held, pinned=held - movable)
+    schedule = build_schedule(_spec(config), swap_policy(config.policy))
+    after_input: dict[tuple[int, int], int] = {}
+    for result in per_rank:  # (stage, micro) -> device bytes held right after its I
+        after_input.update(result["swap"].chunk_bytes_after_input)
+    split = {leaf.key for order in schedule.orders for step in order if step is not None
+             for leaf in (step.sub_steps or (step,)) if leaf.type is StepType.BWD_WEIGHT}
+    missing = sorted(split - after_input.keys())
+    assert not missing, (
+        f"the runtime reports no bytes held after I for the split chunks {missing} "
+        "(ModeResult.chunk_bytes_after_input): I frees what W does not need, so without them "
+        "the simulator keeps whole chunks until W")
+    chunks = {key: ChunkBytes(held, pinned=held - movable, after_input=after_input.get(key))
               for result in per_rank for key, (held, movable) in
               result["swap"].chunk_bytes.items()}
     assert len(chunks) == config.num_stages * config.microbatches
-    predicted = simulate(build_schedule(_spec(config)), CostModel(chunks=chunks))
-    for rank, result in zip(predicted.ranks, per_rank):
-        measured_swap = result["swap"].peak_activation_bytes
-        measured_plain = result["no-swap"].peak_activation_bytes
-        assert rank.peak_activation_bytes == pytest.approx(measured_swap, rel=0.01)
-        assert rank.peak_activation_bytes_no_swap == pytest.approx(measured_plain, rel=0.01)
+    predicted = simulate(schedule, CostModel(chunks=chunks))
+    table = [(rank.rank, rank.peak_activation_bytes, result["swap"].peak_activation_bytes,
+              rank.peak_activation_bytes_no_swap, result["no-swap"].peak_activation_bytes)
+             for rank, result in zip(predicted.ranks, per_rank)]
+    # (rank, simulated with swap, measured with swap, simulated without, measured without)
+    assert all(row[1] == row[2] and row[3] == row[4] for row in table), table
 
 
 @pytest.mark.parametrize("how", ["raise", "die"])

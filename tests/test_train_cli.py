@@ -28,6 +28,11 @@ def test_spawned_run_prints_the_json_contract() -> None:
         # P=2 M=4 it does on both ranks.
         assert entry["swapped_chunks"] > 0
         assert 0 < entry["peak_activation_bytes_swap"] < entry["peak_activation_bytes_no_swap"]
+        # The allocator's peak, measured beside the manager's count: at least what it counts.
+        assert entry["peak_allocated_bytes_swap"] >= entry["peak_activation_bytes_swap"]
+        assert entry["peak_allocated_bytes_no_swap"] >= entry["peak_activation_bytes_no_swap"]
+    rank0 = summary["per_rank"][0]
+    assert 0 < rank0["peak_allocated_bytes_swap"] < rank0["peak_allocated_bytes_no_swap"]
     assert summary["losses"]["swap"] == summary["losses"]["no-swap"]
 
 
@@ -36,5 +41,6 @@ def test_under_torchrun_rank_zero_prints_progress_and_the_table() -> None:
                 "-m", "pipeswap.runtime.train", *SMALL])
     assert "[no-swap] step 2/2  loss" in out and "[   swap] step 1/2  loss" in out
     assert "tokens/s" in out
-    assert "peak activations, no swap" in out
+    assert "peak activations (counted)" in out and "peak allocated (allocator)" in out
+    assert "(allocator measured)" in out  # the odd steps, which are not timed
     assert "losses with and without swap: bit-identical" in out

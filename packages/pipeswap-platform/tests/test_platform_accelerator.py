@@ -29,3 +29,19 @@ def test_round_trip_through_pinned_host_memory_on_a_side_stream() -> None:
     stats = platform.memory_stats()
     assert stats is not None and stats.allocated >= device_data.numel() * 4
     assert stats.peak >= stats.allocated
+
+
+def test_the_allocator_peak_counts_device_tensors_not_host_buffers() -> None:
+    platform = get_platform()
+    size = 4 << 20
+    before = torch.empty(size, dtype=torch.uint8, device=platform.device)
+    with platform.measure_allocations() as measured:
+        host = platform.host_buffer(8 * size)  # pinned host memory: not the device's
+        block = torch.empty(size, dtype=torch.uint8, device=platform.device)
+        del block
+        kept = torch.empty(size // 2, dtype=torch.uint8, device=platform.device)
+        del before  # allocated before the block: its free counts too, so that ...
+        again = torch.empty(size, dtype=torch.uint8, device=platform.device)  # ... this fits
+    assert measured.scope == "device allocator"
+    assert measured.peak_bytes == size
+    del host, kept, again

@@ -5,12 +5,21 @@ from __future__ import annotations
 import gc
 import sys
 import threading
+from contextlib import ExitStack
 
 import pytest
 import torch
 
 from pipeswap.platform import PlatformUnavailableError, available_platforms, get_platform
-from pipeswap.platform.cpu import CopyStreamError, CpuPlatform, WorkerStream
+from pipeswap.platform.cpu import (
+    AllocationEvent,
+    CopyStreamError,
+    CpuPlatform,
+    HostBlocks,
+    WorkerStream,
+    _allocation_events,
+    allocation_peak,
+)
 
 
 @pytest.fixture
@@ -178,3 +187,105 @@ def test_module_introspection(cpu: CpuPlatform) -> None:
     first = model[0]
     assert isinstance(first, Block)
     assert state["0.linear.weight"].data_ptr() == first.linear.weight.data_ptr()
+
+
+MIB = 1 << 20
+
+
+def _bytes(n: int) -> torch.Tensor:
+    return torch.empty(n, dtype=torch.uint8)
+
+
+def test_the_allocator_peak_is_the_largest_running_sum_from_the_start() -> None:
+    def events(*deltas: tuple[int, int, bool]) -> list[AllocationEvent]:
+        return [AllocationEvent(t, ptr, n, host) for t, (ptr, n, host) in enumerate(deltas)]
+
+    assert allocation_peak([]) == 0
+    assert allocation_peak(events((1, 100, False), (2, 50, False), (1, -100, False),
+                                  (3, 30, False))) == 150
+    # Frees of blocks from before the window count: the peak is above the start, not above
+    # the lowest point, and 0 when the window never holds more than at its start.
+    assert allocation_peak(events((9, -200, False), (4, 150, False))) == 0
+    assert allocation_peak(events((9, -200, False), (4, 150, False), (5, 80, False))) == 30
+    # Events are taken in time order, whatever order they come in.
+    assert allocation_peak([AllocationEvent(2, 1, -100), AllocationEvent(1, 1, 100),
+                            AllocationEvent(3, 2, 60)]) == 100
+    # Host buffers are left out, their frees too (in a later window: the addresses carry
+    # over), until their address is allocated again as device memory.
+    host = HostBlocks()
+    assert allocation_peak(events((7, 1000, True), (1, 10, False)), host) == 10
+    assert allocation_peak(events((7, -1000, False), (1, -10, False), (2, 20, False)),
+                           host) == 10
+    assert allocation_peak(events((7, 300, False), (7, -300, False), (8, 5, False)), host) == 300
+
+
+def test_measured_peaks_of_the_cpu_allocator(cpu: CpuPlatform) -> None:
+    with cpu.measure_allocations() as first:
+        assert first.peak_bytes is None and "host buffers" in first.scope
+        block = _bytes(MIB)
+        del block
+        kept = _bytes(MIB // 2)
+    assert first.peak_bytes == MIB
+    with cpu.measure_allocations() as second:  # frees `kept` (allocated while measuring)
+        del kept
+        again = _bytes(MIB // 2)
+    assert second.peak_bytes == 0
+    with cpu.measure_allocations() as third:
+        host = cpu.host_buffer(4 * MIB)  # host memory: not the device allocator's
+        more = _bytes(MIB // 4)
+    assert third.peak_bytes == MIB // 4
+    del again, host, more
+
+
+def test_an_offload_shows_as_a_drop(cpu: CpuPlatform) -> None:
+    """Device data copied to a host buffer on a worker stream, then freed on this thread:
+    the peak is the device data alone, and what follows fits under it."""
+    stream = cpu.new_stream()
+    with cpu.measure_allocations() as measured:
+        device = torch.ones(MIB // 4)  # 1 MiB of float32
+        host = cpu.host_buffer(MIB).view(torch.float32)
+        with cpu.stream(stream):
+            cpu.copy_(host, device)
+        done = cpu.new_event()
+        done.record(stream)
+        done.synchronize()
+        device.untyped_storage().resize_(0)  # the swap manager's release
+        later = _bytes(MIB)  # fits in what the offload released
+    assert measured.peak_bytes == MIB
+    assert torch.equal(host, torch.ones(MIB // 4))
+    del later
+
+
+def test_copies_on_worker_streams_allocate_nothing(cpu: CpuPlatform) -> None:
+    """The profiler records only the thread that started it, so measure_allocations does not
+    see the copy threads; a profiler started on a copy thread itself shows they need not be
+    seen: its copies both ways allocate nothing (an allocation there would show)."""
+    with cpu.measure_allocations():  # the profiler's first start, on the main thread
+        pass
+    stream = cpu.new_stream()
+    device, host = torch.ones(MIB // 4), cpu.host_buffer(MIB).view(torch.float32)
+    profiler = torch.autograd.profiler.profile(use_kineto=True, profile_memory=True)
+    running = ExitStack()
+
+    def start() -> None:
+        running.enter_context(profiler)
+
+    def control() -> None:  # seen
+        _bytes(100).fill_(0)
+
+    stream.submit(start)
+    stream.submit(control)
+    with cpu.stream(stream):
+        cpu.copy_(host, device)
+        cpu.copy_(device, host)
+    stream.submit(running.close)
+    stream.synchronize()
+    assert profiler.kineto_results is not None
+    assert sorted(e.nbytes for e in _allocation_events(profiler.kineto_results)) == [-100, 100]
+
+
+def test_no_measurement_while_another_profiler_runs(cpu: CpuPlatform) -> None:
+    with torch.profiler.profile(), pytest.warns(UserWarning, match="another torch profiler"):
+        with cpu.measure_allocations() as measured:
+            _bytes(MIB)
+    assert measured.peak_bytes is None

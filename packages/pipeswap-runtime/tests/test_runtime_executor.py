@@ -301,3 +301,29 @@ def test_a_schedule_missing_a_microbatch_is_refused(group: None) -> None:
     with pytest.raises(PipelineSetupError, match=r"micro.*2"):
         PipelineExecutor([PipelineStage(torch.nn.Linear(4, 4), 0, 1)], schedule, 4,
                          torch.nn.functional.mse_loss)
+
+
+def test_the_allocator_peak_is_measured_on_request(group: None) -> None:
+    """``measure_allocator``: the allocator's peak above the step's start (torch's profiler on
+    CPU). It holds at least the saved activations the manager counts (allocated in the step
+    and all alive at the counted peak), falls with swap, and is None when not measured."""
+    spec = ScheduleSpec(ScheduleKind.GPIPE, ranks=1, microbatches=4)
+    reports: dict[bool, StepReport] = {}
+    for swap in (False, True):
+        model = build_gpt(CONFIG, seed=0)
+        executor = PipelineExecutor([PipelineStage(model, 0, 1)], spec, 4, lm_loss, swap=swap,
+                                    account_activations=True, measure_allocator=True)
+        report = reports[swap] = executor.step(*_batch(7))
+        allocated, counted = report.peak_allocated_bytes, report.peak_activation_bytes
+        assert allocated is not None and counted is not None
+        assert allocated >= counted > 0
+        executor.measure_allocator = False
+        model.zero_grad(set_to_none=True)
+        unmeasured = executor.step(*_batch(7))
+        assert unmeasured.peak_allocated_bytes is None
+        assert unmeasured.losses == report.losses
+    assert reports[True].swapped_chunks > 0
+    with_swap, without = reports[True].peak_allocated_bytes, reports[False].peak_allocated_bytes
+    assert with_swap is not None and without is not None and with_swap < without
+    off = PipelineExecutor([PipelineStage(build_gpt(CONFIG, seed=0), 0, 1)], spec, 4, lm_loss)
+    assert off.measure_allocator is False and off.step(*_batch(7)).peak_allocated_bytes is None

@@ -7,9 +7,10 @@ show up without a GPU. torch is imported lazily: importing this package is cheap
 
 from pipeswap.platform.__about__ import __version__
 from pipeswap.platform.probe import PlatformUnavailableError, available_platforms, get_platform
-from pipeswap.platform.protocol import Event, MemoryStats, Platform, Stream
+from pipeswap.platform.protocol import AllocationPeak, Event, MemoryStats, Platform, Stream
 
 __all__ = [
+    "AllocationPeak",
     "Event",
     "MemoryStats",
     "Platform",

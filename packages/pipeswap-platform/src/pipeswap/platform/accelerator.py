@@ -7,7 +7,7 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING, cast
 
 from pipeswap.platform.introspection import ModuleIntrospection
-from pipeswap.platform.protocol import Event, MemoryStats, Stream
+from pipeswap.platform.protocol import AllocationPeak, Event, MemoryStats, Stream
 
 if TYPE_CHECKING:
     import torch
@@ -79,6 +79,20 @@ class AcceleratorPlatform(ModuleIntrospection):
         import torch
 
         torch.accelerator.reset_peak_memory_stats(self._device)
+
+    @contextmanager
+    def measure_allocations(self) -> Iterator[AllocationPeak]:
+        """The caching allocator's own peak (``max_memory_allocated`` after
+        ``reset_peak_memory_stats``) minus what it held on entry: device tensors only, pinned
+        host buffers not. Resets the device's peak statistics on entry, as
+        :meth:`reset_peak_memory_stats` does."""
+        result = AllocationPeak(scope="device allocator")
+        self.reset_peak_memory_stats()
+        start = self.memory_stats()
+        yield result
+        end = self.memory_stats()
+        if start is not None and end is not None:
+            result.peak_bytes = max(0, end.peak - start.allocated)
 
     def __repr__(self) -> str:
         return f"AcceleratorPlatform({self._device})"

@@ -49,6 +49,20 @@ class MemoryStats:
     scope: str = "device allocator"
 
 
+@dataclass
+class AllocationPeak:
+    """What :meth:`Platform.measure_allocations` measured, filled in when its block ends.
+
+    ``peak_bytes``: the most bytes the device's allocator held at once inside the block, above
+    what it held when the block began (0 if it never went above); None until the block ended,
+    if the block raised, or where the platform could not measure. Memory freed inside the
+    block lowers the running figure, so a free followed by an allocation of the same size
+    leaves the peak where it was. ``scope`` says what is counted (see each platform)."""
+
+    scope: str
+    peak_bytes: int | None = None
+
+
 class Platform(Protocol):
     """One device kind: streams, events, copies, host buffers, memory statistics, modules."""
 
@@ -83,6 +97,10 @@ class Platform(Protocol):
         """Memory statistics, or None where the device reports none."""
 
     def reset_peak_memory_stats(self) -> None: ...
+
+    def measure_allocations(self) -> AbstractContextManager[AllocationPeak]:
+        """Measure the peak of the device allocator's bytes inside the block, above what it
+        held on entry; the yielded :class:`AllocationPeak` holds it once the block ends."""
 
     def parameters_dict(self, module: torch.nn.Module) -> dict[str, torch.nn.Parameter]: ...
 

@@ -19,11 +19,11 @@ import hashlib
 import time
 import warnings
 from collections.abc import Callable, Mapping, Sequence
-from contextlib import suppress
+from contextlib import AbstractContextManager, nullcontext, suppress
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from pipeswap.platform import Platform, get_platform
+from pipeswap.platform import AllocationPeak, Platform, get_platform
 from pipeswap.runtime.backward import ChunkAutograd, forward_chunk
 from pipeswap.runtime.comm import (
     FailureBoard,
@@ -77,6 +77,14 @@ class StepReport:
     # per chunk of this rank, at the end of its forward: device bytes its saved activations
     # hold, and the part an offload moves (the rest is shared with protected tensors)
     chunk_bytes: Mapping[ChunkKey, GroupBytes]
+    # the most bytes the device allocator held at once during the step, above what it held
+    # when the step began: everything the step allocated, not only saved activations (see
+    # Platform.measure_allocations for what each platform counts); None unless the step ran
+    # with measure_allocator
+    peak_allocated_bytes: int | None = None
+    # per chunk whose backward is split, right after its I: the device bytes its saved
+    # activations still hold for W (I frees the rest)
+    chunk_bytes_after_input: Mapping[ChunkKey, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -93,6 +101,8 @@ class _Run:
     losses: dict[int, torch.Tensor] = field(default_factory=dict)  # read once, at the end
     accounted: set[ChunkKey] = field(default_factory=set)  # chunks with a swap group
     chunk_bytes: dict[ChunkKey, GroupBytes] = field(default_factory=dict)
+    chunk_bytes_after_input: dict[ChunkKey, int] = field(default_factory=dict)
+    offloaded_before: int = 0  # the manager's bytes_offloaded when the step began
 
 
 class PipelineExecutor:
@@ -110,6 +120,14 @@ class PipelineExecutor:
     transport model the schedule must run under before anything runs: ``"ordered"`` (NCCL's,
     the default on every device, so a CPU run proves what NCCL needs) or ``"tagged"`` (gloo
     only, for schedules built with the deferred lowering).
+
+    ``measure_allocator``: also measure, in each step, the peak of the device allocator above
+    what it held when the step began (:attr:`StepReport.peak_allocated_bytes`), a check of
+    the swap manager's count that does not rely on it. On accelerators it reads the caching
+    allocator's peak statistics (and resets them each step); on CPU it runs torch's profiler
+    with memory recording through the step, which slows it (about twofold in pipeswap-train,
+    more for smaller operations), so it is off by default. The attribute of that name may be
+    changed between steps.
     """
 
     def __init__(
@@ -125,6 +143,7 @@ class PipelineExecutor:
         manager: SwapManager | None = None,
         account_activations: bool | None = None,
         check_transport: str = "ordered",
+        measure_allocator: bool = False,
     ) -> None:
         import torch.distributed as dist
 
@@ -144,6 +163,7 @@ class PipelineExecutor:
         self.platform = platform or get_platform()
         self._by_index = {stage.stage_index: stage for stage in self.stages}
         self.account = swap if account_activations is None else account_activations
+        self.measure_allocator = measure_allocator
         built: Schedule | None = None
         problem: PipelineSetupError | None = None
         try:
@@ -344,10 +364,33 @@ class PipelineExecutor:
                 f"rank {self.rank}: a previous step failed ({self._failed}); call recover() on "
                 "every rank before the next step")
         start = time.perf_counter()
+        measuring: AbstractContextManager[AllocationPeak | None] = (
+            self.platform.measure_allocations() if self.measure_allocator else nullcontext())
+        with measuring as allocated:
+            run = self._step(inputs, targets)
+        stats = self.manager.stats()
+        losses: list[float] = []
+        if run.losses:  # one host sync for all of them
+            import torch
+
+            losses = torch.stack([run.losses[m] for m in sorted(run.losses)]).tolist()
+        return StepReport(
+            losses=tuple(losses),
+            seconds=time.perf_counter() - start,
+            peak_activation_bytes=stats.peak_device_bytes_held if self.account else None,
+            bytes_offloaded=stats.bytes_offloaded - run.offloaded_before,
+            swapped_chunks=len(self.swapped),
+            chunk_bytes=run.chunk_bytes,
+            chunk_bytes_after_input=run.chunk_bytes_after_input,
+            peak_allocated_bytes=None if allocated is None else allocated.peak_bytes,
+        )
+
+    def _step(self, inputs: torch.Tensor | None, targets: torch.Tensor | None) -> _Run:
+        """The step up to closing its swap session (the part measure_allocator measures)."""
         self._runs += 1
         run = _Run(SwapSession(self.manager, f"x{id(self):x}.run{self._runs}"))
         self.manager.reset_peak()
-        offloaded = self.manager.stats().bytes_offloaded
+        run.offloaded_before = self.manager.stats().bytes_offloaded
         at: Step | str | None = "its batch check"
         try:
             # No collective first: a rank refusing its batch fails the step like any other
@@ -380,20 +423,7 @@ class PipelineExecutor:
                               f"{close_exc}", stacklevel=2)
             raise
         run.session.close()
-        stats = self.manager.stats()
-        losses: list[float] = []
-        if run.losses:  # one host sync for all of them
-            import torch
-
-            losses = torch.stack([run.losses[m] for m in sorted(run.losses)]).tolist()
-        return StepReport(
-            losses=tuple(losses),
-            seconds=time.perf_counter() - start,
-            peak_activation_bytes=stats.peak_device_bytes_held if self.account else None,
-            bytes_offloaded=stats.bytes_offloaded - offloaded,
-            swapped_chunks=len(self.swapped),
-            chunk_bytes=run.chunk_bytes,
-        )
+        return run
 
     def _all_gather(self, value: int, what: str) -> list[int]:
         """A collective of the step over the communication group; a peer that failed makes
@@ -531,8 +561,11 @@ class PipelineExecutor:
             grad_in = chunk.backward(grad) if dw else chunk.backward_input(grad)
             if not stage.is_first:
                 run.grads_in[key] = grad_in
-            if not dw:
-                return  # the chunk keeps what its W step needs
+            if not dw:  # the chunk keeps what its W step needs, and only that
+                if key in run.accounted:
+                    run.chunk_bytes_after_input[key] = self.manager.group_bytes(
+                        run.session.name(key)).held
+                return
         else:
             chunk.backward_weight()
         if key in run.accounted:

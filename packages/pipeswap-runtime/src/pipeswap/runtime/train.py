@@ -1,5 +1,6 @@
 """``pipeswap-train``: train a small GPT across pipeline ranks, with and without swap, and
-compare peak activation memory, step time and losses.
+compare peak activation memory (as the swap manager counts it and as the allocator saw it),
+step time and losses.
 
 Run as is, it spawns the ranks itself; under ``torchrun`` it joins the process group torchrun
 set up (``torchrun --nproc-per-node 4 -m pipeswap.runtime.train``).
@@ -23,7 +24,7 @@ from pipeswap.runtime.launch import (
     launched_by_torchrun,
     spawn,
 )
-from pipeswap.schedule import ScheduleKind
+from pipeswap.schedule import ScheduleKind, SwapPolicy
 from pipeswap.schedule.build import V_SHAPED
 
 MODES = ("no-swap", "swap")
@@ -48,9 +49,13 @@ class TrainConfig:
     overlap_b_f: bool = False
     dxdw_split: bool = False
     batch_p2p: bool = False
+    policy: str = "peak"  # which chunks swap: see swap_policy()
     modes: tuple[str, ...] = MODES
     verbose: bool = True
     keep_grads: bool = False  # return the first step's gradients (for tests)
+    # measure the allocator's peak in the odd steps (1, 3, ...) and time only the even ones,
+    # as measuring slows a step (the one step of a one-step run is measured and timed)
+    measure_allocator: bool = True
     timeout_s: float = DEFAULT_TIMEOUT_S
 
     @property
@@ -67,14 +72,16 @@ class ModeResult:
     """One rank's figures for one mode."""
 
     losses: list[list[float]] = field(default_factory=list)  # per step, per microbatch
-    step_seconds: list[float] = field(default_factory=list)
+    step_seconds: list[float] = field(default_factory=list)  # of the steps timed
     peak_activation_bytes: int = 0
+    peak_allocated_bytes: int | None = None  # the most of the measured steps
     bytes_offloaded: int = 0
     swapped_chunks: int = 0
     groups_alive_after_step: list[int] = field(default_factory=list)
     host_bytes_in_use_after_step: list[int] = field(default_factory=list)
     grads: dict[str, Any] | None = None  # name -> tensor, first step (keep_grads)
     chunk_bytes: dict[tuple[int, int], tuple[int, int]] = field(default_factory=dict)
+    chunk_bytes_after_input: dict[tuple[int, int], int] = field(default_factory=dict)
 
 
 def run_rank(rank: int, world_size: int, config: TrainConfig) -> dict[str, ModeResult]:
@@ -116,9 +123,12 @@ def run_rank(rank: int, world_size: int, config: TrainConfig) -> dict[str, ModeR
         # Both modes account every chunk's saved activations, to compare their peaks.
         executor = PipelineExecutor(stages, spec, config.microbatches, lm_loss,
                                     swap=mode == "swap", platform=platform,
+                                    swap_policy=swap_policy(config.policy),
                                     account_activations=True)
         result = results[mode] = ModeResult(swapped_chunks=len(executor.swapped))
         for number, (inputs, targets) in enumerate(data, 1):
+            measured = config.measure_allocator and number % 2 == 1
+            executor.measure_allocator = measured
             optimizer.zero_grad(set_to_none=True)
             report = executor.step(inputs, targets)
             if config.keep_grads and number == 1:
@@ -131,10 +141,15 @@ def run_rank(rank: int, world_size: int, config: TrainConfig) -> dict[str, ModeR
             result.losses.append(list(report.losses))
             result.chunk_bytes = {key: (b.held, b.movable)
                                   for key, b in report.chunk_bytes.items()}
-            result.step_seconds.append(report.seconds)
+            result.chunk_bytes_after_input = dict(report.chunk_bytes_after_input)
+            if not measured or config.steps == 1:
+                result.step_seconds.append(report.seconds)
             assert report.peak_activation_bytes is not None  # accounted above
             result.peak_activation_bytes = max(result.peak_activation_bytes,
                                                report.peak_activation_bytes)
+            if report.peak_allocated_bytes is not None:
+                result.peak_allocated_bytes = max(result.peak_allocated_bytes or 0,
+                                                  report.peak_allocated_bytes)
             result.bytes_offloaded += report.bytes_offloaded
             result.groups_alive_after_step.append(executor.manager.active_group_count())
             result.host_bytes_in_use_after_step.append(stats.host_bytes_in_use)
@@ -142,8 +157,8 @@ def run_rank(rank: int, world_size: int, config: TrainConfig) -> dict[str, ModeR
                 loss = sum(report.losses) / len(report.losses)
                 tokens = config.batch_size * config.seq_len
                 print(f"[{mode:>7}] step {number}/{config.steps}  loss {loss:.4f}  "
-                      f"{report.seconds:.2f} s  {tokens / report.seconds:,.0f} tokens/s",
-                      flush=True)
+                      f"{report.seconds:.2f} s  {tokens / report.seconds:,.0f} tokens/s"
+                      f"{'  (allocator measured)' if measured else ''}", flush=True)
     return results
 
 
@@ -169,6 +184,8 @@ def summarize(config: TrainConfig, per_rank: list[dict[str, ModeResult]]) -> dic
             "rank": rank,
             "peak_activation_bytes_swap": swap.peak_activation_bytes if swap else None,
             "peak_activation_bytes_no_swap": plain.peak_activation_bytes if plain else None,
+            "peak_allocated_bytes_swap": swap.peak_allocated_bytes if swap else None,
+            "peak_allocated_bytes_no_swap": plain.peak_allocated_bytes if plain else None,
             "swapped_chunks": either.swapped_chunks if either else 0,
             "bytes_offloaded": swap.bytes_offloaded if swap else 0,
             "step_time_s_swap": statistics.median(swap.step_seconds) if swap else None,
@@ -202,19 +219,36 @@ def _mib(value: int | None) -> str:
     return "-" if value is None else f"{value / 2**20:.2f} MiB"
 
 
+def _saving(plain: int | None, swap: int | None) -> str:
+    return f"{1 - swap / plain:.0%}" if plain and swap is not None else "-"
+
+
+#: The table's column groups: a title over how many columns.
+_GROUPS = (("", 2), ("peak activations (counted)", 3), ("peak allocated (allocator)", 3),
+           ("step time", 2))
+
+
 def render(summary: dict[str, Any]) -> str:
-    rows = [("rank", "swapped chunks", "peak activations, no swap", "with swap", "saving",
-             "step time, no swap", "with swap")]
+    rows = [("rank", "swapped chunks", "no swap", "with swap", "saving", "no swap", "with swap",
+             "saving", "no swap", "with swap")]
     for entry in summary["per_rank"]:
         plain, swap = entry["peak_activation_bytes_no_swap"], entry["peak_activation_bytes_swap"]
-        saving = (f"{1 - swap / plain:.0%}" if plain and swap is not None else "-")
+        a_plain, a_swap = entry["peak_allocated_bytes_no_swap"], entry["peak_allocated_bytes_swap"]
         t_plain, t_swap = entry["step_time_s_no_swap"], entry["step_time_s_swap"]
         rows.append((str(entry["rank"]), str(entry["swapped_chunks"]), _mib(plain), _mib(swap),
-                     saving, "-" if t_plain is None else f"{t_plain:.2f} s",
+                     _saving(plain, swap), _mib(a_plain), _mib(a_swap), _saving(a_plain, a_swap),
+                     "-" if t_plain is None else f"{t_plain:.2f} s",
                      "-" if t_swap is None else f"{t_swap:.2f} s"))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    titles, first = [], 0
+    for title, span in _GROUPS:  # each title centred over its columns, widened to fit it
+        room = sum(widths[first:first + span]) + 2 * (span - 1)
+        widths[first + span - 1] += max(0, len(title) - room)
+        titles.append(title.center(max(room, len(title))))
+        first += span
     lines = ["  ".join(cell.rjust(w) for cell, w in zip(row, widths)) for row in rows]
-    lines.insert(1, "  ".join("-" * w for w in widths))
+    lines.insert(0, "  ".join(titles).rstrip())
+    lines.insert(2, "  ".join("-" * w for w in widths))
     if summary["losses_match"] is not None:
         verdict = ("bit-identical" if summary["losses_match"]
                    else f"DIFFER (max |diff| {summary['max_abs_loss_diff']:.3g})")
@@ -244,8 +278,10 @@ def parse_args(argv: list[str] | None) -> tuple[TrainConfig, argparse.Namespace]
             "Train a small GPT on a bundled text across pipeline ranks, once without and once "
             "with activation swap, and compare. Each rank prints nothing but the last stage's "
             "rank, which reports loss, time and tokens/s per step; at the end a table shows "
-            "per rank the peak device bytes held by saved activations without and with swap, "
-            "the saving, the step time, and whether the losses matched bit for bit."),
+            "per rank the peak device bytes held by saved activations without and with swap "
+            "(as the swap manager counts them), the peak the device allocator saw above each "
+            "step's start (measured in the odd steps, which are not timed), the savings, the "
+            "step time, and whether the losses matched bit for bit."),
         epilog=(
             "examples:\n"
             "  pipeswap-train                                   # 1F1B on 4 CPU ranks, both modes\n"
@@ -287,6 +323,11 @@ def parse_args(argv: list[str] | None) -> tuple[TrainConfig, argparse.Namespace]
                         help="with --overlap-b-f: split backwards into input and weight parts")
     parser.add_argument("--batch-p2p", action="store_true",
                         help="batch neighbouring sends and receives into one call")
+    parser.add_argument("--policy", choices=sorted(POLICIES), default=defaults.policy,
+                        help="which chunks to swap (default peak): peak, only those that "
+                             "lower the rank's peak with copies hidden on a uniform cost "
+                             "model; gap, MindSpore hyper-parallel's rule; cost, every chunk "
+                             "whose copies hide (see pipeswap-schedule simulate --help)")
     which = parser.add_mutually_exclusive_group()
     which.add_argument("--compare", action="store_true",
                        help="run without and then with swap and compare them (the default)")
@@ -295,6 +336,7 @@ def parse_args(argv: list[str] | None) -> tuple[TrainConfig, argparse.Namespace]
     parser.add_argument("--json", action="store_true",
                         help="print one JSON object at the end (per_rank entries with rank, "
                         "peak_activation_bytes_swap, peak_activation_bytes_no_swap, "
+                        "peak_allocated_bytes_swap, peak_allocated_bytes_no_swap, "
                         "swapped_chunks; max_abs_loss_diff, step_time_ratio)")
     parser.add_argument("--seed", type=int, default=defaults.seed, help="weights and data seed")
     parser.add_argument("--timeout", type=float, default=defaults.timeout_s,
@@ -316,7 +358,8 @@ def parse_args(argv: list[str] | None) -> tuple[TrainConfig, argparse.Namespace]
         microbatches=args.microbatches, steps=args.steps, batch_size=args.batch_size,
         seq_len=args.seq_len, width=args.width, layers=args.layers, lr=args.lr, seed=args.seed,
         device=args.device, overlap_b_f=args.overlap_b_f, dxdw_split=args.dxdw_split,
-        batch_p2p=args.batch_p2p, modes=modes, verbose=not args.json, timeout_s=args.timeout)
+        batch_p2p=args.batch_p2p, policy=args.policy, modes=modes, verbose=not args.json,
+        timeout_s=args.timeout)
     _check_schedule(parser, config)
     if args.batch_size % args.microbatches:
         parser.error(f"--batch-size {args.batch_size} does not split into "
@@ -365,6 +408,24 @@ def _check_numbers(parser: argparse.ArgumentParser, args: argparse.Namespace, ra
     if not (math.isfinite(args.timeout) and 1 <= args.timeout <= _MAX_TIMEOUT_S):
         parser.error(f"--timeout must be a finite number of seconds from 1 to "
                      f"{_MAX_TIMEOUT_S:.0f} (how long a rank waits for a peer), got {args.timeout}")
+
+
+POLICIES = {"peak", "gap", "cost"}
+
+
+def swap_policy(name: str) -> SwapPolicy | None:
+    """The swap policy of ``--policy`` (None: the default, the peak policy). The runtime
+    knows no chunk's bytes before it runs, so the cost model is the uniform default: chunks
+    alike, a backward twice a forward."""
+    from pipeswap.schedule import MinGapPolicy
+    from pipeswap.schedule.costs import CostModel
+    from pipeswap.schedule.policies import CostModelPolicy
+
+    if name == "gap":
+        return MinGapPolicy()
+    if name == "cost":
+        return CostModelPolicy(CostModel())
+    return None
 
 
 def _check_schedule(parser: argparse.ArgumentParser, config: TrainConfig) -> None:

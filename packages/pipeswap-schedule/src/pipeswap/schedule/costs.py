@@ -38,15 +38,32 @@ class StageCosts:
 
 @dataclass(frozen=True)
 class ChunkBytes:
-    """Activation bytes of one chunk: all of it, and the part that never leaves the device
-    (tensors shared with parameters, stage inputs and outputs)."""
+    """Activation bytes of one chunk: all of it (held from the end of its forward), the part
+    that never leaves the device (tensors shared with parameters, stage inputs and outputs),
+    and, for a split backward, the part still held between its I and its W (what W needs:
+    the inputs of the weight nodes; I frees the rest). ``after_input`` defaults to all of it,
+    as if I freed nothing."""
 
     total: int
     pinned: int = 0
+    after_input: int | None = None
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.pinned <= self.total:
+            raise ScheduleError(f"chunk bytes: pinned must be from 0 to total ({self.total}), "
+                                f"got {self.pinned}")
+        if self.after_input is not None and not 0 <= self.after_input <= self.total:
+            raise ScheduleError(f"chunk bytes: after_input must be from 0 to total "
+                                f"({self.total}), got {self.after_input}")
 
     @property
     def movable(self) -> int:
         return self.total - self.pinned
+
+    @property
+    def held_after_input(self) -> int:
+        """Bytes held between the chunk's I and W."""
+        return self.total if self.after_input is None else self.after_input
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,10 @@ after latency + bytes / bandwidth; receives only post. Swap steps behave as in t
 LO starts a copy on the D2H stream once the compute before it is done, WO makes compute wait
 for that copy and then frees the chunk's movable bytes, LL allocates them again and starts
 the H2D copy, WL makes compute wait for it. A chunk's activations are allocated by its
-forward and freed when its backward finishes (its W, when the backward is split).
+forward and freed by its backward: B frees them all, a split backward's I all but what its
+W needs (``ChunkBytes.after_input``), and W the rest. A forward's bytes count in full at
+once (the runtime collects them one by one during the forward, never more), so a rank's peak
+is what the runtime's swap manager counts: the most its chunks' saved activations hold.
 
 FSDP steps take no time here. A schedule that cannot run is refused with the validator's
 errors (a deadlock names its cycle).
@@ -159,8 +162,12 @@ def simulate(schedule: Schedule, costs: CostModel) -> SimulationResult:
             state.lifespans[key] = start - state.forwarded[key]
             if stage > 0 and stage_ranks[stage - 1] == state.rank:
                 publish(("B", stage, micro), end)
-        if kind is _B or kind is _W or key not in state.split:
-            state.change(-bytes_of(key).total)
+        chunk = bytes_of(key)
+        if kind is _I and key in state.split:  # I frees what its W does not need
+            if chunk.held_after_input < chunk.total:
+                state.change(chunk.held_after_input - chunk.total)
+        else:  # W the rest; B, or an I without W, all of it
+            state.change(-(chunk.held_after_input if kind is _W else chunk.total))
 
     def run_leaf(state: _Rank, leaf: Step) -> bool:
         """Run one leaf; False if it waits for another rank."""
@@ -304,6 +311,11 @@ def peak_without_swap(order: Order, costs: CostModel | _ChunkBytesCache) -> int:
                 held += bytes_of(leaf.key).total
                 if held > peak:
                     peak = held
-            elif kind is _B or kind is _W or (kind is _I and leaf.key not in split):
+            elif kind is _I and leaf.key in split:
+                chunk = bytes_of(leaf.key)
+                held -= chunk.total - chunk.held_after_input
+            elif kind is _W:
+                held -= bytes_of(leaf.key).held_after_input
+            elif kind is _B or kind is _I:
                 held -= bytes_of(leaf.key).total
     return peak

@@ -15,7 +15,7 @@ import contextvars
 import threading
 import warnings
 import weakref
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
@@ -61,7 +61,10 @@ class SwapStats:
 
     bytes_offloaded: int
     bytes_reloaded: int
-    device_bytes_held: int  # device bytes of resident storages in live groups
+    # device bytes of resident storages in live groups that a saved activation still holds (a
+    # storage whose saved views autograd has all freed, by a backward or by the input part of
+    # a split backward, no longer counts)
+    device_bytes_held: int
     peak_device_bytes_held: int
     host_bytes_in_use: int
     host_buffers_allocated: int
@@ -74,7 +77,8 @@ class SwapStats:
 
 @dataclass(frozen=True)
 class GroupBytes:
-    """A group's device bytes: all it holds, and the part not protected (what moves)."""
+    """A group's device bytes: all its saved activations hold (what it adds to
+    ``device_bytes_held``), and the part not protected (what moves)."""
 
     held: int
     movable: int
@@ -86,13 +90,17 @@ class _Storage:
 
     The views are reached weakly, through the :class:`_Saved` objects autograd owns: autograd
     frees them during backward, and swap must not keep that memory alive any longer. A storage
-    whose views are all gone has nothing left to move.
+    whose views are all gone has nothing left to move, and is no longer counted as held: each
+    dying view posts its entry to ``graveyard``, which the manager reads (see
+    :meth:`SwapManager._bury`) before it next counts.
     """
 
     nbytes: int
+    graveyard: deque[_Storage]
     saved: weakref.WeakSet[_Saved] = field(default_factory=weakref.WeakSet)
     protected: bool = False
     resident: bool = True
+    counted: bool = True  # its nbytes are in the manager's device bytes held
     host: HostBuffer | None = None
 
     def alive(self) -> bool:
@@ -146,6 +154,13 @@ class _Saved:
         self.tensor = saved_alias(tensor)
         self.version = self.tensor._version  # the tensor's: the counter is shared
 
+    def __del__(self) -> None:
+        # Autograd freed this saved view (in whatever thread ran the backward): only post the
+        # entry, without the manager's lock; the manager checks whether it has views left.
+        entry = self.entry
+        if entry is not None:
+            entry.graveyard.append(entry)
+
 
 class SwapManager:
     """Offload and reload groups of saved activations on one platform.
@@ -177,6 +192,7 @@ class SwapManager:
         self._current: contextvars.ContextVar[str | None] = contextvars.ContextVar(
             f"pipeswap_swap_group_{id(self):x}", default=None)
         self._offloaded = self._reloaded = self._held = self._peak = self._kept = 0
+        self._graveyard: deque[_Storage] = deque()  # entries that lost a saved view
         self._skipped: Counter[str] = Counter()
         # A copy still running when the interpreter exits aborts the process: drain first.
         self._drain = weakref.finalize(self, _drain, (self._d2h, self._h2d))
@@ -270,6 +286,8 @@ class SwapManager:
         storage = tensor.untyped_storage()
         key: int = storage._cdata
         with self._lock:
+            if self._graveyard:
+                self._bury()
             group = self._groups[name]
             if group.state is not GroupState.COLLECTING:
                 raise SwapError(f"group_context({name!r}): group is {group.state.value}; "
@@ -295,9 +313,9 @@ class SwapManager:
                 return _Saved(None, None, tensor)
             entry = group.storages.get(key)
             if entry is None or not entry.alive():  # new, or a dead storage's key
-                if entry is not None and entry.resident:
-                    self._held -= entry.nbytes
-                entry = _Storage(nbytes, protected=key in self._protected)
+                if entry is not None:
+                    self._uncount(entry)
+                entry = _Storage(nbytes, self._graveyard, protected=key in self._protected)
                 group.storages[key] = entry
                 self._owner[key] = name
                 self._held += entry.nbytes
@@ -440,7 +458,7 @@ class SwapManager:
             for entry, storage in moving:
                 storage.resize_(0)
                 entry.resident = False
-                self._held -= entry.nbytes
+                self._uncount(entry)
                 self._offloaded += entry.nbytes
             group.event, group.state = None, GroupState.OFFLOADED
 
@@ -465,8 +483,9 @@ class SwapManager:
             done = self.platform.new_event()
             done.record(self._h2d)
             group.loading = [entry for entry, _ in moving]
+            self._bury()
             for entry in group.loading:
-                self._held += entry.nbytes
+                self._count(entry)
             self._peak = max(self._peak, self._held)
             group.event, group.state = done, GroupState.LOADING
 
@@ -524,7 +543,8 @@ class SwapManager:
         done.record()
         done.synchronize()
         entry.resident = True
-        self._held += entry.nbytes
+        self._bury()
+        self._count(entry)
         self._reloaded += entry.nbytes
         self._peak = max(self._peak, self._held)
         self._return_host(entry, None)
@@ -534,10 +554,32 @@ class SwapManager:
             self._pool.release(entry.host, after)
             entry.host = None
 
+    def _count(self, entry: _Storage) -> None:
+        """Count a storage brought back onto the device as held."""
+        if not entry.counted:
+            entry.counted = True
+            self._held += entry.nbytes
+
+    def _uncount(self, entry: _Storage) -> None:
+        """Stop counting a storage: released, replaced, dead, or its group dropped."""
+        if entry.counted:
+            entry.counted = False
+            self._held -= entry.nbytes
+
+    def _bury(self) -> None:
+        """Stop counting the storages whose saved views autograd has all freed since the last
+        call: nothing saved holds them any more (a backward freed them, or a split backward's
+        input part freed what its weight part does not need). Called with the lock held,
+        before anything reads or raises the device bytes held."""
+        graveyard = self._graveyard
+        while graveyard:
+            entry = graveyard.popleft()
+            if entry.counted and not entry.alive():
+                self._uncount(entry)
+
     def _drop(self, group: _Group, state: GroupState) -> None:
         for key, entry in group.storages.items():
-            if entry.resident:
-                self._held -= entry.nbytes
+            self._uncount(entry)
             if self._owner.get(key) == group.name:
                 del self._owner[key]
         group.state = state
@@ -549,8 +591,9 @@ class SwapManager:
         group = self._group(name, "group_bytes")
         held = movable = 0
         with self._lock:  # one pass; movable as _swappable counts it, without storage objects
+            self._bury()
             for entry in group.storages.values():
-                if entry.resident:
+                if entry.counted:
                     held += entry.nbytes
                     if not entry.protected and entry.alive():
                         movable += entry.nbytes
@@ -559,10 +602,12 @@ class SwapManager:
     def reset_peak(self) -> None:
         """Start the peak of device bytes held over from what is held now (e.g. per step)."""
         with self._lock:
+            self._bury()
             self._peak = self._held
 
     def stats(self) -> SwapStats:
         with self._lock:
+            self._bury()
             return SwapStats(
                 bytes_offloaded=self._offloaded,
                 bytes_reloaded=self._reloaded,
