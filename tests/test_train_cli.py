@@ -44,3 +44,16 @@ def test_under_torchrun_rank_zero_prints_progress_and_the_table() -> None:
     assert "peak activations (counted)" in out and "peak allocated (allocator)" in out
     assert "(allocator measured)" in out  # the odd steps, which are not timed
     assert "losses with and without swap: bit-identical" in out
+
+
+def test_a_budget_keeps_every_rank_under_it_with_bit_identical_losses() -> None:
+    """--budget plans the peak policy on the chunk sizes the run without swap measured (all
+    ranks'), exposing copies where it must: the counted peak of each rank ends under it."""
+    budget = 350_000  # GPipe P=2 M=4 holds about 600 KB a rank without swap, 450-500 KB
+    out = _run([sys.executable, "-m", "pipeswap.runtime.train", "--ranks", "2", *SMALL,
+                "--budget", str(budget), "--json"])
+    summary = json.loads(out.strip().splitlines()[-1])
+    assert summary["max_abs_loss_diff"] == 0.0
+    for entry in summary["per_rank"]:
+        assert entry["peak_activation_bytes_no_swap"] > budget
+        assert entry["peak_activation_bytes_swap"] <= budget, entry

@@ -15,6 +15,9 @@ CORPUS = len(Corpus.bundled().text)
 NO_GPU = pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is present")
 
 BAD = [
+    (["--budget", "lots"], ["--budget", "not a size: 'lots'"]),
+    (["--budget", "1MiB", "--policy", "gap"], ["--budget applies to the peak policy"]),
+    (["--budget", "1MiB", "--swap-only"], ["--budget plans on the chunk sizes", "--swap-only"]),
     (["--device", "bogus"], ["--device", "cpu or cuda", "'bogus'"]),
     (["--device", "cuda:1"], ["--device", "cpu or cuda", "a GPU of its own"]),
     pytest.param(["--device", "cuda"], ["no CUDA device", "--device cpu"], marks=NO_GPU),

@@ -50,6 +50,9 @@ class TrainConfig:
     dxdw_split: bool = False
     batch_p2p: bool = False
     policy: str = "peak"  # which chunks swap: see swap_policy()
+    # per-rank bytes of saved activations the peak policy keeps each rank under, planned on
+    # the chunk sizes the run without swap measured (compare mode only)
+    budget: int | None = None
     modes: tuple[str, ...] = MODES
     verbose: bool = True
     keep_grads: bool = False  # return the first step's gradients (for tests)
@@ -121,10 +124,12 @@ def run_rank(rank: int, world_size: int, config: TrainConfig) -> dict[str, ModeR
         params = [p for stage in stages for p in stage.module.parameters()]
         optimizer = torch.optim.AdamW(params, lr=config.lr)
         # Both modes account every chunk's saved activations, to compare their peaks.
+        policy = swap_policy(config.policy)
+        if mode == "swap" and config.budget is not None:
+            policy = _budget_policy(config, results["no-swap"].chunk_bytes)
         executor = PipelineExecutor(stages, spec, config.microbatches, lm_loss,
                                     swap=mode == "swap", platform=platform,
-                                    swap_policy=swap_policy(config.policy),
-                                    account_activations=True)
+                                    swap_policy=policy, account_activations=True)
         result = results[mode] = ModeResult(swapped_chunks=len(executor.swapped))
         for number, (inputs, targets) in enumerate(data, 1):
             measured = config.measure_allocator and number % 2 == 1
@@ -328,6 +333,11 @@ def parse_args(argv: list[str] | None) -> tuple[TrainConfig, argparse.Namespace]
                              "lower the rank's peak with copies hidden on a uniform cost "
                              "model; gap, MindSpore hyper-parallel's rule; cost, every chunk "
                              "whose copies hide (see pipeswap-schedule simulate --help)")
+    parser.add_argument("--budget", type=_budget_bytes, metavar="BYTES",
+                        help="with the peak policy: keep each rank's saved activations under "
+                             "BYTES (e.g. 3MiB), exposing copies where needed, planned on the "
+                             "chunk sizes the run without swap measures (so not with "
+                             "--swap-only or --no-swap)")
     which = parser.add_mutually_exclusive_group()
     which.add_argument("--compare", action="store_true",
                        help="run without and then with swap and compare them (the default)")
@@ -358,8 +368,14 @@ def parse_args(argv: list[str] | None) -> tuple[TrainConfig, argparse.Namespace]
         microbatches=args.microbatches, steps=args.steps, batch_size=args.batch_size,
         seq_len=args.seq_len, width=args.width, layers=args.layers, lr=args.lr, seed=args.seed,
         device=args.device, overlap_b_f=args.overlap_b_f, dxdw_split=args.dxdw_split,
-        batch_p2p=args.batch_p2p, policy=args.policy, modes=modes, verbose=not args.json,
+        batch_p2p=args.batch_p2p, policy=args.policy, budget=args.budget, modes=modes,
+        verbose=not args.json,
         timeout_s=args.timeout)
+    if args.budget is not None and args.policy != "peak":
+        parser.error(f"--budget applies to the peak policy, not --policy {args.policy}")
+    if args.budget is not None and modes != MODES:
+        parser.error("--budget plans on the chunk sizes the run without swap measures: drop "
+                     "--swap-only / --no-swap")
     _check_schedule(parser, config)
     if args.batch_size % args.microbatches:
         parser.error(f"--batch-size {args.batch_size} does not split into "
@@ -413,6 +429,12 @@ def _check_numbers(parser: argparse.ArgumentParser, args: argparse.Namespace, ra
 POLICIES = {"peak", "gap", "cost"}
 
 
+def _budget_bytes(text: str) -> int:
+    from pipeswap.schedule.simulate_cli import BYTES
+
+    return int(BYTES(text))
+
+
 def swap_policy(name: str) -> SwapPolicy | None:
     """The swap policy of ``--policy`` (None: the default, the peak policy). The runtime
     knows no chunk's bytes before it runs, so the cost model is the uniform default: chunks
@@ -426,6 +448,27 @@ def swap_policy(name: str) -> SwapPolicy | None:
     if name == "cost":
         return CostModelPolicy(CostModel())
     return None
+
+
+def _budget_policy(config: TrainConfig, mine: dict[tuple[int, int], tuple[int, int]]
+                   ) -> SwapPolicy:
+    """The peak policy under ``config.budget``, on the chunk sizes every rank measured
+    without swap (shared by an all-reduce, so that every rank builds the same schedule)."""
+    import torch
+    import torch.distributed as dist
+
+    from pipeswap.schedule.costs import ChunkBytes, CostModel
+    from pipeswap.schedule.policies import PeakPolicy
+
+    assert config.budget is not None
+    sizes = torch.full((config.num_stages, config.microbatches, 2), -1, dtype=torch.int64)
+    for (stage, micro), (held, movable) in mine.items():
+        sizes[stage, micro] = torch.tensor([held, movable])
+    dist.all_reduce(sizes, op=dist.ReduceOp.MAX)  # each chunk is measured on one rank
+    chunks = {(stage, micro): ChunkBytes(int(held), pinned=int(held - movable))
+              for stage in range(config.num_stages) for micro in range(config.microbatches)
+              for held, movable in [sizes[stage, micro].tolist()] if held >= 0}
+    return PeakPolicy(CostModel(chunks=chunks), config.budget)
 
 
 def _check_schedule(parser: argparse.ArgumentParser, config: TrainConfig) -> None:
