@@ -49,6 +49,19 @@ class _Timeline:
                     last[leaf.key] = max(last.get(leaf.key, -1), len(ends) - 1)
         return _Timeline(tuple(starts), tuple(ends), last)
 
+    def held(self, candidates: Sequence[SwapCandidate], costs: CostModel) -> list[int]:
+        """Bytes of saved activations the rank holds in each slot without swap: a chunk from
+        its forward's slot through the slot that frees it."""
+        held = [0] * (len(self.ends) + 1)  # a difference array over slots, then prefix sums
+        for c in candidates:
+            total = costs.chunk_bytes(c.key).total
+            held[c.forward_slot] += total
+            held[self.last_slot.get(c.key, c.backward_slot) + 1] -= total
+        for slot in range(1, len(held)):
+            held[slot] += held[slot - 1]
+        held.pop()
+        return held
+
 
 def _copy_times(costs: CostModel, rank: int, key: ChunkKey) -> tuple[float, float]:
     link = costs.rank_link(rank)
@@ -149,14 +162,7 @@ class MemoryBudgetPolicy:
         rank = candidates[0].rank if candidates else 0
         budget = self.budget_for(rank)
         line = _Timeline.of(order, self.costs, rank)
-        held = [0] * (len(line.ends) + 1)  # a difference array over slots, then prefix sums
-        for c in candidates:
-            total = self.costs.chunk_bytes(c.key).total
-            held[c.forward_slot] += total
-            held[line.last_slot.get(c.key, c.backward_slot) + 1] -= total
-        for slot in range(1, len(held)):
-            held[slot] += held[slot - 1]
-        held.pop()
+        held = line.held(candidates, self.costs)
         peak_no_swap = max(held, default=0)
         chosen: set[ChunkKey] = set()
         exposed = 0.0
@@ -266,15 +272,7 @@ class _PeakPlan:
         self.candidates = [c for c in candidates if c.gap >= 2]  # off the device a slot
         self.chosen: dict[ChunkKey, SwapPlacement] = {}
         self.by_key = {c.key: c for c in self.candidates}
-        held = [0] * (len(line.ends) + 1)  # a difference array over slots, then prefix sums
-        for c in candidates:
-            total = costs.chunk_bytes(c.key).total
-            held[c.forward_slot] += total
-            held[line.last_slot.get(c.key, c.backward_slot) + 1] -= total
-        for slot in range(1, len(held)):
-            held[slot] += held[slot - 1]
-        held.pop()
-        self.held = held
+        self.held = line.held(candidates, costs)
 
     def off_slots(self, c: SwapCandidate, placement: SwapPlacement) -> range:
         """The slots during which ``c`` is off the device when placed so."""

@@ -17,7 +17,7 @@ from pipeswap.schedule.files import writing
 from pipeswap.schedule.policies import CostModelPolicy, MemoryBudgetPolicy, PeakPolicy
 from pipeswap.schedule.schedule import Schedule
 from pipeswap.schedule.simulate import SimulationResult, simulate
-from pipeswap.schedule.swap import SwapPolicy
+from pipeswap.schedule.swap import MinGapPolicy, SwapPolicy
 
 _SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([KMGT]?)(i?)B?\s*$")
 _TIME = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*(s|ms|us)?\s*$")
@@ -188,8 +188,6 @@ def choose_policy(args: argparse.Namespace, costs: CostModel
     ``--swap-min-gap``), and the object whose ``outcomes`` report per rank."""
     gap = getattr(args, "swap_min_gap", None)
     if gap is not None:
-        from pipeswap.schedule.swap import MinGapPolicy
-
         MinGapPolicy(gap)  # its own check: >= 3
         if args.policy not in (None, "gap"):
             raise ScheduleError(f"--swap-min-gap sets the gap policy's threshold; drop it or "
