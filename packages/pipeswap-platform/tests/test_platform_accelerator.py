@@ -44,4 +44,5 @@ def test_the_allocator_peak_counts_device_tensors_not_host_buffers() -> None:
         again = torch.empty(size, dtype=torch.uint8, device=platform.device)  # ... this fits
     assert measured.scope == "device allocator"
     assert measured.peak_bytes == size
+    assert measured.held_bytes == size // 2  # kept and again, less before
     del host, kept, again

@@ -225,16 +225,19 @@ def test_measured_peaks_of_the_cpu_allocator(cpu: CpuPlatform) -> None:
         block = _bytes(MIB)
         del block
         kept = _bytes(MIB // 2)
-    assert first.peak_bytes == MIB
+    assert (first.peak_bytes, first.held_bytes) == (MIB, MIB // 2)
     with cpu.measure_allocations() as second:  # frees `kept` (allocated while measuring)
         del kept
         again = _bytes(MIB // 2)
-    assert second.peak_bytes == 0
+    assert (second.peak_bytes, second.held_bytes) == (0, 0)
     with cpu.measure_allocations() as third:
         host = cpu.host_buffer(4 * MIB)  # host memory: not the device allocator's
         more = _bytes(MIB // 4)
-    assert third.peak_bytes == MIB // 4
-    del again, host, more
+    assert (third.peak_bytes, third.held_bytes) == (MIB // 4, MIB // 4)
+    with cpu.measure_allocations() as fourth:
+        del again
+    assert (fourth.peak_bytes, fourth.held_bytes) == (0, -(MIB // 2))
+    del host, more
 
 
 def test_an_offload_shows_as_a_drop(cpu: CpuPlatform) -> None:

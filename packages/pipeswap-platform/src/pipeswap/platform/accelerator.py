@@ -93,6 +93,7 @@ class AcceleratorPlatform(ModuleIntrospection):
         end = self.memory_stats()
         if start is not None and end is not None:
             result.peak_bytes = max(0, end.peak - start.allocated)
+            result.held_bytes = end.allocated - start.allocated
 
     def __repr__(self) -> str:
         return f"AcceleratorPlatform({self._device})"

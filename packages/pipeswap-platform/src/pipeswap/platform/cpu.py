@@ -249,8 +249,8 @@ class CpuPlatform(ModuleIntrospection):
         with profiler:
             yield result
         if profiler.kineto_results is not None:
-            result.peak_bytes = allocation_peak(_allocation_events(profiler.kineto_results),
-                                                _HOST_BLOCKS)
+            result.peak_bytes, result.held_bytes = allocation_totals(
+                _allocation_events(profiler.kineto_results), _HOST_BLOCKS)
 
     def _resolve(self, stream: Stream | None) -> Stream:
         if stream is None:
@@ -304,6 +304,13 @@ def allocation_peak(events: Iterable[AllocationEvent], host: HostBlocks | None =
     it never went above. A free counts whether its block was allocated before or during the
     window. Host buffers are left out: their allocations (``host``) and the frees of their
     addresses; ``host`` carries those addresses from one window to the next."""
+    return allocation_totals(events, host)[0]
+
+
+def allocation_totals(events: Iterable[AllocationEvent], host: HostBlocks | None = None
+                      ) -> tuple[int, int]:
+    """:func:`allocation_peak`, and the running sum at the end: the bytes the window left
+    held above its start."""
     blocks = host if host is not None else HostBlocks()
     running = peak = 0
     with blocks.lock:
@@ -318,7 +325,7 @@ def allocation_peak(events: Iterable[AllocationEvent], host: HostBlocks | None =
                 continue
             running += event.nbytes
             peak = max(peak, running)
-    return peak
+    return peak, running
 
 
 def _allocation_events(results: _ProfilerResult) -> list[AllocationEvent]:

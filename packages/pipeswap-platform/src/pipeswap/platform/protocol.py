@@ -57,10 +57,14 @@ class AllocationPeak:
     what it held when the block began (0 if it never went above); None until the block ended,
     if the block raised, or where the platform could not measure. Memory freed inside the
     block lowers the running figure, so a free followed by an allocation of the same size
-    leaves the peak where it was. ``scope`` says what is counted (see each platform)."""
+    leaves the peak where it was. ``held_bytes``: what the allocator held at the block's end
+    above what it held at its start (negative where the block freed more than it allocated),
+    e.g. the memory of what the block built and kept; None where ``peak_bytes`` is.
+    ``scope`` says what is counted (see each platform)."""
 
     scope: str
     peak_bytes: int | None = None
+    held_bytes: int | None = None
 
 
 class Platform(Protocol):
