@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 from collections.abc import Callable
 from pathlib import Path
 
@@ -33,6 +34,68 @@ def test_json_has_the_documented_fields(cli: Cli) -> None:
     assert [r["peak_activation_bytes_no_swap"] for r in ranks] == [4096, 3072, 2048, 1024]
     assert [r["peak_activation_bytes"] for r in ranks] == [3072, 3072, 2048, 1024]
     assert [r["swapped_chunks"] for r in ranks] == [8, 6, 0, 0]
+    # Without FSDP steps nothing is gathered: memory is the activations.
+    assert data["fsdp"] is False
+    assert [r["peak_parameter_bytes"] for r in ranks] == [0, 0, 0, 0]
+    assert [r["peak_memory_bytes"] for r in ranks] == [3072, 3072, 2048, 1024]
+    assert [r["peak_memory_bytes_no_swap"] for r in ranks] == [4096, 3072, 2048, 1024]
+
+
+FSDP = ["simulate", "--schedule", "1f1b", "--ranks", "2", "--microbatches", "2", "--fsdp",
+        "--activation-bytes", "100"]
+
+
+def test_fsdp_counts_the_gathered_parameters(cli: Cli) -> None:
+    # Rank 0 holds its parameters (1000) and at most two chunks (200); rank 1 one chunk.
+    code, out, _ = cli(*FSDP, "--param-bytes", "1000", "--format", "json")
+    assert code == 0
+    data = json.loads(out)
+    assert data["fsdp"] is True
+    assert [(r["peak_activation_bytes"], r["peak_parameter_bytes"], r["peak_memory_bytes"],
+             r["peak_memory_bytes_no_swap"]) for r in data["per_rank"]] == [
+        (200, 1000, 1200, 1200), (100, 1000, 1100, 1100)]
+
+
+def test_fsdp_adds_parameter_rows_to_the_table(cli: Cli) -> None:
+    code, out, _ = cli(*FSDP, "--param-bytes", "1KiB")
+    assert code == 0
+    rows = {name: cells for name, *cells in (re.split(r"\s{2,}", line.strip())
+                                             for line in out.splitlines()[:10])}
+    assert rows["peak, swap"] == ["200 B", "100 B"]
+    assert rows["params gathered"] == ["1.00 KiB", "1.00 KiB"]
+    assert rows["peak with params, no swap"] == ["1.20 KiB", "1.10 KiB"]
+    assert rows["peak with params, swap"] == ["1.20 KiB", "1.10 KiB"]
+    assert "the most\nsaved activations and gathered parameters held at once" in out
+    code, plain, _ = cli(*BASE, "--swap")
+    assert code == 0 and "params" not in plain
+
+
+@pytest.mark.parametrize(("dtype", "size"), [("bf16", 2), ("fp32", 4)])
+def test_model_dimensions_give_the_parameter_bytes(cli: Cli, dtype: str, size: int) -> None:
+    model = ["--hidden", "1024", "--seq-len", "128", "--layers-per-stage", "3", "--dtype", dtype,
+             "--format", "json"]
+    code, out, _ = cli(*FSDP, *model)
+    assert code == 0
+    ranks = json.loads(out)["per_rank"]
+    assert [r["peak_parameter_bytes"] for r in ranks] == [12 * 1024**2 * 3 * size] * 2
+    code, out, _ = cli(*FSDP, *model, "--param-bytes", "5")  # the explicit value wins
+    assert [r["peak_parameter_bytes"] for r in json.loads(out)["per_rank"]] == [5, 5]
+
+
+def test_parameter_bytes_without_fsdp_are_refused(cli: Cli) -> None:
+    code, out, err = cli(*BASE, "--param-bytes", "1GiB")
+    assert (code, out) == (2, "")
+    assert err == ("pipeswap-schedule: error: --param-bytes sizes the parameters FSDP gathers, "
+                   "but without --fsdp the schedule gathers none, so it would change nothing: "
+                   "add --fsdp, or drop --param-bytes\n")
+
+
+def test_the_help_teaches_parameter_bytes(cli: Cli) -> None:
+    code, out, _ = cli("simulate", "--help")
+    assert code == 0
+    text = " ".join(out.split())
+    assert "--param-bytes BYTES one stage's parameters as FSDP gathers them" in text
+    assert "needs --fsdp" in text and "12*hidden^2 weights per layer" in text
 
 
 def test_model_dimensions_and_a_preset(cli: Cli) -> None:
@@ -82,6 +145,7 @@ def test_bad_options_say_what_to_fix(cli: Cli, argv: list[str],
     (["--activation-bytes", "1e400"], "'1e400' is out of range: give 0 to 2**60 bytes (1 EiB)"),
     (["--pinned-bytes", "2e18"], "'2e18' is out of range: give 0 to 2**60 bytes"),
     (["--boundary-bytes", "1e400"], "'1e400' is out of range"),
+    (["--param-bytes", "1e400"], "'1e400' is out of range: give 0 to 2**60 bytes"),
     (["--budget", "1e400"], "'1e400' is out of range"),
     (["--forward-time", "1e400"], "'1e400' is out of range: give 0 to 1e6 s (about 11.6 days)"),
     (["--forward-time", "1e308"], "'1e308' is out of range: give 0 to 1e6 s"),

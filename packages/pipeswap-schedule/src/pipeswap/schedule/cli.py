@@ -99,7 +99,8 @@ def _spec_arguments() -> argparse.ArgumentParser:
                             "(interleaved-1f1b's default): MindSpore hyper-parallel's scan of "
                             "aligned time columns")
     group.add_argument("--fsdp", action="store_true",
-                       help="every stage is FSDP-managed: add UNSHARD/RESHARD/REDUCE_GRAD")
+                       help="every stage is FSDP-managed: add UNSHARD/RESHARD/REDUCE_GRAD "
+                            "(simulate then counts the gathered parameters, --param-bytes)")
     group.add_argument("--batch-p2p", action="store_true",
                        help="coalesce adjacent sends/receives into BATCH_P2P steps")
     group.add_argument("--swap", action="store_true",
@@ -208,17 +209,21 @@ def _parser() -> argparse.ArgumentParser:
     show.add_argument("--no-grid", action="store_true", help="print only the summary")
 
     sim = commands.add_parser(
-        "simulate", parents=[spec, policies, costs],
+        "simulate", parents=[spec, policies, cost_arguments(param_bytes=True)],
         help="predict step time, bubbles, exposed copy time and peak memory per rank",
         description="Build a schedule and run all ranks together on a cost model: one compute "
                     "and two copy streams per rank, sends and receives as cross-rank "
                     "dependencies, swap steps as real copies and waits. Prints per rank the "
                     "step time, bubble fraction, compute time lost waiting for swap copies, and "
-                    "the peak activation memory with and without swap.",
+                    "the peak activation memory with and without swap. With --fsdp, also the "
+                    "most parameter bytes gathered at once and the peak of activations and "
+                    "gathered parameters together: a stage's parameters (--param-bytes) are "
+                    "held from its UNSHARD to its RESHARD.",
         epilog="Sizes take a suffix (KiB, MiB, GiB, or KB, MB, GB), times one of s, ms, us; "
                "bandwidths are bytes per second (55GB = 55e9 B/s). Costs come from --preset "
                "(host link, P2P and achieved FLOP/s of a machine), then the model dimensions "
-               "(--hidden --seq-len --layers-per-stage: compute times and activation bytes), "
+               "(--hidden --seq-len --layers-per-stage: compute times, activation bytes and, "
+               "with --fsdp, parameter bytes), "
                "then the explicit options, each overriding the one before. Presets: "
                + "; ".join(f"{p.name}: {p.source}" for p in PRESETS.values()),
         formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -1,10 +1,11 @@
-"""What steps cost: compute times, activation bytes, P2P and host-link bandwidths.
+"""What steps cost: compute times, activation and parameter bytes, P2P and host-link
+bandwidths.
 
 A :class:`CostModel` feeds the simulator and the cost-aware swap policies. Times are seconds,
 sizes bytes, bandwidths bytes per second. Everything has a default, and per-stage, per-chunk
 and per-rank overrides say where a pipeline is not uniform. :func:`preset` gives the host-link
-and P2P figures of known machines; :func:`transformer_costs` derives compute times and
-activation bytes from a transformer's dimensions.
+and P2P figures of known machines; :func:`transformer_costs` derives compute times,
+activation bytes and gathered parameter bytes from a transformer's dimensions.
 """
 
 from __future__ import annotations
@@ -25,6 +26,11 @@ class StageCosts:
     backward_input: float | None = None
     backward_weight: float | None = None
     activation_bytes: int | None = None  # what one chunk's forward saves (default: model's)
+    param_bytes: int | None = None  # the stage's parameters, gathered (default: model's)
+
+    def __post_init__(self) -> None:
+        if self.param_bytes is not None:
+            _check_param_bytes("stage costs param_bytes", self.param_bytes)
 
     def time(self, kind: StepType) -> float:
         if kind is StepType.FWD:
@@ -77,12 +83,17 @@ class Link:
 
 @dataclass(frozen=True)
 class CostModel:
-    """Costs of every step of a schedule. See the module docstring for units."""
+    """Costs of every step of a schedule. See the module docstring for units.
+
+    ``param_bytes`` is what one stage's parameters take on the device while FSDP has them
+    gathered (from its UNSHARD to its RESHARD); it counts only in schedules with FSDP steps.
+    """
 
     forward: float = 1.0
     backward: float = 2.0
     activation_bytes: int = 1 << 30
     pinned_bytes: int = 0
+    param_bytes: int = 0
     boundary_bytes: int = 0  # one P2P message (a stage's output, or its gradient)
     p2p_latency: float = 0.0
     p2p_bandwidth: float = math.inf
@@ -109,6 +120,7 @@ class CostModel:
                                     f"never ends), got {value}")
         if self.pinned_bytes > self.activation_bytes:
             raise ScheduleError("pinned_bytes cannot exceed activation_bytes")
+        _check_param_bytes("param_bytes", self.param_bytes)
 
     def stage(self, stage: int) -> StageCosts:
         return self.stages.get(stage) or StageCosts(self.forward, self.backward)
@@ -124,11 +136,23 @@ class CostModel:
         total = self.activation_bytes if per_stage is None else per_stage
         return ChunkBytes(total, min(self.pinned_bytes, total))
 
+    def gathered_bytes(self, stage: int) -> int:
+        """What ``stage``'s parameters take on the device from its UNSHARD to its RESHARD."""
+        per_stage = self.stage(stage).param_bytes
+        return self.param_bytes if per_stage is None else per_stage
+
     def rank_link(self, rank: int) -> Link:
         return self.ranks.get(rank, self.link)
 
     def p2p_time(self) -> float:
         return self.p2p_latency + self.boundary_bytes / self.p2p_bandwidth
+
+
+def _check_param_bytes(name: str, value: int) -> None:
+    # bool is an int, but True bytes is a mistake, not a size.
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ScheduleError(f"{name} must be a whole number of bytes >= 0 (what one "
+                            f"stage's parameters take when gathered), got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -173,7 +197,8 @@ def preset(name: str) -> Preset:
 @dataclass(frozen=True)
 class TransformerShape:
     """A transformer stage: ``layers`` per stage of width ``hidden`` on ``micro_batch``
-    sequences of ``seq_len`` tokens, ``dtype_bytes`` per activation element."""
+    sequences of ``seq_len`` tokens, ``dtype_bytes`` per activation element and per gathered
+    parameter (FSDP gathers parameters in the compute dtype)."""
 
     hidden: int
     seq_len: int
@@ -183,11 +208,12 @@ class TransformerShape:
 
 
 def transformer_costs(shape: TransformerShape, flops: float) -> StageCosts:
-    """One chunk's compute times and activation bytes.
+    """One chunk's compute times and activation bytes, and the stage's parameter bytes.
 
     Per layer, with flash attention: activations ``34·b·s·h`` bytes in 16-bit (scaled by
     ``dtype_bytes / 2``); forward FLOPs ``24·b·s·h²·(1 + s/6h)``, backward twice that
-    (Korthikanti et al., "Reducing Activation Recomputation in Large Transformer Models").
+    (Korthikanti et al., "Reducing Activation Recomputation in Large Transformer Models");
+    ``12·h²`` weights (attention 4·h², MLP 8·h²; biases, norms and embeddings left out).
     """
     b, s, h, layers = shape.micro_batch, shape.seq_len, shape.hidden, shape.layers
     if min(b, s, h, layers, shape.dtype_bytes) < 1 or not flops > 0:
@@ -195,7 +221,8 @@ def transformer_costs(shape: TransformerShape, flops: float) -> StageCosts:
     forward_flops = 24 * b * s * h * h * (1 + s / (6 * h)) * layers
     activation = 34 * b * s * h * layers * shape.dtype_bytes // 2
     return StageCosts(forward=forward_flops / flops, backward=2 * forward_flops / flops,
-                      activation_bytes=activation)
+                      activation_bytes=activation,
+                      param_bytes=12 * h * h * layers * shape.dtype_bytes)
 
 
 def boundary_bytes(shape: TransformerShape) -> int:
@@ -210,8 +237,13 @@ def from_preset(name: str, shape: TransformerShape | None = None) -> CostModel:
                       p2p_latency=found.p2p_latency)
     if shape is None:
         return model
-    stage = transformer_costs(shape, found.flops)
-    assert stage.activation_bytes is not None
+    return with_transformer(model, shape, found.flops)
+
+
+def with_transformer(model: CostModel, shape: TransformerShape, flops: float) -> CostModel:
+    """``model`` with the compute times and bytes of :func:`transformer_costs` as defaults."""
+    stage = transformer_costs(shape, flops)
+    assert stage.activation_bytes is not None and stage.param_bytes is not None
     return replace(model, forward=stage.forward, backward=stage.backward,
-                   activation_bytes=stage.activation_bytes,
+                   activation_bytes=stage.activation_bytes, param_bytes=stage.param_bytes,
                    boundary_bytes=boundary_bytes(shape))

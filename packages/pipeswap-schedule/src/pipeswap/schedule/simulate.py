@@ -13,8 +13,14 @@ W needs (``ChunkBytes.after_input``), and W the rest. A forward's bytes count in
 once (the runtime collects them one by one during the forward, never more), so a rank's peak
 is what the runtime's swap manager counts: the most its chunks' saved activations hold.
 
-FSDP steps take no time here. A schedule that cannot run is refused with the validator's
-errors (a deadlock names its cycle).
+FSDP steps take no time here, but the parameters they gather count in memory: UNSHARD adds
+the stage's ``CostModel.gathered_bytes`` to the rank's gathered bytes, RESHARD takes the
+same away (REDUCE_GRAD, and gradients, are not counted). The rank's memory is its saved
+activations plus its gathered parameters, its peak taken after every change in program
+order as the activation peak is: without FSDP steps the two peaks are equal, and with them
+the peak is what the runtime counts (the swap manager's bytes plus those of the stages it
+has unsharded). The validator refuses an UNSHARD of a stage already gathered and a RESHARD
+of one that is not, as it refuses any schedule that cannot run (a deadlock names its cycle).
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ _SEND_F, _SEND_B = StepType.FWD_SEND, StepType.BWD_SEND
 _LO, _WO = StepType.SWAP_LAUNCH_OFFLOAD, StepType.SWAP_WAIT_OFFLOAD
 _LL, _WL = StepType.SWAP_LAUNCH_LOAD, StepType.SWAP_WAIT_LOAD
 _SWAPS = frozenset({_LO, _WO, _LL, _WL})
+_UNSHARD, _RESHARD = StepType.FSDP_UNSHARD, StepType.FSDP_RESHARD
 
 
 @dataclass(frozen=True)
@@ -64,13 +71,19 @@ class Span(NamedTuple):
 
 @dataclass(frozen=True)
 class RankResult:
+    """One rank's simulated step. Peaks are the most held at once, in bytes; ``_no_swap``
+    peaks are those of the same order with its swap steps left out."""
+
     rank: int
     step_time: float  # when the rank's last step finished
     busy: float  # compute seconds
     bubble_fraction: float  # idle share of the whole pipeline's step time
     exposed_copy: float  # compute seconds spent waiting on swap copies
-    peak_activation_bytes: int
+    peak_activation_bytes: int  # saved activations
     peak_activation_bytes_no_swap: int
+    peak_parameter_bytes: int  # parameters gathered by FSDP (0 without FSDP steps)
+    peak_memory_bytes: int  # saved activations and gathered parameters together
+    peak_memory_bytes_no_swap: int
     memory: tuple[tuple[float, int], ...]  # (time, activation bytes held) after each change
     swapped: tuple[SwappedChunk, ...]
     spans: tuple[Span, ...]
@@ -93,8 +106,11 @@ class _Rank:
     h2d: float = 0.0
     busy: float = 0.0
     exposed: float = 0.0
-    held: int = 0
+    held: int = 0  # activation bytes
     peak: int = 0
+    gathered: int = 0  # parameter bytes of the stages gathered now
+    peak_gathered: int = 0
+    peak_memory: int = 0  # of held + gathered
     memory: list[tuple[float, int]] = field(default_factory=list)
     spans: list[Span] = field(default_factory=list)
     copies: dict[ChunkKey, dict[str, float]] = field(default_factory=dict)
@@ -103,10 +119,21 @@ class _Rank:
     lifespans: dict[ChunkKey, float] = field(default_factory=dict)
 
     def change(self, delta: int) -> None:
+        """The activation bytes held change by ``delta``."""
         self.held += delta
         self.memory.append((self.compute, self.held))
         if self.held > self.peak:
             self.peak = self.held
+        if self.held + self.gathered > self.peak_memory:
+            self.peak_memory = self.held + self.gathered
+
+    def gather(self, delta: int) -> None:
+        """The gathered parameter bytes change by ``delta`` (an UNSHARD or a RESHARD)."""
+        self.gathered += delta
+        if self.gathered > self.peak_gathered:
+            self.peak_gathered = self.gathered
+        if self.held + self.gathered > self.peak_memory:
+            self.peak_memory = self.held + self.gathered
 
 
 @gc_paused
@@ -185,6 +212,8 @@ def simulate(schedule: Schedule, costs: CostModel) -> SimulationResult:
             publish(("F" if kind is _SEND_F else "B", stage, micro), state.compute + transfer)
         elif kind in _SWAPS:
             _swap(state, leaf, costs, bytes_of(leaf.key).movable)
+        elif kind is _UNSHARD or kind is _RESHARD:
+            state.gather(_gathered_change(costs, leaf))
         # receives only post; FSDP steps take no time
         return True
 
@@ -260,8 +289,14 @@ def _wait(state: _Rank, until: float, record: dict[str, float], name: str) -> No
     record[f"{name}_stalled"] = float(until > reached)
 
 
-def _result(state: _Rank, step_time: float, costs: CostModel | _ChunkBytesCache
-            ) -> RankResult:
+def _gathered_change(costs: CostModel, leaf: Step) -> int:
+    """What an UNSHARD adds to its rank's gathered parameter bytes, or a RESHARD takes away."""
+    assert leaf.stage is not None  # Step requires a stage on FSDP steps
+    size = costs.gathered_bytes(leaf.stage)
+    return size if leaf.type is _UNSHARD else -size
+
+
+def _result(state: _Rank, step_time: float, bytes_of: _ChunkBytesCache) -> RankResult:
     swapped = []
     for (stage, micro), rec in state.copies.items():
         if "wait_load" not in rec:
@@ -272,11 +307,14 @@ def _result(state: _Rank, step_time: float, costs: CostModel | _ChunkBytesCache
             lifespan=state.lifespans[(stage, micro)],
             off_device=rec["off_until"] - rec["wait_offload"],
             hidden=not (rec["wait_offload_stalled"] or rec["wait_load_stalled"])))
+    no_swap = _peaks_without_swap(state.order, bytes_of)
     return RankResult(
         rank=state.rank, step_time=state.compute, busy=state.busy,
         bubble_fraction=1 - state.busy / step_time if step_time > 0 else 0.0,
         exposed_copy=state.exposed, peak_activation_bytes=state.peak,
-        peak_activation_bytes_no_swap=peak_without_swap(state.order, costs),
+        peak_activation_bytes_no_swap=no_swap.activations,
+        peak_parameter_bytes=state.peak_gathered, peak_memory_bytes=state.peak_memory,
+        peak_memory_bytes_no_swap=no_swap.memory,
         memory=tuple(state.memory), swapped=tuple(swapped), spans=tuple(state.spans))
 
 
@@ -297,11 +335,21 @@ class _ChunkBytesCache:
         return default
 
 
-def peak_without_swap(order: Order, costs: CostModel | _ChunkBytesCache) -> int:
+def peak_without_swap(order: Order, costs: CostModel) -> int:
     """The most activation bytes ``order`` holds at once if nothing is swapped."""
-    bytes_of = costs if isinstance(costs, _ChunkBytesCache) else _ChunkBytesCache(costs)
+    return _peaks_without_swap(order, _ChunkBytesCache(costs)).activations
+
+
+class _Peaks(NamedTuple):
+    activations: int
+    memory: int  # activations and gathered parameters together
+
+
+def _peaks_without_swap(order: Order, bytes_of: _ChunkBytesCache) -> _Peaks:
+    """The peaks of a valid ``order`` with its swap steps left out, counted as
+    :func:`simulate` counts them."""
     split = {s.key for s in order if s is not None and s.type is _W}
-    held = peak = 0
+    held = gathered = peak = peak_memory = 0
     for step in order:
         if step is None:
             continue
@@ -311,6 +359,12 @@ def peak_without_swap(order: Order, costs: CostModel | _ChunkBytesCache) -> int:
                 held += bytes_of(leaf.key).total
                 if held > peak:
                     peak = held
+                if held + gathered > peak_memory:
+                    peak_memory = held + gathered
+            elif kind is _UNSHARD or kind is _RESHARD:
+                gathered += _gathered_change(bytes_of.costs, leaf)
+                if held + gathered > peak_memory:
+                    peak_memory = held + gathered
             elif kind is _I and leaf.key in split:
                 chunk = bytes_of(leaf.key)
                 held -= chunk.total - chunk.held_after_input
@@ -318,4 +372,4 @@ def peak_without_swap(order: Order, costs: CostModel | _ChunkBytesCache) -> int:
                 held -= bytes_of(leaf.key).held_after_input
             elif kind is _B or kind is _I:
                 held -= bytes_of(leaf.key).total
-    return peak
+    return _Peaks(peak, peak_memory)

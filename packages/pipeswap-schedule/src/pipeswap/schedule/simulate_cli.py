@@ -9,14 +9,20 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
-from pipeswap.schedule.costs import CostModel, Link, TransformerShape, from_preset, preset
-from pipeswap.schedule.costs import boundary_bytes as message_bytes
-from pipeswap.schedule.costs import transformer_costs
+from pipeswap.schedule.costs import (
+    CostModel,
+    Link,
+    TransformerShape,
+    from_preset,
+    preset,
+    with_transformer,
+)
 from pipeswap.schedule.errors import ScheduleError
 from pipeswap.schedule.files import writing
 from pipeswap.schedule.policies import CostModelPolicy, MemoryBudgetPolicy, PeakPolicy
 from pipeswap.schedule.schedule import Schedule
 from pipeswap.schedule.simulate import SimulationResult, simulate
+from pipeswap.schedule.steps import FSDP
 from pipeswap.schedule.swap import MinGapPolicy, SwapPolicy
 
 _SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([KMGT]?)(i?)B?\s*$")
@@ -81,7 +87,9 @@ SECONDS = in_range(parse_time, 0, MAX_SECONDS, "give 0 to 1e6 s (about 11.6 days
 DIMENSION = count(2**24)
 
 
-def cost_arguments() -> argparse.ArgumentParser:
+def cost_arguments(param_bytes: bool = False) -> argparse.ArgumentParser:
+    """The cost options; with ``param_bytes``, also ``--param-bytes`` (for simulate, the one
+    command that counts parameters)."""
     parent = argparse.ArgumentParser(add_help=False)
     machine = parent.add_argument_group("machine")
     machine.add_argument("--preset", help="a machine's host link, P2P and FLOP/s: "
@@ -106,7 +114,8 @@ def cost_arguments() -> argparse.ArgumentParser:
     model.add_argument("--micro-batch-size", type=DIMENSION, default=1,
                        help="sequences per microbatch (default 1)")
     model.add_argument("--dtype", choices=sorted(DTYPE_BYTES), default="bf16",
-                       help="activation dtype (default bf16)")
+                       help="activation dtype, and the dtype FSDP gathers parameters in "
+                            "(default bf16)")
     explicit = parent.add_argument_group("explicit costs (override the above)")
     explicit.add_argument("--forward-time", type=SECONDS, metavar="TIME",
                           help="one chunk's forward (default 1 s without a model)")
@@ -118,6 +127,13 @@ def cost_arguments() -> argparse.ArgumentParser:
                           help="the part of a chunk that never leaves the device (default 0)")
     explicit.add_argument("--boundary-bytes", type=BYTES, metavar="BYTES",
                           help="one stage-to-stage message")
+    if param_bytes:
+        explicit.add_argument(
+            "--param-bytes", type=BYTES, metavar="BYTES",
+            help="one stage's parameters as FSDP gathers them: held on the device from the "
+                 "stage's UNSHARD to its RESHARD, on top of the activations; needs --fsdp "
+                 "(default with the model dimensions: 12*hidden^2 weights per layer, "
+                 "--layers-per-stage layers, in --dtype; else 0)")
     return parent
 
 
@@ -135,11 +151,8 @@ def costs_from(args: argparse.Namespace) -> CostModel:
                                 "--layers-per-stage")
         shape = TransformerShape(args.hidden, args.seq_len, args.layers_per_stage,
                                  args.micro_batch_size, DTYPE_BYTES[args.dtype])
-        stage = transformer_costs(shape, flops)
-        assert stage.activation_bytes is not None
-        model = replace(model, forward=stage.forward, backward=stage.backward,
-                        activation_bytes=stage.activation_bytes,
-                        boundary_bytes=message_bytes(shape))
+        model = with_transformer(model, shape, flops)
+
     def given(value: float | None, default: float) -> float:
         return default if value is None else value
 
@@ -154,6 +167,8 @@ def costs_from(args: argparse.Namespace) -> CostModel:
         activation_bytes=int(given(args.activation_bytes, model.activation_bytes)),
         pinned_bytes=int(given(args.pinned_bytes, 0)),
         boundary_bytes=int(given(args.boundary_bytes, model.boundary_bytes)),
+        # only simulate has --param-bytes: no other command counts parameters
+        param_bytes=int(given(getattr(args, "param_bytes", None), model.param_bytes)),
         p2p_bandwidth=given(args.p2p_bandwidth, model.p2p_bandwidth),
         p2p_latency=given(args.p2p_latency, model.p2p_latency))
 
@@ -215,9 +230,14 @@ def choose_policy(args: argparse.Namespace, costs: CostModel
 
 def run_simulate(args: argparse.Namespace,
                  build: Callable[[argparse.Namespace, SwapPolicy | None], Schedule]) -> int:
+    if args.param_bytes is not None and not args.fsdp:
+        raise ScheduleError("--param-bytes sizes the parameters FSDP gathers, but without "
+                            "--fsdp the schedule gathers none, so it would change nothing: "
+                            "add --fsdp, or drop --param-bytes")
     costs = costs_from(args)
     policy, budget = choose_policy(args, costs)
-    result = simulate(build(args, policy), costs)
+    schedule = build(args, policy)
+    result = simulate(schedule, costs)
     if args.trace:
         from pipeswap.schedule.trace import write_chrome_trace
 
@@ -228,13 +248,20 @@ def run_simulate(args: argparse.Namespace,
 
         with writing(args.plot):
             plot(result, args.plot)
-    summary = report(result, budget)
+    summary = report(result, budget, fsdp=_has_fsdp_steps(schedule))
     print(json.dumps(summary) if args.format == "json" else render(summary))
     return 0
 
 
-def report(result: SimulationResult, budget: Outcomes | None) -> dict[str, Any]:
-    """The JSON object of ``--format json``."""
+def _has_fsdp_steps(schedule: Schedule) -> bool:
+    return any(step is not None and step.type in FSDP
+               for order in schedule.orders for step in order)
+
+
+def report(result: SimulationResult, budget: Outcomes | None, *, fsdp: bool
+           ) -> dict[str, Any]:
+    """The JSON object of ``--format json``; ``fsdp`` says whether the schedule gathers
+    parameters (its ``peak_memory_bytes`` then count them)."""
     per_rank = []
     for rank in result.ranks:
         entry: dict[str, Any] = {
@@ -244,6 +271,9 @@ def report(result: SimulationResult, budget: Outcomes | None) -> dict[str, Any]:
             "exposed_copy_s": rank.exposed_copy,
             "peak_activation_bytes": rank.peak_activation_bytes,
             "peak_activation_bytes_no_swap": rank.peak_activation_bytes_no_swap,
+            "peak_parameter_bytes": rank.peak_parameter_bytes,
+            "peak_memory_bytes": rank.peak_memory_bytes,
+            "peak_memory_bytes_no_swap": rank.peak_memory_bytes_no_swap,
             "swapped_chunks": len(rank.swapped),
             "hidden_chunks": sum(c.hidden for c in rank.swapped),
             "chunks": [{"stage": c.stage, "micro": c.micro, "hidden": c.hidden,
@@ -255,7 +285,7 @@ def report(result: SimulationResult, budget: Outcomes | None) -> dict[str, Any]:
             entry["budget"] = {"bytes": outcome.budget, "met": outcome.met,
                                "shortfall_bytes": outcome.shortfall}
         per_rank.append(entry)
-    return {"step_time_s": result.step_time, "per_rank": per_rank}
+    return {"step_time_s": result.step_time, "fsdp": fsdp, "per_rank": per_rank}
 
 
 def _bytes(value: int) -> str:
@@ -274,6 +304,7 @@ def render(summary: dict[str, Any]) -> str:
         ("exposed copy", [f"{r['exposed_copy_s']:.4g} s" for r in ranks]),
         ("peak, no swap", [_bytes(r["peak_activation_bytes_no_swap"]) for r in ranks]),
         ("peak, swap", [_bytes(r["peak_activation_bytes"]) for r in ranks]),
+        *(_parameter_rows(ranks) if summary["fsdp"] else ()),
         ("swapped (hidden)", [f"{r['swapped_chunks']} ({r['hidden_chunks']})" for r in ranks]),
     ]
     if any("budget" in r for r in ranks):
@@ -284,5 +315,20 @@ def render(summary: dict[str, Any]) -> str:
     cells = [max(len(row[1][i]) for row in rows) for i in range(len(ranks))]
     lines = [f"{name:<{width}}  " + "  ".join(v.rjust(w) for v, w in zip(values, cells))
              for name, values in rows]
+    if summary["fsdp"]:
+        lines.append(f"\n{_PARAMETER_LEGEND}")
     lines.append(f"\nsimulated step time: {summary['step_time_s']:.4g} s")
     return "\n".join(lines)
+
+
+_PARAMETER_LEGEND = ("params gathered: the most parameter bytes FSDP holds gathered at once; "
+                     "peak with params: the most\nsaved activations and gathered parameters "
+                     "held at once (at most the sum of the two peaks)")
+
+
+def _parameter_rows(ranks: list[dict[str, Any]]) -> list[tuple[str, list[str]]]:
+    """The rows of a schedule with FSDP steps: parameter memory, alone and with activations."""
+    return [("params gathered", [_bytes(r["peak_parameter_bytes"]) for r in ranks]),
+            ("peak with params, no swap", [_bytes(r["peak_memory_bytes_no_swap"])
+                                           for r in ranks]),
+            ("peak with params, swap", [_bytes(r["peak_memory_bytes"]) for r in ranks])]
