@@ -41,6 +41,11 @@ def cases(base: TrainConfig) -> dict[str, TrainConfig]:
                                            microbatches=8),
         "DualPipeV P=2 M=8": dataclasses.replace(base, schedule="dualpipev", ranks=2,
                                                  stages_per_rank=2, microbatches=8),
+        # two replicas of the interleaved case, stages sharded with FSDP2: each replica has
+        # half the batch, so half the activations a rank
+        "Interleaved 1F1B P=2 V=2 M=8 x DP=2, FSDP": dataclasses.replace(
+            base, schedule="interleaved-1f1b", ranks=2, stages_per_rank=2, microbatches=8,
+            dp=2, fsdp=True),
     }
 
 
@@ -58,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for name, config in cases(base).items():
         print(f"{name} ...", file=sys.stderr, flush=True)
-        summary = summarize(config, spawn(run_rank, config.ranks, config,
+        summary = summarize(config, spawn(run_rank, config.world, config,
                                           backend=backend_for(config.device),
                                           timeout_s=config.timeout_s))
         for entry in summary["per_rank"]:
@@ -66,8 +71,11 @@ def main(argv: list[str] | None = None) -> int:
             a_plain = entry["peak_allocated_bytes_no_swap"]
             a_swap = entry["peak_allocated_bytes_swap"]
             t_plain, t_swap = entry["step_time_s_no_swap"], entry["step_time_s_swap"]
+            rank = str(entry["rank"])
+            if config.dp > 1:
+                rank += f" (pp {entry['pp_rank']}, dp {entry['dp_rank']})"
             rows.append(
-                f"| {name} | {entry['rank']} | {entry['swapped_chunks']} | "
+                f"| {name} | {rank} | {entry['swapped_chunks']} | "
                 f"{plain / 2**20:.2f} MiB | {swap / 2**20:.2f} MiB | {1 - swap / plain:.0%} | "
                 f"{a_plain / 2**20:.2f} MiB | {a_swap / 2**20:.2f} MiB | "
                 f"{1 - a_swap / a_plain:.0%} | "

@@ -57,3 +57,16 @@ def test_a_budget_keeps_every_rank_under_it_with_bit_identical_losses() -> None:
     for entry in summary["per_rank"]:
         assert entry["peak_activation_bytes_no_swap"] > budget
         assert entry["peak_activation_bytes_swap"] <= budget, entry
+
+
+def test_under_torchrun_dp_makes_replicas_of_the_pipeline() -> None:
+    """Four processes, --dp 2: two pipeline ranks in each of two FSDP replicas."""
+    out = _run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4",
+                "-m", "pipeswap.runtime.train", "--dp", "2", "--fsdp", *SMALL, "--json"])
+    summary = json.loads(out.strip().splitlines()[-1])
+    assert (summary["ranks"], summary["dp"], summary["fsdp"]) == (2, 2, True)
+    assert [(e["pp_rank"], e["dp_rank"]) for e in summary["per_rank"]] == [
+        (0, 0), (0, 1), (1, 0), (1, 1)]
+    assert summary["max_abs_loss_diff"] == 0.0
+    for entry in summary["per_rank"]:
+        assert entry["peak_memory_bytes_no_swap"] > entry["peak_activation_bytes_no_swap"] > 0

@@ -62,6 +62,12 @@ BAD = [
     (["--layers", "10000000"], ["GiB", "more than this machine's"]),
     (["--steps", "1000000000"], ["GiB", "more than this machine's", "--steps"]),
     (["--ranks", "four"], ["--ranks/-P: invalid int value: 'four'"]),
+    (["--dp", "0"], ["--dp must be at least 1, got 0"]),
+    (["--dp", "2"], ["--dp 2", "add --fsdp"]),
+    (["--dp", "2", "--fsdp", "--batch-size", "8"],
+     ["--batch-size 8 does not split into 8 microbatches in each of 2 replicas",
+      "a multiple of 16"]),
+    (["-P", "40", "--dp", "2", "--fsdp"], ["--ranks x --dp must be at most 64, got 80"]),
 ]
 
 
@@ -135,3 +141,16 @@ def test_the_defaults_parse_to_the_default_config(no_ranks: None) -> None:
 def test_the_documented_and_boundary_values_parse(argv: list[str], no_ranks: None) -> None:
     config, _ = parse_args(argv)
     assert config.num_layers >= config.num_stages
+
+
+def test_under_torchrun_dp_splits_the_world_into_replicas(
+        monkeypatch: pytest.MonkeyPatch, no_ranks: None,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "6")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "29500")
+    config, _ = parse_args(["--dp", "2", "--fsdp"])
+    assert (config.ranks, config.dp, config.world) == (3, 2, 6)
+    line = _refused(["--dp", "4", "--fsdp"], capsys)
+    assert "world size 6 does not split into --dp 4 replicas" in line

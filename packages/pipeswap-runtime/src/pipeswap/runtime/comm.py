@@ -74,26 +74,30 @@ class Transfer:
 class FailureBoard:
     """Where the first rank to fail posts what failed, so that its peers, which only see a
     broken connection, can name the rank and step: one key of the rendezvous store per
-    communication group."""
+    communication group. A board spans several groups (a pipeline's and its data-parallel
+    one): a failure is posted in each, so it reaches every rank of every group."""
 
-    def __init__(self, group: dist.ProcessGroup) -> None:
+    def __init__(self, *groups: dist.ProcessGroup) -> None:
         import torch.distributed as dist
 
-        self._store = dist.PrefixStore(  # type: ignore[attr-defined]
-            f"pipeswap/{group.group_name}/", dist.distributed_c10d._get_default_store())
+        store = dist.distributed_c10d._get_default_store()
+        self._stores = [dist.PrefixStore(  # type: ignore[attr-defined]
+            f"pipeswap/{group.group_name}/", store) for group in groups]
 
     def post(self, text: str) -> None:
-        """Record ``text`` unless another rank's failure came first."""
-        with suppress(Exception):  # the store may be gone with its rank; peers still fail
-            self._store.compare_set("failed", "", text)
+        """Record ``text`` in each group unless another rank's failure came first there."""
+        for store in self._stores:
+            with suppress(Exception):  # the store may be gone with its rank; peers still fail
+                store.compare_set("failed", "", text)
 
     def read(self) -> str | None:
-        """The first failure posted, if any."""
-        try:
-            if self._store.check(["failed"]):
-                return bytes(self._store.get("failed")).decode("utf-8", "replace")
-        except Exception:  # noqa: BLE001 - no store, no story: the caller says what it saw
-            return None
+        """The first failure posted, if any (the first group's first)."""
+        for store in self._stores:
+            try:
+                if store.check(["failed"]):
+                    return bytes(store.get("failed")).decode("utf-8", "replace")
+            except Exception:  # noqa: BLE001 - no store, no story: the caller says what it saw
+                continue
         return None
 
 

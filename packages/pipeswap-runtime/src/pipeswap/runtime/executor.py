@@ -5,11 +5,19 @@ scaled by 1/M before its backward, so with equal microbatches and a loss that av
 its batch, ``.grad`` equals that of the whole batch's loss on one device. Gradients
 accumulate in ``.grad``; zero them between steps as usual.
 
+With a data-parallel dimension (a 2-D device mesh, or a data-parallel group), each pipeline
+replica runs the same schedule on its own data, and stages sharded with FSDP2's
+``fully_shard`` over the data-parallel group are gathered, freed and reduced by the schedule's
+UNSHARD, RESHARD and REDUCE_GRAD steps (:mod:`pipeswap.runtime.fsdp`).
+
 A step succeeds on every rank or fails on every rank: the rank that fails first (a refused
 batch included) posts what failed and closes its connections, so its peers stop at once with
 a :class:`~pipeswap.runtime.errors.PeerFailedError` naming it, and the step ends with an
-agreement of all ranks, its one collective. After a failure, :meth:`PipelineExecutor.recover` on every rank gives
-the executor a fresh communication group; the next step then runs as if nothing had failed.
+agreement of all ranks (of the pipeline, then of the data-parallel group). After a failure,
+:meth:`PipelineExecutor.recover` on every rank gives the executor a fresh communication
+group; the next step then runs as if nothing had failed. A failure also closes the
+data-parallel group (FSDP's collectives would wait on it forever otherwise), so with more than
+one replica a failed step ends the run: restart it.
 """
 
 from __future__ import annotations
@@ -21,7 +29,7 @@ import warnings
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext, suppress
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 from pipeswap.platform import AllocationPeak, Platform, get_platform
 from pipeswap.runtime.backward import ChunkAutograd, forward_chunk
@@ -34,7 +42,13 @@ from pipeswap.runtime.comm import (
     break_links,
     group_timeout,
 )
-from pipeswap.runtime.errors import PipelineCommError, PipelineError, PipelineSetupError
+from pipeswap.runtime.errors import (
+    PeerFailedError,
+    PipelineCommError,
+    PipelineError,
+    PipelineSetupError,
+)
+from pipeswap.runtime.fsdp import ShardedStage, fsdp_modules
 from pipeswap.runtime.microbatch import split_microbatches
 from pipeswap.runtime.session import SwapSession
 from pipeswap.runtime.stage import PipelineStage
@@ -52,15 +66,17 @@ from pipeswap.schedule import (
     swapped_chunks,
     validate,
 )
-from pipeswap.schedule.steps import FSDP, OVERLAPS, P2P, SENDS
+from pipeswap.schedule.steps import COMPUTE, FSDP, OVERLAPS, P2P, SENDS
 from pipeswap.schedule.validation import TRANSPORTS
 from pipeswap.swap import GroupBytes, SwapManager
 
 if TYPE_CHECKING:
     import torch
     import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
 
 LossFn = Callable[["torch.Tensor", "torch.Tensor"], "torch.Tensor"]
+_T = TypeVar("_T")
 
 
 @dataclass(frozen=True)
@@ -85,6 +101,11 @@ class StepReport:
     # per chunk whose backward is split, right after its I: the device bytes its saved
     # activations still hold for W (I frees the rest)
     chunk_bytes_after_input: Mapping[ChunkKey, int] = field(default_factory=dict)
+    # most device bytes held at once by saved activations and gathered FSDP parameters (each
+    # sharded stage's full parameter bytes from its UNSHARD to its RESHARD): what the
+    # simulator's peak_memory_bytes predicts; equal to peak_activation_bytes without FSDP;
+    # None unless the executor accounts every chunk
+    peak_memory_bytes: int | None = None
 
 
 @dataclass
@@ -103,6 +124,9 @@ class _Run:
     chunk_bytes: dict[ChunkKey, GroupBytes] = field(default_factory=dict)
     chunk_bytes_after_input: dict[ChunkKey, int] = field(default_factory=dict)
     offloaded_before: int = 0  # the manager's bytes_offloaded when the step began
+    gathered: int = 0  # bytes of FSDP parameters gathered now
+    peak_activations: int = 0  # the step's peaks so far (see PipelineExecutor._flush)
+    peak_memory: int = 0
 
 
 class PipelineExecutor:
@@ -128,6 +152,13 @@ class PipelineExecutor:
     with memory recording through the step, which slows it (about twofold in pipeswap-train,
     more for smaller operations), so it is off by default. The attribute of that name may be
     changed between steps.
+
+    Data parallel: ``mesh``, a 2-D DeviceMesh with dimensions named ``"pp"`` and ``"dp"``
+    (the stages' group must be ``mesh.get_group("pp")``), or ``dp_group``, the data-parallel
+    group of this rank. Each replica passes its own batch. Stages sharded with
+    ``fully_shard`` over that group (:func:`pipeswap.runtime.fsdp.shard_stage`) make a
+    schedule built here get FSDP steps; a schedule with FSDP steps needs every stage of
+    this rank sharded.
     """
 
     def __init__(
@@ -144,6 +175,8 @@ class PipelineExecutor:
         account_activations: bool | None = None,
         check_transport: str = "ordered",
         measure_allocator: bool = False,
+        mesh: DeviceMesh | None = None,
+        dp_group: dist.ProcessGroup | None = None,
     ) -> None:
         import torch.distributed as dist
 
@@ -164,10 +197,15 @@ class PipelineExecutor:
         self._by_index = {stage.stage_index: stage for stage in self.stages}
         self.account = swap if account_activations is None else account_activations
         self.measure_allocator = measure_allocator
+        self.dp_group = self._data_parallel_group(mesh, dp_group)
+        self.dp_size = 1 if self.dp_group is None else dist.get_world_size(self.dp_group)
+        self._spans_world = self.world == dist.get_world_size()
+        self._sharded: dict[int, ShardedStage] = {}
         built: Schedule | None = None
         problem: PipelineSetupError | None = None
         try:
             self._check_transport(check_transport)
+            self._sharded = self._find_sharded()
             built = self._build(schedule, swap, swap_policy, check_transport)
             self._check_stages(built)
         except PipelineSetupError as exc:
@@ -185,7 +223,51 @@ class PipelineExecutor:
         self._runs = 0
         self.swapped = set(swapped_chunks(self.schedule)[self.rank])
 
+    @property
+    def gathered_bytes(self) -> dict[int, int]:
+        """Per stage of this rank sharded with FSDP: the bytes its UNSHARD gathers (its
+        parameters at full size), as the simulator's parameter bytes take them."""
+        return {index: sharded.gathered_bytes for index, sharded in self._sharded.items()}
+
     # -- set-up ----------------------------------------------------------------------------
+
+    def _data_parallel_group(self, mesh: DeviceMesh | None,
+                             dp_group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
+        """The data-parallel group, from ``mesh`` or as given; the stages' group must be the
+        mesh's pipeline group."""
+        import torch.distributed as dist
+
+        if mesh is None:
+            return dp_group
+        if dp_group is not None:
+            raise PipelineSetupError("give mesh or dp_group, not both (the mesh holds the "
+                                     "data-parallel group)")
+        names = mesh.mesh_dim_names or ()
+        if mesh.ndim != 2 or set(names) != {"pp", "dp"}:
+            raise PipelineSetupError(
+                f"mesh has dimensions {names or mesh.ndim}; the executor needs a 2-D mesh "
+                "named ('pp', 'dp'), e.g. init_device_mesh(device, (ranks, dp), "
+                "mesh_dim_names=('pp', 'dp'))")
+        pipeline = dist.get_process_group_ranks(mesh.get_group("pp"))
+        ours = (list(range(dist.get_world_size())) if self.group is None
+                else dist.get_process_group_ranks(self.group))
+        if ours != pipeline:
+            raise PipelineSetupError(
+                f"the stages' group has ranks {ours} but the mesh's pipeline group is "
+                f"{pipeline}: build each PipelineStage with group=mesh.get_group('pp')")
+        return mesh.get_group("dp")
+
+    def _find_sharded(self) -> dict[int, ShardedStage]:
+        """This rank's stages sharded with fully_shard: all of them or none."""
+        sharded = {stage.stage_index: ShardedStage(stage.stage_index, stage.module,
+                                                   self.dp_group)
+                   for stage in self.stages if fsdp_modules(stage.module)}
+        if sharded and len(sharded) != len(self.stages):
+            plain = sorted(s.stage_index for s in self.stages if s.stage_index not in sharded)
+            raise PipelineSetupError(
+                f"stages {sorted(sharded)} are sharded with fully_shard but stages {plain} "
+                "are not: shard every stage of the rank, or none")
+        return sharded
 
     def _new_transport(self) -> Transport:
         """A transport over a communication group of its own, so that a failed step can
@@ -194,26 +276,41 @@ class PipelineExecutor:
 
         ranks = [r if self.group is None else dist.get_global_rank(self.group, r)
                  for r in range(self.world)]
-        # Every rank of the world creates it (the pipeline spans the world today), which
-        # keeps group names unique however many executors and recoveries there are.
-        comm = dist.new_group(ranks, timeout=group_timeout(self.group))
+        # A pipeline that spans the world: every rank creates the group, and torch names it
+        # from a count all ranks share. Otherwise (one replica of several) only the
+        # pipeline's ranks do, and torch names it from its ranks and the number of groups
+        # this rank has, which the pipeline's ranks share (same executors, same recoveries)
+        # but which a destroyed group would lower and so repeat a live group's name: such a
+        # pipeline keeps its broken groups (see recover).
+        comm = dist.new_group(ranks, timeout=group_timeout(self.group),
+                              use_local_synchronization=not self._spans_world)
+        groups = [comm] if self.dp_size == 1 else [comm, self.dp_group]
         transport = Transport(comm, self.schedule.stage_ranks, self.microbatches,
-                              self.platform.device, FailureBoard(comm))
+                              self.platform.device, FailureBoard(*groups))
         if hasattr(self, "transport"):
             transport.boundary = self.transport.boundary
         return transport
 
     def recover(self) -> None:
         """After a failed step, on every rank: replace the broken communication group with a
-        fresh one. The failed step left no swap group, transfer or host buffer behind, so
-        the next step (gradients zeroed as usual) gives what it would have without the
-        failure. Collective over the pipeline's ranks."""
+        fresh one. The failed step left no swap group, transfer or host buffer behind, and
+        sharded stages are reset (FSDP drops what the step left in flight), so the next step
+        (gradients zeroed as usual) gives what it would have without the failure. Collective
+        over the pipeline's ranks. Not possible with more than one data-parallel replica:
+        the failure closed the data-parallel group, which FSDP needs."""
         import torch.distributed as dist
 
+        if self.dp_size > 1:
+            raise PipelineError(
+                f"rank {self.rank}: a failed step closed the data-parallel group to stop the "
+                "other pipeline replicas, and a closed group cannot be reopened: end the run "
+                "and restart it (from a checkpoint)")
+        for sharded in self._sharded.values():
+            sharded.reset()
         old = self.transport.group
         self.transport = self._new_transport()
         self._failed = None
-        if old is not None:
+        if old is not None and self._spans_world:
             with suppress(Exception):  # already broken on purpose; only its memory is left
                 dist.destroy_process_group(old)
 
@@ -243,13 +340,10 @@ class PipelineExecutor:
                 if isinstance(schedule, str):
                     schedule = ScheduleSpec(
                         _kind(schedule), ranks=self.world, microbatches=self.microbatches,
-                        stages_per_rank=len(self.stages), swap=swap)
+                        stages_per_rank=len(self.stages), swap=swap,
+                        fsdp=bool(self._sharded))
                 elif swap and not schedule.swap:
                     schedule = dataclasses.replace(schedule, swap=True)
-                if schedule.fsdp:
-                    raise PipelineSetupError(
-                        "FSDP steps are not run by this executor: build the schedule with "
-                        "fsdp=False")
                 built = build_schedule(schedule, policy)
             # Ordered unless asked: NCCL pairs sends and receives in order, and a schedule
             # that passes on CPU then passes there. (Every micro below the count: see
@@ -257,10 +351,18 @@ class PipelineExecutor:
             validate(built, transport=transport)
         except ScheduleError as exc:
             raise PipelineSetupError(f"the schedule cannot run: {exc}") from exc
-        if any(step is not None and step.type in FSDP
-               for order in built.orders for step in order):
-            raise PipelineSetupError("the schedule holds FSDP steps, which this executor does "
-                                     "not run; build it without FSDP")
+        mine = built.orders[self.rank] if self.rank < built.num_ranks else ()
+        named = {step.stage for step in mine
+                 if step is not None and step.type in FSDP and step.stage is not None}
+        if named - self._sharded.keys():
+            raise PipelineSetupError(
+                f"the schedule has FSDP steps for stage(s) {sorted(named - self._sharded.keys())}"
+                f" of rank {self.rank}, which are not sharded with fully_shard: shard them "
+                "(pipeswap.runtime.fsdp.shard_stage) or build the schedule with fsdp=False")
+        if self._sharded and not named:
+            raise PipelineSetupError(
+                "the stages are sharded with fully_shard but the schedule has no FSDP steps "
+                "to gather and free their parameters: build it with fsdp=True")
         return built
 
     def _check_stages(self, schedule: Schedule) -> None:
@@ -292,20 +394,34 @@ class PipelineExecutor:
 
     def _check_everywhere(self, schedule: Schedule | None,
                           problem: PipelineSetupError | None) -> None:
-        """One collective before any step: every rank has a schedule its stages fit, and all
-        run the same one. Any problem raises on every rank, so none waits forever."""
+        """One collective before any step (two with data parallel: over the pipeline, then
+        over the data-parallel group): every rank has a schedule its stages fit, and all run
+        the same one. Any problem raises on every rank of every replica, so none waits
+        forever."""
         fingerprint = 0
         if schedule is not None:
             text = f"{dumps_lines(schedule)}|{schedule.stage_ranks}|{self.microbatches}"
             fingerprint = int.from_bytes(hashlib.sha256(text.encode()).digest()[:7], "big")
         everyone = all_gather_ints(fingerprint * 2 + (problem is not None), self.group)
         bad = [rank for rank, value in enumerate(everyone) if value % 2]
+        replicas = [everyone[0]]
+        if self.dp_size > 1:  # this replica's verdict, to every replica
+            ours = fingerprint * 2 + bool(bad or len({v // 2 for v in everyone}) != 1)
+            replicas = all_gather_ints(ours, self.dp_group)
         if problem is not None:
             raise problem
         if bad:
             raise PipelineSetupError(
                 f"rank(s) {bad} could not set up (see their errors): a schedule, stages or "
                 "microbatch count that do not fit; nothing ran")
+        if any(value % 2 for value in replicas):
+            raise PipelineSetupError(
+                "another pipeline replica could not set up (see its ranks' errors); nothing "
+                "ran")
+        if len({value // 2 for value in replicas}) != 1:
+            raise PipelineSetupError(
+                "the pipeline replicas were given different schedules: build the executor "
+                "with the same schedule, options and microbatch count in every replica")
         if len({value // 2 for value in everyone}) != 1:
             prints = [f"{value // 2:014x}" for value in everyone]
             raise PipelineSetupError(
@@ -336,10 +452,16 @@ class PipelineExecutor:
                 break
             saved = {name: b.clone() for name, b in stage.module.named_buffers()}
             device = self.platform.device
+            sharded = self._sharded.get(index)
             with torch.no_grad(), torch.random.fork_rng(
                     devices=[] if device.type == "cpu" else [device.index or 0],
                     device_type=device.type if device.type != "cpu" else "cuda"):
+                if sharded is not None:  # gathered for the dry run alone, and freed again
+                    sharded.unshard()
+                    sharded.ready("the exchange of stage boundary shapes")
                 out = stage.forward(torch.zeros(meta.shape, dtype=meta.dtype, device=device))
+                if sharded is not None:
+                    sharded.reshard()
                 for name, b in stage.module.named_buffers():
                     b.copy_(saved[name])
             if not out.is_floating_point():
@@ -368,7 +490,6 @@ class PipelineExecutor:
             self.platform.measure_allocations() if self.measure_allocator else nullcontext())
         with measuring as allocated:
             run = self._step(inputs, targets)
-        stats = self.manager.stats()
         losses: list[float] = []
         if run.losses:  # one host sync for all of them
             import torch
@@ -377,8 +498,9 @@ class PipelineExecutor:
         return StepReport(
             losses=tuple(losses),
             seconds=time.perf_counter() - start,
-            peak_activation_bytes=stats.peak_device_bytes_held if self.account else None,
-            bytes_offloaded=stats.bytes_offloaded - run.offloaded_before,
+            peak_activation_bytes=run.peak_activations if self.account else None,
+            peak_memory_bytes=run.peak_memory if self.account else None,
+            bytes_offloaded=self.manager.stats().bytes_offloaded - run.offloaded_before,
             swapped_chunks=len(self.swapped),
             chunk_bytes=run.chunk_bytes,
             chunk_bytes_after_input=run.chunk_bytes_after_input,
@@ -413,7 +535,11 @@ class PipelineExecutor:
                 raise PipelineError(
                     f"rank {self.rank}: the schedule posted receives no step consumed: "
                     f"{', '.join(str(t.step) for t in run.receives.values())}")
-            self._all_gather(0, "the end-of-step agreement")
+            self._flush(run)
+            self._all_gather(0, "the end-of-step agreement", self.transport.group)
+            if self.dp_size > 1:
+                self._all_gather(0, "the end-of-step agreement of the data-parallel group",
+                                 self.dp_group)
         except BaseException as exc:
             self._fail(exc, at)
             try:
@@ -425,26 +551,86 @@ class PipelineExecutor:
         run.session.close()
         return run
 
-    def _all_gather(self, value: int, what: str) -> list[int]:
-        """A collective of the step over the communication group; a peer that failed makes
-        it raise at once, naming that peer."""
+    def _all_gather(self, value: int, what: str, group: dist.ProcessGroup | None
+                    ) -> list[int]:
+        """A collective of the step; a peer that failed makes it raise at once, naming that
+        peer."""
         try:
-            return all_gather_ints(value, self.transport.group)
+            return all_gather_ints(value, group)
         except RuntimeError as exc:
             raise self.transport.failure(what, exc) from exc
 
+    def _collective(self, what: Step | str, call: Callable[[], _T]) -> _T:
+        """Run FSDP's gathers, waits or reductions over the data-parallel group: where they
+        fail because a peer failed and said so, raise the error that names it."""
+        try:
+            return call()
+        except RuntimeError as exc:
+            if self.transport.board is not None and self.transport.board.read() is not None:
+                raise self.transport.failure(f"{what} (FSDP, data-parallel group)", exc) from exc
+            raise
+
     def _fail(self, exc: BaseException, at: Step | str | None) -> None:
-        """Tell the peers this step failed here: post the reason (if this rank failed first)
-        and break the connections, so that no peer waits for this rank until its timeout."""
+        """Tell the peers this step failed here: post the reason (this rank's failure, or
+        the failure that stopped it) to the pipeline and the data-parallel group, and break
+        the connections in both, so that no peer, in this replica or another, waits for this
+        rank until its timeout."""
+        import torch.distributed as dist
+
         where = f"{at if at is not None else 'the end'} of step {self._runs}"
         first_line = (str(exc).strip().splitlines() or [""])[0][:300]
-        reason = f"rank {self.rank} failed at {where}: {type(exc).__name__}: {first_line}"
-        if not isinstance(exc, PipelineCommError):
-            assert self.transport.board is not None
+        who = f"rank {dist.get_rank()}"
+        if self.dp_size > 1:
+            who += f" (pipeline rank {self.rank}, data-parallel rank {dist.get_rank(self.dp_group)})"
+        reason = f"{who} failed at {where}: {type(exc).__name__}: {first_line}"
+        assert self.transport.board is not None
+        if isinstance(exc, PeerFailedError):  # pass the first failure on to other groups
+            first = self.transport.board.read()
+            if first is not None:
+                self.transport.board.post(first)
+        elif not isinstance(exc, PipelineCommError):
             self.transport.board.post(reason)
         self._failed = reason
         assert self.transport.group is not None
         break_links(self.transport.group)
+        if self.dp_size > 1:
+            assert self.dp_group is not None
+            break_links(self.dp_group)
+
+    def _flush(self, run: _Run) -> None:
+        """Fold the swap manager's peak since the last flush into the step's peaks (with the
+        FSDP parameters gathered meanwhile), and start a new one from what it holds now.
+        Called before every change of the gathered bytes and at the end of the step, so the
+        peak of activations plus parameters is exact, as the simulator counts it."""
+        stats = self.manager.stats()
+        run.peak_activations = max(run.peak_activations, stats.peak_device_bytes_held)
+        run.peak_memory = max(run.peak_memory, stats.peak_device_bytes_held + run.gathered)
+        self.manager.reset_peak()
+
+    def _fsdp(self, run: _Run, step: Step) -> None:
+        """UNSHARD, RESHARD or REDUCE_GRAD of a sharded stage."""
+        assert step.stage is not None
+        sharded = self._sharded[step.stage]
+        if step.type is StepType.FSDP_REDUCE_GRAD:
+            self._collective(step, sharded.reduce_grad)
+            return
+        self._flush(run)
+        if step.type is StepType.FSDP_UNSHARD:
+            self._collective(step, sharded.unshard)
+            run.gathered += sharded.gathered_bytes
+        else:
+            self._collective(step, sharded.reshard)
+            run.gathered -= sharded.gathered_bytes
+        run.peak_memory = max(run.peak_memory,
+                              self.manager.stats().device_bytes_held + run.gathered)
+
+    def _ready(self, step: Step) -> None:
+        """Before a compute of a sharded stage: its parameters are gathered (and, just
+        gathered, kept out of swap: they are parameters, not activations)."""
+        assert step.stage is not None
+        sharded = self._sharded.get(step.stage)
+        if sharded is not None and self._collective(step, lambda: sharded.ready(step)):
+            self.manager.protect_module(self._by_index[step.stage].module)
 
     def _take_batch(self, run: _Run, inputs: torch.Tensor | None,
                     targets: torch.Tensor | None) -> None:
@@ -466,6 +652,8 @@ class PipelineExecutor:
 
     def _run(self, run: _Run, step: Step) -> None:
         kind = step.type
+        if kind in COMPUTE and self._sharded:
+            self._ready(step)
         if kind is StepType.FWD:
             self._forward(run, step.key)
         elif kind is StepType.BWD:
@@ -481,6 +669,8 @@ class PipelineExecutor:
             self._post(run, [step], batched=False)
         elif kind is StepType.BATCH_SEND_RECV:
             self._post(run, list(step.sub_steps), batched=True)
+        elif kind in FSDP:
+            self._fsdp(run, step)
         else:  # the four swap steps
             name = run.session.name(step.key)
             {StepType.SWAP_LAUNCH_OFFLOAD: self.manager.launch_offload,

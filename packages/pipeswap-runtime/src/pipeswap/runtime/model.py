@@ -67,8 +67,10 @@ class Head(torch.nn.Module):
         self.out = torch.nn.Linear(config.width, config.vocab)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out: torch.Tensor = self.out(self.norm(x))
-        return out
+        # The bias is added apart: Linear on a 3-D input returns a view of its 2-D result,
+        # which FSDP warns about when a sharded stage returns it.
+        out: torch.Tensor = torch.nn.functional.linear(self.norm(x), self.out.weight)
+        return out + self.out.bias
 
 
 def build_gpt(config: GPTConfig, seed: int) -> torch.nn.Sequential:

@@ -2,8 +2,10 @@
 compare peak activation memory (as the swap manager counts it and as the allocator saw it),
 step time and losses.
 
-Run as is, it spawns the ranks itself; under ``torchrun`` it joins the process group torchrun
-set up (``torchrun --nproc-per-node 4 -m pipeswap.runtime.train``).
+With ``--dp N --fsdp`` it runs N pipeline replicas on a 2-D device mesh (``pp`` x ``dp``),
+each stage sharded with FSDP2 over its data-parallel group, every replica on its own part of
+the batch. Run as is, it spawns the ranks itself; under ``torchrun`` it joins the process
+group torchrun set up (``torchrun --nproc-per-node 4 -m pipeswap.runtime.train``).
 """
 
 from __future__ import annotations
@@ -13,8 +15,9 @@ import json
 import os
 import statistics
 import sys
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from pipeswap.runtime.launch import (
     DEFAULT_TIMEOUT_S,
@@ -27,6 +30,9 @@ from pipeswap.runtime.launch import (
 from pipeswap.schedule import ScheduleKind, SwapPolicy
 from pipeswap.schedule.build import V_SHAPED
 
+if TYPE_CHECKING:
+    from pipeswap.platform import AllocationPeak
+
 MODES = ("no-swap", "swap")
 
 
@@ -35,7 +41,9 @@ class TrainConfig:
     """Everything a rank needs to run the job; the same object on every rank."""
 
     schedule: str = "1f1b"
-    ranks: int = 4
+    ranks: int = 4  # pipeline ranks: the world has ranks x dp
+    dp: int = 1  # pipeline replicas (data parallel)
+    fsdp: bool = False  # shard each stage with FSDP2 over its data-parallel group
     stages_per_rank: int = 1
     microbatches: int = 8
     steps: int = 10
@@ -66,6 +74,15 @@ class TrainConfig:
         return self.ranks * self.stages_per_rank
 
     @property
+    def world(self) -> int:
+        return self.ranks * self.dp
+
+    @property
+    def meshed(self) -> bool:
+        """Whether the run lays its ranks out on a 2-D (pp, dp) device mesh."""
+        return self.dp > 1 or self.fsdp
+
+    @property
     def num_layers(self) -> int:
         return self.layers if self.layers is not None else 2 * self.num_stages
 
@@ -77,7 +94,11 @@ class ModeResult:
     losses: list[list[float]] = field(default_factory=list)  # per step, per microbatch
     step_seconds: list[float] = field(default_factory=list)  # of the steps timed
     peak_activation_bytes: int = 0
+    peak_memory_bytes: int = 0  # activations and gathered FSDP parameters, counted
     peak_allocated_bytes: int | None = None  # the most of the measured steps
+    # what building this rank's stages left allocated (the allocator's word): their
+    # parameters, sharded with FSDP; None where not measured
+    parameter_bytes: int | None = None
     bytes_offloaded: int = 0
     swapped_chunks: int = 0
     groups_alive_after_step: list[int] = field(default_factory=list)
@@ -85,6 +106,7 @@ class ModeResult:
     grads: dict[str, Any] | None = None  # name -> tensor, first step (keep_grads)
     chunk_bytes: dict[tuple[int, int], tuple[int, int]] = field(default_factory=dict)
     chunk_bytes_after_input: dict[tuple[int, int], int] = field(default_factory=dict)
+    gathered_bytes: dict[int, int] = field(default_factory=dict)  # per sharded stage
 
 
 def run_rank(rank: int, world_size: int, config: TrainConfig) -> dict[str, ModeResult]:
@@ -94,33 +116,42 @@ def run_rank(rank: int, world_size: int, config: TrainConfig) -> dict[str, ModeR
     from pipeswap.platform import get_platform
     from pipeswap.runtime.data import Corpus, batches
     from pipeswap.runtime.executor import PipelineExecutor
-    from pipeswap.runtime.model import GPTConfig, build_gpt, lm_loss, split_stages
-    from pipeswap.runtime.stage import PipelineStage
+    from pipeswap.runtime.model import GPTConfig, lm_loss
     from pipeswap.schedule import ScheduleSpec, build_schedule
 
-    if world_size != config.ranks:
-        raise ValueError(f"config.ranks is {config.ranks} but {world_size} ranks were started")
+    if world_size != config.world:
+        raise ValueError(f"config needs {config.world} ranks ({config.ranks} pipeline ranks x "
+                         f"{config.dp} replicas) but {world_size} were started")
     torch.set_num_threads(1)  # several ranks share the cores
     local_rank = int(os.environ.get("LOCAL_RANK", rank))  # torchrun and spawn both set it
     platform = get_platform(config.device if config.device == "cpu"
                             else f"{config.device}:{local_rank % max(1, _device_count(config))}")
+    mesh = None
+    if config.meshed:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh(platform.device.type, (config.ranks, config.dp),
+                                mesh_dim_names=("pp", "dp"))
+    pp_rank, dp_rank = divmod(rank, config.dp)  # the mesh's layout: pp outer, dp inner
     corpus = Corpus.bundled()
     ids = corpus.encode()
-    data = [(x.to(platform.device), y.to(platform.device)) for x, y in
+    rows = slice(dp_rank * config.batch_size // config.dp,
+                 (dp_rank + 1) * config.batch_size // config.dp)  # this replica's part
+    data = [(x[rows].to(platform.device), y[rows].to(platform.device)) for x, y in
             batches(ids, config.batch_size, config.seq_len, config.steps, config.seed)]
     gpt = GPTConfig(vocab=len(corpus.vocab), seq_len=config.seq_len, width=config.width,
                     layers=config.num_layers)
     spec = ScheduleSpec(ScheduleKind(config.schedule), ranks=config.ranks,
                         microbatches=config.microbatches, stages_per_rank=config.stages_per_rank,
                         overlap_b_f=config.overlap_b_f, dxdw_split=config.dxdw_split,
-                        batch_p2p=config.batch_p2p)
+                        batch_p2p=config.batch_p2p, fsdp=config.fsdp)
     placement = build_schedule(spec).stage_ranks  # loop, or V for zbv and dualpipev
     results: dict[str, ModeResult] = {}
     for mode in config.modes:
-        model = build_gpt(gpt, config.seed).to(platform.device)
-        modules = split_stages(model, config.num_stages)
-        stages = [PipelineStage(module, index, config.num_stages)
-                  for index, module in enumerate(modules) if placement[index] == rank]
+        measuring: AbstractContextManager[AllocationPeak | None] = (
+            platform.measure_allocations() if config.measure_allocator else nullcontext())
+        with measuring as built:
+            stages = build_stages(config, gpt, placement, pp_rank, mesh, platform.device)
         params = [p for stage in stages for p in stage.module.parameters()]
         optimizer = torch.optim.AdamW(params, lr=config.lr)
         # Both modes account every chunk's saved activations, to compare their peaks.
@@ -129,15 +160,18 @@ def run_rank(rank: int, world_size: int, config: TrainConfig) -> dict[str, ModeR
             policy = _budget_policy(config, results["no-swap"].chunk_bytes)
         executor = PipelineExecutor(stages, spec, config.microbatches, lm_loss,
                                     swap=mode == "swap", platform=platform,
-                                    swap_policy=policy, account_activations=True)
-        result = results[mode] = ModeResult(swapped_chunks=len(executor.swapped))
+                                    swap_policy=policy, account_activations=True, mesh=mesh)
+        result = results[mode] = ModeResult(
+            swapped_chunks=len(executor.swapped),
+            parameter_bytes=None if built is None else built.held_bytes,
+            gathered_bytes=executor.gathered_bytes)
         for number, (inputs, targets) in enumerate(data, 1):
             measured = config.measure_allocator and number % 2 == 1
             executor.measure_allocator = measured
             optimizer.zero_grad(set_to_none=True)
             report = executor.step(inputs, targets)
             if config.keep_grads and number == 1:
-                result.grads = {f"{stage.stage_index}.{name}": p.grad.detach().clone()
+                result.grads = {f"{stage.stage_index}.{name}": _local(p.grad).detach().clone()
                                 for stage in stages
                                 for name, p in stage.module.named_parameters()
                                 if p.grad is not None}
@@ -150,8 +184,10 @@ def run_rank(rank: int, world_size: int, config: TrainConfig) -> dict[str, ModeR
             if not measured or config.steps == 1:
                 result.step_seconds.append(report.seconds)
             assert report.peak_activation_bytes is not None  # accounted above
+            assert report.peak_memory_bytes is not None
             result.peak_activation_bytes = max(result.peak_activation_bytes,
                                                report.peak_activation_bytes)
+            result.peak_memory_bytes = max(result.peak_memory_bytes, report.peak_memory_bytes)
             if report.peak_allocated_bytes is not None:
                 result.peak_allocated_bytes = max(result.peak_allocated_bytes or 0,
                                                   report.peak_allocated_bytes)
@@ -160,11 +196,40 @@ def run_rank(rank: int, world_size: int, config: TrainConfig) -> dict[str, ModeR
             result.host_bytes_in_use_after_step.append(stats.host_bytes_in_use)
             if config.verbose and report.losses:
                 loss = sum(report.losses) / len(report.losses)
-                tokens = config.batch_size * config.seq_len
-                print(f"[{mode:>7}] step {number}/{config.steps}  loss {loss:.4f}  "
+                tokens = config.batch_size // config.dp * config.seq_len
+                replica = f" replica {dp_rank}" if config.dp > 1 else ""
+                print(f"[{mode:>7}{replica}] step {number}/{config.steps}  loss {loss:.4f}  "
                       f"{report.seconds:.2f} s  {tokens / report.seconds:,.0f} tokens/s"
                       f"{'  (allocator measured)' if measured else ''}", flush=True)
     return results
+
+
+def build_stages(config: TrainConfig, gpt: Any, placement: tuple[int, ...], pp_rank: int,
+            mesh: Any, device: Any) -> list[Any]:
+    """This rank's pipeline stages of a freshly built model (the others are freed on
+    return), each sharded with FSDP2 over the mesh's data-parallel dimension with --fsdp:
+    every transformer block apart, the embedding and head with the stage's root."""
+    from pipeswap.runtime.fsdp import shard_stage
+    from pipeswap.runtime.model import Block, build_gpt, split_stages
+    from pipeswap.runtime.stage import PipelineStage
+
+    modules = split_stages(build_gpt(gpt, config.seed).to(device), config.num_stages)
+    group = None if mesh is None else mesh.get_group("pp")
+    stages = []
+    for index, module in enumerate(modules):
+        if placement[index] != pp_rank:
+            continue
+        if config.fsdp:
+            shard_stage(module, mesh["dp"], [m for m in module if isinstance(m, Block)])
+        stages.append(PipelineStage(module, index, config.num_stages, group))
+    return stages
+
+
+def _local(tensor: Any) -> Any:
+    """A gradient as this rank holds it (its shard, under FSDP)."""
+    from torch.distributed.tensor import DTensor
+
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 def _device_count(config: TrainConfig) -> int:
@@ -185,19 +250,27 @@ def summarize(config: TrainConfig, per_rank: list[dict[str, ModeResult]]) -> dic
     for rank in range(len(per_rank)):
         swap, plain = mode(rank, "swap"), mode(rank, "no-swap")
         either = swap or plain
+        pp_rank, dp_rank = divmod(rank, config.dp)
         ranks.append({
             "rank": rank,
+            "pp_rank": pp_rank,
+            "dp_rank": dp_rank,
             "peak_activation_bytes_swap": swap.peak_activation_bytes if swap else None,
             "peak_activation_bytes_no_swap": plain.peak_activation_bytes if plain else None,
+            "peak_memory_bytes_swap": swap.peak_memory_bytes if swap else None,
+            "peak_memory_bytes_no_swap": plain.peak_memory_bytes if plain else None,
             "peak_allocated_bytes_swap": swap.peak_allocated_bytes if swap else None,
             "peak_allocated_bytes_no_swap": plain.peak_allocated_bytes if plain else None,
+            "parameter_bytes": either.parameter_bytes if either else None,
             "swapped_chunks": either.swapped_chunks if either else 0,
             "bytes_offloaded": swap.bytes_offloaded if swap else 0,
             "step_time_s_swap": statistics.median(swap.step_seconds) if swap else None,
             "step_time_s_no_swap": statistics.median(plain.step_seconds) if plain else None,
         })
-    losses = {name: [step for result in per_rank if name in result
-                     for step in result[name].losses if step] for name in config.modes}
+    # per step, every replica's microbatch losses (replicas split the batch evenly)
+    losses = {name: [[loss for result in per_rank if name in result
+                      for loss in result[name].losses[step]] for step in range(config.steps)]
+              for name in config.modes}
     both = all(name in losses for name in MODES)
     diff = None
     if both:
@@ -209,6 +282,8 @@ def summarize(config: TrainConfig, per_rank: list[dict[str, ModeResult]]) -> dic
     return {
         "schedule": config.schedule,
         "ranks": config.ranks,
+        "dp": config.dp,
+        "fsdp": config.fsdp,
         "stages_per_rank": config.stages_per_rank,
         "microbatches": config.microbatches,
         "steps": config.steps,
@@ -228,25 +303,38 @@ def _saving(plain: int | None, swap: int | None) -> str:
     return f"{1 - swap / plain:.0%}" if plain and swap is not None else "-"
 
 
-#: The table's column groups: a title over how many columns.
-_GROUPS = (("", 2), ("peak activations (counted)", 3), ("peak allocated (allocator)", 3),
-           ("step time", 2))
-
-
 def render(summary: dict[str, Any]) -> str:
-    rows = [("rank", "swapped chunks", "no swap", "with swap", "saving", "no swap", "with swap",
-             "saving", "no swap", "with swap")]
+    """The table: per rank, the peaks without and with swap, then the verdict on losses."""
+    fsdp = summary["fsdp"]
+    # column groups: a title over its column names (first the rank's own)
+    groups: list[tuple[str, tuple[str, ...]]] = [
+        ("", ("rank", "swapped chunks")),
+        ("peak activations (counted)", ("no swap", "with swap", "saving"))]
+    if fsdp:
+        groups.append(("+ gathered parameters (counted)", ("no swap", "with swap", "saving")))
+    groups += [("peak allocated (allocator)", ("no swap", "with swap", "saving")),
+               ("step time", ("no swap", "with swap")),
+               ("", ("parameters",))]
+    rows = [tuple(name for _, names in groups for name in names)]
     for entry in summary["per_rank"]:
-        plain, swap = entry["peak_activation_bytes_no_swap"], entry["peak_activation_bytes_swap"]
-        a_plain, a_swap = entry["peak_allocated_bytes_no_swap"], entry["peak_allocated_bytes_swap"]
-        t_plain, t_swap = entry["step_time_s_no_swap"], entry["step_time_s_swap"]
-        rows.append((str(entry["rank"]), str(entry["swapped_chunks"]), _mib(plain), _mib(swap),
-                     _saving(plain, swap), _mib(a_plain), _mib(a_swap), _saving(a_plain, a_swap),
-                     "-" if t_plain is None else f"{t_plain:.2f} s",
-                     "-" if t_swap is None else f"{t_swap:.2f} s"))
+        def pair(key: str) -> tuple[int | None, int | None]:
+            return entry[f"{key}_no_swap"], entry[f"{key}_swap"]
+
+        rank = str(entry["rank"])
+        if summary["dp"] > 1:
+            rank += f" (pp {entry['pp_rank']}, dp {entry['dp_rank']})"
+        row = [rank, str(entry["swapped_chunks"])]
+        for key in ("peak_activation_bytes", *(("peak_memory_bytes",) if fsdp else ()),
+                    "peak_allocated_bytes"):
+            plain, swap = pair(key)
+            row += [_mib(plain), _mib(swap), _saving(plain, swap)]
+        row += ["-" if t is None else f"{t:.2f} s" for t in pair("step_time_s")]
+        row.append(_mib(entry["parameter_bytes"]))
+        rows.append(tuple(row))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     titles, first = [], 0
-    for title, span in _GROUPS:  # each title centred over its columns, widened to fit it
+    for title, names in groups:  # each title centred over its columns, widened to fit it
+        span = len(names)
         room = sum(widths[first:first + span]) + 2 * (span - 1)
         widths[first + span - 1] += max(0, len(title) - room)
         titles.append(title.center(max(room, len(title))))
@@ -286,7 +374,10 @@ def parse_args(argv: list[str] | None) -> tuple[TrainConfig, argparse.Namespace]
             "per rank the peak device bytes held by saved activations without and with swap "
             "(as the swap manager counts them), the peak the device allocator saw above each "
             "step's start (measured in the odd steps, which are not timed), the savings, the "
-            "step time, and whether the losses matched bit for bit."),
+            "step time, the bytes building the rank's stages left allocated (its "
+            "parameters), and whether the losses matched bit for bit. With --dp N --fsdp, N "
+            "pipeline replicas each train on their part of the batch with every stage sharded "
+            "by FSDP2, and the table adds the peak of activations plus gathered parameters."),
         epilog=(
             "examples:\n"
             "  pipeswap-train                                   # 1F1B on 4 CPU ranks, both modes\n"
@@ -295,15 +386,24 @@ def parse_args(argv: list[str] | None) -> tuple[TrainConfig, argparse.Namespace]
             "      --overlap-b-f --dxdw-split --batch-p2p\n"
             "  pipeswap-train --schedule dualpipev --ranks 2 --microbatches 4\n"
             "  pipeswap-train --no-swap --json                  # one mode, JSON for tools\n"
-            "  torchrun --nproc-per-node 4 -m pipeswap.runtime.train --device cuda\n"),
+            "  pipeswap-train --ranks 2 --dp 2 --fsdp           # 2 pipelines x 2 FSDP shards\n"
+            "  torchrun --nproc-per-node 4 -m pipeswap.runtime.train --device cuda\n"
+            "  torchrun --nproc-per-node 4 -m pipeswap.runtime.train --dp 2 --fsdp\n"),
         formatter_class=argparse.RawDescriptionHelpFormatter)
     defaults = TrainConfig()
     kinds = [k.value for k in ScheduleKind]
     parser.add_argument("--schedule", choices=kinds, default=defaults.schedule,
                         help=f"pipeline schedule (default {defaults.schedule})")
     parser.add_argument("--ranks", "-P", type=int, default=defaults.ranks,
-                        help=f"pipeline ranks to spawn (default {defaults.ranks}; under "
-                        "torchrun, its world size)")
+                        help=f"pipeline ranks (default {defaults.ranks}; under torchrun, its "
+                        "world size / --dp); the job spawns ranks x dp processes")
+    parser.add_argument("--dp", type=int, default=defaults.dp, metavar="N",
+                        help="pipeline replicas, each on its own part of the batch, laid out "
+                             "on a 2-D (pp, dp) device mesh; needs --fsdp (default 1)")
+    parser.add_argument("--fsdp", action="store_true",
+                        help="shard each stage's parameters with FSDP2 over its data-parallel "
+                             "group; the schedule's UNSHARD, RESHARD and REDUCE_GRAD steps "
+                             "gather, free and reduce them")
     parser.add_argument("--stages-per-rank", "-V", type=int, default=defaults.stages_per_rank,
                         help="stages per rank (interleaved-1f1b, looped-bfs, interleaved-zb; "
                              "zbv and dualpipev always run two)")
@@ -312,7 +412,8 @@ def parse_args(argv: list[str] | None) -> tuple[TrainConfig, argparse.Namespace]
     parser.add_argument("--steps", type=int, default=defaults.steps,
                         help=f"optimizer steps per mode (default {defaults.steps})")
     parser.add_argument("--batch-size", type=int, default=defaults.batch_size,
-                        help=f"sequences per step, a multiple of --microbatches (default "
+                        help=f"sequences per step in all (split evenly over the --dp "
+                        f"replicas), a multiple of --microbatches x --dp (default "
                         f"{defaults.batch_size})")
     parser.add_argument("--seq-len", type=int, default=defaults.seq_len, help="tokens per sequence")
     parser.add_argument("--width", type=int, default=defaults.width, help="model width")
@@ -345,9 +446,12 @@ def parse_args(argv: list[str] | None) -> tuple[TrainConfig, argparse.Namespace]
     which.add_argument("--swap-only", action="store_true", help="run with swap only")
     parser.add_argument("--json", action="store_true",
                         help="print one JSON object at the end (per_rank entries with rank, "
-                        "peak_activation_bytes_swap, peak_activation_bytes_no_swap, "
+                        "pp_rank, dp_rank, peak_activation_bytes_swap, "
+                        "peak_activation_bytes_no_swap, peak_memory_bytes_swap and _no_swap "
+                        "(activations and gathered FSDP parameters), "
                         "peak_allocated_bytes_swap, peak_allocated_bytes_no_swap, "
-                        "swapped_chunks; max_abs_loss_diff, step_time_ratio)")
+                        "parameter_bytes, swapped_chunks; losses, max_abs_loss_diff, "
+                        "step_time_ratio)")
     parser.add_argument("--seed", type=int, default=defaults.seed, help="weights and data seed")
     parser.add_argument("--timeout", type=float, default=defaults.timeout_s,
                         help="seconds a rank waits for a peer before failing (default "
@@ -356,14 +460,22 @@ def parse_args(argv: list[str] | None) -> tuple[TrainConfig, argparse.Namespace]
     # Every check below runs before any rank starts, and a bad value ends here with one line.
     modes = ("no-swap",) if args.no_swap else ("swap",) if args.swap_only else MODES
     torchrun = launched_by_torchrun()
-    ranks = int(os.environ["WORLD_SIZE"]) if torchrun else args.ranks
-    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", ranks)) if torchrun else ranks
-    _check_numbers(parser, args, ranks, torchrun)
+    if args.dp < 1:
+        parser.error(f"--dp must be at least 1, got {args.dp}")
+    if args.dp > 1 and not args.fsdp:
+        parser.error(f"--dp {args.dp}: the replicas share gradients through FSDP2; add --fsdp")
+    world = int(os.environ["WORLD_SIZE"]) if torchrun else args.ranks * args.dp
+    if torchrun and world % args.dp:
+        parser.error(f"torchrun's world size {world} does not split into --dp {args.dp} "
+                     f"replicas: start a multiple of {args.dp} processes")
+    ranks = world // args.dp if torchrun else args.ranks
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", world)) if torchrun else world
+    _check_numbers(parser, args, ranks, world, torchrun)
     v_shaped = ScheduleKind(args.schedule) in V_SHAPED
     if v_shaped and args.stages_per_rank not in (1, 2):
         parser.error(f"{args.schedule} runs exactly two stages per rank")
     config = TrainConfig(
-        schedule=args.schedule, ranks=ranks,
+        schedule=args.schedule, ranks=ranks, dp=args.dp, fsdp=args.fsdp,
         stages_per_rank=2 if v_shaped else args.stages_per_rank,
         microbatches=args.microbatches, steps=args.steps, batch_size=args.batch_size,
         seq_len=args.seq_len, width=args.width, layers=args.layers, lr=args.lr, seed=args.seed,
@@ -377,9 +489,11 @@ def parse_args(argv: list[str] | None) -> tuple[TrainConfig, argparse.Namespace]
         parser.error("--budget plans on the chunk sizes the run without swap measures: drop "
                      "--swap-only / --no-swap")
     _check_schedule(parser, config)
-    if args.batch_size % args.microbatches:
+    parts = args.microbatches * args.dp
+    if args.batch_size % parts:
+        replicas = f" in each of {args.dp} replicas" if args.dp > 1 else ""
         parser.error(f"--batch-size {args.batch_size} does not split into "
-                     f"{args.microbatches} microbatches: use a multiple of {args.microbatches}")
+                     f"{args.microbatches} microbatches{replicas}: use a multiple of {parts}")
     if config.num_layers < config.num_stages:
         parser.error(f"--layers {config.num_layers} cannot fill {config.num_stages} stages: "
                      f"use at least {config.num_stages}, one block per stage")
@@ -389,7 +503,7 @@ def parse_args(argv: list[str] | None) -> tuple[TrainConfig, argparse.Namespace]
 
 
 def _check_numbers(parser: argparse.ArgumentParser, args: argparse.Namespace, ranks: int,
-                   torchrun: bool) -> None:
+                   world: int, torchrun: bool) -> None:
     """Each number on its own: within what the model, the corpus and this machine allow."""
     import math
 
@@ -400,7 +514,9 @@ def _check_numbers(parser: argparse.ArgumentParser, args: argparse.Namespace, ra
     heads = GPTConfig(vocab=1).heads
     # option, value, lowest, highest (None: none of its own), why no higher
     limits: list[tuple[str, int, int, int | None, str]] = [
-        ("torchrun's world size" if torchrun else "--ranks", ranks, 1, _MAX_RANKS,
+        ("--ranks", ranks, 1, None, ""),
+        ("torchrun's world size" if torchrun else "--ranks" if args.dp == 1 else
+         "--ranks x --dp", world, 1, _MAX_RANKS,
          "each rank is a process of its own with its own torch, all running at once"),
         ("--stages-per-rank", args.stages_per_rank, 1, None, ""),
         ("--microbatches", args.microbatches, 1, None, ""),
@@ -535,12 +651,14 @@ def main(argv: list[str] | None = None) -> int:
     if launched_by_torchrun():
         return _main_torchrun(config, args)
     if config.verbose:
+        replicas = (f" x {config.dp} replicas{' (FSDP)' if config.fsdp else ''}"
+                    if config.meshed else "")
         print(f"pipeswap-train: {config.schedule}, {config.ranks} ranks x "
-              f"{config.stages_per_rank} stage(s), {config.microbatches} microbatches, "
+              f"{config.stages_per_rank} stage(s){replicas}, {config.microbatches} microbatches, "
               f"{config.steps} steps per mode ({', '.join(config.modes)}) on {config.device}; "
               "spawning the ranks ...", flush=True)
     try:
-        per_rank = spawn(run_rank, config.ranks, config, backend=backend_for(config.device),
+        per_rank = spawn(run_rank, config.world, config, backend=backend_for(config.device),
                          timeout_s=config.timeout_s)
     except RankFailedError as exc:
         print(f"pipeswap-train: {exc}", file=sys.stderr)

@@ -10,8 +10,14 @@ existing steps, never inside one:
 ``LL``        launch the host→device copy one compute before the backward; for an FSDP
               stage, before its last parameter all-gather ahead of the backward so the two
               overlap, or right before the backward when no gather lies after ``WO``
+              (MindSpore hyper-parallel's rule, for policies that choose chunks only)
 ``WL``        make compute wait for the copy, right before the backward
 ============  ==============================================================================
+
+A policy that places each chunk (:class:`SwapPlacement`, as the default peak policy does)
+gets its placement on FSDP stages too: its copies were planned to hide behind those computes,
+and the rule above would leave a reload with no compute to hide behind when the stage's
+parameters stay gathered (one stage a rank, the common case).
 
 Compute slots count containers: an overlap of a backward and a forward is one slot.
 Differences from MindSpore hyper-parallel: local control steps (FSDP, swap) are transparent when
@@ -197,6 +203,7 @@ def inject_swap_order(order: Order, policy: SwapPolicy, *, rank: int = 0) -> lis
     slots = _Slots(order)
     candidates = slots.candidates(rank)
     chosen = policy.select(candidates, order)
+    placed = isinstance(chosen, Mapping)  # the policy placed each chunk itself
     selected: Mapping[ChunkKey, SwapPlacement] = (
         chosen if isinstance(chosen, Mapping) else dict.fromkeys(chosen, DEFAULT_PLACEMENT))
     unknown = selected.keys() - {(c.stage, c.micro) for c in candidates}
@@ -250,7 +257,7 @@ def inject_swap_order(order: Order, policy: SwapPolicy, *, rank: int = 0) -> lis
             )
         f_container, b_container = container[f_slot], container[b_slot]
         wait_offload_at = after_compute(container[f_slot + off])
-        gathers = slots.unshards.get(stage)
+        gathers = None if placed else slots.unshards.get(stage)
         if gathers is None:  # H2D overlaps the computes right before the backward
             load_at = container[b_slot - load]
         else:  # FSDP stage: overlap the H2D with the last re-gather of its parameters, if any
