@@ -103,7 +103,9 @@ def main(argv: list[str] | None = None) -> int:
             "manager holds; the allocator's covers everything the step allocates (parameter "
             "gradients, temporaries, received tensors), so its saving is smaller in share, and "
             "host buffers are left out of it as on a GPU. Ranks whose peak no swap can lower "
-            "swap nothing under the default policy.\n")
+            "swap nothing under the default policy. The DP=2 case runs four processes on the "
+            "two cores, each replica on half the batch, and its allocator peak includes the "
+            "gradients FSDP holds gathered until REDUCE_GRAD.\n")
     return publish(SECTION, report, args.write)
 
 

@@ -23,8 +23,10 @@ CONFIG = TrainConfig(schedule="interleaved-1f1b", ranks=2, dp=2, fsdp=True, stag
                      microbatches=4, batch_size=8, seq_len=16, width=32, verbose=False)
 
 
-def _executor(rank: int) -> tuple[PipelineExecutor, list[Any], tuple[torch.Tensor, ...]]:
-    """This rank's executor (with swap, the gap rule) on the mesh, its stages, and the first
+def _executor(rank: int, by_groups: bool = False
+              ) -> tuple[PipelineExecutor, list[Any], tuple[torch.Tensor, ...]]:
+    """This rank's executor (with swap, the gap rule) on the mesh (or, ``by_groups``, given
+    the data-parallel group, the stages holding the pipeline's), its stages, and the first
     two batches of its replica."""
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -39,8 +41,9 @@ def _executor(rank: int) -> tuple[PipelineExecutor, list[Any], tuple[torch.Tenso
                         fsdp=True, swap=True)
     stages = build_stages(CONFIG, gpt, build_schedule(spec).stage_ranks, pp_rank, mesh,
                           torch.device("cpu"))
-    executor = PipelineExecutor(stages, spec, CONFIG.microbatches, lm_loss,
-                                swap_policy=MinGapPolicy(), mesh=mesh)
+    executor = PipelineExecutor(
+        stages, spec, CONFIG.microbatches, lm_loss, swap_policy=MinGapPolicy(),
+        **({"dp_group": mesh.get_group("dp")} if by_groups else {"mesh": mesh}))
     half = CONFIG.batch_size // CONFIG.dp
     data = [t[dp_rank * half:(dp_rank + 1) * half] for pair in
             batches(corpus.encode(), CONFIG.batch_size, CONFIG.seq_len, 2, 0) for t in pair]
@@ -120,8 +123,8 @@ def collectives_of_a_step(rank: int, world_size: int) -> dict[str, int]:
 def one_replica_fails(rank: int, world_size: int, failing: int) -> dict[str, object]:
     """Rank ``failing`` raises in a forward of the second step. Every rank of both
     replicas must stop that step with an error naming it, promptly, and recover() must say
-    the run cannot go on."""
-    executor, stages, (x1, y1, x2, y2) = _executor(rank)
+    the run cannot go on. (The executor is given the two groups here, not the mesh.)"""
+    executor, stages, (x1, y1, x2, y2) = _executor(rank, by_groups=True)
     executor.step(x1, y1)
     if rank == failing:
         calls = [0]

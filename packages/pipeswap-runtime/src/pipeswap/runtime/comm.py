@@ -141,6 +141,7 @@ class Transport:
         self.board = board
         self.group = group
         self.rank = dist.get_rank(group)
+        self.global_rank = dist.get_rank()  # what messages name: unique across replicas
         self.stage_ranks = stage_ranks
         self.microbatches = microbatches
         self.device = device
@@ -207,7 +208,7 @@ class Transport:
     def _error(self, step: Step, exc: BaseException) -> PipelineCommError:
         verb = "sending to" if step.type in (StepType.FWD_SEND, StepType.BWD_SEND) else (
             "receiving from")
-        return self.failure(f"{step} ({verb} rank {self.peer(step)})", exc)
+        return self.failure(f"{step} ({verb} rank {self._global(self.peer(step))})", exc)
 
     def failure(self, where: str, exc: BaseException) -> PipelineCommError:
         """The error for a transfer or collective at ``where`` that failed with ``exc``: a
@@ -216,10 +217,10 @@ class Transport:
         if posted is not None:
             failed_rank = int(posted.split(" ", 2)[1])
             return PeerFailedError(
-                f"rank {self.rank} stopped at {where}: {posted}. Call recover() on the "
+                f"rank {self.global_rank} stopped at {where}: {posted}. Call recover() on the "
                 "executor of every rank before the next step (or exit)", failed_rank)
         return PipelineCommError(
-            f"rank {self.rank}: {where} failed: {exc}. A peer rank died, was stopped or runs "
+            f"rank {self.global_rank}: {where} failed: {exc}. A peer rank died, was stopped or runs "
             "another schedule (see its output); call recover() on the executor of every rank "
             "before the next step (or exit)")
 
@@ -234,7 +235,7 @@ class Transport:
             dist.recv(data, self._global(self.stage_ranks[stage - 1]), self.group, tag=stage)
         except RuntimeError as exc:
             raise self.failure(f"receiving the shape of stage {stage - 1}'s output from rank "
-                               f"{self.stage_ranks[stage - 1]}", exc) from exc
+                               f"{self._global(self.stage_ranks[stage - 1])}", exc) from exc
         return TensorMeta.decode(data)
 
     def send_meta(self, stage: int, meta: TensorMeta) -> None:
@@ -245,7 +246,7 @@ class Transport:
                       tag=stage + 1)
         except RuntimeError as exc:
             raise self.failure(f"sending the shape of stage {stage}'s output to rank "
-                               f"{self.stage_ranks[stage + 1]}", exc) from exc
+                               f"{self._global(self.stage_ranks[stage + 1])}", exc) from exc
 
 
 def all_gather_ints(value: int, group: dist.ProcessGroup | None) -> list[int]:
