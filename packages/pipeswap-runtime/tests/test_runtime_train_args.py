@@ -106,13 +106,17 @@ def test_a_bad_argument_gets_one_line_and_starts_no_rank(
         assert word in line
 
 
+def _as_torchrun(monkeypatch: pytest.MonkeyPatch, world: int) -> None:
+    """The environment torchrun gives rank 0 of ``world`` processes."""
+    for name, value in (("RANK", "0"), ("WORLD_SIZE", str(world)),
+                        ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29500")):
+        monkeypatch.setenv(name, value)
+
+
 def test_under_torchrun_its_world_size_meets_the_same_limits(
         monkeypatch: pytest.MonkeyPatch, no_ranks: None,
         capsys: pytest.CaptureFixture[str]) -> None:
-    monkeypatch.setenv("RANK", "0")
-    monkeypatch.setenv("WORLD_SIZE", "512")
-    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    monkeypatch.setenv("MASTER_PORT", "29500")
+    _as_torchrun(monkeypatch, 512)
     line = _refused([], capsys)
     assert "torchrun's world size" in line and "at most 64, got 512" in line
 
@@ -146,10 +150,7 @@ def test_the_documented_and_boundary_values_parse(argv: list[str], no_ranks: Non
 def test_under_torchrun_dp_splits_the_world_into_replicas(
         monkeypatch: pytest.MonkeyPatch, no_ranks: None,
         capsys: pytest.CaptureFixture[str]) -> None:
-    monkeypatch.setenv("RANK", "0")
-    monkeypatch.setenv("WORLD_SIZE", "6")
-    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    monkeypatch.setenv("MASTER_PORT", "29500")
+    _as_torchrun(monkeypatch, 6)
     config, _ = parse_args(["--dp", "2", "--fsdp"])
     assert (config.ranks, config.dp, config.world) == (3, 2, 6)
     line = _refused(["--dp", "4", "--fsdp"], capsys)
