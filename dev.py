@@ -23,8 +23,9 @@ commands:
                           with only the siblings it declares
                        e. build every package (sdist + wheel) into dist/, install the wheels
                           into a fresh venv, import them, run `pipeswap-schedule --help`,
-                          `pipeswap-train --help`
-                          and the integration suite tests/ against them
+                          `pipeswap-train --help`, the distribution tests and one
+                          multi-process training run against them (the multi-process
+                          suite runs once, in b)
                      Hatch envs are deleted first on CI (CI=true) and whenever a
                      pyproject.toml or __about__.py changed since they were built.
   test ARGS...       only phase b, with ARGS passed to pytest
@@ -257,7 +258,10 @@ def check_wheels() -> None:
     run([python, "-c", probe], label=f"{python} -c <import all four, no nvidia-*, torch {TORCH}>")
     run([WHEEL_CHECK_VENV / "bin" / "pipeswap-schedule", "--help"])
     run([WHEEL_CHECK_VENV / "bin" / "pipeswap-train", "--help"])
-    run([python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests"])
+    # The installed wheels: their metadata and namespace, and one multi-process run of the
+    # training job end to end. The multi-process suite itself runs once, in phase b.
+    run([python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_distributions.py",
+         "tests/test_train_cli.py::test_spawned_run_prints_the_json_contract"])
 
 
 def suite_tally() -> str:
