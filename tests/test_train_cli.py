@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 SMALL = ["--schedule", "gpipe", "--microbatches", "4", "--steps", "2", "--width", "32",
          "--seq-len", "16", "--batch-size", "8"]
@@ -70,3 +71,29 @@ def test_under_torchrun_dp_makes_replicas_of_the_pipeline() -> None:
     assert summary["max_abs_loss_diff"] == 0.0
     for entry in summary["per_rank"]:
         assert entry["peak_memory_bytes_no_swap"] > entry["peak_activation_bytes_no_swap"] > 0
+
+
+def test_bf16_metrics_and_logs(tmp_path: Path) -> None:
+    """--dtype bf16: losses bit-identical with and without swap, and not those of fp32 (the
+    forwards really ran in bfloat16); --metrics writes a line per step and mode; every
+    progress line names its rank, and the run prints no warning."""
+    metrics_file = tmp_path / "metrics.jsonl"
+    command = [sys.executable, "-m", "pipeswap.runtime.train", "--ranks", "2", *SMALL]
+    done = subprocess.run([*command, "--dtype", "bf16", "--metrics", str(metrics_file)],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert "losses with and without swap: bit-identical" in done.stdout
+    progress = [line for line in done.stdout.splitlines() if "] step " in line]
+    assert progress and all(line.startswith("[rank 1] [") for line in progress), progress
+    assert "Warning" not in done.stdout + done.stderr, done.stderr[-4000:]
+    records = [json.loads(line) for line in metrics_file.read_text().splitlines()]
+    assert [(r["step"], r["mode"]) for r in records] == [
+        (1, "no-swap"), (2, "no-swap"), (1, "swap"), (2, "swap")]
+    for record in records:
+        assert record["tokens_per_s"] > 0 and [e["rank"] for e in record["per_rank"]] == [0, 1]
+        assert all(e["peak_activation_bytes"] > 0 for e in record["per_rank"])
+    bf16 = [r["loss"] for r in records if r["mode"] == "swap"]
+    assert bf16 == [r["loss"] for r in records if r["mode"] == "no-swap"]
+    fp32 = json.loads(_run([*command, "--no-swap", "--json"]).strip().splitlines()[-1])
+    assert bf16 != fp32["losses"]["no-swap"]
+    assert all(abs(a - b) < 0.05 * abs(b) for a, b in zip(bf16, fp32["losses"]["no-swap"]))

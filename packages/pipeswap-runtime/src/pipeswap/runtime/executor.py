@@ -159,6 +159,10 @@ class PipelineExecutor:
     ``fully_shard`` over that group (:func:`pipeswap.runtime.fsdp.shard_stage`) make a
     schedule built here get FSDP steps; a schedule with FSDP steps needs every stage of
     this rank sharded.
+
+    ``autocast_dtype`` (e.g. ``torch.bfloat16``): run every forward and its loss under
+    ``torch.autocast`` to that dtype, the parameters staying in theirs (fp32 master
+    weights); tensors between stages then cross in the dtype the stages output.
     """
 
     def __init__(
@@ -177,6 +181,7 @@ class PipelineExecutor:
         measure_allocator: bool = False,
         mesh: DeviceMesh | None = None,
         dp_group: dist.ProcessGroup | None = None,
+        autocast_dtype: torch.dtype | None = None,
     ) -> None:
         import torch.distributed as dist
 
@@ -197,6 +202,7 @@ class PipelineExecutor:
         self._by_index = {stage.stage_index: stage for stage in self.stages}
         self.account = swap if account_activations is None else account_activations
         self.measure_allocator = measure_allocator
+        self.autocast_dtype = autocast_dtype
         self.dp_group = self._data_parallel_group(mesh, dp_group)
         self.dp_size = 1 if self.dp_group is None else dist.get_world_size(self.dp_group)
         self._spans_world = self.world == dist.get_world_size()
@@ -459,7 +465,9 @@ class PipelineExecutor:
                 if sharded is not None:  # gathered for the dry run alone, and freed again
                     sharded.unshard()
                     sharded.ready("the exchange of stage boundary shapes")
-                out = stage.forward(torch.zeros(meta.shape, dtype=meta.dtype, device=device))
+                with self._autocast():
+                    out = stage.forward(torch.zeros(meta.shape, dtype=meta.dtype,
+                                                    device=device))
                 if sharded is not None:
                     sharded.reshard()
                 for name, b in stage.module.named_buffers():
@@ -721,9 +729,10 @@ class PipelineExecutor:
             x = received.requires_grad_(True)
         target = run.micro_targets[micro] if stage.is_last else None
         accounted = self.account or key in self.swapped
-        chunk = forward_chunk(stage.forward, x, target=target, loss_fn=self.loss_fn,
-                              scale=self.microbatches,
-                              saving=run.session.forward(key) if accounted else None)
+        with self._autocast():
+            chunk = forward_chunk(stage.forward, x, target=target, loss_fn=self.loss_fn,
+                                  scale=self.microbatches,
+                                  saving=run.session.forward(key) if accounted else None)
         if chunk.loss is not None:
             run.losses[micro] = chunk.loss
         if accounted:
@@ -731,6 +740,15 @@ class PipelineExecutor:
             run.session.protect(key, [x, chunk.output, target])
             run.chunk_bytes[key] = self.manager.group_bytes(run.session.name(key))
         run.chunks[key] = chunk
+
+    def _autocast(self) -> AbstractContextManager[object]:
+        """Mixed precision for a forward (and its loss): autocast to ``autocast_dtype``;
+        parameters and their gradients stay in their own dtype."""
+        if self.autocast_dtype is None:
+            return nullcontext()
+        import torch
+
+        return torch.autocast(self.platform.device.type, dtype=self.autocast_dtype)
 
     def _backward(self, run: _Run, key: ChunkKey, *, dx: bool, dw: bool) -> None:
         """B (dx and dw), I (dx) or W (dw) of one chunk; the autograd is in

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import statistics
 import sys
@@ -34,6 +35,10 @@ if TYPE_CHECKING:
     from pipeswap.platform import AllocationPeak
 
 MODES = ("no-swap", "swap")
+DTYPES = ("fp32", "bf16")
+LOG_LEVELS = ("debug", "info", "warning", "error")
+log = logging.getLogger("pipeswap.runtime.train")  # also when run as __main__
+_NUMPY_WARNING = "Failed to initialize NumPy"
 
 
 @dataclass(frozen=True)
@@ -62,7 +67,9 @@ class TrainConfig:
     # the chunk sizes the run without swap measured (compare mode only)
     budget: int | None = None
     modes: tuple[str, ...] = MODES
-    verbose: bool = True
+    dtype: str = "fp32"  # bf16: forwards under autocast to bfloat16, fp32 master weights
+    verbose: bool = True  # log each step's progress (at info level)
+    log_level: str = "info"  # of the pipeswap loggers in every rank
     keep_grads: bool = False  # return the first step's gradients (for tests)
     # measure the allocator's peak in the odd steps (1, 3, ...) and time only the even ones,
     # as measuring slows a step (the one step of a one-step run is measured and timed)
@@ -107,6 +114,8 @@ class ModeResult:
     chunk_bytes: dict[tuple[int, int], tuple[int, int]] = field(default_factory=dict)
     chunk_bytes_after_input: dict[tuple[int, int], int] = field(default_factory=dict)
     gathered_bytes: dict[int, int] = field(default_factory=dict)  # per sharded stage
+    # per step: seconds, the step's peaks (allocator's where measured) and bytes offloaded
+    per_step: list[dict[str, Any]] = field(default_factory=list)
 
 
 def run_rank(rank: int, world_size: int, config: TrainConfig) -> dict[str, ModeResult]:
@@ -123,6 +132,7 @@ def run_rank(rank: int, world_size: int, config: TrainConfig) -> dict[str, ModeR
         raise ValueError(f"config needs {config.world} ranks ({config.ranks} pipeline ranks x "
                          f"{config.dp} replicas) but {world_size} were started")
     torch.set_num_threads(1)  # several ranks share the cores
+    _setup_logging(rank, config.log_level)
     local_rank = int(os.environ.get("LOCAL_RANK", rank))  # torchrun and spawn both set it
     platform = get_platform(config.device if config.device == "cpu"
                             else f"{config.device}:{local_rank % max(1, _device_count(config))}")
@@ -158,9 +168,10 @@ def run_rank(rank: int, world_size: int, config: TrainConfig) -> dict[str, ModeR
         policy = swap_policy(config.policy)
         if mode == "swap" and config.budget is not None:
             policy = _budget_policy(config, results["no-swap"].chunk_bytes)
-        executor = PipelineExecutor(stages, spec, config.microbatches, lm_loss,
-                                    swap=mode == "swap", platform=platform,
-                                    swap_policy=policy, account_activations=True, mesh=mesh)
+        executor = PipelineExecutor(
+            stages, spec, config.microbatches, lm_loss, swap=mode == "swap", platform=platform,
+            swap_policy=policy, account_activations=True, mesh=mesh,
+            autocast_dtype=torch.bfloat16 if config.dtype == "bf16" else None)
         result = results[mode] = ModeResult(
             swapped_chunks=len(executor.swapped),
             parameter_bytes=None if built is None else built.held_bytes,
@@ -192,15 +203,22 @@ def run_rank(rank: int, world_size: int, config: TrainConfig) -> dict[str, ModeR
                 result.peak_allocated_bytes = max(result.peak_allocated_bytes or 0,
                                                   report.peak_allocated_bytes)
             result.bytes_offloaded += report.bytes_offloaded
+            result.per_step.append({
+                "seconds": report.seconds,
+                "peak_activation_bytes": report.peak_activation_bytes,
+                "peak_memory_bytes": report.peak_memory_bytes,
+                "peak_allocated_bytes": report.peak_allocated_bytes,
+                "bytes_offloaded": report.bytes_offloaded})
             result.groups_alive_after_step.append(executor.manager.active_group_count())
             result.host_bytes_in_use_after_step.append(stats.host_bytes_in_use)
             if config.verbose and report.losses:
                 loss = sum(report.losses) / len(report.losses)
                 tokens = config.batch_size // config.dp * config.seq_len
                 replica = f" replica {dp_rank}" if config.dp > 1 else ""
-                print(f"[{mode:>7}{replica}] step {number}/{config.steps}  loss {loss:.4f}  "
-                      f"{report.seconds:.2f} s  {tokens / report.seconds:,.0f} tokens/s"
-                      f"{'  (allocator measured)' if measured else ''}", flush=True)
+                log.info("[%7s%s] step %d/%d  loss %.4f  %.2f s  %s tokens/s%s", mode, replica,
+                         number, config.steps, loss, report.seconds,
+                         f"{tokens / report.seconds:,.0f}",
+                         "  (allocator measured)" if measured else "")
     return results
 
 
@@ -223,6 +241,19 @@ def build_stages(config: TrainConfig, gpt: Any, placement: tuple[int, ...], pp_r
             shard_stage(module, mesh["dp"], [m for m in module if isinstance(m, Block)])
         stages.append(PipelineStage(module, index, config.num_stages, group))
     return stages
+
+
+def _setup_logging(rank: int, level: str) -> None:
+    """The job's ranks log through ``logging``: the ``pipeswap`` loggers to standard output,
+    each line prefixed with the rank that wrote it (a user's own configuration of the
+    ``pipeswap`` logger, made before, is kept)."""
+    root = logging.getLogger("pipeswap")
+    root.setLevel(level.upper())
+    if not root.handlers:
+        handler = logging.StreamHandler(sys.stdout)
+        handler.setFormatter(logging.Formatter(f"[rank {rank}] %(message)s"))
+        root.addHandler(handler)
+        root.propagate = False
 
 
 def _local(tensor: Any) -> Any:
@@ -293,6 +324,29 @@ def summarize(config: TrainConfig, per_rank: list[dict[str, ModeResult]]) -> dic
         "losses_match": diff == 0.0 if both else None,
         "step_time_ratio": times["swap"] / times["no-swap"] if both else None,
     }
+
+
+def metrics(config: TrainConfig, per_rank: list[dict[str, ModeResult]]
+            ) -> list[dict[str, Any]]:
+    """One record per mode and step, as ``--metrics`` writes them: the step's loss (the mean
+    microbatch loss over every replica), tokens per second (the whole batch over the slowest
+    rank's step time) and each rank's peaks and bytes offloaded in that step."""
+    records = []
+    for mode in config.modes:
+        for step in range(config.steps):
+            results = [result[mode] for result in per_rank]
+            losses = [loss for result in results for loss in result.losses[step]]
+            seconds = max(result.per_step[step]["seconds"] for result in results)
+            records.append({
+                "step": step + 1,
+                "mode": mode,
+                "loss": sum(losses) / len(losses),
+                "tokens_per_s": config.batch_size * config.seq_len / seconds,
+                "per_rank": [{"rank": rank, **{k: v for k, v in result.per_step[step].items()
+                                               if k != "seconds"}}
+                             for rank, result in enumerate(results)],
+            })
+    return records
 
 
 def _mib(value: int | None) -> str:
@@ -452,6 +506,17 @@ def parse_args(argv: list[str] | None) -> tuple[TrainConfig, argparse.Namespace]
                         "peak_allocated_bytes_swap, peak_allocated_bytes_no_swap, "
                         "parameter_bytes, swapped_chunks; losses, max_abs_loss_diff, "
                         "step_time_ratio)")
+    parser.add_argument("--dtype", choices=DTYPES, default=defaults.dtype,
+                        help="fp32, or bf16: every forward under autocast to bfloat16, "
+                             "parameters, gradients and optimizer state in float32 (default "
+                             f"{defaults.dtype})")
+    parser.add_argument("--metrics", metavar="FILE",
+                        help="write one JSON line per step and mode to FILE at the end: step, "
+                             "mode, loss (the mean microbatch loss), tokens_per_s, and per "
+                             "rank the step's peaks and bytes offloaded")
+    parser.add_argument("--log-level", choices=LOG_LEVELS, default=None,
+                        help="level of the ranks' logs, each line prefixed by its rank "
+                             "(default info; warning with --json)")
     parser.add_argument("--seed", type=int, default=defaults.seed, help="weights and data seed")
     parser.add_argument("--timeout", type=float, default=defaults.timeout_s,
                         help="seconds a rank waits for a peer before failing (default "
@@ -481,7 +546,8 @@ def parse_args(argv: list[str] | None) -> tuple[TrainConfig, argparse.Namespace]
         seq_len=args.seq_len, width=args.width, layers=args.layers, lr=args.lr, seed=args.seed,
         device=args.device, overlap_b_f=args.overlap_b_f, dxdw_split=args.dxdw_split,
         batch_p2p=args.batch_p2p, policy=args.policy, budget=args.budget, modes=modes,
-        verbose=not args.json,
+        dtype=args.dtype, verbose=not args.json,
+        log_level=args.log_level or ("warning" if args.json else "info"),
         timeout_s=args.timeout)
     if args.budget is not None and args.policy != "peak":
         parser.error(f"--budget applies to the peak policy, not --policy {args.policy}")
@@ -647,6 +713,7 @@ def _check_memory(parser: argparse.ArgumentParser, config: TrainConfig,
 
 
 def main(argv: list[str] | None = None) -> int:
+    _quiet_numpy()
     config, args = parse_args(argv)
     if launched_by_torchrun():
         return _main_torchrun(config, args)
@@ -671,6 +738,19 @@ def main(argv: list[str] | None = None) -> int:
         return exc.code if isinstance(exc.code, int) else 1
     _report(config, args, per_rank)
     return 0
+
+
+def _quiet_numpy() -> None:
+    """torch warns at import when NumPy is missing, and pipeswap never uses NumPy: the job
+    leaves that warning out, here and (through the environment they inherit) in the ranks it
+    starts, which import torch before any code of theirs runs."""
+    import warnings
+
+    warnings.filterwarnings("ignore", message=_NUMPY_WARNING, category=UserWarning)
+    rule = f"ignore:{_NUMPY_WARNING}:UserWarning"
+    current = os.environ.get("PYTHONWARNINGS")
+    if rule not in (current or ""):
+        os.environ["PYTHONWARNINGS"] = f"{current},{rule}" if current else rule
 
 
 def _main_torchrun(config: TrainConfig, args: argparse.Namespace) -> NoReturn:
@@ -698,6 +778,10 @@ def _main_torchrun(config: TrainConfig, args: argparse.Namespace) -> NoReturn:
 def _report(config: TrainConfig, args: argparse.Namespace,
             per_rank: list[dict[str, ModeResult]]) -> None:
     summary = summarize(config, per_rank)
+    if args.metrics:
+        with open(args.metrics, "w", encoding="utf-8") as out:
+            for record in metrics(config, per_rank):
+                out.write(json.dumps(record) + "\n")
     if args.json:
         print(json.dumps(summary))
     else:
