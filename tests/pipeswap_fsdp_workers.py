@@ -15,7 +15,7 @@ from torch.distributed.tensor import DTensor
 from pipeswap.runtime import PeerFailedError, PipelineError, PipelineExecutor
 from pipeswap.runtime.data import Corpus, batches
 from pipeswap.runtime.fsdp import fsdp_modules
-from pipeswap.runtime.model import GPTConfig, lm_loss
+from pipeswap.runtime.model import lm_loss
 from pipeswap.runtime.train import TrainConfig, build_stages
 from pipeswap.schedule import MinGapPolicy, ScheduleKind, ScheduleSpec, StepType, build_schedule
 
@@ -34,13 +34,11 @@ def _executor(rank: int, by_groups: bool = False
     mesh = init_device_mesh("cpu", (CONFIG.ranks, CONFIG.dp), mesh_dim_names=("pp", "dp"))
     pp_rank, dp_rank = divmod(rank, CONFIG.dp)
     corpus = Corpus.bundled()
-    gpt = GPTConfig(vocab=len(corpus.vocab), seq_len=CONFIG.seq_len, width=CONFIG.width,
-                    layers=CONFIG.num_layers)
     spec = ScheduleSpec(ScheduleKind(CONFIG.schedule), ranks=CONFIG.ranks,
                         microbatches=CONFIG.microbatches, stages_per_rank=CONFIG.stages_per_rank,
                         fsdp=True, swap=True)
-    stages = build_stages(CONFIG, gpt, build_schedule(spec).stage_ranks, pp_rank, mesh,
-                          torch.device("cpu"))
+    stages = build_stages(CONFIG, len(corpus.vocab), build_schedule(spec).stage_ranks,
+                          pp_rank, mesh, torch.device("cpu"))
     executor = PipelineExecutor(
         stages, spec, CONFIG.microbatches, lm_loss, swap_policy=MinGapPolicy(),
         **({"dp_group": mesh.get_group("dp")} if by_groups else {"mesh": mesh}))

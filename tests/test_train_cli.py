@@ -97,3 +97,15 @@ def test_bf16_metrics_and_logs(tmp_path: Path) -> None:
     fp32 = json.loads(_run([*command, "--no-swap", "--json"]).strip().splitlines()[-1])
     assert bf16 != fp32["losses"]["no-swap"]
     assert all(abs(a - b) < 0.05 * abs(b) for a, b in zip(bf16, fp32["losses"]["no-swap"]))
+
+
+def test_llama_in_bf16_swaps_without_changing_a_bit() -> None:
+    """--model llama (RMSNorm, rotary embeddings, grouped-query attention, SwiGLU) in bf16:
+    losses bit-identical with and without swap, and both ranks' peaks lower with swap."""
+    out = _run([sys.executable, "-m", "pipeswap.runtime.train", "--ranks", "2", *SMALL,
+                "--model", "llama", "--dtype", "bf16", "--json"])
+    summary = json.loads(out.strip().splitlines()[-1])
+    assert summary["max_abs_loss_diff"] == 0.0 and summary["losses_match"] is True
+    for entry in summary["per_rank"]:
+        assert 0 < entry["peak_activation_bytes_swap"] < entry["peak_activation_bytes_no_swap"]
+        assert 0 < entry["peak_allocated_bytes_swap"] < entry["peak_allocated_bytes_no_swap"]

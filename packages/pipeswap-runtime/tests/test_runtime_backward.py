@@ -103,7 +103,7 @@ def _run(case: _Case, split: bool, *, manager: SwapManager | None = None,
             chunk = forward_chunk(module, x, target=target, loss_fn=lm_loss, scale=MICRO,
                                   saving=saving)
             if session is not None:
-                session.protect((0, micro), [x, chunk.output, target])
+                session.protect((0, micro), [x, chunk.value, target])
                 session.manager.launch_offload(session.name((0, micro)))
                 session.manager.wait_offload(session.name((0, micro)))
             chunks.append(chunk)
@@ -115,7 +115,9 @@ def _run(case: _Case, split: bool, *, manager: SwapManager | None = None,
                  for micro, chunk in enumerate(chunks)]
         for chunk, grad in zip(chunks, grads):
             step = chunk.backward_input if split else chunk.backward
-            input_grads.append(_count(flops, "I" if split else "B", partial(step, grad)))
+            got = _count(flops, "I" if split else "B",
+                         partial(step, None if grad is None else [grad]))
+            input_grads.append(got[0] if got else None)
         if split:
             for chunk in chunks:
                 _count(flops, "W", chunk.backward_weight)
@@ -126,9 +128,9 @@ def _run(case: _Case, split: bool, *, manager: SwapManager | None = None,
 
 
 def _output_grad(chunk: ChunkAutograd, micro: int) -> torch.Tensor:
-    assert chunk.output is not None
+    assert chunk.outputs is not None
     generator = torch.Generator().manual_seed(10 + micro)
-    return torch.randn(chunk.output.shape, generator=generator)
+    return torch.randn(chunk.outputs[0].shape, generator=generator)
 
 
 def _same(got: Sequence[torch.Tensor | None], want: Sequence[torch.Tensor | None], *,
@@ -191,8 +193,8 @@ def test_parameter_hooks_run_once_as_in_the_whole_backward(kind: str) -> None:
             lambda _p, i=index: calls.append(("accumulated", i)))
     x = case.inputs[0].detach().requires_grad_(True)
     chunk = forward_chunk(module, x)
-    assert chunk.output is not None
-    chunk.backward_input(torch.ones_like(chunk.output))
+    assert chunk.outputs is not None
+    chunk.backward_input([torch.ones_like(chunk.outputs[0])])
     in_input = list(calls)
     chunk.backward_weight()
     count = len(list(module.parameters()))
@@ -203,7 +205,7 @@ def test_parameter_hooks_run_once_as_in_the_whole_backward(kind: str) -> None:
     else:  # lin (used twice) in I, other in W
         assert sorted(in_input) == [("accumulated", 0), ("accumulated", 1), ("grad", 0),
                                     ("grad", 1)]
-    assert chunk.output is None and chunk.input is None
+    assert chunk.outputs is None and chunk.inputs is None and chunk.output is None
 
 
 def test_each_chunk_runs_its_backward_steps_once_in_order() -> None:
@@ -211,9 +213,9 @@ def test_each_chunk_runs_its_backward_steps_once_in_order() -> None:
     chunk = forward_chunk(module, torch.randn(2, 64, requires_grad=True))
     with pytest.raises(RuntimeError, match="run I first"):
         chunk.backward_weight()
-    chunk.backward_input(torch.ones(2, 64))
+    chunk.backward_input([torch.ones(2, 64)])
     with pytest.raises(RuntimeError, match="once"):
-        chunk.backward(torch.ones(2, 64))
+        chunk.backward([torch.ones(2, 64)])
     chunk.backward_weight()
     with pytest.raises(RuntimeError, match="W once"):
         chunk.backward_weight()
@@ -250,11 +252,11 @@ def test_i_frees_what_w_does_not_need_and_w_frees_the_rest(kind: str) -> None:
     target = case.targets[0] if case.targets is not None else None
     chunk = forward_chunk(module, x, target=target, loss_fn=lm_loss, scale=MICRO,
                           saving=session.forward((0, 0)))
-    session.protect((0, 0), [x, chunk.output, target])
+    session.protect((0, 0), [x, chunk.value, target])
     del x
     name = session.name((0, 0))
     saved = manager.group_bytes(name).movable  # bytes of saved tensors still alive
-    chunk.backward_input(None if target is not None else _output_grad(chunk, 0))
+    chunk.backward_input(None if target is not None else [_output_grad(chunk, 0)])
     gc.collect()
     after_input = manager.group_bytes(name).movable
     if kind == "last":  # the loss's log-softmax (logits-sized) is among what goes

@@ -32,7 +32,10 @@ backward that frees what it saved. W keeps only the weight nodes, their subgraph
 gradients they received; its own backward frees those.
 
 A stage whose input does not require grad (the first) has no dx path: I does nothing and W
-is a B. Limitation: hooks registered on intermediate tensors (``Tensor.register_hook``,
+is a B. Several tensors between stages: the dx path ends at any input that carries a
+gradient, and several outputs that carry one are joined into one root, the sum of each
+output times its gradient, whose backward hands every output exactly its gradient.
+Limitation: hooks registered on intermediate tensors (``Tensor.register_hook``,
 ``retain_grad``) or on graph nodes may run again in W, or with no gradient after I.
 
 torch is imported inside the functions: importing the runtime stays cheap.
@@ -40,10 +43,10 @@ torch is imported inside the functions: importing the runtime stays cheap.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import torch
@@ -55,27 +58,37 @@ _ACCUMULATE = "torch::autograd::AccumulateGrad"
 
 
 def forward_chunk(
-    forward: Callable[[torch.Tensor], torch.Tensor],
-    x: torch.Tensor,
+    forward: Callable[[Any], Any],
+    x: Any,
     *,
-    target: torch.Tensor | None = None,
-    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+    inputs: Sequence[torch.Tensor] | None = None,
+    carries: Callable[[Any], Sequence[torch.Tensor]] | None = None,
+    target: Any = None,
+    loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
     scale: int = 1,
     saving: AbstractContextManager[object] | None = None,
 ) -> ChunkAutograd:
-    """Run the stage on ``x`` inside ``saving`` (the swap group that collects what autograd
-    saves). With a ``target`` (the last stage) the output goes through ``loss_fn`` and is
-    divided by ``scale`` (the microbatch count), so the gradients are the mean loss's."""
+    """Run the stage on ``x`` (a tensor or a pytree of them; ``inputs``: its tensors that
+    carry a gradient back, by default ``x`` itself where it is a tensor that requires grad)
+    inside ``saving`` (the swap group that collects what autograd
+    saves). ``carries`` picks the output's tensors that carry a gradient (default: the
+    output itself, one tensor). With a ``target`` (the last stage) the output goes through
+    ``loss_fn`` and is divided by ``scale`` (the microbatch count), so the gradients are the
+    mean loss's."""
+    import torch
+
+    if inputs is None:
+        inputs = [x] if isinstance(x, torch.Tensor) and x.requires_grad else []
     with saving if saving is not None else nullcontext():
         out = forward(x)
-        loss: torch.Tensor | None = None
-        if target is not None:
-            if loss_fn is None:
-                raise ValueError("a target needs a loss_fn")
-            value = loss_fn(out, target)
-            loss = value.detach()  # read by the caller once a step: no host sync per chunk
-            out = value / scale
-    return ChunkAutograd(x, out, loss)
+        if target is None:
+            roots = tuple(carries(out)) if carries is not None else (out,)
+            return ChunkAutograd(tuple(inputs), roots, out)
+        if loss_fn is None:
+            raise ValueError("a target needs a loss_fn")
+        value = loss_fn(out, target)
+        # the loss is read by the caller once a step: no host sync per chunk
+        return ChunkAutograd(tuple(inputs), (value / scale,), None, value.detach())
 
 
 @dataclass(eq=False)
@@ -93,45 +106,55 @@ class _Plan:
 class ChunkAutograd:
     """One chunk from its forward to its last backward step.
 
-    ``output`` is what backward starts from: the stage output, or on the last stage the
-    scaled loss (``loss`` holds the unscaled value, detached). Call :meth:`backward`, or
-    :meth:`backward_input` then :meth:`backward_weight`, once; each drops what it no longer
-    needs, and after the last one the chunk holds nothing.
+    ``outputs`` are what backward starts from: the stage output's tensors that carry a
+    gradient, or on the last stage the scaled loss (``loss`` holds the unscaled value,
+    detached); ``value`` is the whole output, sent to the next stage. ``inputs`` are the
+    input's tensors that carry a gradient. Call :meth:`backward`, or :meth:`backward_input`
+    then :meth:`backward_weight`, once; each drops what it no longer needs, and after the
+    last one the chunk holds nothing.
     """
 
-    input: torch.Tensor | None
-    output: torch.Tensor | None
+    inputs: tuple[torch.Tensor, ...] | None
+    outputs: tuple[torch.Tensor, ...] | None
+    value: Any = None
     loss: torch.Tensor | None = None
+    output: torch.Tensor | None = None  # the root W starts from when I found no dx path
     _grad: torch.Tensor | None = None  # the output's gradient, while W still needs it
     _plan: _Plan | None = field(default=None, repr=False)
     _done: str = ""  # "", "B", "I" or "W": the backward steps run so far
 
-    def backward(self, grad: torch.Tensor | None) -> torch.Tensor | None:
-        """B: the whole backward from the output (``grad``: its gradient; None for the
-        scaled loss). Parameters and the input accumulate ``.grad``; returns the input's."""
+    def backward(self, grads: Sequence[torch.Tensor] | None) -> list[torch.Tensor | None]:
+        """B: the whole backward from the outputs (``grads``: theirs; None for the scaled
+        loss). Parameters and the inputs accumulate ``.grad``; returns the inputs'."""
         import torch
 
-        root, x = self._take("B")
-        torch.autograd.backward(root, grad)
-        return x.grad if x.is_leaf and x.requires_grad else None
+        outputs, xs = self._take("B")
+        live = _live(outputs, grads)
+        if live:
+            given: Any = [g for _, g in live]  # None for the loss, as autograd takes it
+            torch.autograd.backward([o for o, _ in live], given)
+        return [x.grad for x in xs]
 
-    def backward_input(self, grad: torch.Tensor | None) -> torch.Tensor | None:
-        """I: the input's gradient, accumulated into its ``.grad`` as B does and returned
-        (None where the output does not depend on the input). Keeps for W the gradients
-        arriving at the weight nodes, and frees what W does not need."""
+    def backward_input(self, grads: Sequence[torch.Tensor] | None
+                       ) -> list[torch.Tensor | None]:
+        """I: the inputs' gradients, accumulated into their ``.grad`` as B does and returned
+        (None where the output does not depend on one). Keeps for W the gradients arriving
+        at the weight nodes, and frees what W does not need."""
         import torch
 
-        root, x = self._take("I")
-        plan = (_split(root, x) if root.requires_grad and x.requires_grad and x.is_leaf
-                else None)
+        outputs, xs = self._take("I")
+        root, grad = _root(outputs, grads)
+        plan = _split(root, xs) if root is not None and xs else None
         if plan is None:  # no dx path: W does it all, as a B
             self.output, self._grad = root, grad
-            return None
+            return [None] * len(xs)
+        assert root is not None
         plan.received = [None] * len(plan.nodes)
         handles = [node.register_prehook(_keeper(plan.received, index))
                    for index, node in enumerate(plan.nodes)]
         try:
-            torch.autograd.backward(root, grad, inputs=[x, *plan.in_input], retain_graph=True)
+            torch.autograd.backward(root, grad, inputs=[*xs, *plan.in_input],
+                                    retain_graph=True)
         finally:
             for handle in handles:
                 handle.remove()
@@ -139,7 +162,7 @@ class ChunkAutograd:
             _release(node, child)
         plan.release = []
         self._plan = plan
-        return x.grad
+        return [x.grad for x in xs]
 
     def backward_weight(self) -> None:
         """W: the parameters' gradients, accumulated into ``.grad`` as B accumulates them."""
@@ -166,16 +189,41 @@ class ChunkAutograd:
             if edges:  # frees the graph it runs (weight nodes and their subgraphs)
                 torch.autograd.backward(edges, grads, inputs=params)
 
-    def _take(self, step: str) -> tuple[torch.Tensor, torch.Tensor]:
-        """The output and the input, dropped from the chunk (the caller keeps what it
-        needs)."""
-        if self._done or self.output is None or self.input is None:
+    def _take(self, step: str) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
+        """The outputs and the inputs, dropped from the chunk with its whole output (the
+        caller keeps what it needs)."""
+        if self._done or self.outputs is None or self.inputs is None:
             raise RuntimeError(f"{step} of a chunk after {self._done}: each chunk runs B, or "
                                "I then W, once")
-        root, x = self.output, self.input
-        self.output = self.input = None
+        outputs, xs = self.outputs, self.inputs
+        self.outputs = self.inputs = self.value = None
         self._done = step
-        return root, x
+        return outputs, xs
+
+
+def _root(outputs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor] | None
+          ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """One tensor to start a backward from, and its gradient: the one output that needs a
+    gradient, or the sum of each such output times its gradient (whose backward gives each
+    output exactly its gradient: the sum's is one, the product's the other factor); None
+    when no output needs one."""
+    live = _live(outputs, grads)
+    if len(live) <= 1:
+        return live[0] if live else (None, None)
+    total: torch.Tensor | None = None
+    for output, grad in live:
+        if grad is None:
+            raise ValueError("several outputs start a backward: each needs its gradient")
+        term = (output * grad).sum()
+        total = term if total is None else total + term
+    return total, None
+
+
+def _live(outputs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None] | None
+          ) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+    """The outputs that need a gradient, each with its own (None: the loss's, implied)."""
+    given: Sequence[torch.Tensor | None] = grads if grads is not None else [None] * len(outputs)
+    return [(o, g) for o, g in zip(outputs, given) if o.requires_grad]
 
 
 def _keeper(store: list[Grads | None], index: int) -> Callable[[Grads], None]:
@@ -209,21 +257,22 @@ def _release(node: Node, child: GradientEdge) -> None:
         handle.remove()
 
 
-def _split(root: torch.Tensor, x: torch.Tensor) -> _Plan | None:
+def _split(root: torch.Tensor, xs: Sequence[torch.Tensor]) -> _Plan | None:
     """Find the weight nodes, their groups and the nodes to free after I; None when the
-    output does not reach ``x`` (a leaf)."""
+    output reaches none of ``xs`` (leaves)."""
     from torch.autograd.graph import GradientEdge, get_gradient_edge
 
     assert root.grad_fn is not None
-    stop = get_gradient_edge(x).node  # the input's accumulate node: the dx path ends there
-    order, children = _post_order(root.grad_fn, stop)
+    # the inputs' accumulate nodes: the dx path ends there
+    stops = {id(node): node for node in (get_gradient_edge(x).node for x in xs)}
+    order, children = _post_order(root.grad_fn, stops)
     position = {id(node): index for index, node in enumerate(order)}
     to_x: dict[int, bool] = {}
     reach: dict[int, int] = {}  # node -> bit set of the parameters it leads to
     leaves: list[Node] = []
     for node in order:
         kids = [child for child, _ in children[id(node)]]
-        if node is stop:
+        if id(node) in stops:
             to_x[id(node)], reach[id(node)] = True, 0
         elif node.name() == _ACCUMULATE:  # another leaf: a parameter
             to_x[id(node)], reach[id(node)] = False, 1 << len(leaves)
@@ -239,7 +288,7 @@ def _split(root: torch.Tensor, x: torch.Tensor) -> _Plan | None:
     # Weight nodes: on the dx path, with an edge leaving it towards parameters.
     starts: list[tuple[Node, int, int]] = []  # (node, params off the dx path, params on it)
     for node in order:
-        if node is stop or not to_x[id(node)]:
+        if id(node) in stops or not to_x[id(node)]:
             continue
         off = on = 0
         for kid, _ in children[id(node)]:
@@ -276,7 +325,7 @@ def _split(root: torch.Tensor, x: torch.Tensor) -> _Plan | None:
     # tensor hooks (they would see the missing gradient).
     in_w = {id(node) for node in plan.nodes}
     for node in order:
-        if (node is stop or id(node) in in_w or not _saves_tensors(node)
+        if (id(node) in stops or id(node) in in_w or not _saves_tensors(node)
                 or not (to_x[id(node)] or reach[id(node)] & in_input)):
             continue
         usable = [(child, nr) for child, nr in children[id(node)] if not _hooked_leaf(child)]
@@ -310,9 +359,9 @@ def _variable(node: Node) -> torch.Tensor:
     return variable
 
 
-def _post_order(root: Node, stop: Node
+def _post_order(root: Node, stops: dict[int, Node]
                 ) -> tuple[list[Node], dict[int, list[tuple[Node, int]]]]:
-    """Every node reachable from ``root`` without passing ``stop``, children before parents
+    """Every node reachable from ``root`` without passing ``stops``, children before parents
     (iterative: graphs are deep), and each node's edges (child, input slot), one per child.
     The list holds the node objects, which keeps their ids valid as keys."""
     order: list[Node] = []
@@ -320,7 +369,7 @@ def _post_order(root: Node, stop: Node
 
     def edges(node: Node) -> list[tuple[Node, int]]:
         found: dict[int, tuple[Node, int]] = {}
-        if node is not stop:
+        if id(node) not in stops:
             for child, nr in node.next_functions:
                 if child is not None:
                     found.setdefault(id(child), (child, nr))

@@ -1,17 +1,21 @@
 """Point-to-point transfers between stages on different ranks, over torch.distributed.
 
-Every message carries a tag naming its run, direction, sending stage and microbatch. With
-gloo a message can then only land in the receive posted for it (and a receive left over from a
-failed run can never take a later run's data); NCCL ignores tags and matches in order, which
-the validated schedule keeps consistent. Shapes and dtypes of the boundary tensors are
-exchanged once, before the first step, by a chain over the stages in order (CPU tensors: on
-CUDA the process group needs a CPU backend too, as ``backend_for`` sets up).
+What crosses a stage boundary is a pytree of tensors (one tensor, or tuples, lists and dicts
+of them): each send or receive of the schedule moves all its tensors (for a gradient, those
+that carry one) in one batched transfer. Every message carries a tag naming its run,
+direction, sending stage, microbatch and tensor. With gloo a message can then only land in the
+receive posted for it (and a receive left over from a failed run can never take a later run's
+data); NCCL ignores tags and matches in order, which the validated schedule keeps consistent.
+The structure, shapes and dtypes at each boundary are exchanged once, before the first step,
+by a chain over the stages in order (CPU tensors: on CUDA the process group needs a CPU
+backend too, as ``backend_for`` sets up).
 """
 
 from __future__ import annotations
 
 import datetime
 from contextlib import suppress
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -25,7 +29,10 @@ if TYPE_CHECKING:
 _DTYPES = ("float32", "float64", "float16", "bfloat16", "int64", "int32", "uint8", "bool")
 _MAX_DIMS = 8
 _RUNS_IN_TAGS = 512
-_BREAK_TAG = 2**30  # never a transfer's tag: see break_links
+_BREAK_TAG = 2**31 - 1  # never a transfer's tag: see break_links
+_MAX_TAG = _BREAK_TAG - 1
+#: The most tensors one stage boundary may hold: each has a message tag of its own.
+MAX_BOUNDARY_TENSORS = 16
 
 
 @dataclass(frozen=True)
@@ -54,20 +61,92 @@ class TensorMeta:
         ndim, code, *dims = (int(v) for v in data.tolist())
         return TensorMeta(tuple(dims[:ndim]), getattr(torch, _DTYPES[code]))
 
+
+@dataclass(frozen=True)
+class BoundaryMeta:
+    """What crosses one stage boundary: the pytree's structure (``torch.utils._pytree``'s
+    serialized form), each tensor's shape and dtype in flattening order, and which of them
+    carry a gradient back (those the sending stage's output computes with grad)."""
+
+    spec: str
+    leaves: tuple[TensorMeta, ...]
+    grads: tuple[bool, ...]
+
     @staticmethod
-    def blank() -> torch.Tensor:
+    def of(value: Any, what: str) -> tuple[BoundaryMeta, list[torch.Tensor]]:
+        """The meta of ``value`` and its tensors; a clear error for anything that is not a
+        pytree of tensors."""
+        leaves, spec = flatten(value, what)
+        return BoundaryMeta(_dumps(spec), tuple(TensorMeta(tuple(t.shape), t.dtype)
+                                                for t in leaves),
+                            tuple(t.requires_grad for t in leaves)), leaves
+
+    def unflatten(self, leaves: Sequence[torch.Tensor]) -> Any:
+        from torch.utils._pytree import tree_unflatten, treespec_loads
+
+        return tree_unflatten(list(leaves), treespec_loads(self.spec))
+
+    def with_grads(self, grads: Sequence[bool]) -> BoundaryMeta:
+        return BoundaryMeta(self.spec, self.leaves, tuple(grads))
+
+    def encode(self) -> torch.Tensor:
         import torch
 
-        return torch.zeros(2 + _MAX_DIMS, dtype=torch.int64)
+        spec = self.spec.encode()
+        head = [len(self.leaves), len(spec)]
+        codes = [int(v) for meta in self.leaves for v in meta.encode().tolist()]
+        return torch.tensor([*head, *codes, *map(int, self.grads), *spec], dtype=torch.int64)
+
+    @staticmethod
+    def decode(data: torch.Tensor) -> BoundaryMeta:
+        values = [int(v) for v in data.tolist()]
+        count, size = values[0], values[1]
+        width = 2 + _MAX_DIMS
+        codes = values[2:2 + count * width]
+        leaves = tuple(TensorMeta.decode(_int64(codes[i * width:(i + 1) * width]))
+                       for i in range(count))
+        grads = tuple(bool(v) for v in values[2 + count * width:2 + count * (width + 1)])
+        spec = bytes(values[2 + count * (width + 1):][:size]).decode()
+        return BoundaryMeta(spec, leaves, grads)
+
+
+def flatten(value: Any, what: str) -> tuple[list[torch.Tensor], Any]:
+    """The tensors of a pytree and its structure; refuses anything but tensors as leaves."""
+    import torch
+    from torch.utils._pytree import tree_flatten
+
+    leaves, spec = tree_flatten(value)
+    bad = [type(leaf).__name__ for leaf in leaves if not isinstance(leaf, torch.Tensor)]
+    if bad or not leaves:
+        raise PipelineSetupError(
+            f"{what} is {type(value).__name__}"
+            f"{' holding ' + ', '.join(sorted(set(bad))) if bad else ' with no tensor'}: "
+            "what crosses a stage boundary (and a batch's inputs and targets) is a tensor, or "
+            "tuples, lists and dicts of tensors; pass other values to the stage's module "
+            "another way")
+    return leaves, spec
+
+
+def _dumps(spec: Any) -> str:
+    from torch.utils._pytree import treespec_dumps
+
+    text: str = treespec_dumps(spec)
+    return text
+
+
+def _int64(values: list[int]) -> torch.Tensor:
+    import torch
+
+    return torch.tensor(values, dtype=torch.int64)
 
 
 @dataclass
 class Transfer:
-    """One posted send or receive: its step, its request, and the tensor it moves."""
+    """One posted send or receive: its step, its requests, and the tensors it moves."""
 
     step: Step
-    work: Any  # torch.distributed Work
-    tensor: torch.Tensor
+    works: list[Any]  # torch.distributed Work, one per tensor (or one for a batch on NCCL)
+    tensors: list[torch.Tensor]
     peer: int
 
 
@@ -145,7 +224,12 @@ class Transport:
         self.stage_ranks = stage_ranks
         self.microbatches = microbatches
         self.device = device
-        self.boundary: dict[int, TensorMeta] = {}  # stage s -> meta of its output (s -> s+1)
+        self.boundary: dict[int, BoundaryMeta] = {}  # stage s -> its output's (s -> s+1)
+        highest = _RUNS_IN_TAGS * 2 * len(stage_ranks) * microbatches * MAX_BOUNDARY_TENSORS
+        if highest > _MAX_TAG:
+            raise PipelineSetupError(
+                f"{len(stage_ranks)} stages x {microbatches} microbatches leave no room for "
+                "the message tags that keep transfers apart: use fewer microbatches or stages")
 
     def _global(self, group_rank: int) -> int:
         import torch.distributed as dist
@@ -166,44 +250,62 @@ class Transport:
         forward_peer = step.type in (StepType.FWD_SEND, StepType.BWD_RECV)
         return self.stage_ranks[step.stage + 1 if forward_peer else step.stage - 1]
 
-    def receive_buffer(self, step: Step) -> torch.Tensor:
+    def carried(self, step: Step) -> list[TensorMeta]:
+        """The tensors a send or receive of ``step`` moves: all of the boundary's forward,
+        those that carry a gradient backward."""
+        assert step.stage is not None
+        forward = step.type in (StepType.FWD_SEND, StepType.FWD_RECV)
+        boundary = step.stage - (step.type is StepType.FWD_RECV) - (
+            step.type is StepType.BWD_SEND)
+        meta = self.boundary[boundary]
+        return [leaf for leaf, grad in zip(meta.leaves, meta.grads) if forward or grad]
+
+    def receive_buffers(self, step: Step) -> list[torch.Tensor]:
         import torch
 
-        assert step.stage is not None
-        boundary = step.stage - 1 if step.type is StepType.FWD_RECV else step.stage
-        meta = self.boundary[boundary]
-        return torch.empty(meta.shape, dtype=meta.dtype, device=self.device)
+        return [torch.empty(meta.shape, dtype=meta.dtype, device=self.device)
+                for meta in self.carried(step)]
 
-    def post(self, run: int, steps: list[tuple[Step, torch.Tensor]], batched: bool
+    def post(self, run: int, steps: list[tuple[Step, list[torch.Tensor]]], batched: bool
              ) -> list[Transfer]:
-        """Post the sends and receives of ``steps`` (each with the tensor it sends or fills);
-        ``batched`` issues them as one ``batch_isend_irecv``."""
+        """Post the sends and receives of ``steps`` (each with the tensors it sends or
+        fills): each step's tensors in one ``batch_isend_irecv``, or with ``batched`` all of
+        them in one."""
         import torch.distributed as dist
 
-        ops = []
-        for step, tensor in steps:
+        per_step = []
+        for step, tensors in steps:
             send = step.type in (StepType.FWD_SEND, StepType.BWD_SEND)
-            ops.append(dist.P2POp(dist.isend if send else dist.irecv, tensor,
-                                  self._global(self.peer(step)), self.group,
-                                  self.tag(run, step)))
+            base = self.tag(run, step) * MAX_BOUNDARY_TENSORS
+            per_step.append([dist.P2POp(dist.isend if send else dist.irecv, tensor,
+                                        self._global(self.peer(step)), self.group, base + i)
+                             for i, tensor in enumerate(tensors)])
         try:
-            if batched:
-                works = dist.batch_isend_irecv(ops)
-                if len(works) != len(ops):  # NCCL: one request for the whole batch
-                    works = [works[0]] * len(ops)
-            else:
-                works = [op.op(op.tensor, op.peer, op.group, op.tag) for op in ops]
+            groups = [[op for ops in per_step for op in ops]] if batched else per_step
+            works: list[Any] = []
+            for ops in groups:
+                if len(ops) == 1:
+                    op = ops[0]
+                    works.append(op.op(op.tensor, op.peer, op.group, op.tag))
+                else:
+                    batch = dist.batch_isend_irecv(ops)
+                    works += batch if len(batch) == len(ops) else [batch[0]] * len(ops)
         except RuntimeError as exc:
             raise self._error(steps[0][0], exc) from exc
-        return [Transfer(step, work, tensor, self.peer(step))
-                for (step, tensor), work in zip(steps, works)]
+        transfers, first = [], 0
+        for step, tensors in steps:  # NCCL: one request for a whole batch, repeated
+            transfers.append(Transfer(step, works[first:first + len(tensors)], tensors,
+                                      self.peer(step)))
+            first += len(tensors)
+        return transfers
 
-    def wait(self, transfer: Transfer) -> torch.Tensor:
+    def wait(self, transfer: Transfer) -> list[torch.Tensor]:
         try:
-            transfer.work.wait()
+            for work in transfer.works:
+                work.wait()
         except RuntimeError as exc:
             raise self._error(transfer.step, exc) from exc
-        return transfer.tensor
+        return transfer.tensors
 
     def _error(self, step: Step, exc: BaseException) -> PipelineCommError:
         verb = "sending to" if step.type in (StepType.FWD_SEND, StepType.BWD_SEND) else (
@@ -226,27 +328,36 @@ class Transport:
 
     # -- shapes, once ---------------------------------------------------------------------
 
-    def recv_meta(self, stage: int) -> TensorMeta:
-        """The meta of stage ``stage - 1``'s output, from the rank that runs it (blocking)."""
+    def recv_meta(self, stage: int) -> BoundaryMeta:
+        """The meta of stage ``stage - 1``'s output, from the rank that runs it (blocking):
+        its length, then itself (tags below any transfer's)."""
+        import torch
         import torch.distributed as dist
 
-        data = TensorMeta.blank()
+        peer = self._global(self.stage_ranks[stage - 1])
         try:
-            dist.recv(data, self._global(self.stage_ranks[stage - 1]), self.group, tag=stage)
+            size = torch.zeros(1, dtype=torch.int64)
+            dist.recv(size, peer, self.group, tag=stage)
+            data = torch.zeros(int(size.item()), dtype=torch.int64)
+            dist.recv(data, peer, self.group, tag=len(self.stage_ranks) + stage)
         except RuntimeError as exc:
             raise self.failure(f"receiving the shape of stage {stage - 1}'s output from rank "
-                               f"{self._global(self.stage_ranks[stage - 1])}", exc) from exc
-        return TensorMeta.decode(data)
+                               f"{peer}", exc) from exc
+        return BoundaryMeta.decode(data)
 
-    def send_meta(self, stage: int, meta: TensorMeta) -> None:
+    def send_meta(self, stage: int, meta: BoundaryMeta) -> None:
+        import torch
         import torch.distributed as dist
 
+        peer = self._global(self.stage_ranks[stage + 1])
+        data = meta.encode()
         try:
-            dist.send(meta.encode(), self._global(self.stage_ranks[stage + 1]), self.group,
+            dist.send(torch.tensor([data.numel()], dtype=torch.int64), peer, self.group,
                       tag=stage + 1)
+            dist.send(data, peer, self.group, tag=len(self.stage_ranks) + stage + 1)
         except RuntimeError as exc:
             raise self.failure(f"sending the shape of stage {stage}'s output to rank "
-                               f"{self._global(self.stage_ranks[stage + 1])}", exc) from exc
+                               f"{peer}", exc) from exc
 
 
 def all_gather_ints(value: int, group: dist.ProcessGroup | None) -> list[int]:

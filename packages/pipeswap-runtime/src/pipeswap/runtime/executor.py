@@ -29,17 +29,19 @@ import warnings
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext, suppress
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from pipeswap.platform import AllocationPeak, Platform, get_platform
 from pipeswap.runtime.backward import ChunkAutograd, forward_chunk
 from pipeswap.runtime.comm import (
+    MAX_BOUNDARY_TENSORS,
+    BoundaryMeta,
     FailureBoard,
-    TensorMeta,
     Transfer,
     Transport,
     all_gather_ints,
     break_links,
+    flatten,
     group_timeout,
 )
 from pipeswap.runtime.errors import (
@@ -49,7 +51,7 @@ from pipeswap.runtime.errors import (
     PipelineSetupError,
 )
 from pipeswap.runtime.fsdp import ShardedStage, fsdp_modules
-from pipeswap.runtime.microbatch import split_microbatches
+from pipeswap.runtime.microbatch import split_tree
 from pipeswap.runtime.session import SwapSession
 from pipeswap.runtime.stage import PipelineStage
 from pipeswap.schedule import (
@@ -114,11 +116,12 @@ class _Run:
 
     session: SwapSession
     chunks: dict[ChunkKey, ChunkAutograd] = field(default_factory=dict)  # forward to last B/W
-    grads_in: dict[ChunkKey, torch.Tensor | None] = field(default_factory=dict)
+    # per chunk: its input's gradients, for the tensors that carry one
+    grads_in: dict[ChunkKey, list[torch.Tensor | None]] = field(default_factory=dict)
     receives: dict[tuple[StepType, ChunkKey], Transfer] = field(default_factory=dict)
     sends: list[Transfer] = field(default_factory=list)
-    micro_inputs: list[torch.Tensor] = field(default_factory=list)
-    micro_targets: list[torch.Tensor] = field(default_factory=list)
+    micro_inputs: list[Any] = field(default_factory=list)  # pytrees of tensors
+    micro_targets: list[Any] = field(default_factory=list)
     losses: dict[int, torch.Tensor] = field(default_factory=dict)  # read once, at the end
     accounted: set[ChunkKey] = field(default_factory=set)  # chunks with a swap group
     chunk_bytes: dict[ChunkKey, GroupBytes] = field(default_factory=dict)
@@ -224,7 +227,7 @@ class PipelineExecutor:
             self.manager.protect_module(stage.module)
         self.transport = self._new_transport()
         self._failed: str | None = None  # why the last step failed, until recover()
-        self._input_meta: TensorMeta | None = None
+        self._input_meta: BoundaryMeta | None = None
         self._shapes_known = False
         self._runs = 0
         self.swapped = set(swapped_chunks(self.schedule)[self.rank])
@@ -435,10 +438,12 @@ class PipelineExecutor:
                 "build the executor with the same schedule, options and microbatch count on "
                 "every rank")
 
-    def _exchange_shapes(self, example: torch.Tensor | None) -> None:
-        """Run each stage once on zeros, in stage order, passing output shapes down the chain.
+    def _exchange_shapes(self, example: Any) -> None:
+        """Run each stage once on zeros, in stage order, passing what its output holds (the
+        structure, shapes, dtypes, and which tensors carry a gradient) down the chain.
 
-        Buffers are restored afterwards, so the dry run leaves no trace in the model.
+        The dry run records autograd (to see which outputs need a gradient) but runs no
+        backward, and buffers are restored afterwards, so it leaves no trace in the model.
         """
         import torch
 
@@ -448,7 +453,8 @@ class PipelineExecutor:
                 continue
             if index == 0:
                 assert example is not None
-                meta = TensorMeta(tuple(example.shape), example.dtype)
+                meta, _ = BoundaryMeta.of(example, "the inputs")
+                meta = meta.with_grads([False] * len(meta.leaves))
             elif ranks[index - 1] == self.rank:
                 meta = self.transport.boundary[index - 1]
             else:
@@ -459,31 +465,40 @@ class PipelineExecutor:
             saved = {name: b.clone() for name, b in stage.module.named_buffers()}
             device = self.platform.device
             sharded = self._sharded.get(index)
-            with torch.no_grad(), torch.random.fork_rng(
+            with torch.enable_grad(), torch.random.fork_rng(
                     devices=[] if device.type == "cpu" else [device.index or 0],
                     device_type=device.type if device.type != "cpu" else "cuda"):
                 if sharded is not None:  # gathered for the dry run alone, and freed again
                     sharded.unshard()
                     sharded.ready("the exchange of stage boundary shapes")
+                leaves = [torch.zeros(leaf.shape, dtype=leaf.dtype, device=device
+                                      ).requires_grad_(grad)
+                          for leaf, grad in zip(meta.leaves, meta.grads)]
                 with self._autocast():
-                    out = stage.forward(torch.zeros(meta.shape, dtype=meta.dtype,
-                                                    device=device))
+                    out = stage.forward(meta.unflatten(leaves))
                 if sharded is not None:
                     sharded.reshard()
                 for name, b in stage.module.named_buffers():
                     b.copy_(saved[name])
-            if not out.is_floating_point():
+            boundary, _ = BoundaryMeta.of(out, f"stage {index}'s output")
+            del out, leaves  # the dry run's graph
+            if not any(boundary.grads):
                 raise PipelineSetupError(
-                    f"stage {index} outputs {out.dtype}; tensors between stages carry gradients "
-                    "back, so they must be floating point")
-            self.transport.boundary[index] = TensorMeta(tuple(out.shape), out.dtype)
+                    f"stage {index}'s output ({', '.join(str(leaf.dtype) for leaf in boundary.leaves)}) "
+                    "has no tensor computed with grad, so no gradient would reach the stages "
+                    "before it: return at least one floating tensor that depends on the stage's "
+                    "parameters or input")
+            if len(boundary.leaves) > MAX_BOUNDARY_TENSORS:
+                raise PipelineSetupError(
+                    f"stage {index} outputs {len(boundary.leaves)} tensors; at most "
+                    f"{MAX_BOUNDARY_TENSORS} cross a stage boundary: pack some together")
+            self.transport.boundary[index] = boundary
             if ranks[index + 1] != self.rank:
                 self.transport.send_meta(index, self.transport.boundary[index])
 
     # -- one step --------------------------------------------------------------------------
 
-    def step(self, inputs: torch.Tensor | None = None,
-             targets: torch.Tensor | None = None) -> StepReport:
+    def step(self, inputs: Any = None, targets: Any = None) -> StepReport:
         """Run every microbatch of one batch forward and backward.
 
         ``inputs`` is needed on the rank of the first stage, ``targets`` on the rank of the
@@ -515,7 +530,7 @@ class PipelineExecutor:
             peak_allocated_bytes=None if allocated is None else allocated.peak_bytes,
         )
 
-    def _step(self, inputs: torch.Tensor | None, targets: torch.Tensor | None) -> _Run:
+    def _step(self, inputs: Any, targets: Any) -> _Run:
         """The step up to closing its swap session (the part measure_allocator measures)."""
         self._runs += 1
         run = _Run(SwapSession(self.manager, f"x{id(self):x}.run{self._runs}"))
@@ -531,8 +546,7 @@ class PipelineExecutor:
                 self._exchange_shapes(run.micro_inputs[0] if run.micro_inputs else None)
                 self._shapes_known = True
                 if run.micro_inputs:
-                    self._input_meta = TensorMeta(tuple(run.micro_inputs[0].shape),
-                                                  run.micro_inputs[0].dtype)
+                    self._input_meta = BoundaryMeta.of(run.micro_inputs[0], "the inputs")[0]
             for at in self.schedule.orders[self.rank]:
                 if at is not None:
                     self._run(run, at)
@@ -640,23 +654,25 @@ class PipelineExecutor:
         if sharded is not None and self._collective(step, lambda: sharded.ready(step)):
             self.manager.protect_module(self._by_index[step.stage].module)
 
-    def _take_batch(self, run: _Run, inputs: torch.Tensor | None,
-                    targets: torch.Tensor | None) -> None:
+    def _take_batch(self, run: _Run, inputs: Any, targets: Any) -> None:
         """Split this rank's part of the batch into microbatches, checking it fits."""
         if 0 in self._by_index:
             if inputs is None:
                 raise PipelineSetupError(f"rank {self.rank} runs the first stage: pass inputs")
-            run.micro_inputs = split_microbatches(inputs, self.microbatches, "inputs")
-            meta = TensorMeta(tuple(run.micro_inputs[0].shape), run.micro_inputs[0].dtype)
+            run.micro_inputs = split_tree(inputs, self.microbatches, "inputs")
+            meta = BoundaryMeta.of(run.micro_inputs[0], "the inputs")[0]
             if self._input_meta is not None and meta != self._input_meta:
+                def shapes(m: BoundaryMeta) -> list[tuple[int, ...]]:
+                    return [leaf.shape for leaf in m.leaves]
+
                 raise PipelineSetupError(
-                    f"microbatch shape changed from {self._input_meta.shape} to {meta.shape}; "
-                    "stage boundary shapes are fixed after the first step: keep the batch "
-                    "shape constant (pad), or build a new executor")
+                    f"microbatch shapes changed from {shapes(self._input_meta)} to "
+                    f"{shapes(meta)}; stage boundary shapes are fixed after the first step: "
+                    "keep the batch shape constant (pad), or build a new executor")
         if self.num_stages - 1 in self._by_index:
             if targets is None:
                 raise PipelineSetupError(f"rank {self.rank} runs the last stage: pass targets")
-            run.micro_targets = split_microbatches(targets, self.microbatches, "targets")
+            run.micro_targets = split_tree(targets, self.microbatches, "targets")
 
     def _run(self, run: _Run, step: Step) -> None:
         kind = step.type
@@ -689,57 +705,97 @@ class PipelineExecutor:
     def _post(self, run: _Run, steps: list[Step], batched: bool) -> None:
         pairs = []
         for step in steps:
-            if step.type in SENDS:
-                key = step.key
-                tensor = (self._output(run, key) if step.type is StepType.FWD_SEND
-                          else run.grads_in.pop(key, None))
-                if tensor is None:
-                    raise PipelineError(f"{step}: stage {key[0]}'s input got no gradient to "
-                                        "send: does the stage's output depend on its input?")
-                pairs.append((step, tensor.contiguous()))
+            if step.type is StepType.FWD_SEND:
+                leaves, _ = flatten(self._output(run, step.key), "a stage's output")
+                pairs.append((step, [leaf.contiguous() for leaf in leaves]))
+            elif step.type is StepType.BWD_SEND:
+                grads = self._gradients(step.key[0] - 1, run.grads_in.pop(step.key, None), step)
+                pairs.append((step, [grad.contiguous() for grad in grads]))
             else:
-                pairs.append((step, self.transport.receive_buffer(step)))
+                pairs.append((step, self.transport.receive_buffers(step)))
         for transfer in self.transport.post(self._runs, pairs, batched):
             if transfer.step.type in SENDS:
                 run.sends.append(transfer)
             else:
                 run.receives[(transfer.step.type, transfer.step.key)] = transfer
 
-    def _received(self, run: _Run, kind: StepType, key: ChunkKey) -> torch.Tensor | None:
+    def _gradients(self, boundary: int, grads: list[torch.Tensor | None] | None,
+                   at: object) -> list[torch.Tensor]:
+        """The gradients of boundary ``boundary``'s tensors that carry one, a tensor each:
+        zeros for one the next stage did not use; an error if it used none."""
+        import torch
+
+        if grads is None or all(grad is None for grad in grads):
+            raise PipelineError(f"{at}: stage {boundary + 1}'s input got no gradient to "
+                                "send: does the stage's output depend on its input?")
+        metas = [leaf for leaf, grad in zip(self.transport.boundary[boundary].leaves,
+                                            self.transport.boundary[boundary].grads) if grad]
+        return [grad if grad is not None else torch.zeros(meta.shape, dtype=meta.dtype,
+                                                          device=self.platform.device)
+                for grad, meta in zip(grads, metas)]
+
+    def _received(self, run: _Run, kind: StepType, key: ChunkKey
+                  ) -> list[torch.Tensor] | None:
         transfer = run.receives.pop((kind, key), None)
         return None if transfer is None else self.transport.wait(transfer)
 
-    def _output(self, run: _Run, key: ChunkKey) -> torch.Tensor:
-        """The chunk's forward output, detached, to send or hand over to the next stage."""
+    def _output(self, run: _Run, key: ChunkKey) -> Any:
+        """The chunk's forward output, its tensors detached, to send or hand over to the
+        next stage."""
+        import torch
+        from torch.utils._pytree import tree_map_only
+
         chunk = run.chunks.get(key)
-        if chunk is None or chunk.output is None:
+        if chunk is None or chunk.value is None:
             raise PipelineError(f"stage {key[0]} micro {key[1]}: its output is needed after "
                                 "its backward began")
-        return chunk.output.detach()
+        return tree_map_only(torch.Tensor, lambda t: t.detach(), chunk.value)
 
     def _forward(self, run: _Run, key: ChunkKey) -> None:
         stage_index, micro = key
         stage = self._by_index[stage_index]
+        inputs: list[torch.Tensor] = []
         if stage.is_first:
             x = run.micro_inputs[micro]
         else:
+            meta = self.transport.boundary[stage_index - 1]
             received = self._received(run, StepType.FWD_RECV, key)
             if received is None:  # the previous stage runs here: hand over locally
-                received = self._output(run, (stage_index - 1, micro))
-            x = received.requires_grad_(True)
+                received, _ = flatten(self._output(run, (stage_index - 1, micro)), "")
+            inputs = [leaf.requires_grad_(True)
+                      for leaf, grad in zip(received, meta.grads) if grad]
+            x = meta.unflatten(received)
         target = run.micro_targets[micro] if stage.is_last else None
         accounted = self.account or key in self.swapped
         with self._autocast():
-            chunk = forward_chunk(stage.forward, x, target=target, loss_fn=self.loss_fn,
-                                  scale=self.microbatches,
+            chunk = forward_chunk(stage.forward, x, inputs=inputs, carries=self._carries(stage),
+                                  target=target, loss_fn=self.loss_fn, scale=self.microbatches,
                                   saving=run.session.forward(key) if accounted else None)
         if chunk.loss is not None:
             run.losses[micro] = chunk.loss
         if accounted:
             run.accounted.add(key)
-            run.session.protect(key, [x, chunk.output, target])
+            run.session.protect(key, [x, chunk.value, target])
             run.chunk_bytes[key] = self.manager.group_bytes(run.session.name(key))
         run.chunks[key] = chunk
+
+    def _carries(self, stage: PipelineStage) -> Callable[[Any], list[torch.Tensor]] | None:
+        """How to pick a stage output's tensors that carry a gradient back (as the shape
+        exchange found them); None on the last stage, whose loss does."""
+        if stage.is_last:
+            return None
+        meta = self.transport.boundary[stage.stage_index]
+
+        def carried(out: Any) -> list[torch.Tensor]:
+            leaves, _ = flatten(out, f"stage {stage.stage_index}'s output")
+            picked = [leaf for leaf, grad in zip(leaves, meta.grads) if grad]
+            if any(not leaf.requires_grad for leaf in picked):
+                raise PipelineError(
+                    f"stage {stage.stage_index}'s output changed which tensors need a "
+                    "gradient since the first step; keep the stage's outputs alike")
+            return picked
+
+        return carried
 
     def _autocast(self) -> AbstractContextManager[object]:
         """Mixed precision for a forward (and its loss): autocast to ``autocast_dtype``;
@@ -757,16 +813,13 @@ class PipelineExecutor:
         stage = self._by_index[stage_index]
         chunk = run.chunks[key]
         if dx:
-            grad = None
+            grads: list[torch.Tensor] | None = None
             if not stage.is_last:
-                grad = self._received(run, StepType.BWD_RECV, key)
-                if grad is None:  # the next stage runs here
-                    grad = run.grads_in.pop((stage_index + 1, micro), None)
-                if grad is None:
-                    raise PipelineError(
-                        f"stage {stage_index} micro {micro}: no gradient for its output (the "
-                        "next stage's output does not depend on its input)")
-            grad_in = chunk.backward(grad) if dw else chunk.backward_input(grad)
+                grads = self._received(run, StepType.BWD_RECV, key)
+                if grads is None:  # the next stage runs here
+                    grads = self._gradients(stage_index, run.grads_in.pop(
+                        (stage_index + 1, micro), None), f"stage {stage_index} micro {micro}")
+            grad_in = chunk.backward(grads) if dw else chunk.backward_input(grads)
             if not stage.is_first:
                 run.grads_in[key] = grad_in
             if not dw:  # the chunk keeps what its W step needs, and only that

@@ -1,8 +1,9 @@
-"""Splitting a batch into equal microbatches along dimension 0."""
+"""Splitting a batch (a tensor, or a pytree of tensors) into equal microbatches along
+dimension 0."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from pipeswap.runtime.errors import PipelineSetupError
 
@@ -19,3 +20,17 @@ def split_microbatches(batch: torch.Tensor, microbatches: int, what: str) -> lis
             f"does not split into {microbatches} equal microbatches; use a batch size that is "
             f"a multiple of {microbatches}")
     return list(batch.chunk(microbatches))
+
+
+def split_tree(batch: Any, microbatches: int, what: str) -> list[Any]:
+    """``microbatches`` pytrees like ``batch`` (a tensor, or tuples, lists and dicts of
+    tensors), each tensor split along dimension 0 as :func:`split_microbatches` does."""
+    from torch.utils._pytree import tree_unflatten
+
+    from pipeswap.runtime.comm import flatten
+
+    leaves, spec = flatten(batch, what)
+    parts = [split_microbatches(leaf, microbatches, what if len(leaves) == 1
+                                else f"{what}' tensor {index}")
+             for index, leaf in enumerate(leaves)]
+    return [tree_unflatten([part[m] for part in parts], spec) for m in range(microbatches)]

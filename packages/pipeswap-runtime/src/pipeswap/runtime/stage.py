@@ -12,10 +12,16 @@ if TYPE_CHECKING:
 
 
 class PipelineStage:
-    """Stage ``stage_index`` of ``num_stages``: ``module`` maps one tensor to one tensor.
+    """Stage ``stage_index`` of ``num_stages``: ``module`` maps what the previous stage
+    returned (or, on the first stage, a microbatch of the inputs) to what the next takes.
 
-    The first stage takes the microbatch input; the last stage's output goes to the loss
-    function. ``group`` is the pipeline's process group (None: the default group).
+    Between stages goes a tensor, or tuples, lists and dicts of tensors (hidden states next to
+    masks or position ids; integer tensors too). A tuple is passed to the next stage's module
+    as positional arguments and a dict as keyword arguments; anything else as the one
+    argument. The tensors the stage computes with grad carry a gradient back; the others
+    (a mask, position ids) cross forward only. The last stage's output goes to the loss
+    function with the microbatch's targets. ``group`` is the pipeline's process group (None:
+    the default group).
     """
 
     def __init__(
@@ -41,15 +47,18 @@ class PipelineStage:
     def is_last(self) -> bool:
         return self.stage_index == self.num_stages - 1
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        import torch
+    def forward(self, value: Any) -> Any:
+        """The module on ``value``, unpacked as the class docstring says; its output must be
+        a pytree of tensors."""
+        from pipeswap.runtime.comm import flatten
 
-        out: Any = self.module(x)
-        if not isinstance(out, torch.Tensor):
-            raise PipelineSetupError(
-                f"stage {self.stage_index}'s module returned {type(out).__name__}; a pipeline "
-                "stage passes one tensor to the next (pack several into one, or split the "
-                "model at another layer)")
+        if isinstance(value, tuple):
+            out = self.module(*value)
+        elif isinstance(value, dict):
+            out = self.module(**value)
+        else:
+            out = self.module(value)
+        flatten(out, f"stage {self.stage_index}'s output")
         return out
 
     def __repr__(self) -> str:

@@ -35,6 +35,7 @@ if TYPE_CHECKING:
     from pipeswap.platform import AllocationPeak
 
 MODES = ("no-swap", "swap")
+MODELS = ("gpt", "llama")
 DTYPES = ("fp32", "bf16")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 log = logging.getLogger("pipeswap.runtime.train")  # also when run as __main__
@@ -46,6 +47,7 @@ class TrainConfig:
     """Everything a rank needs to run the job; the same object on every rank."""
 
     schedule: str = "1f1b"
+    model: str = "gpt"  # or llama: RMSNorm, rotary embeddings, grouped-query attention, SwiGLU
     ranks: int = 4  # pipeline ranks: the world has ranks x dp
     dp: int = 1  # pipeline replicas (data parallel)
     fsdp: bool = False  # shard each stage with FSDP2 over its data-parallel group
@@ -125,7 +127,7 @@ def run_rank(rank: int, world_size: int, config: TrainConfig) -> dict[str, ModeR
     from pipeswap.platform import get_platform
     from pipeswap.runtime.data import Corpus, batches
     from pipeswap.runtime.executor import PipelineExecutor
-    from pipeswap.runtime.model import GPTConfig, lm_loss
+    from pipeswap.runtime.model import lm_loss
     from pipeswap.schedule import ScheduleSpec, build_schedule
 
     if world_size != config.world:
@@ -149,8 +151,6 @@ def run_rank(rank: int, world_size: int, config: TrainConfig) -> dict[str, ModeR
                  (dp_rank + 1) * config.batch_size // config.dp)  # this replica's part
     data = [(x[rows].to(platform.device), y[rows].to(platform.device)) for x, y in
             batches(ids, config.batch_size, config.seq_len, config.steps, config.seed)]
-    gpt = GPTConfig(vocab=len(corpus.vocab), seq_len=config.seq_len, width=config.width,
-                    layers=config.num_layers)
     spec = ScheduleSpec(ScheduleKind(config.schedule), ranks=config.ranks,
                         microbatches=config.microbatches, stages_per_rank=config.stages_per_rank,
                         overlap_b_f=config.overlap_b_f, dxdw_split=config.dxdw_split,
@@ -161,7 +161,8 @@ def run_rank(rank: int, world_size: int, config: TrainConfig) -> dict[str, ModeR
         measuring: AbstractContextManager[AllocationPeak | None] = (
             platform.measure_allocations() if config.measure_allocator else nullcontext())
         with measuring as built:
-            stages = build_stages(config, gpt, placement, pp_rank, mesh, platform.device)
+            stages = build_stages(config, len(corpus.vocab), placement, pp_rank, mesh,
+                                  platform.device)
         params = [p for stage in stages for p in stage.module.parameters()]
         optimizer = torch.optim.AdamW(params, lr=config.lr)
         # Both modes account every chunk's saved activations, to compare their peaks.
@@ -222,25 +223,47 @@ def run_rank(rank: int, world_size: int, config: TrainConfig) -> dict[str, ModeR
     return results
 
 
-def build_stages(config: TrainConfig, gpt: Any, placement: tuple[int, ...], pp_rank: int,
-            mesh: Any, device: Any) -> list[Any]:
-    """This rank's pipeline stages of a freshly built model (the others are freed on
-    return), each sharded with FSDP2 over the mesh's data-parallel dimension with --fsdp:
+def build_stages(config: TrainConfig, vocab: int, placement: tuple[int, ...], pp_rank: int,
+                 mesh: Any, device: Any) -> list[Any]:
+    """This rank's pipeline stages of a freshly built ``config.model`` (the others are freed
+    on return), each sharded with FSDP2 over the mesh's data-parallel dimension with --fsdp:
     every transformer block apart, the embedding and head with the stage's root."""
+    import torch
+
     from pipeswap.runtime.fsdp import shard_stage
-    from pipeswap.runtime.model import Block, build_gpt, split_stages
     from pipeswap.runtime.stage import PipelineStage
 
-    modules = split_stages(build_gpt(gpt, config.seed).to(device), config.num_stages)
+    modules: list[torch.nn.Module]
+    if config.model == "llama":
+        from pipeswap.runtime.llama import LlamaConfig, build_llama, split_layers
+
+        llama = LlamaConfig(vocab=vocab, seq_len=config.seq_len, dim=config.width,
+                            layers=config.num_layers)
+        modules = list(split_layers(build_llama(llama, config.seed).to(device),
+                                    config.num_stages))
+    else:
+        from pipeswap.runtime.model import GPTConfig, build_gpt, split_stages
+
+        gpt = GPTConfig(vocab=vocab, seq_len=config.seq_len, width=config.width,
+                        layers=config.num_layers)
+        modules = list(split_stages(build_gpt(gpt, config.seed).to(device), config.num_stages))
     group = None if mesh is None else mesh.get_group("pp")
     stages = []
     for index, module in enumerate(modules):
         if placement[index] != pp_rank:
             continue
         if config.fsdp:
-            shard_stage(module, mesh["dp"], [m for m in module if isinstance(m, Block)])
+            shard_stage(module, mesh["dp"], _blocks(module))
         stages.append(PipelineStage(module, index, config.num_stages, group))
     return stages
+
+
+def _blocks(stage: Any) -> list[Any]:
+    """A stage's transformer blocks (each gets FSDP's all-gathers of its own)."""
+    from pipeswap.runtime.llama import Block as LlamaBlock
+    from pipeswap.runtime.model import Block
+
+    return [m for m in stage.modules() if isinstance(m, (Block, LlamaBlock))]
 
 
 def _setup_logging(rank: int, level: str) -> None:
@@ -448,6 +471,11 @@ def parse_args(argv: list[str] | None) -> tuple[TrainConfig, argparse.Namespace]
     kinds = [k.value for k in ScheduleKind]
     parser.add_argument("--schedule", choices=kinds, default=defaults.schedule,
                         help=f"pipeline schedule (default {defaults.schedule})")
+    parser.add_argument("--model", choices=MODELS, default=defaults.model,
+                        help="gpt (LayerNorm, learned positions, GELU MLP) or llama (RMSNorm, "
+                             "rotary embeddings, grouped-query attention through "
+                             "scaled_dot_product_attention, SwiGLU); default "
+                             f"{defaults.model}")
     parser.add_argument("--ranks", "-P", type=int, default=defaults.ranks,
                         help=f"pipeline ranks (default {defaults.ranks}; under torchrun, its "
                         "world size / --dp); the job spawns ranks x dp processes")
@@ -540,7 +568,7 @@ def parse_args(argv: list[str] | None) -> tuple[TrainConfig, argparse.Namespace]
     if v_shaped and args.stages_per_rank not in (1, 2):
         parser.error(f"{args.schedule} runs exactly two stages per rank")
     config = TrainConfig(
-        schedule=args.schedule, ranks=ranks, dp=args.dp, fsdp=args.fsdp,
+        schedule=args.schedule, model=args.model, ranks=ranks, dp=args.dp, fsdp=args.fsdp,
         stages_per_rank=2 if v_shaped else args.stages_per_rank,
         microbatches=args.microbatches, steps=args.steps, batch_size=args.batch_size,
         seq_len=args.seq_len, width=args.width, layers=args.layers, lr=args.lr, seed=args.seed,
@@ -601,6 +629,10 @@ def _check_numbers(parser: argparse.ArgumentParser, args: argparse.Namespace, ra
     if args.width % heads:
         parser.error(f"--width {args.width} does not split into the model's {heads} attention "
                      f"heads: use a multiple of {heads}")
+    if args.model == "llama" and args.width // heads % 2:
+        parser.error(f"--width {args.width} gives heads of {args.width // heads} dimensions; "
+                     "rotary embeddings turn pairs of them: use a multiple of "
+                     f"{2 * heads}")
     if not (math.isfinite(args.lr) and args.lr > 0):
         parser.error(f"--lr must be a finite number above 0, got {args.lr}")
     if not (math.isfinite(args.timeout) and 1 <= args.timeout <= _MAX_TIMEOUT_S):
