@@ -48,6 +48,7 @@ class TrainConfig:
 
     schedule: str = "1f1b"
     model: str = "gpt"  # or llama: RMSNorm, rotary embeddings, grouped-query attention, SwiGLU
+    tie_embeddings: bool = False  # llama: one weight for the embedding and the output
     ranks: int = 4  # pipeline ranks: the world has ranks x dp
     dp: int = 1  # pipeline replicas (data parallel)
     fsdp: bool = False  # shard each stage with FSDP2 over its data-parallel group
@@ -128,6 +129,7 @@ def run_rank(rank: int, world_size: int, config: TrainConfig) -> dict[str, ModeR
     from pipeswap.runtime.data import Corpus, batches
     from pipeswap.runtime.executor import PipelineExecutor
     from pipeswap.runtime.model import lm_loss
+    from pipeswap.runtime.tied import TiedGradients
     from pipeswap.schedule import ScheduleSpec, build_schedule
 
     if world_size != config.world:
@@ -163,8 +165,11 @@ def run_rank(rank: int, world_size: int, config: TrainConfig) -> dict[str, ModeR
         with measuring as built:
             stages = build_stages(config, len(corpus.vocab), placement, pp_rank, mesh,
                                   platform.device)
-        params = [p for stage in stages for p in stage.module.parameters()]
+        # one entry per parameter, also where two stages of this rank share one
+        params = list({id(p): p for stage in stages for p in stage.module.parameters()}.values())
         optimizer = torch.optim.AdamW(params, lr=config.lr)
+        tied = TiedGradients(stages, placement, tied_parameters(config, len(corpus.vocab)),
+                             None if mesh is None else mesh.get_group("pp"))
         # Both modes account every chunk's saved activations, to compare their peaks.
         policy = swap_policy(config.policy)
         if mode == "swap" and config.budget is not None:
@@ -182,6 +187,7 @@ def run_rank(rank: int, world_size: int, config: TrainConfig) -> dict[str, ModeR
             executor.measure_allocator = measured
             optimizer.zero_grad(set_to_none=True)
             report = executor.step(inputs, targets)
+            tied.sum_gradients()
             if config.keep_grads and number == 1:
                 result.grads = {f"{stage.stage_index}.{name}": _local(p.grad).detach().clone()
                                 for stage in stages
@@ -237,8 +243,7 @@ def build_stages(config: TrainConfig, vocab: int, placement: tuple[int, ...], pp
     if config.model == "llama":
         from pipeswap.runtime.llama import LlamaConfig, build_llama, split_layers
 
-        llama = LlamaConfig(vocab=vocab, seq_len=config.seq_len, dim=config.width,
-                            layers=config.num_layers)
+        llama = _llama_config(config, vocab)
         modules = list(split_layers(build_llama(llama, config.seed).to(device),
                                     config.num_stages))
     else:
@@ -256,6 +261,27 @@ def build_stages(config: TrainConfig, vocab: int, placement: tuple[int, ...], pp
             shard_stage(module, mesh["dp"], _blocks(module))
         stages.append(PipelineStage(module, index, config.num_stages, group))
     return stages
+
+
+def _llama_config(config: TrainConfig, vocab: int) -> Any:
+    from pipeswap.runtime.llama import LlamaConfig
+
+    return LlamaConfig(vocab=vocab, seq_len=config.seq_len, dim=config.width,
+                       layers=config.num_layers, tie_embeddings=config.tie_embeddings)
+
+
+def tied_parameters(config: TrainConfig, vocab: int) -> list[Any]:
+    """The parameters the whole model's stages share (a tied embedding), found on a copy
+    built on the meta device (no memory)."""
+    import torch
+
+    from pipeswap.runtime.llama import build_llama, split_layers, tied_parameter_names
+
+    if not config.tie_embeddings:
+        return []
+    with torch.device("meta"):
+        model = build_llama(_llama_config(config, vocab), config.seed)
+    return tied_parameter_names(split_layers(model, config.num_stages))
 
 
 def _blocks(stage: Any) -> list[Any]:
@@ -476,6 +502,9 @@ def parse_args(argv: list[str] | None) -> tuple[TrainConfig, argparse.Namespace]
                              "rotary embeddings, grouped-query attention through "
                              "scaled_dot_product_attention, SwiGLU); default "
                              f"{defaults.model}")
+    parser.add_argument("--tie-embeddings", action="store_true",
+                        help="llama: one weight for the input embedding and the output layer "
+                             "(on the first and the last stage; their ranks sum its gradient)")
     parser.add_argument("--ranks", "-P", type=int, default=defaults.ranks,
                         help=f"pipeline ranks (default {defaults.ranks}; under torchrun, its "
                         "world size / --dp); the job spawns ranks x dp processes")
@@ -568,7 +597,8 @@ def parse_args(argv: list[str] | None) -> tuple[TrainConfig, argparse.Namespace]
     if v_shaped and args.stages_per_rank not in (1, 2):
         parser.error(f"{args.schedule} runs exactly two stages per rank")
     config = TrainConfig(
-        schedule=args.schedule, model=args.model, ranks=ranks, dp=args.dp, fsdp=args.fsdp,
+        schedule=args.schedule, model=args.model, tie_embeddings=args.tie_embeddings,
+        ranks=ranks, dp=args.dp, fsdp=args.fsdp,
         stages_per_rank=2 if v_shaped else args.stages_per_rank,
         microbatches=args.microbatches, steps=args.steps, batch_size=args.batch_size,
         seq_len=args.seq_len, width=args.width, layers=args.layers, lr=args.lr, seed=args.seed,
@@ -579,6 +609,8 @@ def parse_args(argv: list[str] | None) -> tuple[TrainConfig, argparse.Namespace]
         timeout_s=args.timeout)
     if args.budget is not None and args.policy != "peak":
         parser.error(f"--budget applies to the peak policy, not --policy {args.policy}")
+    if args.tie_embeddings and args.model != "llama":
+        parser.error("--tie-embeddings applies to --model llama")
     if args.budget is not None and modes != MODES:
         parser.error("--budget plans on the chunk sizes the run without swap measures: drop "
                      "--swap-only / --no-swap")

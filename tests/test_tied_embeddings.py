@@ -1,0 +1,49 @@
+"""A Llama with its input embedding and output layer tied, split over pipeline ranks: the
+first and the last stage each compute their use's gradient, and their ranks sum them, so
+both copies get the unsplit model's gradient of the one weight (and, on a V-shaped schedule
+where one rank runs both stages, the one parameter object gets it from autograd)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from pipeswap.runtime.data import Corpus, batches
+from pipeswap.runtime.launch import spawn
+from pipeswap.runtime.llama import LlamaConfig, build_llama
+from pipeswap.runtime.model import lm_loss
+from pipeswap.runtime.train import TrainConfig, run_rank
+
+BASE = TrainConfig(model="llama", tie_embeddings=True, ranks=2, microbatches=4, steps=1,
+                   batch_size=8, seq_len=16, width=32, keep_grads=True, verbose=False,
+                   measure_allocator=False, modes=("no-swap",))
+
+
+def _reference(config: TrainConfig) -> torch.Tensor:
+    """The tied weight's gradient in the unsplit model, on the first batch, one process."""
+    corpus = Corpus.bundled()
+    model = build_llama(LlamaConfig(vocab=len(corpus.vocab), seq_len=config.seq_len,
+                                    dim=config.width, layers=config.num_layers,
+                                    tie_embeddings=True), config.seed)
+    inputs, targets = batches(corpus.encode(), config.batch_size, config.seq_len, 1,
+                              config.seed)[0]
+    lm_loss(model(inputs), targets).backward()  # type: ignore[no-untyped-call]
+    assert model.embed is not None and model.embed.weight.grad is not None
+    return model.embed.weight.grad
+
+
+@pytest.mark.parametrize(("schedule", "last_rank"), [("1f1b", 1), ("zbv", 0)])
+def test_the_tied_weight_gets_the_unsplit_models_gradient_on_both_stages(
+        schedule: str, last_rank: int) -> None:
+    config = dataclasses.replace(BASE, schedule=schedule,
+                                 stages_per_rank=2 if schedule == "zbv" else 1)
+    per_rank = spawn(run_rank, config.ranks, config, timeout_s=60)
+    first = per_rank[0]["no-swap"].grads
+    last = per_rank[last_rank]["no-swap"].grads
+    assert first is not None and last is not None
+    embed = first["0.embed.weight"]
+    output = last[f"{config.num_stages - 1}.output.weight"]
+    assert torch.equal(embed, output)  # summed to the same bits on both ranks
+    torch.testing.assert_close(embed, _reference(config), rtol=1e-5, atol=1e-7)
