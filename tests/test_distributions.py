@@ -15,7 +15,8 @@ EDGES: dict[str, set[str]] = {
     "pipeswap-schedule": set(),
     "pipeswap-platform": {"torch"},
     "pipeswap-swap": {"torch", "pipeswap-platform"},
-    "pipeswap-runtime": {"torch", "pipeswap-schedule", "pipeswap-swap", "pipeswap-platform"},
+    "pipeswap-runtime": {"torch", "numpy", "pipeswap-schedule", "pipeswap-swap",
+                         "pipeswap-platform"},
 }
 PORTIONS = [name.removeprefix("pipeswap-") for name in EDGES]
 

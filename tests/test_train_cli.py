@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 SMALL = ["--schedule", "gpipe", "--microbatches", "4", "--steps", "2", "--width", "32",
          "--seq-len", "16", "--batch-size", "8"]
@@ -109,3 +110,22 @@ def test_llama_in_bf16_swaps_without_changing_a_bit() -> None:
     for entry in summary["per_rank"]:
         assert 0 < entry["peak_activation_bytes_swap"] < entry["peak_activation_bytes_no_swap"]
         assert 0 < entry["peak_allocated_bytes_swap"] < entry["peak_allocated_bytes_no_swap"]
+
+
+def test_a_resumed_run_goes_on_exactly(tmp_path: Path) -> None:
+    """Steps 1-2 with checkpoints, then --resume with --steps 4: steps 3 and 4 lose what the
+    uninterrupted run's steps 3 and 4 lose, bit for bit, in both modes."""
+    command = [sys.executable, "-m", "pipeswap.runtime.train", "--ranks", "2", *SMALL,
+               "--json"]
+
+    def losses(*extra: str) -> dict[str, Any]:
+        summary: dict[str, Any] = json.loads(_run([*command, *extra]).strip().splitlines()[-1])
+        return summary
+
+    whole = losses("--steps", "4")
+    first = losses("--steps", "2", "--checkpoint-dir", str(tmp_path), "--checkpoint-every", "1")
+    resumed = losses("--steps", "4", "--resume", str(tmp_path))
+    assert resumed["first_step"] == 3
+    for mode in ("no-swap", "swap"):
+        assert first["losses"][mode] == whole["losses"][mode][:2]
+        assert resumed["losses"][mode] == whole["losses"][mode][2:]

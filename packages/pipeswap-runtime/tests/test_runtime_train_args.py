@@ -68,6 +68,12 @@ BAD = [
      ["--batch-size 8 does not split into 8 microbatches in each of 2 replicas",
       "a multiple of 16"]),
     (["-P", "40", "--dp", "2", "--fsdp"], ["--ranks x --dp must be at most 64, got 80"]),
+    (["--checkpoint-every", "2"], ["--checkpoint-every needs --checkpoint-dir"]),
+    (["--checkpoint-dir", "x", "--checkpoint-every", "0"],
+     ["--checkpoint-every must be at least 1, got 0"]),
+    (["--resume", "/nonexistent"], ["no checkpoint of the no-swap run in /nonexistent/no-swap"]),
+    (["--tie-embeddings"], ["--tie-embeddings applies to --model llama"]),
+    (["--model", "llama", "--width", "12"], ["heads of 3 dimensions", "multiple of 8"]),
 ]
 
 

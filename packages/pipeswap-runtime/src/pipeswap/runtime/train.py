@@ -39,7 +39,6 @@ MODELS = ("gpt", "llama")
 DTYPES = ("fp32", "bf16")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 log = logging.getLogger("pipeswap.runtime.train")  # also when run as __main__
-_NUMPY_WARNING = "Failed to initialize NumPy"
 
 
 @dataclass(frozen=True)
@@ -78,6 +77,11 @@ class TrainConfig:
     # as measuring slows a step (the one step of a one-step run is measured and timed)
     measure_allocator: bool = True
     timeout_s: float = DEFAULT_TIMEOUT_S
+    # save each mode's run into checkpoint_dir/<mode> after every checkpoint_every steps and
+    # at its end; resume each from resume/<mode> (steps counted from the run's start)
+    checkpoint_dir: str | None = None
+    checkpoint_every: int | None = None
+    resume: str | None = None
 
     @property
     def num_stages(self) -> int:
@@ -101,6 +105,7 @@ class TrainConfig:
 class ModeResult:
     """One rank's figures for one mode."""
 
+    first_step: int = 1  # the number of the first step this run took (later when resumed)
     losses: list[list[float]] = field(default_factory=list)  # per step, per microbatch
     step_seconds: list[float] = field(default_factory=list)  # of the steps timed
     peak_activation_bytes: int = 0
@@ -129,6 +134,7 @@ def run_rank(rank: int, world_size: int, config: TrainConfig) -> dict[str, ModeR
     from pipeswap.runtime.data import Corpus, batches
     from pipeswap.runtime.executor import PipelineExecutor
     from pipeswap.runtime.model import lm_loss
+    from pipeswap.runtime.checkpoint import load_checkpoint, save_checkpoint
     from pipeswap.runtime.tied import TiedGradients
     from pipeswap.schedule import ScheduleSpec, build_schedule
 
@@ -170,6 +176,10 @@ def run_rank(rank: int, world_size: int, config: TrainConfig) -> dict[str, ModeR
         optimizer = torch.optim.AdamW(params, lr=config.lr)
         tied = TiedGradients(stages, placement, tied_parameters(config, len(corpus.vocab)),
                              None if mesh is None else mesh.get_group("pp"))
+        done = 0  # steps taken before this run: a resumed one goes on after them
+        if config.resume is not None:
+            done = load_checkpoint(os.path.join(config.resume, mode), stages=stages,
+                                   optimizer=optimizer).data_position
         # Both modes account every chunk's saved activations, to compare their peaks.
         policy = swap_policy(config.policy)
         if mode == "swap" and config.budget is not None:
@@ -179,10 +189,10 @@ def run_rank(rank: int, world_size: int, config: TrainConfig) -> dict[str, ModeR
             swap_policy=policy, account_activations=True, mesh=mesh,
             autocast_dtype=torch.bfloat16 if config.dtype == "bf16" else None)
         result = results[mode] = ModeResult(
-            swapped_chunks=len(executor.swapped),
+            first_step=done + 1, swapped_chunks=len(executor.swapped),
             parameter_bytes=None if built is None else built.held_bytes,
             gathered_bytes=executor.gathered_bytes)
-        for number, (inputs, targets) in enumerate(data, 1):
+        for number, (inputs, targets) in enumerate(data[done:], done + 1):
             measured = config.measure_allocator and number % 2 == 1
             executor.measure_allocator = measured
             optimizer.zero_grad(set_to_none=True)
@@ -194,6 +204,10 @@ def run_rank(rank: int, world_size: int, config: TrainConfig) -> dict[str, ModeR
                                 for name, p in stage.module.named_parameters()
                                 if p.grad is not None}
             optimizer.step()
+            if config.checkpoint_dir is not None and (
+                    number == config.steps or number % (config.checkpoint_every or 0) == 0):
+                save_checkpoint(os.path.join(config.checkpoint_dir, mode), step=number,
+                                stages=stages, optimizer=optimizer, data_position=number)
             stats = executor.manager.stats()
             result.losses.append(list(report.losses))
             result.chunk_bytes = {key: (b.held, b.movable)
@@ -347,9 +361,10 @@ def summarize(config: TrainConfig, per_rank: list[dict[str, ModeResult]]) -> dic
             "step_time_s_swap": statistics.median(swap.step_seconds) if swap else None,
             "step_time_s_no_swap": statistics.median(plain.step_seconds) if plain else None,
         })
-    # per step, every replica's microbatch losses (replicas split the batch evenly)
+    # per step run, every replica's microbatch losses (replicas split the batch evenly)
     losses = {name: [[loss for result in per_rank if name in result
-                      for loss in result[name].losses[step]] for step in range(config.steps)]
+                      for loss in result[name].losses[step]]
+                     for step in range(_steps_run(per_rank, name))]
               for name in config.modes}
     both = all(name in losses for name in MODES)
     diff = None
@@ -360,6 +375,7 @@ def summarize(config: TrainConfig, per_rank: list[dict[str, ModeResult]]) -> dic
     times = {name: statistics.median(t for r in ranks if (t := r[f"step_time_s_{key}"]))
              for name, key in (("swap", "swap"), ("no-swap", "no_swap")) if name in losses}
     return {
+        "first_step": min((r[m].first_step for r in per_rank for m in r), default=1),
         "schedule": config.schedule,
         "ranks": config.ranks,
         "dp": config.dp,
@@ -375,6 +391,10 @@ def summarize(config: TrainConfig, per_rank: list[dict[str, ModeResult]]) -> dic
     }
 
 
+def _steps_run(per_rank: list[dict[str, ModeResult]], mode: str) -> int:
+    return max((len(result[mode].losses) for result in per_rank if mode in result), default=0)
+
+
 def metrics(config: TrainConfig, per_rank: list[dict[str, ModeResult]]
             ) -> list[dict[str, Any]]:
     """One record per mode and step, as ``--metrics`` writes them: the step's loss (the mean
@@ -382,12 +402,12 @@ def metrics(config: TrainConfig, per_rank: list[dict[str, ModeResult]]
     rank's step time) and each rank's peaks and bytes offloaded in that step."""
     records = []
     for mode in config.modes:
-        for step in range(config.steps):
+        for step in range(_steps_run(per_rank, mode)):
             results = [result[mode] for result in per_rank]
             losses = [loss for result in results for loss in result.losses[step]]
             seconds = max(result.per_step[step]["seconds"] for result in results)
             records.append({
-                "step": step + 1,
+                "step": results[0].first_step + step,
                 "mode": mode,
                 "loss": sum(losses) / len(losses),
                 "tokens_per_s": config.batch_size * config.seq_len / seconds,
@@ -574,6 +594,17 @@ def parse_args(argv: list[str] | None) -> tuple[TrainConfig, argparse.Namespace]
     parser.add_argument("--log-level", choices=LOG_LEVELS, default=None,
                         help="level of the ranks' logs, each line prefixed by its rank "
                              "(default info; warning with --json)")
+    saving = parser.add_argument_group("checkpoints (torch.distributed.checkpoint)")
+    saving.add_argument("--checkpoint-dir", metavar="DIR",
+                        help="save each mode's run (model, optimizer, step, data position, "
+                             "random state) into DIR/no-swap and DIR/swap at its last step")
+    saving.add_argument("--checkpoint-every", type=int, metavar="N",
+                        help="with --checkpoint-dir: also after every N steps (the two newest "
+                             "are kept)")
+    saving.add_argument("--resume", metavar="DIR",
+                        help="go on from the newest checkpoint in DIR/<mode>; --steps counts "
+                             "from the run's start, so a checkpoint of step 2 and --steps 4 "
+                             "run steps 3 and 4, as the uninterrupted run would")
     parser.add_argument("--seed", type=int, default=defaults.seed, help="weights and data seed")
     parser.add_argument("--timeout", type=float, default=defaults.timeout_s,
                         help="seconds a rank waits for a peer before failing (default "
@@ -606,7 +637,9 @@ def parse_args(argv: list[str] | None) -> tuple[TrainConfig, argparse.Namespace]
         batch_p2p=args.batch_p2p, policy=args.policy, budget=args.budget, modes=modes,
         dtype=args.dtype, verbose=not args.json,
         log_level=args.log_level or ("warning" if args.json else "info"),
-        timeout_s=args.timeout)
+        checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
+        resume=args.resume, timeout_s=args.timeout)
+    _check_checkpoints(parser, config)
     if args.budget is not None and args.policy != "peak":
         parser.error(f"--budget applies to the peak policy, not --policy {args.policy}")
     if args.tie_embeddings and args.model != "llama":
@@ -717,6 +750,31 @@ def _budget_policy(config: TrainConfig, mine: dict[tuple[int, int], tuple[int, i
     return PeakPolicy(CostModel(chunks=chunks), config.budget)
 
 
+def _check_checkpoints(parser: argparse.ArgumentParser, config: TrainConfig) -> None:
+    """Checkpoint options that fit together, and a checkpoint to resume each mode from that
+    leaves steps to run."""
+    from pipeswap.runtime.checkpoint import saved_step
+
+    if config.checkpoint_every is not None:
+        if config.checkpoint_dir is None:
+            parser.error("--checkpoint-every needs --checkpoint-dir (where to save)")
+        if config.checkpoint_every < 1:
+            parser.error(f"--checkpoint-every must be at least 1, got {config.checkpoint_every}")
+    if config.resume is None:
+        return
+    for mode in config.modes:
+        where = os.path.join(config.resume, mode)
+        step = saved_step(where)
+        if step is None:
+            parser.error(f"--resume {config.resume}: no checkpoint of the {mode} run in {where}; "
+                         "resume from a directory that --checkpoint-dir filled, with the same "
+                         "choice of --no-swap / --swap-only")
+        if step >= config.steps:
+            parser.error(f"--resume {config.resume}: the {mode} run's checkpoint is of step "
+                         f"{step}, and --steps {config.steps} counts from the run's start: "
+                         f"give more than {step} steps")
+
+
 def _check_schedule(parser: argparse.ArgumentParser, config: TrainConfig) -> None:
     """Build the schedule as every rank will, so that its errors show here; refuse one too big
     to build first."""
@@ -777,7 +835,6 @@ def _check_memory(parser: argparse.ArgumentParser, config: TrainConfig,
 
 
 def main(argv: list[str] | None = None) -> int:
-    _quiet_numpy()
     config, args = parse_args(argv)
     if launched_by_torchrun():
         return _main_torchrun(config, args)
@@ -802,19 +859,6 @@ def main(argv: list[str] | None = None) -> int:
         return exc.code if isinstance(exc.code, int) else 1
     _report(config, args, per_rank)
     return 0
-
-
-def _quiet_numpy() -> None:
-    """torch warns at import when NumPy is missing, and pipeswap never uses NumPy: the job
-    leaves that warning out, here and (through the environment they inherit) in the ranks it
-    starts, which import torch before any code of theirs runs."""
-    import warnings
-
-    warnings.filterwarnings("ignore", message=_NUMPY_WARNING, category=UserWarning)
-    rule = f"ignore:{_NUMPY_WARNING}:UserWarning"
-    current = os.environ.get("PYTHONWARNINGS")
-    if rule not in (current or ""):
-        os.environ["PYTHONWARNINGS"] = f"{current},{rule}" if current else rule
 
 
 def _main_torchrun(config: TrainConfig, args: argparse.Namespace) -> NoReturn:
