@@ -17,6 +17,8 @@ from typing import TypeVar
 
 import torch
 
+from pipeswap.runtime.model import even_runs
+
 ModuleT = TypeVar("ModuleT", bound=torch.nn.Module)
 
 INIT_STD = 0.02
@@ -258,12 +260,10 @@ def split_layers(model: ModuleT, num_stages: int, *, layers: str = "layers",
         raise ValueError(f"{len(named)} blocks in {layers!r} cannot fill {num_stages} stages: "
                          f"use at least {num_stages} layers")
     stages = []
-    start = 0
-    for index in range(num_stages):
-        end = start + len(named) // num_stages + (index < len(named) % num_stages)
+    for index, run in enumerate(even_runs(len(named), num_stages)):
         kept = (torch.nn.ModuleList() if isinstance(blocks, torch.nn.ModuleList)
                 else torch.nn.ModuleDict())
-        for key, block in named[start:end]:
+        for key, block in named[run.start:run.stop]:
             kept.add_module(key, block)
         stage = copy.copy(model)
         for attribute, value in vars(model).items():
@@ -273,7 +273,6 @@ def split_layers(model: ModuleT, num_stages: int, *, layers: str = "layers",
         for name in (*(first if index > 0 else ()), *(last if index < num_stages - 1 else ())):
             stage._modules[name] = None
         stages.append(stage)
-        start = end
     return stages
 
 

@@ -84,6 +84,17 @@ def build_gpt(config: GPTConfig, seed: int) -> torch.nn.Sequential:
         torch.random.set_rng_state(generator_state)
 
 
+def even_runs(count: int, parts: int) -> list[range]:
+    """``count`` items in ``parts`` contiguous runs as even as can be, the earlier runs
+    taking the extra ones."""
+    runs, start = [], 0
+    for index in range(parts):
+        end = start + count // parts + (index < count % parts)
+        runs.append(range(start, end))
+        start = end
+    return runs
+
+
 def split_stages(model: torch.nn.Sequential, num_stages: int) -> list[torch.nn.Sequential]:
     """Contiguous stages with the blocks spread evenly; the embedding joins the first stage
     and the head the last. Each stage shares its modules with ``model``."""
@@ -92,16 +103,13 @@ def split_stages(model: torch.nn.Sequential, num_stages: int) -> list[torch.nn.S
         raise ValueError(f"{len(blocks)} blocks cannot fill {num_stages} stages: use at least "
                          f"{num_stages} layers")
     stages = []
-    start = 0
-    for index in range(num_stages):
-        end = start + len(blocks) // num_stages + (index < len(blocks) % num_stages)
-        parts = blocks[start:end]
+    for index, run in enumerate(even_runs(len(blocks), num_stages)):
+        parts = blocks[run.start:run.stop]
         if index == 0:
             parts = [embed, *parts]
         if index == num_stages - 1:
             parts = [*parts, head]
         stages.append(torch.nn.Sequential(*parts))
-        start = end
     return stages
 
 
