@@ -82,6 +82,7 @@ class TrainConfig:
     checkpoint_dir: str | None = None
     checkpoint_every: int | None = None
     resume: str | None = None
+    metrics: str | None = None  # a file rank 0 appends one JSON line to per step and mode
 
     @property
     def num_stages(self) -> int:
@@ -164,6 +165,8 @@ def run_rank(rank: int, world_size: int, config: TrainConfig) -> dict[str, ModeR
                         overlap_b_f=config.overlap_b_f, dxdw_split=config.dxdw_split,
                         batch_p2p=config.batch_p2p, fsdp=config.fsdp)
     placement = build_schedule(spec).stage_ranks  # loop, or V for zbv and dualpipev
+    if config.metrics is not None and rank == 0:
+        open(config.metrics, "w", encoding="utf-8").close()  # filled step by step below
     results: dict[str, ModeResult] = {}
     for mode in config.modes:
         measuring: AbstractContextManager[AllocationPeak | None] = (
@@ -230,6 +233,9 @@ def run_rank(rank: int, world_size: int, config: TrainConfig) -> dict[str, ModeR
                 "peak_memory_bytes": report.peak_memory_bytes,
                 "peak_allocated_bytes": report.peak_allocated_bytes,
                 "bytes_offloaded": report.bytes_offloaded})
+            if config.metrics is not None:
+                _write_metrics(config, mode, number,
+                               {**result.per_step[-1], "losses": list(report.losses)})
             result.groups_alive_after_step.append(executor.manager.active_group_count())
             result.host_bytes_in_use_after_step.append(stats.host_bytes_in_use)
             if config.verbose and report.losses:
@@ -395,27 +401,29 @@ def _steps_run(per_rank: list[dict[str, ModeResult]], mode: str) -> int:
     return max((len(result[mode].losses) for result in per_rank if mode in result), default=0)
 
 
-def metrics(config: TrainConfig, per_rank: list[dict[str, ModeResult]]
-            ) -> list[dict[str, Any]]:
-    """One record per mode and step, as ``--metrics`` writes them: the step's loss (the mean
-    microbatch loss over every replica), tokens per second (the whole batch over the slowest
-    rank's step time) and each rank's peaks and bytes offloaded in that step."""
-    records = []
-    for mode in config.modes:
-        for step in range(_steps_run(per_rank, mode)):
-            results = [result[mode] for result in per_rank]
-            losses = [loss for result in results for loss in result.losses[step]]
-            seconds = max(result.per_step[step]["seconds"] for result in results)
-            records.append({
-                "step": results[0].first_step + step,
-                "mode": mode,
-                "loss": sum(losses) / len(losses),
-                "tokens_per_s": config.batch_size * config.seq_len / seconds,
-                "per_rank": [{"rank": rank, **{k: v for k, v in result.per_step[step].items()
-                                               if k != "seconds"}}
-                             for rank, result in enumerate(results)],
-            })
-    return records
+def _write_metrics(config: TrainConfig, mode: str, step: int, mine: dict[str, Any]) -> None:
+    """After each step, on every rank: rank 0 gathers the ranks' figures and appends the
+    step's line to ``config.metrics``: the step's loss (the mean microbatch loss over every
+    replica), tokens per second (the whole batch over the slowest rank's step) and each
+    rank's peaks and bytes offloaded."""
+    from pipeswap.runtime.comm import gather_object
+
+    everyone = gather_object(mine)
+    if everyone is None:
+        return
+    figures: list[dict[str, Any]] = everyone  # type: ignore[assignment]
+    losses = [loss for entry in figures for loss in entry["losses"]]
+    record = {
+        "step": step,
+        "mode": mode,
+        "loss": sum(losses) / len(losses),
+        "tokens_per_s": config.batch_size * config.seq_len / max(e["seconds"] for e in figures),
+        "per_rank": [{"rank": rank, **{k: v for k, v in entry.items()
+                                       if k not in ("seconds", "losses")}}
+                     for rank, entry in enumerate(figures)],
+    }
+    with open(str(config.metrics), "a", encoding="utf-8") as out:
+        out.write(json.dumps(record) + "\n")
 
 
 def _mib(value: int | None) -> str:
@@ -588,9 +596,9 @@ def parse_args(argv: list[str] | None) -> tuple[TrainConfig, argparse.Namespace]
                              "parameters, gradients and optimizer state in float32 (default "
                              f"{defaults.dtype})")
     parser.add_argument("--metrics", metavar="FILE",
-                        help="write one JSON line per step and mode to FILE at the end: step, "
-                             "mode, loss (the mean microbatch loss), tokens_per_s, and per "
-                             "rank the step's peaks and bytes offloaded")
+                        help="write one JSON line per step and mode to FILE as the run goes: "
+                             "step, mode, loss (the mean microbatch loss), tokens_per_s, and "
+                             "per rank the step's peaks and bytes offloaded")
     parser.add_argument("--log-level", choices=LOG_LEVELS, default=None,
                         help="level of the ranks' logs, each line prefixed by its rank "
                              "(default info; warning with --json)")
@@ -638,7 +646,7 @@ def parse_args(argv: list[str] | None) -> tuple[TrainConfig, argparse.Namespace]
         dtype=args.dtype, verbose=not args.json,
         log_level=args.log_level or ("warning" if args.json else "info"),
         checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
-        resume=args.resume, timeout_s=args.timeout)
+        resume=args.resume, metrics=args.metrics, timeout_s=args.timeout)
     _check_checkpoints(parser, config)
     if args.budget is not None and args.policy != "peak":
         parser.error(f"--budget applies to the peak policy, not --policy {args.policy}")
@@ -886,10 +894,6 @@ def _main_torchrun(config: TrainConfig, args: argparse.Namespace) -> NoReturn:
 def _report(config: TrainConfig, args: argparse.Namespace,
             per_rank: list[dict[str, ModeResult]]) -> None:
     summary = summarize(config, per_rank)
-    if args.metrics:
-        with open(args.metrics, "w", encoding="utf-8") as out:
-            for record in metrics(config, per_rank):
-                out.write(json.dumps(record) + "\n")
     if args.json:
         print(json.dumps(summary))
     else:
