@@ -12,7 +12,13 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from pipeswap.runtime import PeerFailedError, PipelineError, PipelineExecutor
+from pipeswap.runtime import (
+    PeerFailedError,
+    PipelineError,
+    PipelineExecutor,
+    PipelineSetupError,
+    PipelineStage,
+)
 from pipeswap.runtime.data import Corpus, batches
 from pipeswap.runtime.fsdp import fsdp_modules
 from pipeswap.runtime.model import lm_loss
@@ -151,3 +157,16 @@ def one_replica_fails(rank: int, world_size: int, failing: int) -> dict[str, obj
     except PipelineError as exc:
         outcome["recover"] = str(exc)
     return outcome
+
+
+def replicas_without_fsdp(rank: int, world_size: int) -> str:
+    """One pipeline rank in each of two replicas, the stage not sharded: refused."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (1, world_size), mesh_dim_names=("pp", "dp"))
+    stage = PipelineStage(torch.nn.Linear(4, 4), 0, 1, mesh.get_group("pp"))
+    try:
+        PipelineExecutor([stage], "gpipe", 2, torch.nn.functional.mse_loss, mesh=mesh)
+    except PipelineSetupError as exc:
+        return str(exc)
+    return "built"

@@ -157,6 +157,14 @@ def test_a_failure_in_one_replica_stops_every_rank_of_both_promptly() -> None:
         assert "restart" in str(outcome["recover"])
 
 
+def test_replicas_without_fsdp_are_refused() -> None:
+    """Nothing would average unsharded replicas' gradients: every rank refuses to build."""
+    from pipeswap_fsdp_workers import replicas_without_fsdp
+
+    for message in spawn(replicas_without_fsdp, 2, timeout_s=60):
+        assert "2 data-parallel replicas but no stage is sharded" in message, message
+
+
 @pytest.mark.slow
 def test_the_command_reports_every_pp_dp_rank() -> None:
     """The README's command: 2 pipeline ranks x 2 replicas with FSDP, JSON per rank."""

@@ -113,9 +113,9 @@ def test_llama_in_bf16_swaps_without_changing_a_bit() -> None:
 
 
 def test_a_resumed_run_goes_on_exactly(tmp_path: Path) -> None:
-    """Steps 1-2 with checkpoints, then --resume with --steps 4: steps 3 and 4 lose what the
-    uninterrupted run's steps 3 and 4 lose, bit for bit (the run with swap; the checkpoint
-    API's own tests cover more)."""
+    """Steps 1-2 saved at their end, then --resume with --steps 4: steps 3 and 4 lose what
+    the uninterrupted run's steps 3 and 4 lose, bit for bit (the run with swap; the
+    checkpoint API's own tests cover more); --metrics goes on in the same file."""
     command = [sys.executable, "-m", "pipeswap.runtime.train", "--ranks", "2", *SMALL,
                "--swap-only", "--json"]
 
@@ -124,9 +124,12 @@ def test_a_resumed_run_goes_on_exactly(tmp_path: Path) -> None:
         return summary
 
     whole = losses("--steps", "4")
-    first = losses("--steps", "2", "--checkpoint-dir", str(tmp_path), "--checkpoint-every", "1")
-    resumed = losses("--steps", "4", "--resume", str(tmp_path))
+    metrics = tmp_path / "metrics.jsonl"
+    first = losses("--steps", "2", "--checkpoint-dir", str(tmp_path), "--metrics", str(metrics))
+    resumed = losses("--steps", "4", "--resume", str(tmp_path), "--metrics", str(metrics))
     assert resumed["first_step"] == 3
+    steps = [json.loads(line)["step"] for line in metrics.read_text().splitlines()]
+    assert steps == [1, 2, 3, 4]
     assert first["losses"]["swap"] == whole["losses"]["swap"][:2]
     assert resumed["losses"]["swap"] == whole["losses"]["swap"][2:]
     assert (tmp_path / "swap" / "latest").is_file()

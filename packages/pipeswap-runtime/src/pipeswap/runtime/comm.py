@@ -330,7 +330,8 @@ class Transport:
 
     def recv_meta(self, stage: int) -> BoundaryMeta:
         """The meta of stage ``stage - 1``'s output, from the rank that runs it (blocking):
-        its length, then itself (tags below any transfer's)."""
+        its length, then itself (tags below those of the first run's transfers; the
+        exchange is over before any transfer is posted)."""
         import torch
         import torch.distributed as dist
 

@@ -267,10 +267,16 @@ class PipelineExecutor:
         return mesh.get_group("dp")
 
     def _find_sharded(self) -> dict[int, ShardedStage]:
-        """This rank's stages sharded with fully_shard: all of them or none."""
+        """This rank's stages sharded with fully_shard: all of them or none (and all with
+        more than one replica, whose gradients FSDP averages)."""
         sharded = {stage.stage_index: ShardedStage(stage.stage_index, stage.module,
                                                    self.dp_group)
                    for stage in self.stages if fsdp_modules(stage.module)}
+        if self.dp_size > 1 and not sharded:
+            raise PipelineSetupError(
+                f"{self.dp_size} data-parallel replicas but no stage is sharded with "
+                "fully_shard: nothing would average the replicas' gradients; shard each stage "
+                "over the data-parallel group (pipeswap.runtime.fsdp.shard_stage)")
         if sharded and len(sharded) != len(self.stages):
             plain = sorted(s.stage_index for s in self.stages if s.stage_index not in sharded)
             raise PipelineSetupError(

@@ -165,7 +165,7 @@ def run_rank(rank: int, world_size: int, config: TrainConfig) -> dict[str, ModeR
                         overlap_b_f=config.overlap_b_f, dxdw_split=config.dxdw_split,
                         batch_p2p=config.batch_p2p, fsdp=config.fsdp)
     placement = build_schedule(spec).stage_ranks  # loop, or V for zbv and dualpipev
-    if config.metrics is not None and rank == 0:
+    if config.metrics is not None and rank == 0 and config.resume is None:
         open(config.metrics, "w", encoding="utf-8").close()  # filled step by step below
     results: dict[str, ModeResult] = {}
     for mode in config.modes:
@@ -207,8 +207,9 @@ def run_rank(rank: int, world_size: int, config: TrainConfig) -> dict[str, ModeR
                                 for name, p in stage.module.named_parameters()
                                 if p.grad is not None}
             optimizer.step()
+            every = config.checkpoint_every
             if config.checkpoint_dir is not None and (
-                    number == config.steps or number % (config.checkpoint_every or 0) == 0):
+                    number == config.steps or (every is not None and number % every == 0)):
                 save_checkpoint(os.path.join(config.checkpoint_dir, mode), step=number,
                                 stages=stages, optimizer=optimizer, data_position=number)
             stats = executor.manager.stats()
@@ -229,6 +230,7 @@ def run_rank(rank: int, world_size: int, config: TrainConfig) -> dict[str, ModeR
             result.bytes_offloaded += report.bytes_offloaded
             result.per_step.append({
                 "seconds": report.seconds,
+                "allocator_measured": measured,
                 "peak_activation_bytes": report.peak_activation_bytes,
                 "peak_memory_bytes": report.peak_memory_bytes,
                 "peak_allocated_bytes": report.peak_allocated_bytes,
@@ -418,8 +420,10 @@ def _write_metrics(config: TrainConfig, mode: str, step: int, mine: dict[str, An
         "mode": mode,
         "loss": sum(losses) / len(losses),
         "tokens_per_s": config.batch_size * config.seq_len / max(e["seconds"] for e in figures),
+        # a step that measured the allocator ran slower (torch's profiler on CPU)
+        "allocator_measured": figures[0]["allocator_measured"],
         "per_rank": [{"rank": rank, **{k: v for k, v in entry.items()
-                                       if k not in ("seconds", "losses")}}
+                                       if k not in ("seconds", "losses", "allocator_measured")}}
                      for rank, entry in enumerate(figures)],
     }
     with open(str(config.metrics), "a", encoding="utf-8") as out:
@@ -596,9 +600,10 @@ def parse_args(argv: list[str] | None) -> tuple[TrainConfig, argparse.Namespace]
                              "parameters, gradients and optimizer state in float32 (default "
                              f"{defaults.dtype})")
     parser.add_argument("--metrics", metavar="FILE",
-                        help="write one JSON line per step and mode to FILE as the run goes: "
-                             "step, mode, loss (the mean microbatch loss), tokens_per_s, and "
-                             "per rank the step's peaks and bytes offloaded")
+                        help="write one JSON line per step and mode to FILE as the run goes "
+                             "(appended to with --resume): step, mode, loss (the mean "
+                             "microbatch loss), tokens_per_s, allocator_measured (such steps "
+                             "run slower), and per rank the step's peaks and bytes offloaded")
     parser.add_argument("--log-level", choices=LOG_LEVELS, default=None,
                         help="level of the ranks' logs, each line prefixed by its rank "
                              "(default info; warning with --json)")
