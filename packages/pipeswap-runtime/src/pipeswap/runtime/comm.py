@@ -219,7 +219,6 @@ class Transport:
 
         self.board = board
         self.group = group
-        self.rank = dist.get_rank(group)
         self.global_rank = dist.get_rank()  # what messages name: unique across replicas
         self.stage_ranks = stage_ranks
         self.microbatches = microbatches
