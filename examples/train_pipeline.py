@@ -108,10 +108,15 @@ def main() -> None:
         if report.losses:  # on the rank of the last stage
             print(f"step {step}: loss {sum(report.losses) / len(report.losses):.4f}, "
                   f"{report.seconds * 1e3:.0f} ms", flush=True)
-    # the last step's swap, per rank (the default policy swaps only where the peak drops)
-    print(f"rank {rank}: {report.swapped_chunks} chunks swapped, "
-          f"{report.bytes_offloaded} bytes offloaded, peak of saved activations "
-          f"{report.peak_activation_bytes} bytes", flush=True)
+    # The last step's swap, per rank (the default policy swaps only where the peak drops).
+    # Rank 0 prints every rank's line so that output from several processes never interleaves.
+    line = (f"rank {rank}: {report.swapped_chunks} chunks swapped, "
+            f"{report.bytes_offloaded} bytes offloaded, peak of saved activations "
+            f"{report.peak_activation_bytes} bytes")
+    lines: list[object] = [None] * world
+    dist.all_gather_object(lines, line)
+    if rank == 0:
+        print("\n".join(str(each) for each in lines), flush=True)
     dist.destroy_process_group()
 
 
