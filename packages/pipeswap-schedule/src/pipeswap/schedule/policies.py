@@ -196,7 +196,7 @@ class MemoryBudgetPolicy:
 MAX_COPY_SLOTS = 3
 #: Placements to try, tightest first; zero slots (compute waits for the whole copy) only
 #: where a budget allows exposed copies.
-_PLACEMENTS = sorted(((off, load) for off in range(MAX_COPY_SLOTS + 1)
+_PLACEMENTS = sorted(((off, load, 0) for off in range(MAX_COPY_SLOTS + 1)
                       for load in range(MAX_COPY_SLOTS + 1)), key=lambda p: (sum(p), p))
 
 
@@ -291,7 +291,7 @@ class _PeakPlan:
         if extra is not None:
             chosen[extra[0]] = extra[1]
         line, out = self.line, []
-        for key, (off, load) in chosen.items():
+        for key, (off, load, _) in chosen.items():
             c = self.by_key[key]
             d2h, h2d = _copy_times(self.costs, self.rank, key)
             out.append((line.ends[c.forward_slot], d2h, line.ends[c.forward_slot + off],
@@ -330,7 +330,7 @@ class _PeakPlan:
                 if now is not None and (not allow_stall or top[0] in self.off_slots(c, now)):
                     continue
                 for placement in map(SwapPlacement._make, _PLACEMENTS):
-                    if not allow_stall and min(placement) == 0:
+                    if not allow_stall and min(placement.offload_slots, placement.load_slots) == 0:
                         continue
                     span = self.off_slots(c, placement)
                     if top[0] not in span or (now is not None and not (

@@ -34,6 +34,8 @@ class StepType(Enum):
     SWAP_WAIT_OFFLOAD = "WO"
     SWAP_LAUNCH_LOAD = "LL"
     SWAP_WAIT_LOAD = "WL"
+    SWAP_STREAM_OFFLOAD = "SO"
+    SWAP_STREAM_LOAD = "SL"
 
     # Members are singletons, so identity hashing agrees with equality; it runs in C, which
     # keeps the passes' many `step.type in CATEGORY` tests cheap (Enum's default is Python).
@@ -59,8 +61,16 @@ SWAP = frozenset(
         StepType.SWAP_WAIT_OFFLOAD,
         StepType.SWAP_LAUNCH_LOAD,
         StepType.SWAP_WAIT_LOAD,
+        StepType.SWAP_STREAM_OFFLOAD,
+        StepType.SWAP_STREAM_LOAD,
     }
 )
+#: The launches of a streaming (layer by layer) swap: SO arms the chunk's forward to offload
+#: each layer as it finishes, SL loads its last layer and arms the backward to load each
+#: layer one ahead of the layer it is computing.
+STREAMING = frozenset({StepType.SWAP_STREAM_OFFLOAD, StepType.SWAP_STREAM_LOAD})
+#: The layer lag of an SO step when its text gives none.
+DEFAULT_LAYER_LAG = 1
 #: Local control steps that take no compute slot and exchange nothing with pipeline peers.
 #: Passes that look for "the P2P right after a compute" see through them.
 ZERO_WIDTH = FSDP | SWAP
@@ -76,22 +86,34 @@ class Step:
 
     Leaves carry ``stage`` and ``micro`` (FSDP control steps have no micro); composites carry
     only ``sub_steps``: an overlap holds one forward and one backward leaf (in the order its
-    name says), a P2P batch holds P2P leaves.
+    name says), a P2P batch holds P2P leaves. ``lag`` belongs to SO steps only: layer ``k``
+    of the chunk leaves the device when the forward ends layer ``k + lag`` (the copy hides
+    behind those ``lag`` layers; the last ``lag`` layers leave at the chunk's WO). It defaults
+    to :data:`DEFAULT_LAYER_LAG`.
     """
 
     type: StepType
     stage: int | None = None
     micro: int | None = None
     sub_steps: tuple[Step, ...] = ()
+    lag: int | None = None
 
     def __post_init__(self) -> None:
         stage, micro = self.stage, self.micro
         if (  # the common case, a leaf of a chunk, checked first and fast
             self.type in _WITH_MICRO and type(stage) is int and type(micro) is int
-            and stage >= 0 and micro >= 0 and not self.sub_steps
+            and stage >= 0 and micro >= 0 and not self.sub_steps and self.lag is None
+            and self.type is not StepType.SWAP_STREAM_OFFLOAD
         ):
             return
         kind = self.type
+        if kind is StepType.SWAP_STREAM_OFFLOAD:
+            if self.lag is None:
+                object.__setattr__(self, "lag", DEFAULT_LAYER_LAG)
+            elif not _is_index(self.lag) or self.lag < 1:
+                raise StepError(f"SO's layer lag is a whole number >= 1, got {self.lag!r}")
+        elif self.lag is not None and isinstance(kind, StepType):
+            raise StepError(f"{kind.name} takes no layer lag (only SO steps have one)")
         if not isinstance(kind, StepType):
             raise StepError(f"a step's type is a StepType, got {kind!r}")
         if not isinstance(self.sub_steps, tuple):
@@ -138,6 +160,8 @@ class Step:
             return f"({';'.join(str(s) for s in self.sub_steps)}){self.type.value}"
         if self.micro is None:
             return f"{self.stage}{self.type.value}"
+        if self.lag is not None and self.lag != DEFAULT_LAYER_LAG:
+            return f"{self.stage}{self.type.value}{self.micro}:{self.lag}"
         return f"{self.stage}{self.type.value}{self.micro}"
 
     @property

@@ -19,6 +19,12 @@ gets its placement on FSDP stages too: its copies were planned to hide behind th
 and the rule above would leave a reload with no compute to hide behind when the stage's
 parameters stay gathered (one stage a rank, the common case).
 
+A placement may stream the chunk layer by layer instead (``layer_lag`` >= 1): ``SO`` goes
+right before the forward, and the forward offloads each layer as it finishes it, freeing
+layer ``k`` when it ends layer ``k + layer_lag``; ``WO`` frees what is left; ``SL`` takes
+``LL``'s place, loads the last layer and arms the backward to load each layer while it
+computes the one after it; ``WL`` waits for the last layer.
+
 Compute slots count containers: an overlap of a backward and a forward is one slot.
 Differences from MindSpore hyper-parallel: local control steps (FSDP, swap) are transparent when
 looking for a compute's P2P block, FSDP placement applies per stage, and a reload never
@@ -85,10 +91,17 @@ class SwapPlacement(NamedTuple):
     reload during the ``load_slots`` computes before the backward (``LL`` precedes the
     first). More slots hide a longer copy and keep the chunk on the device longer; zero
     slots frees (or loads) the chunk right at its compute, and compute waits for the whole
-    copy."""
+    copy. ``layer_lag`` 0 swaps the chunk whole; from 1 it streams the chunk layer by layer
+    (see the module docstring), and the slots then bound what the forward's last layers
+    and the backward's last layer have to hide their copies behind."""
 
     offload_slots: int = 1
     load_slots: int = 1
+    layer_lag: int = 0
+
+    @property
+    def streaming(self) -> bool:
+        return self.layer_lag > 0
 
 
 #: MindSpore hyper-parallel's placement: one compute to hide each copy.
@@ -151,10 +164,14 @@ def swap_candidates(order: Order, rank: int = 0) -> list[SwapCandidate]:
     return _Slots(order).candidates(rank)
 
 
+_OFFLOAD_LAUNCHES = frozenset({StepType.SWAP_LAUNCH_OFFLOAD, StepType.SWAP_STREAM_OFFLOAD})
+
+
 def swapped_chunks(schedule: Schedule) -> tuple[tuple[ChunkKey, ...], ...]:
-    """Per rank, the chunks that have a launch-offload step, in execution order."""
+    """Per rank, the chunks that have a launch-offload step (whole or streaming), in
+    execution order."""
     return tuple(
-        tuple(s.key for s in order if s is not None and s.type is StepType.SWAP_LAUNCH_OFFLOAD)
+        tuple(s.key for s in order if s is not None and s.type in _OFFLOAD_LAUNCHES)
         for order in schedule.orders
     )
 
@@ -247,8 +264,8 @@ def inject_swap_order(order: Order, policy: SwapPolicy, *, rank: int = 0) -> lis
         placement = selected.get((stage, micro))
         if placement is None:
             continue
-        off, load = placement
-        if min(off, load) < 0 or b_slot - f_slot < off + load + 1:
+        off, load, lag = placement
+        if min(off, load, lag) < 0 or b_slot - f_slot < off + load + 1:
             raise ScheduleError(
                 f"the swap policy selected chunk {(stage, micro)} on rank {rank} with "
                 f"{off} slot(s) to offload and {load} to reload, but its backward is "
@@ -264,9 +281,14 @@ def inject_swap_order(order: Order, policy: SwapPolicy, *, rank: int = 0) -> lis
             latest = bisect_left(gathers, b_container) - 1
             gather = gathers[latest] if latest >= 0 else -1
             load_at = gather if gather > wait_offload_at else b_container
-        launch_after[f_container].append(Step(StepType.SWAP_LAUNCH_OFFLOAD, stage, micro))
+        if lag:
+            launch_before[f_container].append(
+                Step(StepType.SWAP_STREAM_OFFLOAD, stage, micro, lag=lag))
+        else:
+            launch_after[f_container].append(Step(StepType.SWAP_LAUNCH_OFFLOAD, stage, micro))
         wait_after[wait_offload_at].append(Step(StepType.SWAP_WAIT_OFFLOAD, stage, micro))
-        launch_before[load_at].append(Step(StepType.SWAP_LAUNCH_LOAD, stage, micro))
+        launch_before[load_at].append(Step(
+            StepType.SWAP_STREAM_LOAD if lag else StepType.SWAP_LAUNCH_LOAD, stage, micro))
         wait_before[b_container].append(Step(StepType.SWAP_WAIT_LOAD, stage, micro))
 
     out: list[Step | None] = []

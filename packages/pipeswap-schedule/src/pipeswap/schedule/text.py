@@ -1,7 +1,7 @@
 """The canonical text form of steps, orders and schedules.
 
 A leaf is ``{stage}{CODE}{micro}`` (``0F3``, ``2LO5``, ``3SEND_F1``), or ``{stage}{CODE}`` for
-FSDP control (``1UNSHARD``); a composite is ``(a;b;...)NAME`` (``(0B4;0F7)OVERLAP_B_F``). An
+FSDP control (``1UNSHARD``); a streaming offload may add its layer lag (``0SO3:2``); a composite is ``(a;b;...)NAME`` (``(0B4;0F7)OVERLAP_B_F``). An
 order is whitespace-separated steps with ``_`` for an idle slot; a schedule is one
 ``rank N: <order>`` line per rank. PyTorch pipelining's action strings for the kinds it has
 parse unchanged. Numbers are ASCII digits, at most :data:`MAX_DIGITS` of them.
@@ -22,7 +22,7 @@ _COMPOSITE_CODES = {t.value: t for t in COMPOSITES}
 # Longest codes first so "SEND_F" is not read as "S" + garbage.
 _CODE_ALTERNATIVES = "|".join(sorted(map(re.escape, _LEAF_CODES), key=len, reverse=True))
 # [0-9], not \d: int() reads any script's digits, and a step must mean one thing everywhere.
-_LEAF = re.compile(rf"([0-9]+)({_CODE_ALTERNATIVES})([0-9]*)")
+_LEAF = re.compile(rf"([0-9]+)({_CODE_ALTERNATIVES})([0-9]*)(?::([0-9]+))?")
 _COMPOSITE = re.compile(r"\((.*)\)([A-Z_0-9]+)")
 _RANK_LINE = re.compile(r"\s*rank\s+([0-9]+)\s*:(.*)")
 #: Stage, micro and rank numbers are indices: nine digits is far beyond any pipeline, and the
@@ -32,7 +32,7 @@ _QUOTED = 60
 
 EXPECTED_STEP = (
     "expected {stage}{CODE}{micro} with CODE one of F B I W SEND_F RECV_F SEND_B RECV_B "
-    "LO WO LL WL (e.g. 0F3, 2LO5), {stage}UNSHARD|RESHARD|REDUCE_GRAD (e.g. 1UNSHARD), "
+    "LO WO LL WL SO SL (e.g. 0F3, 2LO5; SO may add its layer lag: 0SO3:2), {stage}UNSHARD|RESHARD|REDUCE_GRAD (e.g. 1UNSHARD), "
     "or (a;b;...)OVERLAP_F_B|OVERLAP_B_F|BATCH_P2P (e.g. (0B4;0F7)OVERLAP_B_F)"
 )
 
@@ -75,20 +75,22 @@ def _parse_leaf(token: str, whole: str) -> Step:
     where = "" if token == whole else f" in {quoted(whole)}"
     if match is None:
         raise ParseError(f"bad step {quoted(token)}{where}: {EXPECTED_STEP}")
-    stage, code, micro = match.groups()
+    stage, code, micro, lag = match.groups()
     try:
         stage_index = parse_number(stage, "stage")
         micro_index = parse_number(micro, "micro") if micro else None
+        lag_value = parse_number(lag, "layer lag") if lag else None
     except ParseError as exc:
         raise ParseError(f"bad step {quoted(token)}{where}: {exc}") from None
-    return _build(whole, _LEAF_CODES[code], stage_index, micro_index, ())
+    return _build(whole, _LEAF_CODES[code], stage_index, micro_index, (), lag_value)
 
 
 def _build(
-    token: str, kind: StepType, stage: int | None, micro: int | None, subs: tuple[Step, ...]
+    token: str, kind: StepType, stage: int | None, micro: int | None, subs: tuple[Step, ...],
+    lag: int | None = None,
 ) -> Step:
     try:
-        return Step(kind, stage, micro, subs)
+        return Step(kind, stage, micro, subs, lag)
     except StepError as exc:
         raise ParseError(f"bad step {quoted(token)}: {exc}; {EXPECTED_STEP}") from exc
 

@@ -47,6 +47,13 @@ _SWAP_SEQUENCE = (
     StepType.SWAP_LAUNCH_LOAD,
     StepType.SWAP_WAIT_LOAD,
 )
+#: A streaming swap's steps, the launch of its offload before the forward it streams.
+_STREAM_SEQUENCE = (
+    StepType.SWAP_STREAM_OFFLOAD,
+    StepType.SWAP_WAIT_OFFLOAD,
+    StepType.SWAP_STREAM_LOAD,
+    StepType.SWAP_WAIT_LOAD,
+)
 
 
 #: How sends and receives meet. ``ordered``: a send waits for its receive and the messages
@@ -207,7 +214,7 @@ def validate_rank(schedule: Schedule, rank: int) -> None:
 
     Every step's stage lives on this rank; each forwarded chunk has exactly one backward
     after it (B, or I followed by W); swapped chunks run ``F < LO < WO < LL < WL <
-    backward``; P2P steps go to a remote neighbour, receives precede the compute that needs
+    backward``, or streamed ``SO < F < WO < SL < WL < backward``; P2P steps go to a remote neighbour, receives precede the compute that needs
     them and sends follow the compute that produces them; an input made on this rank (by a
     neighbouring stage placed here) is made before it is used; FSDP steps keep each stage
     they manage gathered while it computes. (Swap steps inside a composite cannot be built
@@ -252,6 +259,7 @@ def _check_rank(schedule: Schedule, rank: int) -> Where:
     fwds, fulls, dxs, dws = (where[k] for k in (StepType.FWD, StepType.BWD,
                                                   StepType.BWD_INPUT, StepType.BWD_WEIGHT))
     swaps = [where[k] for k in _SWAP_SEQUENCE]
+    streams = (where[StepType.SWAP_STREAM_OFFLOAD], where[StepType.SWAP_STREAM_LOAD])
     recv_f, send_f, recv_b, send_b = (where[k] for k in (
         StepType.FWD_RECV, StepType.FWD_SEND, StepType.BWD_RECV, StepType.BWD_SEND))
     for key in dict.fromkeys(chain.from_iterable(where.values())):
@@ -270,6 +278,7 @@ def _check_rank(schedule: Schedule, rank: int) -> Where:
                  else (dw is not None and dw > consumer))
                 and (swap == _NO_SWAP or (None not in swap and fwd < swap[0] < swap[1]  # type: ignore[operator]
                                           < swap[2] < swap[3] < consumer))
+                and key not in streams[0] and key not in streams[1]
                 and ((fr is not None and fr < fwd and bs is not None and bs > consumer)
                      if prev_remote else (fr is None and bs is None))
                 and ((fs is not None and fs > fwd and br is not None and br < consumer)
@@ -462,17 +471,32 @@ def _check_compute(
 def _check_swap(
     rank: int, order: Order, key: ChunkKey, fwd: int | None, consumer: int | None, where: Where
 ) -> None:
-    swaps = [where[kind].get(key) for kind in _SWAP_SEQUENCE]
-    if swaps == _NO_SWAP:
-        return
-    positions = [fwd, *swaps, consumer]
-    if None not in positions and all(a < b for a, b in zip(positions, positions[1:])):  # type: ignore[operator]
-        return
     stage, micro = key
     name = f"rank {rank}: swapped chunk (stage {stage}, micro {micro})"
-    codes = " < ".join(f"{stage}{t.value}{micro}" for t in _SWAP_SEQUENCE)
-    expected = f"{stage}F{micro} < {codes} < its backward"
-    missing = [f"{stage}{k.value}{micro}" for k, p in zip(_SWAP_SEQUENCE, swaps) if p is None]
+    streamed = [where[kind].get(key) for kind in (StepType.SWAP_STREAM_OFFLOAD,
+                                                   StepType.SWAP_STREAM_LOAD)]
+    whole = [where[kind].get(key) for kind in (StepType.SWAP_LAUNCH_OFFLOAD,
+                                                StepType.SWAP_LAUNCH_LOAD)]
+    if streamed != [None, None] and whole != [None, None]:
+        raise SwapLifecycleError(
+            f"{name} mixes whole-chunk and streaming swap steps; a chunk is swapped either "
+            f"with {stage}LO{micro} and {stage}LL{micro} or with {stage}SO{micro} and "
+            f"{stage}SL{micro}", rank=rank)
+    sequence = _SWAP_SEQUENCE if streamed == [None, None] else _STREAM_SEQUENCE
+    swaps = [where[kind].get(key) for kind in sequence]
+    if swaps == _NO_SWAP:
+        return
+    if sequence is _SWAP_SEQUENCE:
+        positions = [fwd, *swaps, consumer]
+        codes = " < ".join(f"{stage}{t.value}{micro}" for t in sequence)
+        expected = f"{stage}F{micro} < {codes} < its backward"
+    else:
+        positions = [swaps[0], fwd, *swaps[1:], consumer]
+        codes = " < ".join(f"{stage}{t.value}{micro}" for t in sequence[1:])
+        expected = f"{stage}SO{micro} < {stage}F{micro} < {codes} < its backward"
+    if None not in positions and all(a < b for a, b in zip(positions, positions[1:])):  # type: ignore[operator]
+        return
+    missing = [f"{stage}{k.value}{micro}" for k, p in zip(sequence, swaps) if p is None]
     if missing:
         raise SwapLifecycleError(
             f"{name} lacks {', '.join(missing)}; a swapped chunk needs exactly one of each: "
