@@ -14,6 +14,8 @@ from pipeswap.swap.manager import (
     SwapResidencyError,
     SwapStats,
 )
+from pipeswap.swap.layers import LayerChain, find_layers
+from pipeswap.swap.offload import LayerOffload
 from pipeswap.swap.pool import HostBufferPool, PoolExhaustedError
 
 __all__ = [
@@ -21,10 +23,13 @@ __all__ = [
     "GroupState",
     "HostBufferPool",
     "InPlaceModificationError",
+    "LayerChain",
+    "LayerOffload",
     "PoolExhaustedError",
     "SwapError",
     "SwapManager",
     "SwapResidencyError",
     "SwapStats",
     "__version__",
+    "find_layers",
 ]

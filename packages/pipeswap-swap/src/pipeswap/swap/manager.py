@@ -16,7 +16,7 @@ import threading
 import warnings
 import weakref
 from collections import Counter, deque
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from enum import Enum
@@ -133,6 +133,7 @@ class _Group:
     storages: dict[int, _Storage] = field(default_factory=dict)  # storage key -> storage
     event: Event | None = None  # the transfer in flight
     loading: list[_Storage] = field(default_factory=list)  # what the load in flight restores
+    protected_keys: set[int] = field(default_factory=set)  # storages kept, saved now or later
 
 
 class _Saved:
@@ -191,6 +192,9 @@ class SwapManager:
         self._protected: set[int] = set()  # storage keys protected manager-wide
         self._current: contextvars.ContextVar[str | None] = contextvars.ContextVar(
             f"pipeswap_swap_group_{id(self):x}", default=None)
+        # group -> the group its first read in backward loads ahead (None: none); see
+        # load_ahead
+        self._ahead: dict[str, str | None] = {}
         self._offloaded = self._reloaded = self._held = self._peak = self._kept = 0
         self._graveyard: deque[_Storage] = deque()  # entries that lost a saved view
         self._skipped: Counter[str] = Counter()
@@ -245,6 +249,16 @@ class SwapManager:
         finally:
             self._current.reset(token)
 
+    def switch_group(self, name: str) -> None:
+        """Inside :meth:`group_context`, send what autograd saves from now on to group
+        ``name`` (created if new) instead: how a forward is cut into per-layer groups."""
+        if self._current.get() is None:
+            raise SwapError(f"switch_group({name!r}): no group is collecting here; call it "
+                            "inside group_context()")
+        self.ensure_group(name)
+        self._expect(self._group(name, "switch_group"), "switch_group", GroupState.COLLECTING)
+        self._current.set(name)
+
     def protect_module(self, module: torch.nn.Module) -> None:
         """Never free storage shared with the module's parameters or buffers (``.data`` and
         ``.detach()`` aliases included)."""
@@ -256,11 +270,13 @@ class SwapManager:
             self._protected |= keys
 
     def protect_alias_tensors(self, name: str, tensors: Any) -> None:
-        """Never free the storages in group ``name`` shared with any tensor in ``tensors``."""
+        """Never free the storages in group ``name`` shared with any tensor in ``tensors``,
+        whether the group saved them already or saves them later."""
         group = self._group(name, "protect_alias_tensors")
         keys = {_storage_key(t) for t in _tensors(tensors)}
         with self._lock:
             self._protect([group], keys, "protect_alias_tensors")
+            group.protected_keys |= keys
 
     def _protect(self, groups: list[_Group], keys: set[int], call: str) -> None:
         """Mark the groups' storages among ``keys`` protected; all or nothing.
@@ -315,7 +331,8 @@ class SwapManager:
             if entry is None or not entry.alive():  # new, or a dead storage's key
                 if entry is not None:
                     self._uncount(entry)
-                entry = _Storage(nbytes, self._graveyard, protected=key in self._protected)
+                entry = _Storage(nbytes, self._graveyard, protected=(
+                    key in self._protected or key in group.protected_keys))
                 group.storages[key] = entry
                 self._owner[key] = name
                 self._held += entry.nbytes
@@ -362,6 +379,8 @@ class SwapManager:
         entry, group = saved.entry, saved.group
         if entry is None or group is None:
             return tensor
+        if group.name in self._ahead:
+            self._first_read(group)
         if not entry.resident:
             if not self.load_on_demand:
                 raise SwapResidencyError(
@@ -382,6 +401,39 @@ class SwapManager:
                 else:
                     self._restore_now(group, entry)
         return tensor
+
+    def load_ahead(self, names: Sequence[str]) -> None:
+        """Stream a backward's loads: when backward first reads a saved activation of
+        ``names[k]``, that group is made resident (its load waited for, or done then if none
+        was launched) and the load of ``names[k - 1]`` is launched, so each group's copy
+        overlaps the backward of the group after it. ``names`` are a forward's groups in the
+        order it saved them (one per layer); launch the last one's load yourself."""
+        with self._lock:
+            for index, name in enumerate(names):
+                self._group(name, "load_ahead")
+                self._ahead[name] = names[index - 1] if index > 0 else None
+
+    def _first_read(self, group: _Group) -> None:
+        """Backward reached ``group`` for the first time (see :meth:`load_ahead`)."""
+        with self._lock:
+            if group.name not in self._ahead:  # another thread got here first
+                return
+            ahead = self._ahead.pop(group.name)
+            self._make_resident(group)
+            following = self._groups.get(ahead) if ahead is not None else None
+            if following is not None:
+                if following.state is GroupState.OFFLOADING:
+                    self.wait_offload(following.name)
+                if following.state is GroupState.OFFLOADED:
+                    self.launch_load(following.name)
+
+    def _make_resident(self, group: _Group) -> None:
+        if group.state is GroupState.OFFLOADING:
+            self.wait_offload(group.name)
+        if group.state is GroupState.OFFLOADED:
+            self.launch_load(group.name)
+        if group.state is GroupState.LOADING:
+            self.wait_load(group.name)
 
     # -- transfers -------------------------------------------------------------------------
 
@@ -415,10 +467,12 @@ class SwapManager:
                 stacklevel=3)
         return moving
 
-    def launch_offload(self, name: str) -> None:
+    def launch_offload(self, name: str, *, copy_referenced: bool = False) -> None:
         """Start copying the group's storages to host memory on the D2H stream; a storage that
         something outside the saved activations references is not copied (it cannot be
-        freed)."""
+        freed), unless ``copy_referenced``: for a group launched while the forward still
+        holds its last tensors (a layer's input, in a per-layer group), which
+        :meth:`wait_offload` checks again before freeing."""
         group = self._group(name, "launch_offload")
         with self._lock:
             self._expect(group, "launch_offload", GroupState.COLLECTING)
@@ -428,8 +482,10 @@ class SwapManager:
             taken: list[_Storage] = []
             try:
                 ready.wait(self._d2h)
+                candidates = self._swappable(group)
                 with self.platform.stream(self._d2h):
-                    for entry, storage in self._releasable(self._swappable(group)):
+                    for entry, storage in (candidates if copy_referenced
+                                           else self._releasable(candidates)):
                         entry.host = self._pool.acquire(entry.nbytes)
                         taken.append(entry)
                         self.platform.copy_(entry.host.view, entry.bytes_tensor(storage))
@@ -529,6 +585,15 @@ class SwapManager:
                 self._return_host(entry, None)
             self._drop(group, GroupState.ABORTED)
 
+    def end_group(self, name: str) -> None:
+        """Forget a group after its backward, whatever its state: a per-layer group whose
+        tensors backward never read may still be offloaded (its storages are dead)."""
+        group = self._group(name, "end_group")
+        if group.state in (GroupState.RESIDENT, GroupState.COLLECTING):
+            self.finish_group(name)
+        else:
+            self.abort_group(name)
+
     def _restore_now(self, group: _Group, entry: _Storage) -> None:
         """Bring one freed storage back synchronously (its host copy is complete); a storage
         whose saved views are all gone is simply forgotten."""
@@ -578,6 +643,7 @@ class SwapManager:
                 self._uncount(entry)
 
     def _drop(self, group: _Group, state: GroupState) -> None:
+        self._ahead.pop(group.name, None)
         for key, entry in group.storages.items():
             self._uncount(entry)
             if self._owner.get(key) == group.name:
