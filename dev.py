@@ -34,8 +34,8 @@ commands:
                      on 4 CPU ranks with 1F1B, without and with swap, then compared);
                      ARGS go to pipeswap-train (`python3 dev.py demo -- --help`)
   bench [ARGS...]    run benchmarks/schedule_passes.py, simulate_schedules.py,
-                     pytorch_lowering.py, swap_overhead.py, train_step.py and
-                     executor_vs_torch.py in the
+                     pytorch_lowering.py, swap_overhead.py, layer_offload.py,
+                     train_step.py and executor_vs_torch.py in the
                      default env (`bench --write` records the results in BENCHMARKS.md);
                      benchmarks/gpu_swap_check.py needs an accelerator and is run by hand
 """
@@ -71,7 +71,8 @@ TORCH = "2.13.0+cpu"  # a CPU build: its dependencies hold no nvidia-* packages
 PYTEST = "pytest~=9.2"
 BENCHMARKS = ["benchmarks/schedule_passes.py", "benchmarks/simulate_schedules.py",
               "benchmarks/pytorch_lowering.py", "benchmarks/swap_overhead.py",
-              "benchmarks/train_step.py", "benchmarks/executor_vs_torch.py"]
+              "benchmarks/layer_offload.py", "benchmarks/train_step.py",
+              "benchmarks/executor_vs_torch.py"]
 DEMO = ["pipeswap-train"]  # 1F1B on 4 spawned CPU ranks, without and with swap, compared
 
 

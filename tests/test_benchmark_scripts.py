@@ -54,3 +54,21 @@ def test_executor_vs_torch_runs_and_agrees() -> None:
         assert case["agree"] and not case["refused"], case
         assert set(case["step_s"]) == {"pipeswap", "pipeswap-swap", "torch"}
         assert all(seconds > 0 for seconds in case["step_s"].values())
+
+
+def test_layer_offload_runs_and_agrees_bit_for_bit() -> None:
+    out = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "layer_offload.py"), "--quick", "--json"],
+        capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    figures = json.loads(out.stdout)
+    assert figures["device"] == "cpu" and figures["sizes"]["layers"] == 4
+    assert [c["name"] for c in figures["contenders"]] == [
+        "plain autograd", "save_on_cpu(pin_memory=False)", "LayerOffload(lag=1)"]
+    for contender in figures["contenders"]:
+        assert contender["bit_identical"], contender
+        assert contender["step_s"] > 0
+        assert contender["peak_bytes"] is None or contender["peak_bytes"] > 0
+    counted = figures["layer_offload"]
+    assert counted["offloaded_bytes_per_step"] == counted["reloaded_bytes_per_step"] > 0
+    assert 0 < counted["peak_held_bytes"] < counted["saved_bytes"]

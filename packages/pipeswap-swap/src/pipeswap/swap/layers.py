@@ -10,7 +10,9 @@ backward of the layer after it. What the forward saves before its first layer jo
 layer's group.
 
 Every guarantee of the manager's groups holds per layer: storages are moved whole, nothing
-still referenced is freed, backward never reads a storage that is not resident.
+still referenced is freed, backward never reads a storage that is not resident. A storage
+two layers save (a layer's output, saved by the op that made it and by the next layer's first
+op) belongs to the later layer (:meth:`~pipeswap.swap.SwapManager.link_groups`).
 """
 
 from __future__ import annotations
@@ -40,10 +42,12 @@ class LayerChain:
                             f"got {lag!r}")
         self.manager, self.names, self.lag = manager, tuple(names), lag
         self.position = 0  # the layer the forward is in
+        self._last_ended = False
         self._launched: list[int] = []  # layers whose offload runs, not yet freed
-        self._bytes: list[GroupBytes] = []  # per closed layer, when it closed
+        self._bytes: dict[int, GroupBytes] = {}  # per layer, when it left or the forward ended
         for name in self.names:
             manager.ensure_group(name)
+        manager.link_groups(self.names)
 
     @property
     def layers(self) -> int:
@@ -51,8 +55,9 @@ class LayerChain:
 
     @property
     def layer_bytes(self) -> tuple[GroupBytes, ...]:
-        """Per layer, what its group held (and could move) when its layer closed."""
-        return tuple(self._bytes)
+        """Per layer, what its group held (and could move) when it left the device, or, for
+        the layers that had not, when the forward ended."""
+        return tuple(self._bytes[index] for index in sorted(self._bytes))
 
     def protect(self, tensors: Any) -> None:
         """Keep storages shared with ``tensors`` on the device in every layer's group (the
@@ -70,14 +75,19 @@ class LayerChain:
             yield
 
     def layer_done(self, index: int) -> None:
-        """The forward ended layer ``index`` (not the last): start its copy, free the layer
-        ``lag`` before it, and collect into the next layer's group."""
-        if index != self.position or index >= self.layers - 1:
+        """The forward ended layer ``index``: start its copy, free the layer ``lag`` before
+        it, and collect into the next layer's group. (The last layer's end only counts: its
+        group closes with :meth:`forward_done`, after what the forward saves after it.)"""
+        if index != self.position or self._last_ended:
             raise SwapError(
-                f"layer chain {self.names[0]!r}: layer {index} ended but the forward is in "
-                f"layer {self.position} of {self.layers}; each layer must run once, in order "
-                "(name a stage's layers in the order its forward calls them)")
-        self._close(index, launch=True)
+                f"layer chain {self.names[0]!r}: layer {index} ended but the forward is "
+                f"{'past its last layer' if self._last_ended else f'in layer {self.position}'}"
+                f" of {self.layers}; each layer must run once, in order (name a stage's "
+                "layers in the order its forward calls them)")
+        if index == self.layers - 1:
+            self._last_ended = True
+            return
+        self._launch(index)
         self._free_before(index)
         self.position = index + 1
         self.manager.switch_group(self.names[index + 1])
@@ -87,18 +97,25 @@ class LayerChain:
         layer's copy (unless ``offload_last``: False keeps it, for a backward right after) and
         free the layer ``lag`` before it."""
         last = self.layers - 1
-        if self.position != last:
+        if not self._last_ended:
             raise SwapError(
                 f"layer chain {self.names[0]!r}: the forward ended in layer {self.position} "
-                f"of {self.layers}; every layer must run (are the stage's layers right?)")
-        self._close(last, launch=offload_last)
+                f"of {self.layers} without ending it; every layer must run, once, in order "
+                "(are the layers right?)")
+        for index in range(self.layers):  # what the layers not yet freed hold
+            if index not in self._bytes and (index in self._launched or index == last):
+                self._bytes[index] = self.manager.group_bytes(self.names[index])
+        if offload_last:
+            self._launch(last)
         self._free_before(last)
         self.position = self.layers
 
     def wait_offload(self) -> None:
         """Free every layer whose copy was started and not yet waited for."""
         while self._launched:
-            self.manager.wait_offload(self.names[self._launched.pop(0)])
+            index = self._launched.pop(0)
+            self._bytes.setdefault(index, self.manager.group_bytes(self.names[index]))
+            self.manager.wait_offload(self.names[index])
 
     def launch_load(self) -> None:
         """Start loading the last layer, and arm the backward to load each layer ahead."""
@@ -123,29 +140,26 @@ class LayerChain:
         for name in self.names:
             self.manager.abort_group(name)
 
-    def _close(self, index: int, *, launch: bool) -> None:
-        name = self.names[index]
-        self._bytes.append(self.manager.group_bytes(name))
-        if launch:
-            self.manager.launch_offload(name, copy_referenced=True)
-            self._launched.append(index)
+    def _launch(self, index: int) -> None:
+        self.manager.launch_offload(self.names[index], copy_referenced=True)
+        self._launched.append(index)
 
     def _free_before(self, index: int) -> None:
-        if index - self.lag >= 0:
-            freed = index - self.lag
-            if freed in self._launched:
-                self._launched.remove(freed)
-                self.manager.wait_offload(self.names[freed])
+        freed = index - self.lag
+        if freed >= 0 and freed in self._launched:
+            self._launched.remove(freed)
+            self._bytes.setdefault(freed, self.manager.group_bytes(self.names[freed]))
+            self.manager.wait_offload(self.names[freed])
 
 
 def layer_hooks(layers: Sequence[torch.nn.Module],
                 active: Callable[[], LayerChain | None]) -> Callable[[], None]:
     """Forward hooks on ``layers`` that tell the chain ``active()`` returns (if any) that a
-    layer ended; the last layer's end is the caller's to report (:meth:`LayerChain.
+    layer ended (the end of the forward is the caller's to report: :meth:`LayerChain.
     forward_done`, once the forward's output is known). Returns the function that removes
     the hooks."""
     handles = []
-    for index, layer in enumerate(layers[:-1]):
+    for index, layer in enumerate(layers):
         def ended(module: torch.nn.Module, args: Any, output: Any, index: int = index) -> None:
             chain = active()
             if chain is not None:

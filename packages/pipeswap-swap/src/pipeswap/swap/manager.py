@@ -195,6 +195,8 @@ class SwapManager:
         # group -> the group its first read in backward loads ahead (None: none); see
         # load_ahead
         self._ahead: dict[str, str | None] = {}
+        self._chains: dict[str, int] = {}  # group -> its chain (see link_groups)
+        self._next_chain = 0
         self._offloaded = self._reloaded = self._held = self._peak = self._kept = 0
         self._graveyard: deque[_Storage] = deque()  # entries that lost a saved view
         self._skipped: Counter[str] = Counter()
@@ -323,7 +325,9 @@ class SwapManager:
             if reason is not None:
                 self._skipped[reason] += 1
                 return _Saved(None, None, tensor)
-            if owner is not None and owner[0] is not group:
+            if owner is not None and owner[0] is not group and self._chained(owner[0], group):
+                self._hand_over(owner[0], owner[1], key, group)
+            elif owner is not None and owner[0] is not group:
                 owner[1].protected = True  # saved by two groups: it stays on the device
                 self._skipped["shared across groups"] += 1
                 return _Saved(None, None, tensor)
@@ -401,6 +405,35 @@ class SwapManager:
                 else:
                     self._restore_now(group, entry)
         return tensor
+
+    def link_groups(self, names: Sequence[str]) -> None:
+        """Make ``names`` (one forward's per-layer groups, in order) one chain: a storage a
+        group saved that a later group of the chain saves again (a layer's output, saved by
+        the op that made it and by the next layer's first op) moves to the later group, which
+        leaves the device later and comes back earlier, instead of staying on the device."""
+        with self._lock:
+            self._next_chain += 1
+            for name in names:
+                self._group(name, "link_groups")
+                self._chains[name] = self._next_chain
+
+    def _chained(self, owner: _Group, group: _Group) -> bool:
+        """Whether ``group`` may take a storage ``owner`` saved: same chain, and the owner
+        has not released anything yet."""
+        chain = self._chains.get(owner.name)
+        return (chain is not None and chain == self._chains.get(group.name)
+                and owner.state in (GroupState.COLLECTING, GroupState.OFFLOADING))
+
+    def _hand_over(self, owner: _Group, entry: _Storage, key: int, group: _Group) -> None:
+        """Move a storage from ``owner`` to ``group`` (see :meth:`link_groups`); a copy of it
+        in flight in the owner's offload is dropped (its buffer returns once the copy ends)."""
+        del owner.storages[key]
+        self._return_host(entry, owner.event)
+        for saved in entry.holders():
+            saved.group = group
+        entry.protected = entry.protected or key in group.protected_keys
+        group.storages[key] = entry
+        self._owner[key] = group.name
 
     def load_ahead(self, names: Sequence[str]) -> None:
         """Stream a backward's loads: when backward first reads a saved activation of
@@ -644,6 +677,7 @@ class SwapManager:
 
     def _drop(self, group: _Group, state: GroupState) -> None:
         self._ahead.pop(group.name, None)
+        self._chains.pop(group.name, None)
         for key, entry in group.storages.items():
             self._uncount(entry)
             if self._owner.get(key) == group.name:

@@ -6,11 +6,10 @@ each layer comes back while the backward computes the layer after it, the last l
 leaving (its backward comes first). This is the per-layer machinery the pipeline executor
 streams chunks with (:mod:`pipeswap.swap.layers`), on its own.
 
-With ``torch.utils.checkpoint(..., use_reentrant=True)`` inside a layer, what the
-checkpointed region saves (its inputs) is offloaded like any saved activation and the
-recomputation in backward reads it back through the same checks. The non-reentrant
-checkpoint keeps its inputs outside autograd's saved tensors, where no hook can move them:
-they stay on the device, and the rest of the layer is offloaded as usual.
+With ``torch.utils.checkpoint`` inside a layer (reentrant or not), what the checkpointed
+region saves for backward, its inputs, is offloaded like any saved activation, and the
+recomputation in backward reads it back through the same checks; what the recomputation
+saves again never leaves the device (it is made during the backward that uses it).
 """
 
 from __future__ import annotations
@@ -103,9 +102,13 @@ class LayerOffload:
         if error is not None:
             self.finish()
             return
-        chain.forward_done(offload_last=False)
-        chain.wait_offload()
-        chain.launch_load()  # arms the backward; the last layer never left
+        try:
+            chain.forward_done(offload_last=False)
+            chain.wait_offload()
+            chain.launch_load()  # arms the backward; the last layer never left
+        except BaseException:
+            self.finish()  # whatever left the device comes back; nothing stays half-done
+            raise
 
     def finish(self) -> None:
         """End the last forward's groups (after its backward; before it, whatever left the
