@@ -87,7 +87,7 @@ def collectives_of_a_step(rank: int, world_size: int) -> dict[str, int]:
     manager = executor.manager
     launch_offload = manager.launch_offload
 
-    def checked_offload(name: str) -> None:
+    def checked_offload(name: str, *, copy_referenced: bool = False) -> None:
         params = {p.untyped_storage()._cdata for stage in stages
                   for p in stage.module.parameters() if not isinstance(p, DTensor)}
         moving = {key for key, entry in manager._groups[name].storages.items()
@@ -95,7 +95,7 @@ def collectives_of_a_step(rank: int, world_size: int) -> dict[str, int]:
         counts["offloads"] += 1
         counts["parameters_offloaded"] += len(moving & params)
         counts["gathered_parameters"] += len(params)
-        launch_offload(name)
+        launch_offload(name, copy_referenced=copy_referenced)
 
     manager.launch_offload = checked_offload  # type: ignore[method-assign]
     for name in originals:

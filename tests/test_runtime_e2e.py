@@ -21,9 +21,15 @@ import torch
 from pipeswap.runtime import RankFailedError, spawn
 from pipeswap.runtime.data import Corpus, batches
 from pipeswap.runtime.model import GPTConfig, build_gpt, lm_loss, split_stages
-from pipeswap.runtime.train import ModeResult, TrainConfig, run_rank, swap_policy
+from pipeswap.runtime.train import (
+    ModeResult,
+    TrainConfig,
+    run_rank,
+    stage_layer_counts,
+    swap_policy,
+)
 from pipeswap.schedule import ScheduleKind, ScheduleSpec, Step, StepType, build_schedule
-from pipeswap.schedule.costs import ChunkBytes, CostModel
+from pipeswap.schedule.costs import ChunkBytes, CostModel, StageCosts
 from pipeswap.schedule.simulate import simulate
 
 BASE = TrainConfig(steps=2, batch_size=8, seq_len=16, width=32, verbose=False, keep_grads=True,
@@ -54,8 +60,18 @@ CASES = {
                                                policy="gap"),
     "zbv P2 M4 gap rule": dataclasses.replace(BASE, schedule="zbv", ranks=2, stages_per_rank=2,
                                               microbatches=4, policy="gap"),
+    # every swapped chunk streamed layer by layer, or every one swapped whole
+    "1f1b P4 M8 streamed": dataclasses.replace(BASE, schedule="1f1b", ranks=4, microbatches=8,
+                                               swap_granularity="layer"),
+    "1f1b P4 M8 whole chunks": dataclasses.replace(BASE, schedule="1f1b", ranks=4,
+                                                   microbatches=8, swap_granularity="chunk"),
+    "interleaved P2 V2 M4 overlap dxdw streamed": dataclasses.replace(
+        BASE, schedule="interleaved-1f1b", ranks=2, stages_per_rank=2, microbatches=4,
+        overlap_b_f=True, dxdw_split=True, swap_granularity="layer"),
+    "zbv P2 M4 streamed": dataclasses.replace(BASE, schedule="zbv", ranks=2, stages_per_rank=2,
+                                              microbatches=4, swap_granularity="layer"),
 }
-SLOW = {"1f1b P4 M8", "1f1b P4 M8 gap rule"}
+SLOW = {"1f1b P4 M8", "1f1b P4 M8 gap rule", "1f1b P4 M8 streamed", "1f1b P4 M8 whole chunks"}
 
 
 @functools.lru_cache(maxsize=None)
@@ -93,7 +109,8 @@ def _resident_peaks(order: tuple[Step | None, ...]) -> tuple[int, int]:
                     held -= 1
                 elif with_swap and kind is StepType.SWAP_WAIT_OFFLOAD:
                     held -= 1
-                elif with_swap and kind is StepType.SWAP_LAUNCH_LOAD:
+                elif with_swap and kind in (StepType.SWAP_LAUNCH_LOAD,
+                                            StepType.SWAP_STREAM_LOAD):
                     held += 1
         return peak
 
@@ -173,6 +190,10 @@ def test_swap_is_exact_and_lowers_the_peak(case: str) -> None:
             assert mode.host_bytes_in_use_after_step == [0] * config.steps
     assert seen == set(stage_names)  # every parameter got its gradient on some rank
     assert any(result["swap"].swapped_chunks for result in per_rank)
+    streamed = [result["swap"].streamed_chunks for result in per_rank]
+    if config.swap_granularity != "auto":  # forced: every swapped chunk streams, or none
+        swapped = [result["swap"].swapped_chunks for result in per_rank]
+        assert streamed == (swapped if config.swap_granularity == "layer" else [0] * len(swapped))
     assert any(_resident_peaks(order)[0] < _resident_peaks(order)[1]
                for order in schedule.orders)  # the case really tests a lower peak
 
@@ -186,10 +207,17 @@ def test_the_simulator_predicts_the_measured_peaks(case: str) -> None:
     rank, with and without swap, is the peak the runtime's swap manager counted, to the byte."""
     config = CASES[case]
     per_rank = _trained(case)
-    schedule = build_schedule(_spec(config), swap_policy(config.policy))
+    layer_counts = stage_layer_counts(config, len(Corpus.bundled().vocab))
+    schedule = build_schedule(_spec(config), swap_policy(config.policy, layer_counts,
+                                                         config.swap_granularity))
     after_input: dict[tuple[int, int], int] = {}
+    layers: dict[tuple[int, int], tuple[ChunkBytes, ...]] = {}
     for result in per_rank:  # (stage, micro) -> device bytes held right after its I
         after_input.update(result["swap"].chunk_bytes_after_input)
+        for key, measured in result["swap"].layer_bytes.items():  # streamed chunks, per layer
+            after = result["swap"].layer_bytes_after_input.get(key, (None,) * len(measured))
+            layers[key] = tuple(ChunkBytes(held, pinned=held - movable, after_input=rest)
+                                for (held, movable), rest in zip(measured, after))
     split = {leaf.key for order in schedule.orders for step in order if step is not None
              for leaf in (step.sub_steps or (step,)) if leaf.type is StepType.BWD_WEIGHT}
     missing = sorted(split - after_input.keys())
@@ -197,11 +225,14 @@ def test_the_simulator_predicts_the_measured_peaks(case: str) -> None:
         f"the runtime reports no bytes held after I for the split chunks {missing} "
         "(ModeResult.chunk_bytes_after_input): I frees what W does not need, so without them "
         "the simulator keeps whole chunks until W")
-    chunks = {key: ChunkBytes(held, pinned=held - movable, after_input=after_input.get(key))
+    chunks = {key: ChunkBytes(held, pinned=held - movable, after_input=after_input.get(key),
+                              layers=layers.get(key, ()))
               for result in per_rank for key, (held, movable) in
               result["swap"].chunk_bytes.items()}
     assert len(chunks) == config.num_stages * config.microbatches
-    predicted = simulate(schedule, CostModel(chunks=chunks))
+    costs = CostModel(chunks=chunks, stages={
+        index: StageCosts(1.0, 2.0, layers=count) for index, count in layer_counts.items()})
+    predicted = simulate(schedule, costs)
     table = [(rank.rank, rank.peak_activation_bytes, result["swap"].peak_activation_bytes,
               rank.peak_activation_bytes_no_swap, result["no-swap"].peak_activation_bytes)
              for rank, result in zip(predicted.ranks, per_rank)]

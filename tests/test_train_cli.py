@@ -133,3 +133,23 @@ def test_a_resumed_run_goes_on_exactly(tmp_path: Path) -> None:
     assert first["losses"]["swap"] == whole["losses"]["swap"][:2]
     assert resumed["losses"]["swap"] == whole["losses"]["swap"][2:]
     assert (tmp_path / "swap" / "latest").is_file()
+
+
+def test_the_defaults_stream_and_halve_rank_zeros_peak() -> None:
+    """`pipeswap-train` as it comes (1F1B, 4 ranks, 8 microbatches), no swap flag: the
+    default policy streams chunks layer by layer where that lowers a rank's peak more than
+    whole-chunk swap, and rank 0 holds at most half the saved activations it holds without
+    swap, by its count and (lower with swap) by the allocator's."""
+    summary = json.loads(_run([sys.executable, "-m", "pipeswap.runtime.train", "--steps", "2",
+                               "--json"]).strip().splitlines()[-1])
+    assert summary["losses"]["swap"] == summary["losses"]["no-swap"]
+    ranks = summary["per_rank"]
+    assert len(ranks) == 4 and any(entry["streamed_chunks"] > 0 for entry in ranks)
+    rank0 = ranks[0]
+    assert 2 * rank0["peak_activation_bytes_swap"] <= rank0["peak_activation_bytes_no_swap"]
+    assert rank0["peak_allocated_bytes_swap"] < rank0["peak_allocated_bytes_no_swap"]
+    for entry in ranks:
+        if entry["swapped_chunks"]:  # whatever swaps, saves
+            assert entry["peak_activation_bytes_swap"] < entry["peak_activation_bytes_no_swap"]
+        else:
+            assert entry["peak_activation_bytes_swap"] == entry["peak_activation_bytes_no_swap"]

@@ -272,9 +272,9 @@ def test_i_frees_what_w_does_not_need_and_w_frees_the_rest(kind: str) -> None:
 
 def test_frozen_parameters_get_no_gradient_and_the_rest_match() -> None:
     case = _case("middle")
-    block = case.module[0]  # type: ignore[index]
-    block.qkv.requires_grad_(False)
-    block.norm2.weight.requires_grad_(False)
+    attention, feed_forward = case.module[0], case.module[1]  # type: ignore[index]
+    attention.qkv.requires_grad_(False)
+    feed_forward.norm.weight.requires_grad_(False)
     full, split = _run(case, split=False, count=True), _run(case, split=True, count=True)
     frozen = [not p.requires_grad for p in case.module.parameters()]
     assert any(frozen) and not all(frozen)

@@ -109,7 +109,7 @@ def _h100() -> CostModel:
 
 def test_the_peak_policy_swaps_only_what_lowers_a_ranks_peak() -> None:
     costs = _h100()
-    policy = PeakPolicy(costs)
+    policy = PeakPolicy(costs, granularity="chunk")  # whole chunks (streaming: its own tests)
     result = simulate(build_schedule(H100_1F1B, policy), costs)
     for rank in result.ranks:
         if rank.swapped:
@@ -133,7 +133,8 @@ def test_the_peak_policy_swaps_only_what_lowers_a_ranks_peak() -> None:
 def test_the_gap_rule_swaps_for_nothing_where_the_peak_policy_does_not() -> None:
     costs = _h100()
     gap = simulate(build_schedule(H100_1F1B, MinGapPolicy()), costs).ranks[5]
-    peak = simulate(build_schedule(H100_1F1B, PeakPolicy(costs)), costs).ranks[5]
+    peak = simulate(build_schedule(H100_1F1B, PeakPolicy(costs, granularity="chunk")),
+                    costs).ranks[5]
     assert len(gap.swapped) == 14 and gap.peak_activation_bytes == gap.peak_activation_bytes_no_swap
     assert not peak.swapped
 
@@ -142,12 +143,12 @@ def test_the_gap_rule_swaps_for_nothing_where_the_peak_policy_does_not() -> None
 def test_a_budget_is_met_by_exposing_copies_and_says_how_much(chunks: int) -> None:
     costs = _h100()
     chunk = costs.chunk_bytes((0, 0)).total
-    policy = PeakPolicy(costs, budget=chunks * chunk)
+    policy = PeakPolicy(costs, budget=chunks * chunk, granularity="chunk")
     result = simulate(build_schedule(H100_1F1B, policy), costs)
     zero, outcome = result.ranks[0], policy.outcomes[0]
     assert outcome.met and zero.peak_activation_bytes <= chunks * chunk
     assert zero.exposed_copy > 0 and outcome.exposed_copy > 0  # the price, reported
-    without = PeakPolicy(costs)
+    without = PeakPolicy(costs, granularity="chunk")
     build_schedule(H100_1F1B, without)
     assert without.outcomes[0].exposed_copy == 0 and not without.outcomes[0].budget
     if chunks == 3:  # the old budget policy meets it too, with more stall on rank 0

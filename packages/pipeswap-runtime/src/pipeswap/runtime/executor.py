@@ -26,6 +26,7 @@ import dataclasses
 import hashlib
 import time
 import warnings
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext, suppress
 from dataclasses import dataclass, field
@@ -71,6 +72,7 @@ from pipeswap.schedule import (
 from pipeswap.schedule.steps import COMPUTE, FSDP, OVERLAPS, P2P, SENDS
 from pipeswap.schedule.validation import TRANSPORTS
 from pipeswap.swap import GroupBytes, SwapManager
+from pipeswap.swap.layers import LayerChain, layer_hooks
 
 if TYPE_CHECKING:
     import torch
@@ -108,6 +110,11 @@ class StepReport:
     # simulator's peak_memory_bytes predicts; equal to peak_activation_bytes without FSDP;
     # None unless the executor accounts every chunk
     peak_memory_bytes: int | None = None
+    # per chunk that streams, per layer when the layer closed: what its group held and
+    # could move (chunk_bytes holds their sums)
+    layer_bytes: Mapping[ChunkKey, tuple[GroupBytes, ...]] = field(default_factory=dict)
+    # per chunk that streams and splits its backward, per layer right after its I
+    layer_bytes_after_input: Mapping[ChunkKey, tuple[int, ...]] = field(default_factory=dict)
 
 
 @dataclass
@@ -126,6 +133,8 @@ class _Run:
     accounted: set[ChunkKey] = field(default_factory=set)  # chunks with a swap group
     chunk_bytes: dict[ChunkKey, GroupBytes] = field(default_factory=dict)
     chunk_bytes_after_input: dict[ChunkKey, int] = field(default_factory=dict)
+    layer_bytes: dict[ChunkKey, tuple[GroupBytes, ...]] = field(default_factory=dict)
+    layer_bytes_after_input: dict[ChunkKey, tuple[int, ...]] = field(default_factory=dict)
     offloaded_before: int = 0  # the manager's bytes_offloaded when the step began
     gathered: int = 0  # bytes of FSDP parameters gathered now
     peak_activations: int = 0  # the step's peaks so far (see PipelineExecutor._flush)
@@ -137,8 +146,11 @@ class PipelineExecutor:
 
     ``schedule``: a :class:`Schedule` (used as given), a :class:`ScheduleSpec`, or a schedule
     name (``"gpipe"``, ``"1f1b"``, ``"interleaved-1f1b"``) built for this group's size, the
-    stage count and ``microbatches``. ``swap``: inject swap steps (with ``swap_policy``,
-    MindSpore hyper-parallel's gap rule by default) and run them.
+    stage count and ``microbatches``. ``swap``: inject swap steps (with ``swap_policy``; by
+    default the peak policy, told each stage's layer count) and run them.
+    ``swap_granularity``: for the default policy, ``"auto"`` (stream a chunk layer by layer
+    wherever that lowers the peak more than swapping it whole), ``"chunk"`` or ``"layer"``.
+    A streamed chunk's layers are its stage's :attr:`PipelineStage.layers`.
 
     ``account_activations``: collect every chunk's saved tensors through the swap manager, so
     that :class:`StepReport` gives the peak of saved activations and each chunk's bytes
@@ -185,6 +197,7 @@ class PipelineExecutor:
         mesh: DeviceMesh | None = None,
         dp_group: dist.ProcessGroup | None = None,
         autocast_dtype: torch.dtype | None = None,
+        swap_granularity: str = "auto",
     ) -> None:
         import torch.distributed as dist
 
@@ -212,9 +225,18 @@ class PipelineExecutor:
         self._sharded: dict[int, ShardedStage] = {}
         built: Schedule | None = None
         problem: PipelineSetupError | None = None
+        layer_counts = self._gather_layer_counts()
         try:
             self._check_transport(check_transport)
             self._sharded = self._find_sharded()
+            builds_swap = not isinstance(schedule, Schedule) and (
+                swap or (isinstance(schedule, ScheduleSpec) and schedule.swap))
+            if swap_policy is None and builds_swap:
+                swap_policy = self._default_policy(layer_counts, swap_granularity)
+            elif swap_policy is not None and swap_granularity != "auto":
+                raise PipelineSetupError(
+                    "swap_granularity applies to the default policy; a swap_policy of your "
+                    "own chooses each chunk's granularity itself")
             built = self._build(schedule, swap, swap_policy, check_transport)
             self._check_stages(built)
         except PipelineSetupError as exc:
@@ -231,6 +253,20 @@ class PipelineExecutor:
         self._shapes_known = False
         self._runs = 0
         self.swapped = set(swapped_chunks(self.schedule)[self.rank])
+        # chunks that stream, and the chain of the one whose forward runs, per stage
+        self.streamed = {step.key: step.lag for step in self.schedule.orders[self.rank]
+                         if step is not None and step.type is StepType.SWAP_STREAM_OFFLOAD}
+        self._active: dict[int, LayerChain] = {}
+        self._hooks = [self._hook_layers(stage) for stage in self.stages
+                       if any(key[0] == stage.stage_index for key in self.streamed)]
+        self._hooks_finalizer = weakref.finalize(self, _remove_all, self._hooks)
+        self._closed = False
+
+    def close(self) -> None:
+        """Remove the layer hooks this executor put on its stages (the stages may then serve
+        another executor); the executor cannot step after this."""
+        self._hooks_finalizer()
+        self._closed = True
 
     @property
     def gathered_bytes(self) -> dict[int, int]:
@@ -239,6 +275,35 @@ class PipelineExecutor:
         return {index: sharded.gathered_bytes for index, sharded in self._sharded.items()}
 
     # -- set-up ----------------------------------------------------------------------------
+
+    def _gather_layer_counts(self) -> dict[int, int]:
+        """Every stage's layer count, from the rank that runs it: each rank builds every
+        rank's order, so the default policy needs them all."""
+        import torch.distributed as dist
+
+        mine = {stage.stage_index: len(stage.layers) for stage in self.stages}
+        everyone: list[dict[int, int] | None] = [None] * self.world
+        dist.all_gather_object(everyone, mine, group=self.group)
+        return {index: count for counts in everyone if counts for index, count in counts.items()}
+
+    @staticmethod
+    def _default_policy(layer_counts: Mapping[int, int], granularity: str) -> SwapPolicy:
+        try:
+            return default_swap_policy(layer_counts, granularity)
+        except ScheduleError as exc:
+            raise PipelineSetupError(str(exc)) from exc
+
+    def _hook_layers(self, stage: PipelineStage) -> Callable[[], None]:
+        """Forward hooks on the stage's layers that tell the streamed chunk running there
+        (if any) where each layer ends."""
+        me = weakref.ref(self)
+        index = stage.stage_index
+
+        def active() -> LayerChain | None:
+            executor = me()
+            return None if executor is None else executor._active.get(index)
+
+        return layer_hooks(stage.layers, active)
 
     def _data_parallel_group(self, mesh: DeviceMesh | None,
                              dp_group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
@@ -510,6 +575,8 @@ class PipelineExecutor:
         ``inputs`` is needed on the rank of the first stage, ``targets`` on the rank of the
         last (other ranks may pass them too; they are ignored).
         """
+        if self._closed:
+            raise PipelineError(f"rank {self.rank}: this executor was closed; build a new one")
         if self._failed is not None:
             raise PipelineError(
                 f"rank {self.rank}: a previous step failed ({self._failed}); call recover() on "
@@ -533,6 +600,8 @@ class PipelineExecutor:
             swapped_chunks=len(self.swapped),
             chunk_bytes=run.chunk_bytes,
             chunk_bytes_after_input=run.chunk_bytes_after_input,
+            layer_bytes=run.layer_bytes,
+            layer_bytes_after_input=run.layer_bytes_after_input,
             peak_allocated_bytes=None if allocated is None else allocated.peak_bytes,
         )
 
@@ -701,7 +770,17 @@ class PipelineExecutor:
             self._post(run, list(step.sub_steps), batched=True)
         elif kind in FSDP:
             self._fsdp(run, step)
-        else:  # the four swap steps
+        elif kind is StepType.SWAP_STREAM_OFFLOAD:
+            assert step.lag is not None
+            stage = self._by_index[step.key[0]]
+            run.session.stream(step.key, len(stage.layers), step.lag)
+        else:
+            chain = run.session.chain(step.key)
+            if chain is not None:  # WO, SL and WL of a streamed chunk
+                {StepType.SWAP_WAIT_OFFLOAD: chain.wait_offload,
+                 StepType.SWAP_STREAM_LOAD: chain.launch_load,
+                 StepType.SWAP_WAIT_LOAD: chain.wait_load}[kind]()
+                return
             name = run.session.name(step.key)
             {StepType.SWAP_LAUNCH_OFFLOAD: self.manager.launch_offload,
              StepType.SWAP_WAIT_OFFLOAD: self.manager.wait_offload,
@@ -773,16 +852,30 @@ class PipelineExecutor:
             x = meta.unflatten(received)
         target = run.micro_targets[micro] if stage.is_last else None
         accounted = self.account or key in self.swapped
-        with self._autocast():
-            chunk = forward_chunk(stage.forward, x, inputs=inputs, carries=self._carries(stage),
-                                  target=target, loss_fn=self.loss_fn, scale=self.microbatches,
-                                  saving=run.session.forward(key) if accounted else None)
+        chain = run.session.chain(key)
+        if chain is not None:  # streamed: the layers' groups offload as the forward goes
+            chain.protect([x, target])
+            self._active[stage_index] = chain
+        try:
+            with self._autocast():
+                chunk = forward_chunk(stage.forward, x, inputs=inputs,
+                                      carries=self._carries(stage), target=target,
+                                      loss_fn=self.loss_fn, scale=self.microbatches,
+                                      saving=run.session.forward(key) if accounted else None)
+        finally:
+            self._active.pop(stage_index, None)
         if chunk.loss is not None:
             run.losses[micro] = chunk.loss
         if accounted:
             run.accounted.add(key)
             run.session.protect(key, [x, chunk.value, target])
-            run.chunk_bytes[key] = self.manager.group_bytes(run.session.name(key))
+            if chain is not None:
+                chain.forward_done()
+                run.layer_bytes[key] = chain.layer_bytes
+                run.chunk_bytes[key] = GroupBytes(sum(b.held for b in chain.layer_bytes),
+                                                  sum(b.movable for b in chain.layer_bytes))
+            else:
+                run.chunk_bytes[key] = self.manager.group_bytes(run.session.name(key))
         run.chunks[key] = chunk
 
     def _carries(self, stage: PipelineStage) -> Callable[[Any], list[torch.Tensor]] | None:
@@ -830,14 +923,39 @@ class PipelineExecutor:
                 run.grads_in[key] = grad_in
             if not dw:  # the chunk keeps what its W step needs, and only that
                 if key in run.accounted:
-                    run.chunk_bytes_after_input[key] = self.manager.group_bytes(
-                        run.session.name(key)).held
+                    chain = run.session.chain(key)
+                    names = chain.names if chain is not None else (run.session.name(key),)
+                    held = tuple(self.manager.group_bytes(name).held for name in names)
+                    run.chunk_bytes_after_input[key] = sum(held)
+                    if chain is not None:
+                        run.layer_bytes_after_input[key] = held
                 return
         else:
             chunk.backward_weight()
         if key in run.accounted:
             run.session.finish(key)
         del run.chunks[key]
+
+
+def default_swap_policy(layer_counts: Mapping[int, int], granularity: str = "auto"
+                        ) -> SwapPolicy:
+    """The executor's default: the peak policy on uniform layers (each as long as the next,
+    a backward twice a forward), ``layer_counts`` per stage, choosing each chunk's
+    granularity as ``granularity`` says (``"auto"``, ``"chunk"`` or ``"layer"``)."""
+    from pipeswap.schedule.costs import CostModel, StageCosts
+    from pipeswap.schedule.policies import GRANULARITIES, PeakPolicy
+
+    if granularity not in GRANULARITIES:
+        raise ScheduleError(f"the swap granularity must be one of "
+                            f"{', '.join(GRANULARITIES)}, got {granularity!r}")
+    stages = {index: StageCosts(float(count), 2.0 * count, layers=count)
+              for index, count in layer_counts.items()}
+    return PeakPolicy(CostModel(stages=stages), granularity=granularity)
+
+
+def _remove_all(removers: list[Callable[[], None]]) -> None:
+    for remove in removers:
+        remove()
 
 
 def _kind(name: str) -> ScheduleKind:

@@ -1,5 +1,11 @@
 """A small GPT-style model for the training job and the end-to-end tests, and its split into
-pipeline stages."""
+pipeline stages.
+
+Each transformer block is two residual sublayers, attention and MLP, each a module of its own
+in the model's ``nn.Sequential``: a stage's layers for streaming swap are then the sublayers,
+and the residual stream a sublayer reads is held by nothing else once the next one runs, so
+each sublayer's activations can leave the device one sublayer later.
+"""
 
 from __future__ import annotations
 
@@ -30,34 +36,48 @@ class Embed(torch.nn.Module):
         return out
 
 
-class Block(torch.nn.Module):
-    """Pre-norm causal self-attention and MLP."""
+class Attention(torch.nn.Module):
+    """A block's first sublayer: pre-norm causal self-attention, with its residual."""
 
     mask: torch.Tensor
 
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
         self.heads = config.heads
-        self.norm1 = torch.nn.LayerNorm(config.width)
+        self.norm = torch.nn.LayerNorm(config.width)
         self.qkv = torch.nn.Linear(config.width, 3 * config.width)
         self.proj = torch.nn.Linear(config.width, config.width)
-        self.norm2 = torch.nn.LayerNorm(config.width)
-        self.mlp = torch.nn.Sequential(torch.nn.Linear(config.width, 4 * config.width),
-                                       torch.nn.GELU(),
-                                       torch.nn.Linear(4 * config.width, config.width))
         mask = torch.ones(config.seq_len, config.seq_len, dtype=torch.bool).triu(1)
         self.register_buffer("mask", mask, persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch, length, width = x.shape
-        q, k, v = self.qkv(self.norm1(x)).split(width, dim=-1)
+        q, k, v = self.qkv(self.norm(x)).split(width, dim=-1)
         q, k, v = (t.view(batch, length, self.heads, -1).transpose(1, 2) for t in (q, k, v))
         scores = (q @ k.transpose(-2, -1)) / math.sqrt(q.shape[-1])
         scores = scores.masked_fill(self.mask[:length, :length], float("-inf"))
         mixed = (scores.softmax(dim=-1) @ v).transpose(1, 2).reshape(batch, length, width)
-        x = x + self.proj(mixed)
-        out: torch.Tensor = x + self.mlp(self.norm2(x))
+        out: torch.Tensor = x + self.proj(mixed)
         return out
+
+
+class FeedForward(torch.nn.Module):
+    """A block's second sublayer: pre-norm GELU MLP, with its residual."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(config.width)
+        self.mlp = torch.nn.Sequential(torch.nn.Linear(config.width, 4 * config.width),
+                                       torch.nn.GELU(),
+                                       torch.nn.Linear(4 * config.width, config.width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = x + self.mlp(self.norm(x))
+        return out
+
+
+#: The modules of one transformer block, in the model's Sequential.
+SUBLAYERS = (Attention, FeedForward)
 
 
 class Head(torch.nn.Module):
@@ -74,12 +94,13 @@ class Head(torch.nn.Module):
 
 
 def build_gpt(config: GPTConfig, seed: int) -> torch.nn.Sequential:
-    """Embedding, ``layers`` blocks, head: the same weights on every rank for one seed."""
+    """Embedding, ``layers`` blocks (each an attention and an MLP sublayer), head: the same
+    weights on every rank for one seed."""
     generator_state = torch.random.get_rng_state()
     torch.manual_seed(seed)
     try:
-        return torch.nn.Sequential(Embed(config), *(Block(config) for _ in range(config.layers)),
-                                   Head(config))
+        blocks = [sublayer(config) for _ in range(config.layers) for sublayer in SUBLAYERS]
+        return torch.nn.Sequential(Embed(config), *blocks, Head(config))
     finally:
         torch.random.set_rng_state(generator_state)
 
@@ -96,15 +117,18 @@ def even_runs(count: int, parts: int) -> list[range]:
 
 
 def split_stages(model: torch.nn.Sequential, num_stages: int) -> list[torch.nn.Sequential]:
-    """Contiguous stages with the blocks spread evenly; the embedding joins the first stage
-    and the head the last. Each stage shares its modules with ``model``."""
-    embed, *blocks, head = list(model)
+    """Contiguous stages with the blocks spread evenly (a block's two sublayers together); the
+    embedding joins the first stage and the head the last. Each stage shares its modules with
+    ``model``."""
+    embed, *sublayers, head = list(model)
+    width = len(SUBLAYERS)
+    blocks = [sublayers[start:start + width] for start in range(0, len(sublayers), width)]
     if len(blocks) < num_stages:
         raise ValueError(f"{len(blocks)} blocks cannot fill {num_stages} stages: use at least "
                          f"{num_stages} layers")
     stages = []
     for index, run in enumerate(even_runs(len(blocks), num_stages)):
-        parts = blocks[run.start:run.stop]
+        parts = [sublayer for block in blocks[run.start:run.stop] for sublayer in block]
         if index == 0:
             parts = [embed, *parts]
         if index == num_stages - 1:

@@ -8,13 +8,15 @@ from typing import TYPE_CHECKING, Any
 
 from pipeswap.schedule import ChunkKey
 from pipeswap.swap import SwapManager
+from pipeswap.swap.layers import LayerChain
 
 if TYPE_CHECKING:
     import torch
 
 
 class SwapSession:
-    """Names one swap group per (run, stage, microbatch) and closes them all at the end.
+    """Names one swap group per (run, stage, microbatch), or one per layer for a chunk that
+    streams (:meth:`stream`), and closes them all at the end.
 
     The executor enters a chunk's group only around that chunk's forward (and its loss), so
     nothing else lands in it. :meth:`close` runs in ``finally``: after it, no group of this
@@ -25,6 +27,17 @@ class SwapSession:
         self.manager = manager
         self.run = run  # unique among the runs sharing the manager
         self._names: dict[ChunkKey, str] = {}
+        self._chains: dict[ChunkKey, LayerChain] = {}
+
+    def stream(self, key: ChunkKey, layers: int, lag: int) -> LayerChain:
+        """The chunk's per-layer groups, for an SO step (before its forward)."""
+        names = [f"{self.name(key)}.l{index}" for index in range(layers)]
+        chain = self._chains[key] = LayerChain(self.manager, names, lag)
+        return chain
+
+    def chain(self, key: ChunkKey) -> LayerChain | None:
+        """The chunk's per-layer groups, if it streams."""
+        return self._chains.get(key)
 
     def name(self, key: ChunkKey) -> str:
         name = self._names.get(key)
@@ -34,27 +47,42 @@ class SwapSession:
 
     @contextmanager
     def forward(self, key: ChunkKey) -> Iterator[None]:
-        with self.manager.group_context(self.name(key)):
+        chain = self._chains.get(key)
+        with chain.forward() if chain is not None else self.manager.group_context(
+                self.name(key)):
             yield
 
     def protect(self, key: ChunkKey, tensors: Any) -> None:
         """Keep storages shared with ``tensors`` (boundary inputs, outputs, targets) on the
-        device; None entries are skipped."""
-        self.manager.protect_alias_tensors(self.name(key), tensors)
+        device, in the groups the chunk's forward saves into now or later; None entries are
+        skipped."""
+        chain = self._chains.get(key)
+        if chain is not None:
+            chain.protect(tensors)
+        else:
+            self.manager.protect_alias_tensors(self.name(key), tensors)
 
     def finish(self, key: ChunkKey) -> None:
-        """The chunk's backward is complete: forget its group."""
-        self.manager.finish_group(self._names[key])
+        """The chunk's backward is complete: forget its group (or groups)."""
+        chain = self._chains.pop(key, None)
+        if chain is not None:
+            chain.finish()
+        else:
+            self.manager.finish_group(self._names[key])
         del self._names[key]
 
     def close(self) -> None:
         """Abort every group still alive; all are tried, then the first failure raises."""
         errors = []
-        for name in self._names.values():
+        aborts = [*(chain.abort for chain in self._chains.values()),
+                  *(lambda name=name: self.manager.abort_group(name)
+                    for key, name in self._names.items() if key not in self._chains)]
+        for abort in aborts:
             try:
-                self.manager.abort_group(name)
+                abort()
             except Exception as exc:  # noqa: BLE001 - the others still need aborting
                 errors.append(exc)
         self._names.clear()
+        self._chains.clear()
         if errors:
             raise errors[0]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from pipeswap.runtime.errors import PipelineSetupError
@@ -22,6 +23,11 @@ class PipelineStage:
     (a mask, position ids) cross forward only. The last stage's output goes to the loss
     function with the microbatch's targets. ``group`` is the pipeline's process group (None:
     the default group).
+
+    ``layers``: the stage's layers in the order its forward calls them, each called once,
+    for streaming swap (one swap group per layer). Default: the children of an
+    ``nn.Sequential``, else the entries of a ``layers`` ModuleList or ModuleDict, else the
+    whole module as one layer (see :func:`pipeswap.swap.layers.find_layers`).
     """
 
     def __init__(
@@ -30,7 +36,10 @@ class PipelineStage:
         stage_index: int,
         num_stages: int,
         group: dist.ProcessGroup | None = None,
+        layers: Sequence[torch.nn.Module] | None = None,
     ) -> None:
+        from pipeswap.swap.layers import find_layers
+
         if not 0 <= stage_index < num_stages:
             raise PipelineSetupError(
                 f"stage_index must be in [0, {num_stages}), got {stage_index}")
@@ -38,6 +47,14 @@ class PipelineStage:
         self.stage_index = stage_index
         self.num_stages = num_stages
         self.group = group
+        self.layers = list(find_layers(module) if layers is None else layers)
+        if not self.layers:
+            raise PipelineSetupError(f"stage {stage_index}: layers is empty; give the stage's "
+                                     "layers in call order, or leave it out")
+        inside = {id(m) for m in module.modules()}
+        if any(id(layer) not in inside for layer in self.layers):
+            raise PipelineSetupError(f"stage {stage_index}: every one of layers must be a "
+                                     "submodule of the stage's module")
 
     @property
     def is_first(self) -> bool:

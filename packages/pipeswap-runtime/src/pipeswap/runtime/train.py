@@ -18,6 +18,7 @@ import statistics
 import sys
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from pipeswap.runtime.launch import (
@@ -65,6 +66,7 @@ class TrainConfig:
     dxdw_split: bool = False
     batch_p2p: bool = False
     policy: str = "peak"  # which chunks swap: see swap_policy()
+    swap_granularity: str = "auto"  # the peak policy's: auto, chunk or layer (streaming)
     # per-rank bytes of saved activations the peak policy keeps each rank under, planned on
     # the chunk sizes the run without swap measured (compare mode only)
     budget: int | None = None
@@ -117,11 +119,16 @@ class ModeResult:
     parameter_bytes: int | None = None
     bytes_offloaded: int = 0
     swapped_chunks: int = 0
+    streamed_chunks: int = 0  # of the swapped ones, those streamed layer by layer
     groups_alive_after_step: list[int] = field(default_factory=list)
     host_bytes_in_use_after_step: list[int] = field(default_factory=list)
     grads: dict[str, Any] | None = None  # name -> tensor, first step (keep_grads)
     chunk_bytes: dict[tuple[int, int], tuple[int, int]] = field(default_factory=dict)
     chunk_bytes_after_input: dict[tuple[int, int], int] = field(default_factory=dict)
+    # per streamed chunk, per layer: (held, movable) when the layer closed, and held after I
+    layer_bytes: dict[tuple[int, int], tuple[tuple[int, int], ...]] = field(default_factory=dict)
+    layer_bytes_after_input: dict[tuple[int, int], tuple[int, ...]] = field(
+        default_factory=dict)
     gathered_bytes: dict[int, int] = field(default_factory=dict)  # per sharded stage
     # per step: seconds, the step's peaks (allocator's where measured) and bytes offloaded
     per_step: list[dict[str, Any]] = field(default_factory=list)
@@ -184,15 +191,18 @@ def run_rank(rank: int, world_size: int, config: TrainConfig) -> dict[str, ModeR
             done = load_checkpoint(os.path.join(config.resume, mode), stages=stages,
                                    optimizer=optimizer).data_position
         # Both modes account every chunk's saved activations, to compare their peaks.
-        policy = swap_policy(config.policy)
+        policy = swap_policy(config.policy, stage_layer_counts(config, len(corpus.vocab)),
+                             config.swap_granularity)
         if mode == "swap" and config.budget is not None:
-            policy = _budget_policy(config, results["no-swap"].chunk_bytes)
+            policy = _budget_policy(config, results["no-swap"].chunk_bytes,
+                                    stage_layer_counts(config, len(corpus.vocab)))
         executor = PipelineExecutor(
             stages, spec, config.microbatches, lm_loss, swap=mode == "swap", platform=platform,
             swap_policy=policy, account_activations=True, mesh=mesh,
             autocast_dtype=torch.bfloat16 if config.dtype == "bf16" else None)
         result = results[mode] = ModeResult(
             first_step=done + 1, swapped_chunks=len(executor.swapped),
+            streamed_chunks=len(executor.streamed),
             parameter_bytes=None if built is None else built.held_bytes,
             gathered_bytes=executor.gathered_bytes)
         for number, (inputs, targets) in enumerate(data[done:], done + 1):
@@ -217,6 +227,9 @@ def run_rank(rank: int, world_size: int, config: TrainConfig) -> dict[str, ModeR
             result.chunk_bytes = {key: (b.held, b.movable)
                                   for key, b in report.chunk_bytes.items()}
             result.chunk_bytes_after_input = dict(report.chunk_bytes_after_input)
+            result.layer_bytes = {key: tuple((b.held, b.movable) for b in layers)
+                                  for key, layers in report.layer_bytes.items()}
+            result.layer_bytes_after_input = dict(report.layer_bytes_after_input)
             if not measured or config.steps == 1:
                 result.step_seconds.append(report.seconds)
             assert report.peak_activation_bytes is not None  # accounted above
@@ -256,24 +269,10 @@ def build_stages(config: TrainConfig, vocab: int, placement: tuple[int, ...], pp
     """This rank's pipeline stages of a freshly built ``config.model`` (the others are freed
     on return), each sharded with FSDP2 over the mesh's data-parallel dimension with --fsdp:
     every transformer block apart, the embedding and head with the stage's root."""
-    import torch
-
     from pipeswap.runtime.fsdp import shard_stage
     from pipeswap.runtime.stage import PipelineStage
 
-    modules: list[torch.nn.Module]
-    if config.model == "llama":
-        from pipeswap.runtime.llama import LlamaConfig, build_llama, split_layers
-
-        llama = _llama_config(config, vocab)
-        modules = list(split_layers(build_llama(llama, config.seed).to(device),
-                                    config.num_stages))
-    else:
-        from pipeswap.runtime.model import GPTConfig, build_gpt, split_stages
-
-        gpt = GPTConfig(vocab=vocab, seq_len=config.seq_len, width=config.width,
-                        layers=config.num_layers)
-        modules = list(split_stages(build_gpt(gpt, config.seed).to(device), config.num_stages))
+    modules = build_stage_modules(config, vocab, device)
     group = None if mesh is None else mesh.get_group("pp")
     stages = []
     for index, module in enumerate(modules):
@@ -283,6 +282,23 @@ def build_stages(config: TrainConfig, vocab: int, placement: tuple[int, ...], pp
             shard_stage(module, mesh["dp"], _blocks(module))
         stages.append(PipelineStage(module, index, config.num_stages, group))
     return stages
+
+
+def build_stage_modules(config: TrainConfig, vocab: int, device: Any = None) -> list[Any]:
+    """Every stage's module of a freshly built ``config.model``, on ``device``."""
+    import torch
+
+    if config.model == "llama":
+        from pipeswap.runtime.llama import build_llama, split_layers
+
+        llama = build_llama(_llama_config(config, vocab), config.seed)
+        return list(split_layers(llama.to(device), config.num_stages))
+    from pipeswap.runtime.model import GPTConfig, build_gpt, split_stages
+
+    gpt = GPTConfig(vocab=vocab, seq_len=config.seq_len, width=config.width,
+                    layers=config.num_layers)
+    model: torch.nn.Sequential = build_gpt(gpt, config.seed).to(device)
+    return list(split_stages(model, config.num_stages))
 
 
 def _llama_config(config: TrainConfig, vocab: int) -> Any:
@@ -307,11 +323,12 @@ def tied_parameters(config: TrainConfig, vocab: int) -> list[Any]:
 
 
 def _blocks(stage: Any) -> list[Any]:
-    """A stage's transformer blocks (each gets FSDP's all-gathers of its own)."""
+    """A stage's transformer blocks, or the GPT's sublayers (each gets FSDP's all-gathers of its
+    own)."""
     from pipeswap.runtime.llama import Block as LlamaBlock
-    from pipeswap.runtime.model import Block
+    from pipeswap.runtime.model import SUBLAYERS
 
-    return [m for m in stage.modules() if isinstance(m, (Block, LlamaBlock))]
+    return [m for m in stage.modules() if isinstance(m, (*SUBLAYERS, LlamaBlock))]
 
 
 def _setup_logging(rank: int, level: str) -> None:
@@ -365,6 +382,7 @@ def summarize(config: TrainConfig, per_rank: list[dict[str, ModeResult]]) -> dic
             "peak_allocated_bytes_no_swap": plain.peak_allocated_bytes if plain else None,
             "parameter_bytes": either.parameter_bytes if either else None,
             "swapped_chunks": either.swapped_chunks if either else 0,
+            "streamed_chunks": swap.streamed_chunks if swap else 0,
             "bytes_offloaded": swap.bytes_offloaded if swap else 0,
             "step_time_s_swap": statistics.median(swap.step_seconds) if swap else None,
             "step_time_s_no_swap": statistics.median(plain.step_seconds) if plain else None,
@@ -577,6 +595,13 @@ def parse_args(argv: list[str] | None) -> tuple[TrainConfig, argparse.Namespace]
                              "lower the rank's peak with copies hidden on a uniform cost "
                              "model; gap, MindSpore hyper-parallel's rule; cost, every chunk "
                              "whose copies hide (see pipeswap-schedule simulate --help)")
+    parser.add_argument("--swap-granularity", choices=GRANULARITY_CHOICES,
+                        default=defaults.swap_granularity,
+                        help="with the peak policy: swap chunks whole (chunk), stream them "
+                             "layer by layer (layer: each layer leaves the device as the "
+                             "forward moves past it and comes back one layer ahead of the "
+                             "backward), or pick per chunk what lowers the peak more (auto, "
+                             "the default)")
     parser.add_argument("--budget", type=_budget_bytes, metavar="BYTES",
                         help="with the peak policy: keep each rank's saved activations under "
                              "BYTES (e.g. 3MiB), exposing copies where needed, planned on the "
@@ -648,11 +673,15 @@ def parse_args(argv: list[str] | None) -> tuple[TrainConfig, argparse.Namespace]
         seq_len=args.seq_len, width=args.width, layers=args.layers, lr=args.lr, seed=args.seed,
         device=args.device, overlap_b_f=args.overlap_b_f, dxdw_split=args.dxdw_split,
         batch_p2p=args.batch_p2p, policy=args.policy, budget=args.budget, modes=modes,
+        swap_granularity=args.swap_granularity,
         dtype=args.dtype, verbose=not args.json,
         log_level=args.log_level or ("warning" if args.json else "info"),
         checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
         resume=args.resume, metrics=args.metrics, timeout_s=args.timeout)
     _check_checkpoints(parser, config)
+    if args.swap_granularity != "auto" and args.policy != "peak":
+        parser.error(f"--swap-granularity applies to the peak policy, not --policy "
+                     f"{args.policy} (which swaps whole chunks)")
     if args.budget is not None and args.policy != "peak":
         parser.error(f"--budget applies to the peak policy, not --policy {args.policy}")
     if args.tie_embeddings and args.model != "llama":
@@ -719,6 +748,7 @@ def _check_numbers(parser: argparse.ArgumentParser, args: argparse.Namespace, ra
 
 
 POLICIES = {"peak", "gap", "cost"}
+GRANULARITY_CHOICES = ("auto", "chunk", "layer")
 
 
 def _budget_bytes(text: str) -> int:
@@ -727,10 +757,13 @@ def _budget_bytes(text: str) -> int:
     return int(BYTES(text))
 
 
-def swap_policy(name: str) -> SwapPolicy | None:
-    """The swap policy of ``--policy`` (None: the default, the peak policy). The runtime
-    knows no chunk's bytes before it runs, so the cost model is the uniform default: chunks
-    alike, a backward twice a forward."""
+def swap_policy(name: str, layer_counts: Mapping[int, int] | None = None,
+                granularity: str = "auto") -> SwapPolicy | None:
+    """The swap policy of ``--policy``. The runtime knows no chunk's bytes before it runs,
+    so the cost model is uniform: layers alike, a backward twice a forward. The peak policy
+    needs each stage's layer count (``layer_counts``; None leaves the executor's default,
+    which asks the stages)."""
+    from pipeswap.runtime.executor import default_swap_policy
     from pipeswap.schedule import MinGapPolicy
     from pipeswap.schedule.costs import CostModel
     from pipeswap.schedule.policies import CostModelPolicy
@@ -739,17 +772,29 @@ def swap_policy(name: str) -> SwapPolicy | None:
         return MinGapPolicy()
     if name == "cost":
         return CostModelPolicy(CostModel())
-    return None
+    return None if layer_counts is None else default_swap_policy(layer_counts, granularity)
 
 
-def _budget_policy(config: TrainConfig, mine: dict[tuple[int, int], tuple[int, int]]
-                   ) -> SwapPolicy:
+def stage_layer_counts(config: TrainConfig, vocab: int) -> dict[int, int]:
+    """Each stage's layer count as the stages built for ``config`` have them (see
+    :attr:`PipelineStage.layers`), without building them."""
+    import torch
+
+    from pipeswap.swap.layers import find_layers
+
+    with torch.device("meta"):
+        stages = build_stage_modules(config, vocab)
+    return {index: len(find_layers(module)) for index, module in enumerate(stages)}
+
+
+def _budget_policy(config: TrainConfig, mine: dict[tuple[int, int], tuple[int, int]],
+                   layer_counts: Mapping[int, int]) -> SwapPolicy:
     """The peak policy under ``config.budget``, on the chunk sizes every rank measured
     without swap (shared by an all-reduce, so that every rank builds the same schedule)."""
     import torch
     import torch.distributed as dist
 
-    from pipeswap.schedule.costs import ChunkBytes, CostModel
+    from pipeswap.schedule.costs import ChunkBytes, CostModel, StageCosts
     from pipeswap.schedule.policies import PeakPolicy
 
     assert config.budget is not None
@@ -760,7 +805,10 @@ def _budget_policy(config: TrainConfig, mine: dict[tuple[int, int], tuple[int, i
     chunks = {(stage, micro): ChunkBytes(int(held), pinned=int(held - movable))
               for stage in range(config.num_stages) for micro in range(config.microbatches)
               for held, movable in [sizes[stage, micro].tolist()] if held >= 0}
-    return PeakPolicy(CostModel(chunks=chunks), config.budget)
+    stages = {index: StageCosts(float(count), 2.0 * count, layers=count)
+              for index, count in layer_counts.items()}
+    return PeakPolicy(CostModel(chunks=chunks, stages=stages), config.budget,
+                      granularity=config.swap_granularity)
 
 
 def _check_checkpoints(parser: argparse.ArgumentParser, config: TrainConfig) -> None:

@@ -46,6 +46,10 @@ A schedule is one order of steps per rank. Steps are written {stage}{CODE}{micro
   SEND_B / RECV_B     gradients to / from the previous stage
   LO / WO             launch / wait the device-to-host offload of a chunk's activations
   LL / WL             launch / wait the host-to-device reload before its backward
+  SO / SL             stream a chunk layer by layer instead of LO / LL: SO (before the
+                      forward) offloads each layer as it ends, freeing it a lag of layers
+                      later (0SO3:2, lag 2; 0SO3 is lag 1); SL loads the last layer, and the
+                      backward loads each layer while computing the one after it
   {stage}UNSHARD, RESHARD, REDUCE_GRAD      FSDP parameter gather, free, grad reduction
   (a;b)OVERLAP_B_F, (a;b)OVERLAP_F_B, (a;b;...)BATCH_P2P   composite steps
   _ (null in JSON)    an idle slot
@@ -104,8 +108,9 @@ def _spec_arguments() -> argparse.ArgumentParser:
     group.add_argument("--batch-p2p", action="store_true",
                        help="coalesce adjacent sends/receives into BATCH_P2P steps")
     group.add_argument("--swap", action="store_true",
-                       help="inject activation swap steps (LO, WO, LL, WL) as the last pass, "
-                            "for the chunks --policy picks (default peak)")
+                       help="inject activation swap steps (LO, WO, LL, WL; SO, SL for chunks "
+                            "streamed layer by layer) as the last pass, for the chunks --policy "
+                            "picks (default peak)")
     group.add_argument("--swap-min-gap", type=int, default=None, metavar="N",
                        help="the gap policy (implies it and --swap): swap a chunk when its "
                             "backward is at least N compute slots after its forward (4 is "
@@ -153,7 +158,8 @@ def _parser() -> argparse.ArgumentParser:
         "validate", help="check a schedule file; exit 0 if valid, 1 if not",
         description="Check a schedule (the JSON or grid that 'orders' prints): every stage "
                     "forwards and backwards each microbatch 0..M-1 once, in order, dx before "
-                    "dw; swap steps run F < LO < WO < LL < WL < backward; a stage with FSDP "
+                    "dw; swap steps run F < LO < WO < LL < WL < backward (streamed: SO < F < WO "
+                    "< SL < WL < backward); a stage with FSDP "
                     "steps is gathered (UNSHARD) for each of its computes, freed (RESHARD) in "
                     "turn and its gradients reduced once after its last backward; and a "
                     "simulation of all ranks pairs every send with its receive without "

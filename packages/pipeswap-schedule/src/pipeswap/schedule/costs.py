@@ -27,10 +27,13 @@ class StageCosts:
     backward_weight: float | None = None
     activation_bytes: int | None = None  # what one chunk's forward saves (default: model's)
     param_bytes: int | None = None  # the stage's parameters, gathered (default: model's)
+    layers: int | None = None  # layers of one chunk, for streaming swap (default: model's)
 
     def __post_init__(self) -> None:
         if self.param_bytes is not None:
             _check_param_bytes("stage costs param_bytes", self.param_bytes)
+        if self.layers is not None:
+            _check_layers("stage costs layers", self.layers)
 
     def time(self, kind: StepType) -> float:
         if kind is StepType.FWD:
@@ -48,11 +51,17 @@ class ChunkBytes:
     that never leaves the device (tensors shared with parameters, stage inputs and outputs),
     and, for a split backward, the part still held between its I and its W (what W needs:
     the inputs of the weight nodes; I frees the rest). ``after_input`` defaults to all of it,
-    as if I freed nothing."""
+    as if I freed nothing.
+
+    ``layers`` optionally gives the same figures per layer, as measured, for a streaming
+    swap (which moves a chunk layer by layer); their totals, pinned and after-input bytes
+    must add up to the chunk's. Without them :meth:`CostModel.layer_bytes` splits the chunk
+    evenly."""
 
     total: int
     pinned: int = 0
     after_input: int | None = None
+    layers: tuple[ChunkBytes, ...] = ()
 
     def __post_init__(self) -> None:
         if not 0 <= self.pinned <= self.total:
@@ -61,6 +70,25 @@ class ChunkBytes:
         if self.after_input is not None and not 0 <= self.after_input <= self.total:
             raise ScheduleError(f"chunk bytes: after_input must be from 0 to total "
                                 f"({self.total}), got {self.after_input}")
+        if self.layers:
+            self._check_layers()
+
+    def _check_layers(self) -> None:
+        """The layers must be plain per-layer figures that add up to the chunk's."""
+        if not isinstance(self.layers, tuple) or any(
+                not isinstance(layer, ChunkBytes) or layer.layers for layer in self.layers):
+            raise ScheduleError("chunk bytes: layers is a tuple of ChunkBytes, one per layer, "
+                                "each without layers of its own")
+        for name, whole, parts in (
+                ("total", self.total, sum(layer.total for layer in self.layers)),
+                ("pinned", self.pinned, sum(layer.pinned for layer in self.layers)),
+                ("after_input", self.held_after_input,
+                 sum(layer.held_after_input for layer in self.layers))):
+            if parts != whole:
+                raise ScheduleError(
+                    f"chunk bytes: the layers' {name} bytes add up to {parts}, but the "
+                    f"chunk's {name} is {whole}; give layers that sum to the chunk (or "
+                    "leave layers out to split the chunk evenly)")
 
     @property
     def movable(self) -> int:
@@ -102,6 +130,7 @@ class CostModel:
     chunks: Mapping[ChunkKey, ChunkBytes] = field(default_factory=dict)
     ranks: Mapping[int, Link] = field(default_factory=dict)
     compute_scale: Mapping[int, float] = field(default_factory=dict)  # per-rank slowdown
+    layers: int = 1  # layers of one chunk (every stage's, unless its StageCosts say)
 
     def __post_init__(self) -> None:
         for name in ("forward", "backward", "p2p_latency"):
@@ -121,6 +150,7 @@ class CostModel:
         if self.pinned_bytes > self.activation_bytes:
             raise ScheduleError("pinned_bytes cannot exceed activation_bytes")
         _check_param_bytes("param_bytes", self.param_bytes)
+        _check_layers("layers", self.layers)
 
     def stage(self, stage: int) -> StageCosts:
         return self.stages.get(stage) or StageCosts(self.forward, self.backward)
@@ -136,6 +166,19 @@ class CostModel:
         total = self.activation_bytes if per_stage is None else per_stage
         return ChunkBytes(total, min(self.pinned_bytes, total))
 
+    def stage_layers(self, stage: int) -> int:
+        """How many layers one chunk of ``stage`` has: what a streaming swap moves one by
+        one, each taking an equal share of the chunk's compute."""
+        per_stage = self.stage(stage).layers
+        return self.layers if per_stage is None else per_stage
+
+    def layer_bytes(self, key: ChunkKey) -> tuple[ChunkBytes, ...]:
+        """The chunk's bytes per layer: its measured layers, else its bytes split evenly over
+        :meth:`stage_layers` layers (the remainders on the last layers, so that the layers
+        add up to the chunk exactly)."""
+        chunk = self.chunk_bytes(key)
+        return chunk.layers or split_layers(chunk, self.stage_layers(key[0]))
+
     def gathered_bytes(self, stage: int) -> int:
         """What ``stage``'s parameters take on the device from its UNSHARD to its RESHARD."""
         per_stage = self.stage(stage).param_bytes
@@ -146,6 +189,23 @@ class CostModel:
 
     def p2p_time(self) -> float:
         return self.p2p_latency + self.boundary_bytes / self.p2p_bandwidth
+
+
+def split_layers(chunk: ChunkBytes, layers: int) -> tuple[ChunkBytes, ...]:
+    """``chunk`` split evenly into ``layers`` layers; the remainders go to the last layers."""
+
+    def share(amount: int, k: int) -> int:
+        return amount // layers + (k >= layers - amount % layers)
+
+    return tuple(ChunkBytes(share(chunk.total, k), share(chunk.pinned, k),
+                            None if chunk.after_input is None else share(chunk.after_input, k))
+                 for k in range(layers))
+
+
+def _check_layers(name: str, value: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ScheduleError(f"{name} must be a whole number >= 1 (the layers of one chunk, "
+                            f"which a streaming swap moves one by one), got {value!r}")
 
 
 def _check_param_bytes(name: str, value: int) -> None:
@@ -222,7 +282,7 @@ def transformer_costs(shape: TransformerShape, flops: float) -> StageCosts:
     activation = 34 * b * s * h * layers * shape.dtype_bytes // 2
     return StageCosts(forward=forward_flops / flops, backward=2 * forward_flops / flops,
                       activation_bytes=activation,
-                      param_bytes=12 * h * h * layers * shape.dtype_bytes)
+                      param_bytes=12 * h * h * layers * shape.dtype_bytes, layers=layers)
 
 
 def boundary_bytes(shape: TransformerShape) -> int:
@@ -246,4 +306,4 @@ def with_transformer(model: CostModel, shape: TransformerShape, flops: float) ->
     assert stage.activation_bytes is not None and stage.param_bytes is not None
     return replace(model, forward=stage.forward, backward=stage.backward,
                    activation_bytes=stage.activation_bytes, param_bytes=stage.param_bytes,
-                   boundary_bytes=boundary_bytes(shape))
+                   boundary_bytes=boundary_bytes(shape), layers=shape.layers)

@@ -140,7 +140,8 @@ def _ranges(numbers: Iterable[int]) -> str:
 
 
 def swap_summary(schedule: Schedule) -> str:
-    """One line per rank: which (stage, micro) chunks are swapped, grouped by stage."""
+    """One line per rank: which (stage, micro) chunks are swapped, grouped by stage, and how
+    many of them are streamed."""
     lines = []
     for rank, chunks in enumerate(swapped_chunks(schedule)):
         by_stage: dict[int, list[int]] = {}
@@ -151,9 +152,12 @@ def swap_summary(schedule: Schedule) -> str:
             for leaf in s.compute_leaves if leaf.type is StepType.FWD
         )
         listing = "; ".join(f"stage {s} micro {_ranges(m)}" for s, m in sorted(by_stage.items()))
+        streamed = sum(1 for s in schedule.orders[rank]
+                       if s is not None and s.type is StepType.SWAP_STREAM_OFFLOAD)
         lines.append(
             f"rank {rank}: {len(chunks)} of {forwards} chunks swapped"
             + (f" ({listing})" if listing else "")
+            + (f", {streamed} of them streamed layer by layer" if streamed else "")
         )
     return "\n".join(lines)
 

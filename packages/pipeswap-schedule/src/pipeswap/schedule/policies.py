@@ -7,6 +7,11 @@ the offload runs during the compute slot after its forward (WO ends that slot), 
 during the compute slot before its backward; so a chunk is off the device from the second
 slot after its forward to the second slot before its backward, and only chunks with a gap of
 at least 4 slots save anything.
+
+The peak policy may also stream a chunk layer by layer (``PeakPolicy.granularity``): the
+chunk then leaves the device while its forward still runs and comes back while its backward
+runs, so it saves memory even with a short gap. Its memory changes within a compute slot,
+so that plan follows the rank layer by layer (:mod:`pipeswap.schedule._layer_plan`).
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from __future__ import annotations
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from pipeswap.schedule._layer_plan import MAX_COPY_SLOTS, LayerPlan, Points, Way
 from pipeswap.schedule.costs import CostModel
 from pipeswap.schedule.errors import ScheduleError
 from pipeswap.schedule.steps import COMPUTE, OVERLAPS, ChunkKey, Order, StepType
@@ -192,8 +198,6 @@ class MemoryBudgetPolicy:
         return max(0.0, d2h - after) + max(0.0, h2d - before)
 
 
-#: The most compute slots a placement gives one copy (see :class:`SwapPlacement`).
-MAX_COPY_SLOTS = 3
 #: Placements to try, tightest first; zero slots (compute waits for the whole copy) only
 #: where a budget allows exposed copies.
 _PLACEMENTS = sorted(((off, load, 0) for off in range(MAX_COPY_SLOTS + 1)
@@ -220,6 +224,11 @@ class PeakOutcome:
         return 0 if self.budget is None else max(0, self.peak - self.budget)
 
 
+#: How the peak policy may swap a chunk. chunk: whole (LO/LL); layer: streamed layer by
+#: layer (SO/SL); auto: whichever lowers the peak more, chunk by chunk.
+GRANULARITIES = ("auto", "chunk", "layer")
+
+
 @dataclass
 class PeakPolicy:
     """Swap only what lowers the rank's peak of saved activations, with copies hidden.
@@ -233,11 +242,29 @@ class PeakPolicy:
     for it), until the budget is met. Last, every chunk whose
     removal would not raise the peak is dropped: nothing is swapped for nothing.
     :attr:`outcomes` reports per rank the peak reached and the stall accepted.
+
+    ``granularity`` says how a chunk may be swapped: ``"chunk"`` whole, as above;
+    ``"layer"`` streamed, layer by layer (each chunk gets the smallest layer lag its copies
+    hide with); ``"auto"`` (the default) either, chunk by chunk, whichever lowers the peak
+    more. Streaming frees a chunk's first layers while its forward still runs and loads its
+    layers one ahead of its backward, which whole-chunk swap cannot; a chunk of one layer
+    gains nothing from it, and where every chunk of the rank has one layer ``"auto"`` plans
+    exactly as ``"chunk"``. Layers come from the cost model (``CostModel.layers``,
+    ``StageCosts.layers``, ``ChunkBytes.layers``); with streaming the plan follows each
+    rank's memory layer by layer (:mod:`pipeswap.schedule._layer_plan`).
     """
 
     costs: CostModel
     budget: int | Mapping[int, int] | None = None
     outcomes: dict[int, PeakOutcome] = field(default_factory=dict)
+    granularity: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.granularity not in GRANULARITIES:
+            raise ScheduleError(
+                f"unknown swap granularity {self.granularity!r}; use one of "
+                f"{', '.join(GRANULARITIES)} (chunk: whole chunks, layer: streamed layer by "
+                "layer, auto: whichever lowers the peak more)")
 
     def budget_for(self, rank: int) -> int | None:
         if self.budget is None or isinstance(self.budget, int):
@@ -250,6 +277,8 @@ class PeakPolicy:
                ) -> dict[ChunkKey, SwapPlacement]:
         rank = candidates[0].rank if candidates else 0
         budget = self.budget_for(rank)
+        if self._by_layer(candidates):
+            return self._select_layers(candidates, order, rank, budget)
         plan = _PeakPlan(self.costs, rank, _Timeline.of(order, self.costs, rank), candidates)
         peak_no_swap = max(plan.held, default=0)
         plan.lower(budget, allow_stall=False)
@@ -259,6 +288,96 @@ class PeakPolicy:
         self.outcomes[rank] = PeakOutcome(rank, max(plan.held, default=0), peak_no_swap,
                                           plan.stall(plan.copies()), budget)
         return dict(plan.chosen)
+
+    def _by_layer(self, candidates: Sequence[SwapCandidate]) -> bool:
+        """Whether to plan at layer resolution: streaming asked for, or allowed and some
+        chunk has layers to stream."""
+        if self.granularity != "auto":
+            return self.granularity == "layer"
+        chunks = self.costs.chunks
+        return any(self.costs.stage_layers(stage) > 1
+                   for stage in {c.stage for c in candidates}) or any(
+            len(chunks[c.key].layers) > 1 for c in candidates if c.key in chunks)
+
+    def _select_layers(self, candidates: Sequence[SwapCandidate], order: Order, rank: int,
+                       budget: int | None) -> dict[ChunkKey, SwapPlacement]:
+        """The plan at layer resolution: the best of descents from nothing taken and from
+        everything taken (for auto: also from everything streamed, and from the chunk-level
+        plan, so that it never does worse than either), then improved by dropping a chunk
+        and descending again (a stream runs its copies in order, so a chunk left out can
+        let the chunks after it stream with shorter lags)."""
+        points = Points(order, self.costs, rank)
+        only = self.granularity == "layer"
+        starts: list[LayerPlan] = []
+        for streamed_only in (True,) if only else (False, True):
+            for full in (False, True):
+                plan = LayerPlan(self.costs, rank, points, candidates, streamed_only)
+                if full:
+                    plan.fill()
+                starts.append(plan)
+        if not only:
+            starts.append(self._seeded(candidates, order, rank, budget, points))
+        plans = [_descend(plan, budget) for plan in starts]
+        plan = min(plans, key=lambda p: _merit(p, budget))
+        plan.streamed_only = only  # auto may go on with whole chunks from any start
+        plan = _perturb(plan, budget)
+        if not only:
+            plan.unstream()  # auto streams only where streaming lowers the peak
+        self.outcomes[rank] = PeakOutcome(rank, plan.peak, plan.initial_peak, plan.stall,
+                                          budget)
+        return plan.placements()
+
+    def _seeded(self, candidates: Sequence[SwapCandidate], order: Order, rank: int,
+                budget: int | None, points: Points) -> LayerPlan:
+        """A layer-resolution plan holding the chunks the chunk-level plan swaps."""
+        chunk_level = _PeakPlan(self.costs, rank, _Timeline.of(order, self.costs, rank),
+                                candidates)
+        chunk_level.lower(budget, allow_stall=False)
+        stalls = budget is not None and max(chunk_level.held, default=0) > budget
+        if stalls:
+            chunk_level.lower(budget, allow_stall=True)
+        chunk_level.prune()
+        plan = LayerPlan(self.costs, rank, points, candidates, streamed_only=False)
+        plan.take({key: Way(False, p.load_slots, None, p.offload_slots if stalls else None)
+                   for key, p in chunk_level.chosen.items()}, allow_stall=stalls)
+        return plan
+
+
+#: How many chunks the layer-resolution plan tries to drop in a round, and how many rounds
+#: it goes on while one does better (a bound on its time).
+_DROPS_PER_ROUND, _ROUNDS = 12, 8
+
+
+def _descend(plan: LayerPlan, budget: int | None) -> LayerPlan:
+    """Lower the peak with copies hidden, then with stalls where a budget needs them, and
+    drop what lowers nothing."""
+    plan.lower(budget, allow_stall=False)
+    if budget is not None and plan.peak > budget:
+        plan.lower(budget, allow_stall=True)
+    plan.prune()
+    return plan
+
+
+def _merit(plan: LayerPlan, budget: int | None) -> tuple[int, float, int, int]:
+    """Smaller is better: the budget's shortfall, the stall, the peak, the chunks swapped."""
+    short = 0 if budget is None else max(0, plan.peak - budget)
+    return short, plan.stall, plan.peak, len(plan.chosen)
+
+
+def _perturb(plan: LayerPlan, budget: int | None) -> LayerPlan:
+    """Try dropping one taken chunk (those before the peak, the latest first) and
+    descending again; keep the first that does better, and go on from it."""
+    for _ in range(_ROUNDS):
+        first = plan.held.index(plan.peak) if plan.held else 0
+        before = sorted((k for k in plan.chosen if plan.chunks[k].forward_points <= first),
+                        key=lambda k: -plan.chunks[k].forward_points)
+        better = next((trial for trial in (_descend(plan.without(key), budget)
+                                           for key in before[:_DROPS_PER_ROUND])
+                       if _merit(trial, budget) < _merit(plan, budget)), None)
+        if better is None:
+            return plan
+        plan = better
+    return plan
 
 
 class _PeakPlan:

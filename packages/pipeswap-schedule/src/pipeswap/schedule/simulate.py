@@ -13,6 +13,15 @@ W needs (``ChunkBytes.after_input``), and W the rest. A forward's bytes count in
 once (the runtime collects them one by one during the forward, never more), so a rank's peak
 is what the runtime's swap manager counts: the most its chunks' saved activations hold.
 
+A streamed chunk (SO before its forward, lag D) moves layer by layer, each layer taking an
+equal share of the chunk's compute and its own bytes (``CostModel.layer_bytes``). Its
+forward counts each layer when it ends, starts that layer's D2H copy and, from layer D on,
+waits for the copy of the layer D back and frees it; WO waits for the last D layers' copies
+and frees them. SL allocates the last layer and starts its H2D copy, WL waits for it, and
+the backward, layer by layer from the last, waits for the layer's load, allocates the layer
+below and starts its load, then frees the layer it computed; a split backward's I keeps
+every layer until it ends (it keeps the graph for W) and then frees all but what W needs.
+
 FSDP steps take no time here, but the parameters they gather count in memory: UNSHARD adds
 the stage's ``CostModel.gathered_bytes`` to the rank's gathered bytes, RESHARD takes the
 same away (REDUCE_GRAD, and gradients, are not counted). The rank's memory is its saved
@@ -31,7 +40,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from pipeswap.schedule._gc import gc_paused
-from pipeswap.schedule.costs import ChunkBytes, CostModel
+from pipeswap.schedule.costs import ChunkBytes, CostModel, Link
 from pipeswap.schedule.schedule import Schedule
 from pipeswap.schedule.steps import COMPUTE, OVERLAPS, ChunkKey, Order, Step, StepType
 from pipeswap.schedule.validation import validate
@@ -40,7 +49,8 @@ _F, _B, _I, _W = StepType.FWD, StepType.BWD, StepType.BWD_INPUT, StepType.BWD_WE
 _SEND_F, _SEND_B = StepType.FWD_SEND, StepType.BWD_SEND
 _LO, _WO = StepType.SWAP_LAUNCH_OFFLOAD, StepType.SWAP_WAIT_OFFLOAD
 _LL, _WL = StepType.SWAP_LAUNCH_LOAD, StepType.SWAP_WAIT_LOAD
-_SWAPS = frozenset({_LO, _WO, _LL, _WL})
+_SO, _SL = StepType.SWAP_STREAM_OFFLOAD, StepType.SWAP_STREAM_LOAD
+_SWAPS = frozenset({_LO, _WO, _LL, _WL, _SO, _SL})
 _UNSHARD, _RESHARD = StepType.FSDP_UNSHARD, StepType.FSDP_RESHARD
 
 
@@ -56,7 +66,12 @@ class SwappedChunk:
     wait_load: float
     lifespan: float  # from the end of its forward to the start of its backward
     off_device: float  # seconds its movable bytes were not on the device
-    hidden: bool  # neither wait stalled compute
+    hidden: bool  # no wait for its copies stalled compute
+    layer_lag: int = 0  # 0: swapped whole; from 1: streamed layer by layer with this lag
+
+    @property
+    def streamed(self) -> bool:
+        return self.layer_lag > 0
 
 
 class Span(NamedTuple):
@@ -96,6 +111,22 @@ class SimulationResult:
 
 
 @dataclass
+class _Streamed:
+    """A streamed chunk's layers and its copies so far: D2H ends in layer order, H2D ends
+    by layer."""
+
+    lag: int
+    layers: tuple[ChunkBytes, ...]
+    offloaded: list[float] = field(default_factory=list)
+    loaded: dict[int, float] = field(default_factory=dict)
+
+    @property
+    def tail(self) -> range:
+        """The layers the forward leaves for WO to free (those within the lag of its end)."""
+        return range(max(0, len(self.layers) - self.lag), len(self.layers))
+
+
+@dataclass
 class _Rank:
     rank: int
     order: Order
@@ -117,6 +148,7 @@ class _Rank:
     split: set[ChunkKey] = field(default_factory=set)  # chunks whose backward ends with W
     forwarded: dict[ChunkKey, float] = field(default_factory=dict)  # forward end
     lifespans: dict[ChunkKey, float] = field(default_factory=dict)
+    streams: dict[ChunkKey, _Streamed] = field(default_factory=dict)  # SO seen
 
     def change(self, delta: int) -> None:
         """The activation bytes held change by ``delta``."""
@@ -176,11 +208,17 @@ def simulate(schedule: Schedule, costs: CostModel) -> SimulationResult:
         key = (stage, micro)
         start = state.compute if wanted is None else max(state.compute, ready[wanted])
         duration = duration_of(kind, stage, state.rank)
-        state.compute = end = start + duration
         state.busy += duration
-        state.spans.append(Span("compute", str(leaf), start, end))
+        streamed = state.streams.get(key) if kind is not _W else None
+        if streamed is not None:
+            run = _stream_forward if kind is _F else _stream_backward
+            end = run(state, leaf, streamed, start, duration, costs.rank_link(state.rank))
+        else:
+            state.compute = end = start + duration
+            state.spans.append(Span("compute", str(leaf), start, end))
         if kind is _F:
-            state.change(bytes_of(key).total)
+            if streamed is None:
+                state.change(bytes_of(key).total)
             state.forwarded[key] = end
             if stage < last_stage and stage_ranks[stage + 1] == state.rank:
                 publish(("F", stage, micro), end)  # local hand-off
@@ -189,6 +227,8 @@ def simulate(schedule: Schedule, costs: CostModel) -> SimulationResult:
             state.lifespans[key] = start - state.forwarded[key]
             if stage > 0 and stage_ranks[stage - 1] == state.rank:
                 publish(("B", stage, micro), end)
+        if streamed is not None:
+            return  # its layers were freed one by one
         chunk = bytes_of(key)
         if kind is _I and key in state.split:  # I frees what its W does not need
             if chunk.held_after_input < chunk.total:
@@ -211,7 +251,13 @@ def simulate(schedule: Schedule, costs: CostModel) -> SimulationResult:
             stage, micro = leaf.key
             publish(("F" if kind is _SEND_F else "B", stage, micro), state.compute + transfer)
         elif kind in _SWAPS:
-            _swap(state, leaf, costs, bytes_of(leaf.key).movable)
+            if kind is _SO:
+                state.streams[leaf.key] = _Streamed(leaf.lag or 1, bytes_of.layers(leaf.key))
+            streamed = state.streams.get(leaf.key)
+            if streamed is None:
+                _swap(state, leaf, costs, bytes_of(leaf.key).movable)
+            else:
+                _stream_swap(state, leaf, streamed, costs.rank_link(state.rank))
         elif kind is _UNSHARD or kind is _RESHARD:
             state.gather(_gathered_change(costs, leaf))
         # receives only post; FSDP steps take no time
@@ -246,34 +292,22 @@ def simulate(schedule: Schedule, costs: CostModel) -> SimulationResult:
 
 
 def _swap(state: _Rank, leaf: Step, costs: CostModel, movable: int) -> None:
+    """LO, WO, LL and WL of a chunk swapped whole."""
     key = leaf.key
     link = costs.rank_link(state.rank)
     record = state.copies.setdefault(key, {})
     kind = leaf.type
     if kind is _LO:
-        stream = "d2h" if link.duplex else "copy"
-        start = max(state.compute, state.d2h)
-        end = start + movable / link.d2h_bandwidth
-        state.d2h = end
-        if not link.duplex:
-            state.h2d = end
+        start, end = _copy(state, link, True, movable, f"{key[0]}LO{key[1]}")
         record.update(offload_start=start, offload_end=end)
-        state.spans.append(Span(stream, f"{key[0]}LO{key[1]}", start, end))
     elif kind is _WO:
         _wait(state, record["offload_end"], record, "wait_offload")
-        record["resident"] = 0.0
         state.change(-movable)
     elif kind is _LL:
-        record["resident"] = 1.0
         state.change(movable)
-        stream = "h2d" if link.duplex else "copy"
-        start = max(state.compute, state.h2d)
-        end = start + movable / link.h2d_bandwidth
-        state.h2d = end
-        if not link.duplex:
-            state.d2h = end
-        record.update(load_start=start, load_end=end, off_until=state.compute)
-        state.spans.append(Span(stream, f"{key[0]}LL{key[1]}", start, end))
+        record["off_until"] = state.compute
+        start, end = _copy(state, link, False, movable, f"{key[0]}LL{key[1]}")
+        record.update(load_start=start, load_end=end)
     else:
         _wait(state, record["load_end"], record, "wait_load")
 
@@ -285,8 +319,117 @@ def _wait(state: _Rank, until: float, record: dict[str, float], name: str) -> No
         state.spans.append(Span("compute", f"wait {name.removeprefix('wait_')}", reached,
                                 until))
         state.compute = until
+        record["stalled"] = 1.0
     record[name] = state.compute
-    record[f"{name}_stalled"] = float(until > reached)
+
+
+def _copy(state: _Rank, link: Link, offload: bool, size: int, label: str) -> tuple[float, float]:
+    """Start a copy of ``size`` bytes on its stream once compute has reached it and the
+    stream is free (D2H and H2D share one stream on a link that is not duplex)."""
+    if offload:
+        start = max(state.compute, state.d2h)
+        state.d2h = end = start + size / link.d2h_bandwidth
+    else:
+        start = max(state.compute, state.h2d)
+        state.h2d = end = start + size / link.h2d_bandwidth
+    if not link.duplex:
+        state.d2h = state.h2d = end
+    stream = "copy" if not link.duplex else "d2h" if offload else "h2d"
+    state.spans.append(Span(stream, label, start, end))
+    return start, end
+
+
+def _stream_swap(state: _Rank, leaf: Step, streamed: _Streamed, link: Link) -> None:
+    """SO, WO, SL and WL of a streamed chunk (its forward and backward do the rest)."""
+    key, kind = leaf.key, leaf.type
+    record = state.copies.setdefault(key, {})
+    last = len(streamed.layers) - 1
+    if kind is _SO:
+        record["lag"] = float(streamed.lag)
+    elif kind is _WO:
+        tail = streamed.tail  # never empty: the lag is at least 1
+        _wait(state, max(streamed.offloaded[k] for k in tail), record, "wait_offload")
+        state.change(-sum(streamed.layers[k].movable for k in tail))
+    elif kind is _SL:
+        state.change(streamed.layers[last].movable)
+        record["off_until"] = state.compute
+        start, end = _copy(state, link, False, streamed.layers[last].movable,
+                           _layer_label(key, "LL", last))
+        streamed.loaded[last] = end
+        record.update(load_start=start, load_end=end)
+    else:
+        _wait(state, streamed.loaded[last], record, "wait_load")
+
+
+def _layer_label(key: ChunkKey, code: str, layer: int) -> str:
+    return f"{key[0]}{code}{key[1]}.l{layer}"
+
+
+def _stall(state: _Rank, until: float, record: dict[str, float], leaf: Step,
+           piece: float) -> float:
+    """Compute waits inside a streamed compute until ``until``; returns where the compute's
+    next piece starts (the compute's span is cut around the wait)."""
+    reached = state.compute
+    if until <= reached:
+        return piece
+    state.spans.append(Span("compute", str(leaf), piece, reached))
+    _wait(state, until, record, "wait_layer")
+    return until
+
+
+def _stream_forward(state: _Rank, leaf: Step, streamed: _Streamed, start: float,
+                    duration: float, link: Link) -> float:
+    """A streamed chunk's forward, layer by layer (see the module docstring); returns its end."""
+    key, layers, lag = leaf.key, streamed.layers, streamed.lag
+    record = state.copies.setdefault(key, {})
+    part = duration / len(layers)
+    state.compute = piece = start
+    for k, layer in enumerate(layers):
+        state.compute += part
+        state.change(layer.total)
+        copy_start, end = _copy(state, link, True, layer.movable, _layer_label(key, "LO", k))
+        streamed.offloaded.append(end)
+        if k == 0:
+            record["offload_start"] = copy_start
+        if k >= lag:
+            piece = _stall(state, streamed.offloaded[k - lag], record, leaf, piece)
+            state.change(-layers[k - lag].movable)
+    record["offload_end"] = streamed.offloaded[-1]
+    _last_piece(state, leaf, start, piece)
+    return state.compute
+
+
+def _stream_backward(state: _Rank, leaf: Step, streamed: _Streamed, start: float,
+                     duration: float, link: Link) -> float:
+    """A streamed chunk's B or I, layer by layer from the last (see the module docstring);
+    returns its end."""
+    key, layers = leaf.key, streamed.layers
+    record = state.copies.setdefault(key, {})
+    keeps = leaf.type is _I and key in state.split  # I leaves W what it needs
+    part = duration / len(layers)
+    state.compute = piece = start
+    for k in reversed(range(len(layers))):
+        if k < len(layers) - 1:
+            piece = _stall(state, streamed.loaded[k], record, leaf, piece)
+        if k >= 1:
+            state.change(layers[k - 1].movable)
+            _, end = _copy(state, link, False, layers[k - 1].movable,
+                           _layer_label(key, "LL", k - 1))
+            streamed.loaded[k - 1] = end
+        state.compute += part
+        if not keeps:  # autograd frees each layer's activations as it goes
+            state.change(-layers[k].total)
+    if keeps:  # I keeps the whole graph for W and then frees what W does not need
+        state.change(-sum(layer.total - layer.held_after_input for layer in layers))
+    record["load_end"] = streamed.loaded[0]
+    _last_piece(state, leaf, start, piece)
+    return state.compute
+
+
+def _last_piece(state: _Rank, leaf: Step, start: float, piece: float) -> None:
+    """The span of a streamed compute's last piece (none of no length after a wait)."""
+    if state.compute > piece or piece == start:
+        state.spans.append(Span("compute", str(leaf), piece, state.compute))
 
 
 def _gathered_change(costs: CostModel, leaf: Step) -> int:
@@ -306,7 +449,7 @@ def _result(state: _Rank, step_time: float, bytes_of: _ChunkBytesCache) -> RankR
             (rec["load_start"], rec["load_end"]), rec["wait_load"],
             lifespan=state.lifespans[(stage, micro)],
             off_device=rec["off_until"] - rec["wait_offload"],
-            hidden=not (rec["wait_offload_stalled"] or rec["wait_load_stalled"])))
+            hidden=not rec.get("stalled"), layer_lag=int(rec.get("lag", 0))))
     no_swap = _peaks_without_swap(state.order, bytes_of)
     return RankResult(
         rank=state.rank, step_time=state.compute, busy=state.busy,
@@ -324,6 +467,14 @@ class _ChunkBytesCache:
     def __init__(self, costs: CostModel) -> None:
         self.costs = costs
         self._stages: dict[int, ChunkBytes] = {}
+        self._layers: dict[ChunkKey, tuple[ChunkBytes, ...]] = {}
+
+    def layers(self, key: ChunkKey) -> tuple[ChunkBytes, ...]:
+        """``costs.layer_bytes``, worked out once per chunk."""
+        found = self._layers.get(key)
+        if found is None:
+            found = self._layers[key] = self.costs.layer_bytes(key)
+        return found
 
     def __call__(self, key: ChunkKey) -> ChunkBytes:
         found = self.costs.chunks.get(key)

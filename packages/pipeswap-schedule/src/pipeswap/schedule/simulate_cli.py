@@ -19,7 +19,12 @@ from pipeswap.schedule.costs import (
 )
 from pipeswap.schedule.errors import ScheduleError
 from pipeswap.schedule.files import writing
-from pipeswap.schedule.policies import CostModelPolicy, MemoryBudgetPolicy, PeakPolicy
+from pipeswap.schedule.policies import (
+    GRANULARITIES,
+    CostModelPolicy,
+    MemoryBudgetPolicy,
+    PeakPolicy,
+)
 from pipeswap.schedule.schedule import Schedule
 from pipeswap.schedule.simulate import SimulationResult, simulate
 from pipeswap.schedule.steps import FSDP
@@ -194,6 +199,19 @@ def policy_arguments() -> argparse.ArgumentParser:
         help="per-rank activation budget (implies --swap): the peak policy then also takes "
              "chunks whose copies stall compute, least stall first, until the budget is met "
              "(simulate reports the exposed copy time); also for --policy budget")
+    group.add_argument(
+        "--swap-granularity", choices=GRANULARITIES, default=None,
+        help="how the peak policy swaps a chunk (implies --swap; default auto). chunk: whole: "
+             "LO copies all of its activations to the host after its forward, LL brings them "
+             "back before its backward. layer: streamed layer by layer: SO arms the forward to "
+             "copy out each layer as it ends and free it a few layers later (its layer lag, "
+             "the smallest whose copy hides behind the layers computed meanwhile; written "
+             "0SO3:2), SL loads the last layer and the backward loads each layer while it "
+             "computes the one after it, so only a few layers of a chunk are on the device "
+             "at once, even during its own forward and backward. auto: per chunk, whichever "
+             "lowers the rank's peak more. Layers per chunk come from --layers-per-stage (one "
+             "layer without the model dimensions: nothing to stream, so auto swaps whole "
+             "chunks). Only --policy peak streams")
     return parent
 
 
@@ -207,11 +225,16 @@ def choose_policy(args: argparse.Namespace, costs: CostModel
         if args.policy not in (None, "gap"):
             raise ScheduleError(f"--swap-min-gap sets the gap policy's threshold; drop it or "
                                 f"--policy {args.policy}")
+    granularity = getattr(args, "swap_granularity", None)
     if not (args.swap or args.policy is not None or args.budget is not None
-            or gap is not None):
+            or gap is not None or granularity is not None):
         return None, None
     args.swap = True
     name = args.policy or ("gap" if gap is not None else DEFAULT_POLICY)
+    if granularity not in (None, "auto") and name != "peak":
+        raise ScheduleError(f"--swap-granularity {granularity} applies to the peak policy; "
+                            f"the {name} policy swaps whole chunks: drop --swap-granularity, "
+                            "or use --policy peak")
     if args.budget is not None and name not in ("peak", "budget"):
         raise ScheduleError(f"--budget applies to --policy peak and --policy budget, not "
                             f"{name}")
@@ -221,7 +244,8 @@ def choose_policy(args: argparse.Namespace, costs: CostModel
         budget = MemoryBudgetPolicy(costs, int(args.budget))
         return budget, budget
     if name == "peak":
-        peak = PeakPolicy(costs, None if args.budget is None else int(args.budget))
+        peak = PeakPolicy(costs, None if args.budget is None else int(args.budget),
+                          granularity=granularity or "auto")
         return peak, peak
     if name == "cost":
         return CostModelPolicy(costs), None
@@ -276,8 +300,10 @@ def report(result: SimulationResult, budget: Outcomes | None, *, fsdp: bool
             "peak_memory_bytes_no_swap": rank.peak_memory_bytes_no_swap,
             "swapped_chunks": len(rank.swapped),
             "hidden_chunks": sum(c.hidden for c in rank.swapped),
+            "streamed_chunks": sum(c.streamed for c in rank.swapped),
             "chunks": [{"stage": c.stage, "micro": c.micro, "hidden": c.hidden,
-                        "lifespan_s": c.lifespan, "off_device_s": c.off_device}
+                        "lifespan_s": c.lifespan, "off_device_s": c.off_device,
+                        "layer_lag": c.layer_lag}
                        for c in rank.swapped],
         }
         outcome = budget.outcomes.get(rank.rank) if budget is not None else None
@@ -307,6 +333,8 @@ def render(summary: dict[str, Any]) -> str:
         *(_parameter_rows(ranks) if summary["fsdp"] else ()),
         ("swapped (hidden)", [f"{r['swapped_chunks']} ({r['hidden_chunks']})" for r in ranks]),
     ]
+    if any(r["streamed_chunks"] for r in ranks):  # a row only where streaming happened
+        rows.append(("streamed", [str(r["streamed_chunks"]) for r in ranks]))
     if any("budget" in r for r in ranks):
         rows.append(("budget", [("met" if r["budget"]["met"] else
                                  f"short {_bytes(r['budget']['shortfall_bytes'])}")

@@ -150,9 +150,10 @@ def inject_swap(schedule: Schedule, policy: SwapPolicy | None = None) -> Schedul
 
 
 def default_policy() -> SwapPolicy:
-    """The peak policy on the default cost model (uniform chunks, a backward twice a
-    forward): swap only chunks that lower a rank's peak, copies hidden. ``MinGapPolicy()``
-    gives MindSpore hyper-parallel's orders."""
+    """The peak policy on the default cost model (uniform chunks of one layer, a backward
+    twice a forward): swap only chunks that lower a rank's peak, copies hidden, whole (a
+    chunk of one layer has nothing to stream). ``MinGapPolicy()`` gives MindSpore
+    hyper-parallel's orders."""
     from pipeswap.schedule.costs import CostModel
     from pipeswap.schedule.policies import PeakPolicy
 

@@ -1,0 +1,614 @@
+"""The peak policy at layer resolution: which chunks to swap, whole or streamed, and how.
+
+A streamed chunk's memory changes inside its forward and backward, so this plan follows one
+rank's own timeline (compute back to back, as the chunk-level plan does) point by point:
+each forward and backward is cut at its layers' boundaries, where the simulator takes its
+peaks. What a chunk holds at each point follows from its choice (:class:`Choice`): whole or
+streamed, its layer lag and its slots.
+
+The copies decide the lags. The D2H and H2D streams run their copies first in, first out,
+so which chunks are taken (and where their loads start) fixes when every copy ends; each
+taken chunk then gets the smallest lag and the fewest offload slots that its copies' ends
+allow. Taking a chunk whose copies queue ahead of others can so raise their lags: the plan
+redoes them and counts what that costs in memory. The greedy loop and the prune step are
+the chunk-level plan's (:class:`pipeswap.schedule.policies.PeakPolicy`).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from bisect import bisect_left
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from pipeswap.schedule.costs import ChunkBytes, CostModel
+from pipeswap.schedule.steps import COMPUTE, OVERLAPS, ChunkKey, Order, StepType
+from pipeswap.schedule.swap import SwapCandidate, SwapPlacement
+
+#: The most compute slots a placement gives one copy (see :class:`SwapPlacement`), at
+#: layer resolution and in the chunk-level plan alike.
+MAX_COPY_SLOTS = 3
+# Copies go on their stream in program order: by compute slot, and in a slot the launches
+# before its compute, the copies the compute starts itself, the launches after it.
+_BEFORE, _INSIDE, _AFTER = 0, 1, 2
+
+
+class Choice(NamedTuple):
+    """How a taken chunk is swapped: streamed (lag >= 1) or whole (lag 0), and its slots."""
+
+    lag: int
+    offload_slots: int
+    load_slots: int
+
+    @property
+    def placement(self) -> SwapPlacement:
+        return SwapPlacement(self.offload_slots, self.load_slots, self.lag)
+
+
+class _Copy(NamedTuple):
+    """One copy on a stream: issued in ``order`` (slot, phase, time, then the order of the
+    forwards or of the layers), from ``release`` on. A load's ``deadline`` is when compute
+    needs it; an offload's follows from the lag and slots chosen for it."""
+
+    order: tuple[int, int, float, int]
+    release: float
+    duration: float
+    owner: ChunkKey
+    layer: int
+    offload: bool
+    deadline: float = math.inf
+
+
+@dataclass(frozen=True)
+class _Chunk:
+    """A candidate chunk on the point timeline."""
+
+    key: ChunkKey
+    forward_slot: int
+    backward_slot: int
+    layers: tuple[ChunkBytes, ...]
+    forward_points: int  # the first of its forward's points, one per layer
+    backward_points: int  # the first of its B's (or I's) points, one per layer, last layer first
+    weight_point: int | None  # its W's point, when its backward is split
+    end: int  # one past its last point
+    total: int
+    pinned: int
+    after_input: int
+
+    @property
+    def gap(self) -> int:
+        return self.backward_slot - self.forward_slot
+
+
+class Points:
+    """One rank's compute slots back to back, each cut into points: a forward's at the end
+    of each layer, a backward's at the start of each layer (the last first), a W's one."""
+
+    def __init__(self, order: Order, costs: CostModel, rank: int) -> None:
+        self.starts: list[float] = []
+        self.ends: list[float] = []
+        self.first: list[int] = []  # slot -> its first point
+        self.slot_of: list[int] = []  # point -> its slot
+        self.times: list[float] = []  # point -> its time
+        self.forward: dict[ChunkKey, int] = {}  # key -> first point of its forward
+        self.backward: dict[ChunkKey, int] = {}  # key -> first point of its B or I
+        self.weight: dict[ChunkKey, int] = {}  # key -> its W's point
+        self.layers: dict[ChunkKey, tuple[ChunkBytes, ...]] = {}
+        now = 0.0
+        for step in order:
+            if step is None or not (step.type in COMPUTE or step.type in OVERLAPS):
+                continue
+            slot = len(self.starts)
+            self.starts.append(now)
+            self.first.append(len(self.times))
+            for leaf in step.compute_leaves:
+                duration = costs.compute_time(leaf.type, leaf.key[0], rank)
+                self._leaf(leaf.type, leaf.key, slot, now, duration, costs)
+                now += duration
+            self.ends.append(now)
+        self.first.append(len(self.times))
+
+    def _leaf(self, kind: StepType, key: ChunkKey, slot: int, start: float, duration: float,
+              costs: CostModel) -> None:
+        if kind is StepType.BWD_WEIGHT:
+            self.weight[key] = len(self.times)
+            self._add(slot, start)
+            return
+        layers = self.layers.get(key)
+        if layers is None:
+            layers = self.layers[key] = costs.layer_bytes(key)
+        part = duration / len(layers)
+        forward = kind is StepType.FWD
+        (self.forward if forward else self.backward)[key] = len(self.times)
+        for k in range(len(layers)):  # a forward's layer ends; a backward's layer starts
+            self._add(slot, start + part * (k + 1 if forward else k))
+
+    def _add(self, slot: int, time: float) -> None:
+        self.slot_of.append(slot)
+        self.times.append(time)
+
+    def chunk(self, c: SwapCandidate) -> _Chunk:
+        key = c.key
+        layers, backward = self.layers[key], self.backward[key]
+        weight = self.weight.get(key)  # a W comes after its I
+        last = backward + len(layers) - 1 if weight is None else weight
+        return _Chunk(key, c.forward_slot, c.backward_slot, layers, self.forward[key],
+                      backward, weight, last + 1, sum(x.total for x in layers),
+                      sum(x.pinned for x in layers), sum(x.held_after_input for x in layers))
+
+
+def profile(points: Points, c: _Chunk, choice: Choice | None) -> list[int]:
+    """What ``c`` holds at each of its points, from its forward's first to its last, when
+    swapped as ``choice`` says (None: not swapped), counted as the simulator counts."""
+    layers = c.layers
+    out = _forward_values(layers, choice)
+    start, stop = c.forward_points + len(layers), c.backward_points
+    if choice is None:
+        out += [c.total] * (stop - start)
+    else:  # held until WO (after slot f + offload slots), pinned until the load starts
+        first = points.first
+        held = min(max(first[c.forward_slot + choice.offload_slots + 1], start), stop)
+        loading = min(max(first[c.backward_slot - choice.load_slots], held), stop)
+        lag = choice.lag
+        tail = c.total if not lag else c.pinned + sum(x.movable for x in layers[-lag:])
+        loaded = c.total if not lag else c.pinned + layers[-1].movable
+        out += [tail] * (held - start) + [c.pinned] * (loading - held) + [loaded] * (
+            stop - loading)
+    out += _backward_values(c, choice)
+    if c.weight_point is not None:
+        out += [c.after_input] * (c.weight_point - (stop + len(layers)) + 1)
+    return out
+
+
+def _forward_values(layers: tuple[ChunkBytes, ...], choice: Choice | None) -> list[int]:
+    """At the end of each layer of the forward (a whole chunk counts at its end)."""
+    if choice is None or not choice.lag:
+        return [0] * (len(layers) - 1) + [sum(layer.total for layer in layers)]
+    held, out = 0, []
+    for k, layer in enumerate(layers):
+        held += layer.total
+        out.append(held)  # the peak, before the layer a lag back leaves
+        if k >= choice.lag:
+            held -= layers[k - choice.lag].movable
+    return out
+
+
+def _backward_values(c: _Chunk, choice: Choice | None) -> list[int]:
+    """At the start of each layer of the backward, the last layer first."""
+    layers = c.layers
+    keeps = c.weight_point is not None
+    if choice is None or not choice.lag:
+        return [c.total] * len(layers)
+    out = []
+    for k in reversed(range(len(layers))):
+        # B frees each layer as it goes; a split I keeps them all until it ends
+        held = sum((layer.total if keeps else 0) for layer in layers[k + 1:])
+        held += sum(layer.pinned for layer in layers[:k + 1]) + layers[k].movable
+        out.append(held + (layers[k - 1].movable if k >= 1 else 0))
+    return out
+
+
+class _Stream:
+    """One copy stream's queue on the rank's own timeline, first in first out, with the end
+    of every copy."""
+
+    def __init__(self) -> None:
+        self.copies: list[_Copy] = []
+        self.ends: list[float] = []
+        self.index: dict[ChunkKey, list[int]] = {}  # owner -> its copies' indices
+
+    def replay(self, owner: ChunkKey, new: Sequence[_Copy]
+               ) -> tuple[dict[int, float], list[float]]:
+        """The ends that change when ``owner``'s copies are replaced by ``new`` (sorted):
+        existing copies' by index, and the new copies'. Stops once the queue is back where
+        it was."""
+        copies, ends = self.copies, self.ends
+        old = self.index.get(owner, [])
+        starts = [*old, *(bisect_left(copies, c) for c in new[:1])]
+        if not starts:
+            return {}, []
+        index, last_old = min(starts), max(old, default=-1)
+        free = ends[index - 1] if index > 0 else 0.0
+        changed: dict[int, float] = {}
+        new_ends: list[float] = []
+        while index < len(copies) or len(new_ends) < len(new):
+            pending = new[len(new_ends)] if len(new_ends) < len(new) else None
+            if pending is not None and (index >= len(copies) or pending < copies[index]):
+                free = max(pending.release, free) + pending.duration
+                new_ends.append(free)
+                continue
+            copy = copies[index]
+            if copy.owner != owner:
+                end = max(copy.release, free) + copy.duration
+                if end != ends[index]:
+                    changed[index] = end
+                elif pending is None and index > last_old:
+                    break  # from here on the queue runs as it did
+                free = end
+            index += 1
+        return changed, new_ends
+
+    def replace(self, owner: ChunkKey, new: Sequence[_Copy]) -> None:
+        self.copies = sorted([*(c for c in self.copies if c.owner != owner), *new])
+        self.ends, self.index, free = [], {}, 0.0
+        for index, copy in enumerate(self.copies):
+            free = max(copy.release, free) + copy.duration
+            self.ends.append(free)
+            self.index.setdefault(copy.owner, []).append(index)
+
+    def offload_ends(self, owner: ChunkKey) -> dict[int, float]:
+        """When each of ``owner``'s offloads ends, by layer."""
+        return {self.copies[i].layer: self.ends[i] for i in self.index.get(owner, ())
+                if self.copies[i].offload}
+
+    def with_replaced(self, owner: ChunkKey, new: Sequence[_Copy]
+                      ) -> list[tuple[_Copy, float]]:
+        """Every copy and its end once ``owner``'s copies are ``new``."""
+        out, free = [], 0.0
+        for copy in sorted([*(c for c in self.copies if c.owner != owner), *new]):
+            free = max(copy.release, free) + copy.duration
+            out.append((copy, free))
+        return out
+
+
+class Way(NamedTuple):
+    """How a taken chunk is swapped: streamed or whole, its load slots and, where a budget
+    forces them at the cost of a stall, its lag and offload slots (None: the smallest that
+    hide)."""
+
+    streamed: bool
+    load: int
+    lag: int | None = None
+    offload: int | None = None
+
+
+Changes = dict[ChunkKey, "Choice | None"]
+
+
+class LayerPlan:
+    """The chunks a peak policy has taken on one rank at layer resolution, and what the rank
+    holds at each point with them (see the module docstring)."""
+
+    def __init__(self, costs: CostModel, rank: int, points: Points,
+                 candidates: Sequence[SwapCandidate], streamed_only: bool) -> None:
+        self.points = points
+        link = costs.rank_link(rank)
+        self.d2h, self.h2d, self.duplex = link.d2h_bandwidth, link.h2d_bandwidth, link.duplex
+        self.streamed_only = streamed_only
+        self.chunks = {c.key: points.chunk(c) for c in candidates if c.gap >= 2}
+        self.taken: dict[ChunkKey, Way] = {}
+        self.chosen: dict[ChunkKey, Choice] = {}
+        self.streams = ({"d2h": _Stream(), "h2d": _Stream()} if self.duplex
+                        else {"copy": _Stream()})
+        self.held = [0] * len(points.times)
+        self.current: dict[ChunkKey, list[int]] = {}  # each chunk's profile as swapped now
+        for c in candidates:
+            chunk = self.chunks.get(c.key) or points.chunk(c)
+            values = profile(points, chunk, None)
+            if c.key in self.chunks:
+                self.current[c.key] = values
+            for offset, value in enumerate(values):
+                self.held[chunk.forward_points + offset] += value
+        self.stall = 0.0
+        self.initial_peak = self.peak
+
+    @property
+    def peak(self) -> int:
+        return max(self.held, default=0)
+
+    def copy(self) -> LayerPlan:
+        """An independent copy (streams replace their lists on change, so they share)."""
+        other = copy.copy(self)
+        other.held, other.taken, other.chosen = list(self.held), dict(self.taken), dict(
+            self.chosen)
+        other.current = dict(self.current)
+        other.streams = {name: copy.copy(stream) for name, stream in self.streams.items()}
+        return other
+
+    def placements(self) -> dict[ChunkKey, SwapPlacement]:
+        return {key: choice.placement for key, choice in self.chosen.items()}
+
+    # -- copies ----------------------------------------------------------------------------
+
+    def _copies(self, c: _Chunk, way: Way | None) -> tuple[list[_Copy], list[_Copy]]:
+        """The offloads and loads of ``c`` swapped as ``way`` says."""
+        if way is None:
+            return [], []
+        streamed, load = way.streamed, way.load
+        points, layers, key = self.points, c.layers, c.key
+        f, b = c.forward_slot, c.backward_slot
+        at = points.starts[b - load]
+        launch = (b - load, _BEFORE, at, f)  # launches at one place go in forward order
+        if not streamed:
+            movable = sum(layer.movable for layer in layers)
+            done = points.ends[f]
+            return ([_Copy((f, _AFTER, done, f), done, movable / self.d2h, key, 0, True)],
+                    [_Copy(launch, at, movable / self.h2d, key, 0, False, points.starts[b])])
+        last = len(layers) - 1
+        offloads = []
+        for k, layer in enumerate(layers):
+            done = points.times[c.forward_points + k]
+            offloads.append(_Copy((f, _INSIDE, done, k), done, layer.movable / self.d2h, key,
+                                  k, True))
+        loads = [_Copy(launch, at, layers[last].movable / self.h2d, key, last, False,
+                       points.starts[b])]
+        for k in reversed(range(1, len(layers))):  # started with the part of layer k
+            point = c.backward_points + last - k
+            start = points.times[point]
+            loads.append(_Copy((b, _INSIDE, start, last - k), start,
+                               layers[k - 1].movable / self.h2d, key, k - 1, False,
+                               points.times[point + 1]))
+        return offloads, loads
+
+    def _on(self, name: str, offloads: list[_Copy], loads: list[_Copy]) -> list[_Copy]:
+        """The copies that go on stream ``name``, sorted."""
+        return sorted([*offloads, *loads] if name == "copy" else
+                      offloads if name == "d2h" else loads)
+
+    def _choice(self, c: _Chunk, way: Way, ends: Sequence[float], allow_stall: bool
+                ) -> Choice | None:
+        """The smallest lag and fewest offload slots that ``ends`` (of the chunk's offloads,
+        in layer order) allow, unless ``way`` forces them; with ``allow_stall``, the most
+        slots where none hide (None: none hide and no stall is allowed)."""
+        points = self.points
+        room = min(MAX_COPY_SLOTS, c.gap - way.load - 1)
+        off = way.offload
+        if off is None:
+            off = next((o for o in range(1, room + 1)
+                        if ends[-1] <= points.ends[c.forward_slot + o]), None)
+            if off is None:
+                if not allow_stall:
+                    return None
+                off = room
+        if not way.streamed:
+            return Choice(0, off, way.load)
+        count = len(c.layers)
+        lag = way.lag or next(d for d in range(1, count + 1)
+                              if all(ends[k] <= points.times[c.forward_points + k + d]
+                                     for k in range(count - d)))
+        return Choice(lag, off, way.load)
+
+    # -- options ---------------------------------------------------------------------------
+
+    def option(self, key: ChunkKey, way: Way | None, allow_stall: bool
+               ) -> tuple[Changes, float] | None:
+        """Every chunk whose choice changes when ``key`` is swapped as ``way`` says (None:
+        not swapped), and the stall all copies then leave (None: some copy would not hide
+        and no stall is allowed)."""
+        offloads, loads = self._copies(self.chunks[key], way)
+        strict = not allow_stall and not self.stall  # every copy hides, and must
+        moved: dict[ChunkKey, dict[int, float]] = {}  # offload ends that change, by owner
+        for name, stream in self.streams.items():
+            new = self._on(name, offloads, loads)
+            changed, ends = stream.replay(key, new)
+            for copy, end in [*((stream.copies[i], e) for i, e in changed.items()),
+                              *zip(new, ends)]:
+                if copy.offload:
+                    moved.setdefault(copy.owner, {})[copy.layer] = end
+                elif end > copy.deadline and strict:
+                    return None
+        changes: Changes = {}
+        if way is None:
+            changes[key] = None
+            moved.pop(key, None)
+        offload_stream = self.streams["d2h" if self.duplex else "copy"]
+        for owner, moved_ends in moved.items():
+            own = owner == key and way is not None
+            known = {} if own else offload_stream.offload_ends(owner)
+            known.update(moved_ends)
+            owner_way = way if own and way is not None else self.taken[owner]
+            choice = self._choice(self.chunks[owner], owner_way,
+                                  [known[k] for k in sorted(known)], not strict)
+            if choice is None:
+                return None
+            if own or choice != self.chosen.get(owner):
+                changes[owner] = choice
+        stall = 0.0 if strict else self._stall(key, offloads, loads, changes)
+        return changes, stall
+
+    def _stall(self, key: ChunkKey, offloads: list[_Copy], loads: list[_Copy],
+               changes: Changes) -> float:
+        """Compute time all copies hold up once ``key``'s copies are these and ``changes``
+        made: each copy's lateness past the compute that waits for it (a load's, an
+        offload's a lag of layers later, or its WO)."""
+        chosen = {**self.chosen, **changes}
+        offloaded: dict[ChunkKey, dict[int, float]] = {}
+        total = 0.0
+        for name, stream in self.streams.items():
+            for copy, end in stream.with_replaced(key, self._on(name, offloads, loads)):
+                if copy.offload:
+                    offloaded.setdefault(copy.owner, {})[copy.layer] = end
+                else:
+                    total += max(0.0, end - copy.deadline)
+        points = self.points
+        for owner, ends in offloaded.items():
+            choice, c = chosen.get(owner), self.chunks[owner]
+            if choice is None:
+                continue
+            wait = points.ends[c.forward_slot + choice.offload_slots]
+            for layer, end in ends.items():
+                inside = choice.lag and layer + choice.lag < len(c.layers)
+                deadline = (points.times[c.forward_points + layer + choice.lag] if inside
+                            else wait)
+                total += max(0.0, end - deadline)
+        return total
+
+    def deltas(self, changes: Changes) -> dict[int, int]:
+        """How the bytes held at each point change with ``changes``."""
+        out: dict[int, int] = {}
+        for key, choice in changes.items():
+            c = self.chunks[key]
+            new = profile(self.points, c, choice)
+            for offset, (before, after) in enumerate(zip(self.current[key], new)):
+                if before != after:
+                    point = c.forward_points + offset
+                    out[point] = out.get(point, 0) + after - before
+        return out
+
+    def apply(self, key: ChunkKey, way: Way | None, changes: Changes, stall: float) -> None:
+        for point, delta in self.deltas(changes).items():
+            self.held[point] += delta
+        offloads, loads = self._copies(self.chunks[key], way)
+        for name, stream in self.streams.items():
+            stream.replace(key, self._on(name, offloads, loads))
+        if way is None:
+            self.taken.pop(key, None)
+        else:
+            self.taken[key] = way
+        for owner, choice in changes.items():
+            if choice is None:
+                self.chosen.pop(owner, None)
+            else:
+                self.chosen[owner] = choice
+            self.current[owner] = profile(self.points, self.chunks[owner], choice)
+        self.stall = stall
+
+    # -- the greedy loop and the prune step ------------------------------------------------
+
+    def fill(self) -> None:
+        """Take every chunk, in forward order, the first way (streamed where it may be,
+        fewest load slots) whose copies hide behind those taken before."""
+        for key in sorted(self.chunks, key=lambda k: self.chunks[k].forward_points):
+            for way in self._ways(key, allow_stall=False, prefer_streamed=True):
+                found = self.option(key, way, allow_stall=False)
+                if found is not None:
+                    self.apply(key, way, *found)
+                    break
+
+    def take(self, ways: dict[ChunkKey, Way], allow_stall: bool) -> None:
+        """Take these chunks, in forward order, each as given (where its copies hide, unless
+        stalls are allowed)."""
+        for key in sorted(ways, key=lambda k: self.chunks[k].forward_points):
+            found = self.option(key, ways[key], allow_stall)
+            if found is not None:
+                self.apply(key, ways[key], *found)
+
+    def lower(self, budget: int | None, *, allow_stall: bool) -> None:
+        """Change one chunk at a time (take it, swap it another way, or drop it) while the
+        peak can be lowered: with copies hidden as far as it goes, then, with
+        ``allow_stall``, until it is within ``budget``."""
+        while self.held:
+            peak = self.peak
+            if allow_stall and budget is not None and peak <= budget:
+                return
+            first = self.held.index(peak)
+            best: tuple[tuple[float, int, int, int, int], ChunkKey, Way | None, Changes,
+                        float] | None = None
+            for key, ways in self._moves(first, allow_stall):
+                hidden: set[tuple[bool, int | None, int | None]] = set()
+                for way in ways:
+                    if way is not None and (way.streamed, way.lag, way.offload) in hidden:
+                        continue  # this way with fewer load slots lowers the peak already
+                    found = self._score(key, way, peak, first, allow_stall)
+                    if found is None:
+                        continue
+                    if way is not None and not allow_stall:
+                        hidden.add((way.streamed, way.lag, way.offload))
+                    if best is None or found[0] < best[0]:
+                        best = (found[0], key, way, found[1], found[2])
+            if best is None:
+                return
+            _, key, way, changes, stall = best
+            self.apply(key, way, changes, stall)
+
+    def _moves(self, first: int, allow_stall: bool) -> list[tuple[ChunkKey, list[Way | None]]]:
+        """What may lower the bytes held at point ``first``: a chunk held there swapped
+        another way, or any chunk taken before it dropped (its copies then stop delaying
+        those after it)."""
+        moves: list[tuple[ChunkKey, list[Way | None]]] = []
+        for key, c in self.chunks.items():
+            ways: list[Way | None] = []
+            if c.forward_points <= first < c.end:
+                ways += self._ways(key, allow_stall)
+            if key in self.taken and c.forward_points <= first:
+                ways.append(None)
+            if ways:
+                moves.append((key, ways))
+        return moves
+
+    def _ways(self, key: ChunkKey, allow_stall: bool, prefer_streamed: bool = False
+              ) -> list[Way | None]:
+        """Whole and streamed (as the granularity and the chunk's layers allow), each with
+        every number of load slots the gap leaves, but the way the chunk is swapped now;
+        with ``allow_stall`` also ways that stall compute for memory: no slot for a copy,
+        or a shorter lag than the copies allow."""
+        c = self.chunks[key]
+        kinds = (True,) if self.streamed_only else (False, True) if len(c.layers) > 1 else (
+            False,)
+        ways: list[Way] = []
+        for streamed in kinds[::-1] if prefer_streamed else kinds:
+            ways += [Way(streamed, load) for load in range(1, MAX_COPY_SLOTS + 1)
+                     if c.gap >= load + 2]
+            if allow_stall:
+                ways += [Way(streamed, 0)] if c.gap >= 2 else []
+                ways += [Way(streamed, 1, None, 0)] if c.gap >= 2 else []
+                ways += [Way(True, 1, lag) for lag in range(1, len(c.layers))
+                         if streamed and c.gap >= 3]
+        return [way for way in ways if way != self.taken.get(key)]
+
+    def _score(self, key: ChunkKey, way: Way | None, peak: int, first: int,
+               allow_stall: bool
+               ) -> tuple[tuple[float, int, int, int, int], Changes, float] | None:
+        """How well swapping ``key`` as ``way`` lowers the peak (smaller is better), or None
+        when it leaves the first point at the peak there, raises a point above it, or leaves
+        as many points at it."""
+        found = self.option(key, way, allow_stall)
+        if found is None:
+            return None
+        changes, stall = found
+        deltas = self.deltas(changes)
+        if deltas.get(first, 0) >= 0:
+            return None
+        lowered = raised = reduction = 0
+        for point, delta in deltas.items():
+            value = self.held[point]
+            if value + delta > peak:
+                return None
+            if value == peak and delta < 0:
+                lowered += 1
+                reduction -= delta
+            elif value < peak <= value + delta:
+                raised += 1
+        added = stall - self.stall
+        if raised >= lowered or (added > 0 and not allow_stall):
+            return None  # fewer points at the peak each time, so that the loop ends
+        streamed, load = (way.streamed, way.load) if way is not None else (False, 0)
+        return ((max(added, 0.0), raised - lowered, -reduction, int(streamed), load),
+                changes, stall)
+
+    def unstream(self) -> None:
+        """Swap whole, latest taken first, each streamed chunk that streams for nothing:
+        whose whole swap leaves the peak and the stall as they are."""
+        for key, way in reversed(list(self.taken.items())):
+            if not way.streamed:
+                continue
+            gap = self.chunks[key].gap
+            for whole in (Way(False, load) for load in range(1, MAX_COPY_SLOTS + 1)
+                          if gap >= load + 2):
+                found = self.option(key, whole, allow_stall=self.stall > 0)
+                if found is None or found[1] > self.stall:
+                    continue
+                peak = self.peak
+                if all(self.held[p] + d <= peak for p, d in self.deltas(found[0]).items()):
+                    self.apply(key, whole, *found)
+                    break
+
+    def without(self, key: ChunkKey) -> LayerPlan:
+        """A copy with ``key`` no longer swapped."""
+        other = self.copy()
+        found = other.option(key, None, allow_stall=self.stall > 0)
+        assert found is not None  # dropping a chunk only frees its streams
+        other.apply(key, None, *found)
+        return other
+
+    def prune(self) -> None:
+        """Drop, latest taken first, each chunk whose removal leaves the peak as it is."""
+        for key in reversed(list(self.taken)):
+            peak = self.peak
+            found = self.option(key, None, allow_stall=self.stall > 0)
+            assert found is not None  # dropping a chunk only frees its streams
+            changes, stall = found
+            if all(self.held[p] + d <= peak for p, d in self.deltas(changes).items()):
+                self.apply(key, None, changes, stall)
