@@ -135,9 +135,10 @@ def test_load_into_another_model_names_what_differs(pipeline: tuple[Runs, Path])
     error = _refusal(pipeline[0], "wider")
     assert "does not fit this model" in error and "shapes differ" in error
     assert "model.stage0.0.positions.weight saved [16, 32], here [16, 64]" in error
-    error = _refusal(pipeline[0], "deeper")  # 3 blocks a stage: the head moves up one
-    assert "rank 0: not in the checkpoint: model.stage0.3." in error
-    assert "rank 1: saved but not in this model: model.stage1.2.norm.bias" in error
+    # 3 blocks a stage instead of 2: two more sublayers, and the head moves up two
+    error = _refusal(pipeline[0], "deeper")
+    assert "rank 0: not in the checkpoint: model.stage0.5." in error
+    assert "rank 1: saved but not in this model: model.stage1.4.out.bias" in error
 
 
 def test_latest_checkpoint_finds_only_whole_ones(tmp_path: Path) -> None:

@@ -99,8 +99,9 @@ def build_gpt(config: GPTConfig, seed: int) -> torch.nn.Sequential:
     generator_state = torch.random.get_rng_state()
     torch.manual_seed(seed)
     try:
+        embed = Embed(config)  # first: each part draws its weights in the model's order
         blocks = [sublayer(config) for _ in range(config.layers) for sublayer in SUBLAYERS]
-        return torch.nn.Sequential(Embed(config), *blocks, Head(config))
+        return torch.nn.Sequential(embed, *blocks, Head(config))
     finally:
         torch.random.set_rng_state(generator_state)
 

@@ -461,7 +461,7 @@ def render(summary: dict[str, Any]) -> str:
     fsdp = summary["fsdp"]
     # column groups: a title over its column names (first the rank's own)
     groups: list[tuple[str, tuple[str, ...]]] = [
-        ("", ("rank", "swapped chunks")),
+        ("", ("rank", "swapped (streamed)")),
         ("peak activations (counted)", ("no swap", "with swap", "saving"))]
     if fsdp:
         groups.append(("+ gathered parameters (counted)", ("no swap", "with swap", "saving")))
@@ -476,7 +476,7 @@ def render(summary: dict[str, Any]) -> str:
         rank = str(entry["rank"])
         if summary["dp"] > 1:
             rank += f" (pp {entry['pp_rank']}, dp {entry['dp_rank']})"
-        row = [rank, str(entry["swapped_chunks"])]
+        row = [rank, f"{entry['swapped_chunks']} ({entry['streamed_chunks']})"]
         for key in ("peak_activation_bytes", *(("peak_memory_bytes",) if fsdp else ()),
                     "peak_allocated_bytes"):
             plain, swap = pair(key)

@@ -44,6 +44,7 @@ class LayerChain:
         self.position = 0  # the layer the forward is in
         self._last_ended = False
         self._launched: list[int] = []  # layers whose offload runs, not yet freed
+        self._freed: list[int] = []  # freed layers whose deferred storages wait for WO
         self._bytes: dict[int, GroupBytes] = {}  # per layer, when it left or the forward ended
         for name in self.names:
             manager.ensure_group(name)
@@ -111,11 +112,14 @@ class LayerChain:
         self.position = self.layers
 
     def wait_offload(self) -> None:
-        """Free every layer whose copy was started and not yet waited for."""
+        """Free every layer whose copy was started and not yet waited for, then what the
+        forward still referenced when its layer left (see :meth:`SwapManager.wait_offload`'s
+        ``defer_referenced``), which nothing should reference any more."""
         while self._launched:
-            index = self._launched.pop(0)
-            self._bytes.setdefault(index, self.manager.group_bytes(self.names[index]))
-            self.manager.wait_offload(self.names[index])
+            self._free(self._launched.pop(0))
+        for index in self._freed:
+            self.manager.release_deferred(self.names[index])
+        self._freed = []
 
     def launch_load(self) -> None:
         """Start loading the last layer, and arm the backward to load each layer ahead."""
@@ -148,8 +152,12 @@ class LayerChain:
         freed = index - self.lag
         if freed >= 0 and freed in self._launched:
             self._launched.remove(freed)
-            self._bytes.setdefault(freed, self.manager.group_bytes(self.names[freed]))
-            self.manager.wait_offload(self.names[freed])
+            self._free(freed)
+
+    def _free(self, index: int) -> None:
+        self._bytes.setdefault(index, self.manager.group_bytes(self.names[index]))
+        self.manager.wait_offload(self.names[index], defer_referenced=True)
+        self._freed.append(index)
 
 
 def layer_hooks(layers: Sequence[torch.nn.Module],

@@ -134,6 +134,7 @@ class _Group:
     event: Event | None = None  # the transfer in flight
     loading: list[_Storage] = field(default_factory=list)  # what the load in flight restores
     protected_keys: set[int] = field(default_factory=set)  # storages kept, saved now or later
+    deferred: list[_Storage] = field(default_factory=list)  # copied, still referenced
 
 
 class _Saved:
@@ -531,25 +532,51 @@ class SwapManager:
                 raise
             group.event, group.state = done, GroupState.OFFLOADING
 
-    def wait_offload(self, name: str) -> None:
+    def wait_offload(self, name: str, *, defer_referenced: bool = False) -> None:
         """Make compute wait for the offload, then release the group's device storage (what
-        is still unreferenced outside the saved activations: the check is made again here)."""
+        is still unreferenced outside the saved activations: the check is made again here).
+        With ``defer_referenced``, a storage still referenced keeps its host copy and waits,
+        without a warning, for :meth:`release_deferred` (a per-layer group freed while the
+        forward runs, whose tensors its caller may still hold: autocast's cast weights)."""
         group = self._group(name, "wait_offload")
         with self._lock:
             self._expect(group, "wait_offload", GroupState.OFFLOADING)
             assert group.event is not None
             group.event.wait()
             copied = [(e, s) for e, s in self._swappable(group) if e.host is not None]
-            moving = self._releasable(copied)
+            if defer_referenced:
+                group.deferred = [e for e, _ in copied if referenced_elsewhere(e.holders())]
+                moving = [(e, s) for e, s in copied if all(e is not d for d in group.deferred)]
+            else:
+                moving = self._releasable(copied)
+            kept = [*(entry for entry, _ in moving), *group.deferred]
             for entry in group.storages.values():  # protected, referenced, gone, not copied
-                if all(entry is not other for other, _ in moving):
+                if all(entry is not other for other in kept):
                     self._return_host(entry, group.event)
-            for entry, storage in moving:
-                storage.resize_(0)
-                entry.resident = False
-                self._uncount(entry)
-                self._offloaded += entry.nbytes
+            self._release(moving)
             group.event, group.state = None, GroupState.OFFLOADED
+
+    def release_deferred(self, name: str) -> None:
+        """Release what :meth:`wait_offload` deferred in an offloaded group, now that nothing
+        else references it; what is still referenced stays on the device (with a warning)."""
+        group = self._group(name, "release_deferred")
+        with self._lock:
+            self._expect(group, "release_deferred", GroupState.OFFLOADED)
+            waiting, group.deferred = group.deferred, []
+            alive = [(e, s) for e in waiting if (s := e.storage()) is not None]
+            moving = self._releasable(alive)
+            for entry in waiting:
+                if all(entry is not other for other, _ in moving):
+                    self._return_host(entry, None)  # its copy was waited for
+            self._release(moving)
+
+    def _release(self, moving: list[tuple[_Storage, Any]]) -> None:
+        """Free copied storages' device memory: their host copies are complete."""
+        for entry, storage in moving:
+            storage.resize_(0)
+            entry.resident = False
+            self._uncount(entry)
+            self._offloaded += entry.nbytes
 
     def launch_load(self, name: str) -> None:
         """Re-allocate the group's storages and start copying them back on the H2D stream."""
@@ -559,6 +586,9 @@ class SwapManager:
                 raise SwapError(f"launch_load({name!r}): group is offloading; call "
                                 "wait_offload first (load before the offload finished)")
             self._expect(group, "launch_load", GroupState.OFFLOADED)
+            for entry in group.deferred:  # never released: they stayed on the device
+                self._return_host(entry, None)
+            group.deferred = []
             moving = [(e, s) for e, s in self._swappable(group) if not e.resident]
             for entry, storage in moving:
                 storage.resize_(entry.nbytes)
