@@ -136,13 +136,11 @@ class LayerChain:
 
     def finish(self) -> None:
         """The backward is done: forget every layer's group."""
-        for name in self.names:
-            self.manager.end_group(name)
+        _each(self.manager.end_group, self.names)
 
     def abort(self) -> None:
         """Stop everything (a failed step): every group restored and forgotten."""
-        for name in self.names:
-            self.manager.abort_group(name)
+        _each(self.manager.abort_group, self.names)
 
     def _launch(self, index: int) -> None:
         self.manager.launch_offload(self.names[index], copy_referenced=True)
@@ -158,6 +156,18 @@ class LayerChain:
         self._bytes.setdefault(index, self.manager.group_bytes(self.names[index]))
         self.manager.wait_offload(self.names[index], defer_referenced=True)
         self._freed.append(index)
+
+
+def _each(call: Callable[[str], None], names: Sequence[str]) -> None:
+    """``call`` on every name, even after one fails; then the first failure raises."""
+    errors = []
+    for name in names:
+        try:
+            call(name)
+        except Exception as exc:  # noqa: BLE001 - the other groups still need it
+            errors.append(exc)
+    if errors:
+        raise errors[0]
 
 
 def layer_hooks(layers: Sequence[torch.nn.Module],

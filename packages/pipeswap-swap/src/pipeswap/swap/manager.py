@@ -135,6 +135,9 @@ class _Group:
     loading: list[_Storage] = field(default_factory=list)  # what the load in flight restores
     protected_keys: set[int] = field(default_factory=set)  # storages kept, saved now or later
     deferred: list[_Storage] = field(default_factory=list)  # copied, still referenced
+    # the destinations of the load in flight: they keep its storages allocated until the
+    # copy is waited for, even if autograd frees the saved tensors before (an unread layer)
+    targets: list[Any] = field(default_factory=list)
 
 
 class _Saved:
@@ -452,8 +455,9 @@ class SwapManager:
         with self._lock:
             if group.name not in self._ahead:  # another thread got here first
                 return
-            ahead = self._ahead.pop(group.name)
+            ahead = self._ahead[group.name]
             self._make_resident(group)
+            del self._ahead[group.name]
             following = self._groups.get(ahead) if ahead is not None else None
             if following is not None:
                 if following.state is GroupState.OFFLOADING:
@@ -563,7 +567,8 @@ class SwapManager:
         with self._lock:
             self._expect(group, "release_deferred", GroupState.OFFLOADED)
             waiting, group.deferred = group.deferred, []
-            alive = [(e, s) for e in waiting if (s := e.storage()) is not None]
+            alive = [(e, s) for e in waiting
+                     if not e.protected and (s := e.storage()) is not None]
             moving = self._releasable(alive)
             for entry in waiting:
                 if all(entry is not other for other, _ in moving):
@@ -595,10 +600,11 @@ class SwapManager:
             ready = self.platform.new_event()
             ready.record()
             ready.wait(self._h2d)
+            group.targets = [entry.bytes_tensor(storage) for entry, storage in moving]
             with self.platform.stream(self._h2d):
-                for entry, storage in moving:
+                for (entry, _), target in zip(moving, group.targets):
                     assert entry.host is not None
-                    self.platform.copy_(entry.bytes_tensor(storage), entry.host.view)
+                    self.platform.copy_(target, entry.host.view)
             done = self.platform.new_event()
             done.record(self._h2d)
             group.loading = [entry for entry, _ in moving]
@@ -620,7 +626,7 @@ class SwapManager:
                 self._reloaded += entry.nbytes
             for entry in group.storages.values():
                 self._return_host(entry, group.event)
-            group.loading = []
+            group.loading, group.targets = [], []
             group.event, group.state = None, GroupState.RESIDENT
 
     def finish_group(self, name: str) -> None:
@@ -637,21 +643,29 @@ class SwapManager:
             group = self._groups.get(name)
             if group is None:
                 return
-            if group.event is not None:
-                group.event.synchronize()
-            for entry in group.loading:  # a load in flight is complete now
-                entry.resident = True
-                self._reloaded += entry.nbytes
-            for entry in group.storages.values():
-                if not entry.resident:
-                    self._restore_now(group, entry)
-                self._return_host(entry, None)
-            self._drop(group, GroupState.ABORTED)
+            try:
+                if group.event is not None:
+                    group.event.synchronize()
+                for entry in group.loading:  # a load in flight is complete now
+                    entry.resident = True
+                    self._reloaded += entry.nbytes
+                for entry in group.storages.values():
+                    if not entry.resident:
+                        self._restore_now(group, entry)
+                    self._return_host(entry, None)
+            finally:  # a failed copy raised above: still forget the group and its buffers
+                for entry in group.storages.values():
+                    self._return_host(entry, None)
+                group.targets = []
+                self._drop(group, GroupState.ABORTED)
 
     def end_group(self, name: str) -> None:
         """Forget a group after its backward, whatever its state: a per-layer group whose
-        tensors backward never read may still be offloaded (its storages are dead)."""
+        tensors backward never read may still be offloaded; what of it is still alive comes
+        back first (another backward may yet read it)."""
         group = self._group(name, "end_group")
+        if group.state is GroupState.LOADING:
+            self.wait_load(name)
         if group.state in (GroupState.RESIDENT, GroupState.COLLECTING):
             self.finish_group(name)
         else:

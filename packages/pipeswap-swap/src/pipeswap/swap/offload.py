@@ -44,6 +44,9 @@ class LayerOffload:
     def __init__(self, layers: Sequence[torch.nn.Module], *, lag: int = 1,
                  manager: SwapManager | None = None, platform: Platform | None = None,
                  protect: Sequence[torch.nn.Module] | None = None) -> None:
+        if isinstance(lag, bool) or not isinstance(lag, int) or lag < 1:
+            raise SwapError(f"lag is the whole number of layers a copy hides behind (>= 1), "
+                            f"got {lag!r}")
         if len(layers) < 2:
             raise SwapError(f"streaming offload needs at least 2 layers, got {len(layers)}: "
                             "with one, nothing can leave the device before its backward")
