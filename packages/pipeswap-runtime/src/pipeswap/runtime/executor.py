@@ -78,6 +78,7 @@ if TYPE_CHECKING:
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import DeviceMesh
+    from pipeswap.schedule.costs import StageCosts
 
 LossFn = Callable[["torch.Tensor", "torch.Tensor"], "torch.Tensor"]
 _T = TypeVar("_T")
@@ -942,15 +943,22 @@ def default_swap_policy(layer_counts: Mapping[int, int], granularity: str = "aut
     """The executor's default: the peak policy on uniform layers (each as long as the next,
     a backward twice a forward), ``layer_counts`` per stage, choosing each chunk's
     granularity as ``granularity`` says (``"auto"``, ``"chunk"`` or ``"layer"``)."""
-    from pipeswap.schedule.costs import CostModel, StageCosts
+    from pipeswap.schedule.costs import CostModel
     from pipeswap.schedule.policies import GRANULARITIES, PeakPolicy
 
     if granularity not in GRANULARITIES:
         raise ScheduleError(f"the swap granularity must be one of "
                             f"{', '.join(GRANULARITIES)}, got {granularity!r}")
-    stages = {index: StageCosts(float(count), 2.0 * count, layers=count)
-              for index, count in layer_counts.items()}
-    return PeakPolicy(CostModel(stages=stages), granularity=granularity)
+    return PeakPolicy(CostModel(stages=uniform_layers(layer_counts)), granularity=granularity)
+
+
+def uniform_layers(layer_counts: Mapping[int, int]) -> dict[int, StageCosts]:
+    """Each stage's costs when only its layer count is known: layers alike, a backward
+    twice a forward."""
+    from pipeswap.schedule.costs import StageCosts
+
+    return {index: StageCosts(float(count), 2.0 * count, layers=count)
+            for index, count in layer_counts.items()}
 
 
 def _remove_all(removers: list[Callable[[], None]]) -> None:

@@ -794,7 +794,8 @@ def _budget_policy(config: TrainConfig, mine: dict[tuple[int, int], tuple[int, i
     import torch
     import torch.distributed as dist
 
-    from pipeswap.schedule.costs import ChunkBytes, CostModel, StageCosts
+    from pipeswap.runtime.executor import uniform_layers
+    from pipeswap.schedule.costs import ChunkBytes, CostModel
     from pipeswap.schedule.policies import PeakPolicy
 
     assert config.budget is not None
@@ -805,10 +806,8 @@ def _budget_policy(config: TrainConfig, mine: dict[tuple[int, int], tuple[int, i
     chunks = {(stage, micro): ChunkBytes(int(held), pinned=int(held - movable))
               for stage in range(config.num_stages) for micro in range(config.microbatches)
               for held, movable in [sizes[stage, micro].tolist()] if held >= 0}
-    stages = {index: StageCosts(float(count), 2.0 * count, layers=count)
-              for index, count in layer_counts.items()}
-    return PeakPolicy(CostModel(chunks=chunks, stages=stages), config.budget,
-                      granularity=config.swap_granularity)
+    return PeakPolicy(CostModel(chunks=chunks, stages=uniform_layers(layer_counts)),
+                      config.budget, granularity=config.swap_granularity)
 
 
 def _check_checkpoints(parser: argparse.ArgumentParser, config: TrainConfig) -> None:
