@@ -240,6 +240,40 @@ def test_the_simulator_predicts_the_measured_peaks(case: str) -> None:
     assert all(row[1] == row[2] and row[3] == row[4] for row in table), table
 
 
+REPLAYED = ["gpipe P2 M4", "interleaved P2 V2 M4 overlap dxdw streamed", "zbv P2 M4 streamed",
+            "dualpipev P2 M4", "1f1b P4 M8"]
+
+
+@pytest.mark.parametrize(
+    "case", [pytest.param(name, marks=[pytest.mark.slow] if name in SLOW else [])
+             for name in REPLAYED])
+def test_a_rank_replayed_alone_counts_the_full_runs_peak(case: str) -> None:
+    """Each rank replayed in this process alone (pipeswap-train --replay-rank: receives made
+    here, sends dropped, its stages built on the meta device and given fresh weights) holds
+    exactly what it held in the full multi-process run: the same chunks swapped and streamed,
+    each chunk's and layer's bytes, and the peak of saved activations, to the byte."""
+    config = CASES[case]
+    per_rank = _trained(case)
+    for rank, full in enumerate(per_rank):
+        alone = run_rank(rank, 1, dataclasses.replace(config, replay_rank=rank,
+                                                      keep_grads=False))
+        for mode in ("no-swap", "swap"):
+            ran, replayed = full[mode], alone[mode]
+            assert replayed.swapped_chunks == ran.swapped_chunks, (rank, mode)
+            assert replayed.streamed_chunks == ran.streamed_chunks, (rank, mode)
+            assert replayed.chunk_bytes == ran.chunk_bytes, (rank, mode)
+            assert replayed.layer_bytes == ran.layer_bytes, (rank, mode)
+            assert replayed.chunk_bytes_after_input == ran.chunk_bytes_after_input, (rank, mode)
+            assert replayed.peak_activation_bytes == ran.peak_activation_bytes, (rank, mode)
+            assert replayed.parameter_bytes == ran.parameter_bytes, (rank, mode)
+            assert replayed.groups_alive_after_step == [0] * config.steps
+            assert replayed.host_bytes_in_use_after_step == [0] * config.steps
+        # The made-up inputs are the same in both modes: swap changes no loss bit there either.
+        assert alone["swap"].losses == alone["no-swap"].losses
+        assert bool(alone["swap"].losses[0]) == bool(full["swap"].losses[0])
+    assert any(result["swap"].swapped_chunks for result in per_rank)
+
+
 @pytest.mark.parametrize("how", ["raise", "die"])
 def test_a_failing_rank_makes_the_others_fail_promptly(how: str) -> None:
     from pipeswap_e2e_workers import fail_mid_step

@@ -153,3 +153,32 @@ def test_the_defaults_stream_and_halve_rank_zeros_peak() -> None:
             assert entry["peak_activation_bytes_swap"] < entry["peak_activation_bytes_no_swap"]
         else:
             assert entry["peak_activation_bytes_swap"] == entry["peak_activation_bytes_no_swap"]
+
+
+def test_a_replayed_rank_reports_itself_alone(tmp_path: Path) -> None:
+    """--replay-rank: one process, one per_rank entry naming the replayed rank, its peaks and
+    step times in both modes, made-up inputs giving the same losses with and without swap,
+    a metrics line per step and mode, progress lines, and no warning."""
+    metrics = tmp_path / "metrics.jsonl"
+    done = subprocess.run(
+        [sys.executable, "-m", "pipeswap.runtime.train", "--replay-rank", "1", "--ranks", "2",
+         *SMALL, "--model", "llama", "--dtype", "bf16", "--metrics", str(metrics), "--json"],
+        capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert "Warning" not in done.stderr + done.stdout
+    summary = json.loads(done.stdout.strip().splitlines()[-1])
+    assert summary["replay_rank"] == 1 and summary["losses_match"] is True
+    (entry,) = summary["per_rank"]
+    assert entry["rank"] == 1 and entry["swapped_chunks"] > 0
+    assert 0 < entry["peak_activation_bytes_swap"] < entry["peak_activation_bytes_no_swap"]
+    assert 0 < entry["peak_allocated_bytes_swap"] < entry["peak_allocated_bytes_no_swap"]
+    assert entry["step_time_s_swap"] > 0 and entry["step_time_s_no_swap"] > 0
+    lines = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [(line["step"], line["mode"]) for line in lines] == [
+        (1, "no-swap"), (2, "no-swap"), (1, "swap"), (2, "swap")]
+    assert all(line["per_rank"][0]["rank"] == 1 and line["loss"] > 0 for line in lines)
+    # Rank 0 of the same pipeline computes no loss: nothing to compare, and the table says so.
+    table = _run([sys.executable, "-m", "pipeswap.runtime.train", "--replay-rank", "0",
+                  "--ranks", "2", *SMALL, "--steps", "1"])
+    assert "[rank 0] [   swap] step 1/1" in table and "rank 0 of 2 replayed alone" in table
+    assert "losses with and without swap" not in table

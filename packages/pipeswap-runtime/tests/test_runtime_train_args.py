@@ -38,6 +38,13 @@ BAD = [
     (["--lr", "nan"], ["--lr", "finite number above 0", "got nan"]),
     (["--lr", "inf"], ["--lr", "finite number above 0", "got inf"]),
     (["--seed", "-1"], ["--seed must be at least 0, got -1"]),
+    (["--heads", "0"], ["--heads must be at least 1, got 0"]),
+    (["--heads", "5"], ["--width 64", "5 attention heads", "multiple of 5"]),
+    (["--replay-rank", "4"], ["--replay-rank 4", "ranks 0 to 3"]),
+    (["--replay-rank", "-1"], ["--replay-rank -1", "ranks 0 to 3"]),
+    (["--replay-rank", "0", "--dp", "2", "--fsdp"], ["--replay-rank", "drop --dp and --fsdp"]),
+    (["--replay-rank", "0", "--budget", "1MiB"], ["--replay-rank without --budget"]),
+    (["--replay-rank", "0", "--checkpoint-dir", "x"], ["no --checkpoint-dir or --resume"]),
     (["--seed", str(2**64)], ["--seed must be at most 18446744073709551615", "64-bit"]),
     (["--batch-size", "0"], ["--batch-size must be at least 1, got 0"]),
     (["--batch-size", "10"], ["--batch-size 10 does not split into 8 microbatches"]),
@@ -147,6 +154,7 @@ def test_the_defaults_parse_to_the_default_config(no_ranks: None) -> None:
     ["--schedule", "zbv", "-P", "2", "-V", "2", "-M", "2", "--batch-size", "4"],
     ["--no-swap", "--json", "--lr", "1e-4", "--timeout", "1", "--seed", str(2**64 - 1)],
     ["-P", "64", "-M", "16", "--width", "4", "--seq-len", str(CORPUS - 2), "--steps", "1"],
+    ["--replay-rank", "3", "--model", "llama", "--width", "128", "--heads", "8"],
 ])
 def test_the_documented_and_boundary_values_parse(argv: list[str], no_ranks: None) -> None:
     config, _ = parse_args(argv)

@@ -213,13 +213,15 @@ class Transport:
     """Sends and receives of one executor over one process group."""
 
     def __init__(self, group: dist.ProcessGroup | None, stage_ranks: tuple[int, ...],
-                 microbatches: int, device: torch.device, board: FailureBoard | None = None
-                 ) -> None:
-        import torch.distributed as dist
-
+                 microbatches: int, device: torch.device, board: FailureBoard | None = None,
+                 global_rank: int | None = None) -> None:
         self.board = board
         self.group = group
-        self.global_rank = dist.get_rank()  # what messages name: unique across replicas
+        if global_rank is None:
+            import torch.distributed as dist
+
+            global_rank = dist.get_rank()
+        self.global_rank = global_rank  # what messages name: unique across replicas
         self.stage_ranks = stage_ranks
         self.microbatches = microbatches
         self.device = device

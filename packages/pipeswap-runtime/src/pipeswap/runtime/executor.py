@@ -35,7 +35,6 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from pipeswap.platform import AllocationPeak, Platform, get_platform
 from pipeswap.runtime.backward import ChunkAutograd, forward_chunk
 from pipeswap.runtime.comm import (
-    MAX_BOUNDARY_TENSORS,
     BoundaryMeta,
     FailureBoard,
     Transfer,
@@ -53,8 +52,9 @@ from pipeswap.runtime.errors import (
 )
 from pipeswap.runtime.fsdp import ShardedStage, fsdp_modules
 from pipeswap.runtime.microbatch import split_tree
+from pipeswap.runtime.replay import Replay
 from pipeswap.runtime.session import SwapSession
-from pipeswap.runtime.stage import PipelineStage
+from pipeswap.runtime.stage import PipelineStage, output_meta
 from pipeswap.schedule import (
     ChunkKey,
     Schedule,
@@ -179,6 +179,11 @@ class PipelineExecutor:
     ``autocast_dtype`` (e.g. ``torch.bfloat16``): run every forward and its loss under
     ``torch.autocast`` to that dtype, the parameters staying in theirs (fp32 master
     weights); tensors between stages then cross in the dtype the stages output.
+
+    ``replay``: run one rank of the pipeline alone, in this process, without
+    torch.distributed (:mod:`pipeswap.runtime.replay`): ``stages`` are that rank's, what it
+    would receive is made here and what it would send is dropped; everything else runs as
+    in the full pipeline. Not with data parallel or FSDP.
     """
 
     def __init__(
@@ -199,19 +204,25 @@ class PipelineExecutor:
         dp_group: dist.ProcessGroup | None = None,
         autocast_dtype: torch.dtype | None = None,
         swap_granularity: str = "auto",
+        replay: Replay | None = None,
     ) -> None:
         import torch.distributed as dist
 
         if not stages:
             raise PipelineSetupError("no stages: give this rank's PipelineStage objects")
-        if not dist.is_initialized():
+        self.replay = replay
+        if replay is not None:
+            if mesh is not None or dp_group is not None:
+                raise PipelineSetupError("a replay runs one pipeline rank alone: no mesh or "
+                                         "dp_group (replay one replica's rank without FSDP)")
+        elif not dist.is_initialized():
             raise PipelineSetupError(
                 "torch.distributed is not initialized: launch with torchrun, or use "
                 "pipeswap.runtime.launch.spawn, or call init_process_group first")
         self.stages = sorted(stages, key=lambda s: s.stage_index)
         self.group: dist.ProcessGroup | None = self.stages[0].group
-        self.rank = dist.get_rank(self.group)
-        self.world = dist.get_world_size(self.group)
+        self.rank = replay.rank if replay else dist.get_rank(self.group)
+        self.world = replay.ranks if replay else dist.get_world_size(self.group)
         self.num_stages = self.stages[0].num_stages
         self.microbatches = microbatches
         self.loss_fn = loss_fn
@@ -222,7 +233,7 @@ class PipelineExecutor:
         self.autocast_dtype = autocast_dtype
         self.dp_group = self._data_parallel_group(mesh, dp_group)
         self.dp_size = 1 if self.dp_group is None else dist.get_world_size(self.dp_group)
-        self._spans_world = self.world == dist.get_world_size()
+        self._spans_world = replay is not None or self.world == dist.get_world_size()
         self._sharded: dict[int, ShardedStage] = {}
         built: Schedule | None = None
         problem: PipelineSetupError | None = None
@@ -248,7 +259,7 @@ class PipelineExecutor:
         self.manager = manager or SwapManager(self.platform)
         for stage in self.stages:
             self.manager.protect_module(stage.module)
-        self.transport = self._new_transport()
+        self.transport: Transport = self._new_transport()
         self._failed: str | None = None  # why the last step failed, until recover()
         self._input_meta: BoundaryMeta | None = None
         self._shapes_known = False
@@ -283,6 +294,13 @@ class PipelineExecutor:
         import torch.distributed as dist
 
         mine = {stage.stage_index: len(stage.layers) for stage in self.stages}
+        if self.replay is not None:
+            given = {index: self.replay.layer_counts.get(index) for index in mine}
+            if given != mine:
+                raise PipelineSetupError(
+                    f"Replay.layer_counts gives this rank's stages {given} layers, but they "
+                    f"have {mine}: count every stage's layers as its PipelineStage does")
+            return dict(self.replay.layer_counts)
         everyone: list[dict[int, int] | None] = [None] * self.world
         dist.all_gather_object(everyone, mine, group=self.group)
         return {index: count for counts in everyone if counts for index, count in counts.items()}
@@ -338,6 +356,10 @@ class PipelineExecutor:
         sharded = {stage.stage_index: ShardedStage(stage.stage_index, stage.module,
                                                    self.dp_group)
                    for stage in self.stages if fsdp_modules(stage.module)}
+        if sharded and self.replay is not None:
+            raise PipelineSetupError(
+                f"stages {sorted(sharded)} are sharded with fully_shard, whose collectives "
+                "need the other ranks: replay a rank of unsharded stages")
         if self.dp_size > 1 and not sharded:
             raise PipelineSetupError(
                 f"{self.dp_size} data-parallel replicas but no stage is sharded with "
@@ -355,6 +377,11 @@ class PipelineExecutor:
         break it (see :meth:`recover`) without touching the caller's process group."""
         import torch.distributed as dist
 
+        if self.replay is not None:
+            from pipeswap.runtime.replay import ReplayTransport
+
+            return ReplayTransport(self.replay, self.schedule.stage_ranks, self.microbatches,
+                                   self.platform.device)
         ranks = [r if self.group is None else dist.get_global_rank(self.group, r)
                  for r in range(self.world)]
         # A pipeline that spans the world: every rank creates the group, and torch names it
@@ -388,6 +415,9 @@ class PipelineExecutor:
                 "and restart it (from a checkpoint)")
         for sharded in self._sharded.values():
             sharded.reset()
+        if self.replay is not None:  # no connection to replace
+            self._failed = None
+            return
         old = self.transport.group
         self.transport = self._new_transport()
         self._failed = None
@@ -402,7 +432,8 @@ class PipelineExecutor:
             raise PipelineSetupError(
                 f"check_transport={transport!r}: use 'ordered' (NCCL's model, the default) or "
                 "'tagged' (gloo's)")
-        if transport == "tagged" and dist.get_backend(self.group) != "gloo":
+        if transport == "tagged" and self.replay is None and (
+                dist.get_backend(self.group) != "gloo"):
             raise PipelineSetupError(
                 f"check_transport='tagged' matches gloo's tagged messages, but this group "
                 f"runs {dist.get_backend(self.group)}, which pairs sends and receives in "
@@ -478,7 +509,11 @@ class PipelineExecutor:
         """One collective before any step (two with data parallel: over the pipeline, then
         over the data-parallel group): every rank has a schedule its stages fit, and all run
         the same one. Any problem raises on every rank of every replica, so none waits
-        forever."""
+        forever. A replayed rank has nobody to agree with."""
+        if self.replay is not None:
+            if problem is not None:
+                raise problem
+            return
         fingerprint = 0
         if schedule is not None:
             text = f"{dumps_lines(schedule)}|{schedule.stage_ranks}|{self.microbatches}"
@@ -512,13 +547,8 @@ class PipelineExecutor:
 
     def _exchange_shapes(self, example: Any) -> None:
         """Run each stage once on zeros, in stage order, passing what its output holds (the
-        structure, shapes, dtypes, and which tensors carry a gradient) down the chain.
-
-        The dry run records autograd (to see which outputs need a gradient) but runs no
-        backward, and buffers are restored afterwards, so it leaves no trace in the model.
-        """
-        import torch
-
+        structure, shapes, dtypes, and which tensors carry a gradient) down the chain (see
+        :func:`pipeswap.runtime.stage.output_meta`)."""
         ranks = self.schedule.stage_ranks
         for index in range(self.num_stages):
             if ranks[index] != self.rank:
@@ -534,39 +564,18 @@ class PipelineExecutor:
             stage = self._by_index[index]
             if stage.is_last:
                 break
-            saved = {name: b.clone() for name, b in stage.module.named_buffers()}
-            device = self.platform.device
             sharded = self._sharded.get(index)
-            with torch.enable_grad(), torch.random.fork_rng(
-                    devices=[] if device.type == "cpu" else [device.index or 0],
-                    device_type=device.type if device.type != "cpu" else "cuda"):
-                if sharded is not None:  # gathered for the dry run alone, and freed again
-                    sharded.unshard()
-                    sharded.ready("the exchange of stage boundary shapes")
-                leaves = [torch.zeros(leaf.shape, dtype=leaf.dtype, device=device
-                                      ).requires_grad_(grad)
-                          for leaf, grad in zip(meta.leaves, meta.grads)]
-                with self._autocast():
-                    out = stage.forward(meta.unflatten(leaves))
+            if sharded is not None:  # gathered for the dry run alone, and freed again
+                sharded.unshard()
+                sharded.ready("the exchange of stage boundary shapes")
+            try:
+                boundary = output_meta(stage, meta, self.platform.device, self._autocast)
+            finally:
                 if sharded is not None:
                     sharded.reshard()
-                for name, b in stage.module.named_buffers():
-                    b.copy_(saved[name])
-            boundary, _ = BoundaryMeta.of(out, f"stage {index}'s output")
-            del out, leaves  # the dry run's graph
-            if not any(boundary.grads):
-                raise PipelineSetupError(
-                    f"stage {index}'s output ({', '.join(str(leaf.dtype) for leaf in boundary.leaves)}) "
-                    "has no tensor computed with grad, so no gradient would reach the stages "
-                    "before it: return at least one floating tensor that depends on the stage's "
-                    "parameters or input")
-            if len(boundary.leaves) > MAX_BOUNDARY_TENSORS:
-                raise PipelineSetupError(
-                    f"stage {index} outputs {len(boundary.leaves)} tensors; at most "
-                    f"{MAX_BOUNDARY_TENSORS} cross a stage boundary: pack some together")
             self.transport.boundary[index] = boundary
             if ranks[index + 1] != self.rank:
-                self.transport.send_meta(index, self.transport.boundary[index])
+                self.transport.send_meta(index, boundary)
 
     # -- one step --------------------------------------------------------------------------
 
@@ -652,7 +661,9 @@ class PipelineExecutor:
     def _all_gather(self, value: int, what: str, group: dist.ProcessGroup | None
                     ) -> list[int]:
         """A collective of the step; a peer that failed makes it raise at once, naming that
-        peer."""
+        peer. A replayed rank's is its own value."""
+        if self.replay is not None:
+            return [value]
         try:
             return all_gather_ints(value, group)
         except RuntimeError as exc:
@@ -677,6 +688,9 @@ class PipelineExecutor:
 
         where = f"{at if at is not None else 'the end'} of step {self._runs}"
         first_line = (str(exc).strip().splitlines() or [""])[0][:300]
+        if self.replay is not None:  # no peers to tell
+            self._failed = f"replayed rank {self.rank} failed at {where}: {first_line}"
+            return
         who = f"rank {dist.get_rank()}"
         if self.dp_size > 1:
             who += f" (pipeline rank {self.rank}, data-parallel rank {dist.get_rank(self.dp_group)})"

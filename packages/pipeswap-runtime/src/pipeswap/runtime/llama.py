@@ -86,6 +86,9 @@ class RMSNorm(torch.nn.Module):
         self.eps = eps
         self.weight = torch.nn.Parameter(torch.ones(dim))
 
+    def reset_parameters(self) -> None:
+        torch.nn.init.ones_(self.weight)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         wide = x.float()
         normed = wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -102,12 +105,23 @@ class Rotary(torch.nn.Module):
 
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
-        exponents = torch.arange(0, config.head_dim, 2, dtype=torch.float64) / config.head_dim
-        angles = torch.outer(torch.arange(config.seq_len, dtype=torch.float64),
-                             config.rope_theta ** -exponents)
+        self.head_dim, self.theta = config.head_dim, config.rope_theta
+        for name in ("cos", "sin"):
+            self.register_buffer(name, torch.empty(config.seq_len, config.head_dim),
+                                 persistent=False)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """The angles, computed in float64 where the buffers live (also for a stage built on
+        the meta device and given memory later)."""
+        device = self.cos.device
+        exponents = torch.arange(0, self.head_dim, 2, dtype=torch.float64,
+                                 device=device) / self.head_dim
+        angles = torch.outer(torch.arange(self.cos.shape[0], dtype=torch.float64, device=device),
+                             self.theta ** -exponents)
         angles = torch.cat((angles, angles), dim=-1)
-        self.register_buffer("cos", angles.cos().float(), persistent=False)
-        self.register_buffer("sin", angles.sin().float(), persistent=False)
+        self.cos.copy_(angles.cos().float())
+        self.sin.copy_(angles.sin().float())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Rotates ``x`` of shape (batch, length, heads, head_dim), in float32."""

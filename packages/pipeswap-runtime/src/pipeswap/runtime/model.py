@@ -47,8 +47,14 @@ class Attention(torch.nn.Module):
         self.norm = torch.nn.LayerNorm(config.width)
         self.qkv = torch.nn.Linear(config.width, 3 * config.width)
         self.proj = torch.nn.Linear(config.width, config.width)
-        mask = torch.ones(config.seq_len, config.seq_len, dtype=torch.bool).triu(1)
-        self.register_buffer("mask", mask, persistent=False)
+        self.register_buffer("mask", torch.empty(config.seq_len, config.seq_len,
+                                                 dtype=torch.bool), persistent=False)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """The causal mask, computed where it lives (also for a stage built on the meta
+        device and given memory later)."""
+        self.mask.copy_(torch.ones_like(self.mask).triu(1))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch, length, width = x.shape

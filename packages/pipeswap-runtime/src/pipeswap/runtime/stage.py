@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any
 
 from pipeswap.runtime.errors import PipelineSetupError
@@ -10,6 +11,8 @@ from pipeswap.runtime.errors import PipelineSetupError
 if TYPE_CHECKING:
     import torch
     import torch.distributed as dist
+
+    from pipeswap.runtime.comm import BoundaryMeta
 
 
 class PipelineStage:
@@ -80,3 +83,42 @@ class PipelineStage:
 
     def __repr__(self) -> str:
         return f"PipelineStage({self.stage_index}/{self.num_stages})"
+
+
+def output_meta(stage: PipelineStage, meta: BoundaryMeta, device: torch.device,
+                autocast: Callable[[], AbstractContextManager[object]]) -> BoundaryMeta:
+    """What ``stage`` outputs for an input described by ``meta``: its structure, shapes,
+    dtypes, and which tensors carry a gradient back, from one dry run on zeros.
+
+    The dry run records autograd (to see which outputs need a gradient) but runs no
+    backward, and buffers and the random state are restored afterwards, so it leaves no trace
+    in the model. A stage sharded with FSDP must be gathered around the call.
+    """
+    import torch
+
+    from pipeswap.runtime.comm import MAX_BOUNDARY_TENSORS, BoundaryMeta
+
+    index = stage.stage_index
+    saved = {name: b.clone() for name, b in stage.module.named_buffers()}
+    with torch.enable_grad(), torch.random.fork_rng(
+            devices=[] if device.type == "cpu" else [device.index or 0],
+            device_type=device.type if device.type != "cpu" else "cuda"):
+        leaves = [torch.zeros(leaf.shape, dtype=leaf.dtype, device=device).requires_grad_(grad)
+                  for leaf, grad in zip(meta.leaves, meta.grads)]
+        with autocast():
+            out = stage.forward(meta.unflatten(leaves))
+        for name, b in stage.module.named_buffers():
+            b.copy_(saved[name])
+    boundary, _ = BoundaryMeta.of(out, f"stage {index}'s output")
+    del out, leaves  # the dry run's graph
+    if not any(boundary.grads):
+        raise PipelineSetupError(
+            f"stage {index}'s output ({', '.join(str(leaf.dtype) for leaf in boundary.leaves)}) "
+            "has no tensor computed with grad, so no gradient would reach the stages "
+            "before it: return at least one floating tensor that depends on the stage's "
+            "parameters or input")
+    if len(boundary.leaves) > MAX_BOUNDARY_TENSORS:
+        raise PipelineSetupError(
+            f"stage {index} outputs {len(boundary.leaves)} tensors; at most "
+            f"{MAX_BOUNDARY_TENSORS} cross a stage boundary: pack some together")
+    return boundary

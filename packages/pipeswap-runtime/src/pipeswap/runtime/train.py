@@ -59,6 +59,7 @@ class TrainConfig:
     seq_len: int = 64
     width: int = 64
     layers: int | None = None  # default: two blocks per stage
+    heads: int = 4  # attention heads (llama: half as many key/value heads)
     lr: float = 3e-3
     seed: int = 0
     device: str = "cpu"
@@ -85,6 +86,8 @@ class TrainConfig:
     checkpoint_every: int | None = None
     resume: str | None = None
     metrics: str | None = None  # a file rank 0 appends one JSON line to per step and mode
+    # run this pipeline rank alone, in this process: receives made here, sends dropped
+    replay_rank: int | None = None
 
     @property
     def num_stages(self) -> int:
@@ -146,12 +149,19 @@ def run_rank(rank: int, world_size: int, config: TrainConfig) -> dict[str, ModeR
     from pipeswap.runtime.tied import TiedGradients
     from pipeswap.schedule import ScheduleSpec, build_schedule
 
-    if world_size != config.world:
+    replaying = config.replay_rank is not None
+    if replaying:
+        if rank != config.replay_rank or config.meshed:
+            raise ValueError(f"a replay of rank {config.replay_rank} runs as that rank alone, "
+                             "without data parallel")
+    elif world_size != config.world:
         raise ValueError(f"config needs {config.world} ranks ({config.ranks} pipeline ranks x "
                          f"{config.dp} replicas) but {world_size} were started")
-    torch.set_num_threads(1)  # several ranks share the cores
+    else:
+        torch.set_num_threads(1)  # several ranks share the cores
     _setup_logging(rank, config.log_level)
-    local_rank = int(os.environ.get("LOCAL_RANK", rank))  # torchrun and spawn both set it
+    # torchrun and spawn both set LOCAL_RANK; a replay takes the first device
+    local_rank = 0 if replaying else int(os.environ.get("LOCAL_RANK", rank))
     platform = get_platform(config.device if config.device == "cpu"
                             else f"{config.device}:{local_rank % max(1, _device_count(config))}")
     mesh = None
@@ -172,20 +182,26 @@ def run_rank(rank: int, world_size: int, config: TrainConfig) -> dict[str, ModeR
                         overlap_b_f=config.overlap_b_f, dxdw_split=config.dxdw_split,
                         batch_p2p=config.batch_p2p, fsdp=config.fsdp)
     placement = build_schedule(spec).stage_ranks  # loop, or V for zbv and dualpipev
-    if config.metrics is not None and rank == 0 and config.resume is None:
+    if config.metrics is not None and (rank == 0 or replaying) and config.resume is None:
         open(config.metrics, "w", encoding="utf-8").close()  # filled step by step below
+    replay = None
+    if replaying:
+        replay = replay_of(config, len(corpus.vocab), placement, data[0][0], platform.device)
     results: dict[str, ModeResult] = {}
     for mode in config.modes:
         measuring: AbstractContextManager[AllocationPeak | None] = (
             platform.measure_allocations() if config.measure_allocator else nullcontext())
         with measuring as built:
-            stages = build_stages(config, len(corpus.vocab), placement, pp_rank, mesh,
-                                  platform.device)
+            stages = (replay_stages(config, len(corpus.vocab), placement, platform.device)
+                      if replaying else build_stages(config, len(corpus.vocab), placement,
+                                                     pp_rank, mesh, platform.device))
         # one entry per parameter, also where two stages of this rank share one
         params = list({id(p): p for stage in stages for p in stage.module.parameters()}.values())
         optimizer = torch.optim.AdamW(params, lr=config.lr)
-        tied = TiedGradients(stages, placement, tied_parameters(config, len(corpus.vocab)),
-                             None if mesh is None else mesh.get_group("pp"))
+        # a replay drops the sum of a tied embedding's gradients, as it drops sends
+        tied = None if replaying else TiedGradients(
+            stages, placement, tied_parameters(config, len(corpus.vocab)),
+            None if mesh is None else mesh.get_group("pp"))
         done = 0  # steps taken before this run: a resumed one goes on after them
         if config.resume is not None:
             done = load_checkpoint(os.path.join(config.resume, mode), stages=stages,
@@ -199,7 +215,7 @@ def run_rank(rank: int, world_size: int, config: TrainConfig) -> dict[str, ModeR
         executor = PipelineExecutor(
             stages, spec, config.microbatches, lm_loss, swap=mode == "swap", platform=platform,
             swap_policy=policy, account_activations=True, mesh=mesh,
-            autocast_dtype=torch.bfloat16 if config.dtype == "bf16" else None)
+            autocast_dtype=torch.bfloat16 if config.dtype == "bf16" else None, replay=replay)
         result = results[mode] = ModeResult(
             first_step=done + 1, swapped_chunks=len(executor.swapped),
             streamed_chunks=len(executor.streamed),
@@ -210,7 +226,8 @@ def run_rank(rank: int, world_size: int, config: TrainConfig) -> dict[str, ModeR
             executor.measure_allocator = measured
             optimizer.zero_grad(set_to_none=True)
             report = executor.step(inputs, targets)
-            tied.sum_gradients()
+            if tied is not None:
+                tied.sum_gradients()
             if config.keep_grads and number == 1:
                 result.grads = {f"{stage.stage_index}.{name}": _local(p.grad).detach().clone()
                                 for stage in stages
@@ -250,10 +267,15 @@ def run_rank(rank: int, world_size: int, config: TrainConfig) -> dict[str, ModeR
                 "bytes_offloaded": report.bytes_offloaded})
             if config.metrics is not None:
                 _write_metrics(config, mode, number,
-                               {**result.per_step[-1], "losses": list(report.losses)})
+                               {**result.per_step[-1], "losses": list(report.losses)}, rank)
             result.groups_alive_after_step.append(executor.manager.active_group_count())
             result.host_bytes_in_use_after_step.append(stats.host_bytes_in_use)
-            if config.verbose and report.losses:
+            if config.verbose and replaying:
+                log.info("[%7s] step %d/%d  %.2f s  peak activations %s%s", mode, number,
+                         config.steps, report.seconds, _mib(report.peak_activation_bytes),
+                         "" if report.peak_allocated_bytes is None else
+                         f", allocated {_mib(report.peak_allocated_bytes)}")
+            elif config.verbose and report.losses:
                 loss = sum(report.losses) / len(report.losses)
                 tokens = config.batch_size // config.dp * config.seq_len
                 replica = f" replica {dp_rank}" if config.dp > 1 else ""
@@ -284,6 +306,58 @@ def build_stages(config: TrainConfig, vocab: int, placement: tuple[int, ...], pp
     return stages
 
 
+def replay_of(config: TrainConfig, vocab: int, placement: tuple[int, ...], inputs: Any,
+              device: Any) -> Any:
+    """What the executor needs to replay ``config.replay_rank``: every stage's layer count and
+    what crosses into its stages from other ranks, found by dry runs of the stages before
+    them on one microbatch of ``inputs``, each stage built on ``device`` alone and dropped
+    after."""
+    import torch
+
+    from pipeswap.runtime.microbatch import split_tree
+    from pipeswap.runtime.replay import Replay, input_boundaries, materialize
+    from pipeswap.runtime.stage import PipelineStage
+
+    assert config.replay_rank is not None
+    with torch.device("meta"):
+        pending = dict(enumerate(build_stage_modules(config, vocab)))
+
+    def build(index: int) -> PipelineStage:
+        return PipelineStage(materialize(pending.pop(index), device), index, config.num_stages)
+
+    def autocast() -> AbstractContextManager[object]:
+        if config.dtype != "bf16":
+            return nullcontext()
+        return torch.autocast(torch.device(device).type, dtype=torch.bfloat16)
+
+    example = split_tree(inputs, config.microbatches, "inputs")[0]
+    boundaries = input_boundaries(placement, config.replay_rank, example, build,
+                                  torch.device(device), autocast)
+    return Replay(config.replay_rank, config.ranks, stage_layer_counts(config, vocab),
+                  boundaries, seed=config.seed)
+
+
+def replay_stages(config: TrainConfig, vocab: int, placement: tuple[int, ...],
+                  device: Any) -> list[Any]:
+    """The replayed rank's stages alone, built on the meta device and given memory on
+    ``device`` (fresh weights, the same for one seed: a replay measures memory and time, not
+    a run's losses)."""
+    import torch
+
+    from pipeswap.runtime.replay import materialize
+    from pipeswap.runtime.stage import PipelineStage
+
+    with torch.device("meta"):
+        modules = build_stage_modules(config, vocab)
+    where = torch.device(device)
+    with torch.random.fork_rng(devices=[] if where.type == "cpu" else [where.index or 0],
+                               device_type="cuda" if where.type == "cpu" else where.type):
+        torch.manual_seed(config.seed)
+        return [PipelineStage(materialize(module, device), index, config.num_stages)
+                for index, module in enumerate(modules)
+                if placement[index] == config.replay_rank]
+
+
 def build_stage_modules(config: TrainConfig, vocab: int, device: Any = None) -> list[Any]:
     """Every stage's module of a freshly built ``config.model``, on ``device``."""
     import torch
@@ -296,7 +370,7 @@ def build_stage_modules(config: TrainConfig, vocab: int, device: Any = None) -> 
     from pipeswap.runtime.model import GPTConfig, build_gpt, split_stages
 
     gpt = GPTConfig(vocab=vocab, seq_len=config.seq_len, width=config.width,
-                    layers=config.num_layers)
+                    heads=config.heads, layers=config.num_layers)
     model: torch.nn.Sequential = build_gpt(gpt, config.seed).to(device)
     return list(split_stages(model, config.num_stages))
 
@@ -305,7 +379,9 @@ def _llama_config(config: TrainConfig, vocab: int) -> Any:
     from pipeswap.runtime.llama import LlamaConfig
 
     return LlamaConfig(vocab=vocab, seq_len=config.seq_len, dim=config.width,
-                       layers=config.num_layers, tie_embeddings=config.tie_embeddings)
+                       layers=config.num_layers, heads=config.heads,
+                       kv_heads=config.heads // 2 if config.heads % 2 == 0 else config.heads,
+                       tie_embeddings=config.tie_embeddings)
 
 
 def tied_parameters(config: TrainConfig, vocab: int) -> list[Any]:
@@ -366,9 +442,10 @@ def summarize(config: TrainConfig, per_rank: list[dict[str, ModeResult]]) -> dic
         return per_rank[rank].get(name)
 
     ranks = []
-    for rank in range(len(per_rank)):
-        swap, plain = mode(rank, "swap"), mode(rank, "no-swap")
+    for index in range(len(per_rank)):
+        swap, plain = mode(index, "swap"), mode(index, "no-swap")
         either = swap or plain
+        rank = index if config.replay_rank is None else config.replay_rank
         pp_rank, dp_rank = divmod(rank, config.dp)
         ranks.append({
             "rank": rank,
@@ -397,7 +474,8 @@ def summarize(config: TrainConfig, per_rank: list[dict[str, ModeResult]]) -> dic
     if both:
         pairs = [(a, b) for sa, sb in zip(losses["swap"], losses["no-swap"])
                  for a, b in zip(sa, sb)]
-        diff = max((abs(a - b) for a, b in pairs), default=0.0)
+        # None where no rank computed a loss: a replay of a rank without the last stage
+        diff = max((abs(a - b) for a, b in pairs), default=None)
     times = {name: statistics.median(t for r in ranks if (t := r[f"step_time_s_{key}"]))
              for name, key in (("swap", "swap"), ("no-swap", "no_swap")) if name in losses}
     return {
@@ -410,9 +488,11 @@ def summarize(config: TrainConfig, per_rank: list[dict[str, ModeResult]]) -> dic
         "microbatches": config.microbatches,
         "steps": config.steps,
         "per_rank": ranks,
-        "losses": {name: [sum(s) / len(s) for s in steps] for name, steps in losses.items()},
+        "losses": {name: [sum(s) / len(s) for s in steps if s] for name, steps in losses.items()},
         "max_abs_loss_diff": diff,
-        "losses_match": diff == 0.0 if both else None,
+        "losses_match": None if diff is None else diff == 0.0,
+        # the rank replayed alone (its losses are of inputs made up for it), or null
+        "replay_rank": config.replay_rank,
         "step_time_ratio": times["swap"] / times["no-swap"] if both else None,
     }
 
@@ -421,28 +501,31 @@ def _steps_run(per_rank: list[dict[str, ModeResult]], mode: str) -> int:
     return max((len(result[mode].losses) for result in per_rank if mode in result), default=0)
 
 
-def _write_metrics(config: TrainConfig, mode: str, step: int, mine: dict[str, Any]) -> None:
+def _write_metrics(config: TrainConfig, mode: str, step: int, mine: dict[str, Any],
+                   rank: int) -> None:
     """After each step, on every rank: rank 0 gathers the ranks' figures and appends the
     step's line to ``config.metrics``: the step's loss (the mean microbatch loss over every
     replica), tokens per second (the whole batch over the slowest rank's step) and each
-    rank's peaks and bytes offloaded."""
+    rank's peaks and bytes offloaded. A replayed rank writes its own (loss null unless it
+    runs the last stage)."""
     from pipeswap.runtime.comm import gather_object
 
-    everyone = gather_object(mine)
+    everyone = [mine] if config.replay_rank is not None else gather_object(mine)
     if everyone is None:
         return
     figures: list[dict[str, Any]] = everyone  # type: ignore[assignment]
     losses = [loss for entry in figures for loss in entry["losses"]]
+    first = 0 if config.replay_rank is None else rank
     record = {
         "step": step,
         "mode": mode,
-        "loss": sum(losses) / len(losses),
+        "loss": sum(losses) / len(losses) if losses else None,
         "tokens_per_s": config.batch_size * config.seq_len / max(e["seconds"] for e in figures),
         # a step that measured the allocator ran slower (torch's profiler on CPU)
         "allocator_measured": figures[0]["allocator_measured"],
         "per_rank": [{"rank": rank, **{k: v for k, v in entry.items()
                                        if k not in ("seconds", "losses", "allocator_measured")}}
-                     for rank, entry in enumerate(figures)],
+                     for rank, entry in enumerate(figures, first)],
     }
     with open(str(config.metrics), "a", encoding="utf-8") as out:
         out.write(json.dumps(record) + "\n")
@@ -495,6 +578,12 @@ def render(summary: dict[str, Any]) -> str:
     lines = ["  ".join(cell.rjust(w) for cell, w in zip(row, widths)) for row in rows]
     lines.insert(0, "  ".join(titles).rstrip())
     lines.insert(2, "  ".join("-" * w for w in widths))
+    if summary["replay_rank"] is not None:
+        lines.append(f"\nrank {summary['replay_rank']} of {summary['ranks']} replayed alone: "
+                     "what it receives made here, what it sends dropped, so its step time "
+                     "leaves out every wait for a peer"
+                     + ("; losses are of those made-up inputs"
+                        if summary["losses_match"] is not None else ""))
     if summary["losses_match"] is not None:
         verdict = ("bit-identical" if summary["losses_match"]
                    else f"DIFFER (max |diff| {summary['max_abs_loss_diff']:.3g})")
@@ -540,6 +629,8 @@ def parse_args(argv: list[str] | None) -> tuple[TrainConfig, argparse.Namespace]
             "  pipeswap-train --schedule dualpipev --ranks 2 --microbatches 4\n"
             "  pipeswap-train --no-swap --json                  # one mode, JSON for tools\n"
             "  pipeswap-train --ranks 2 --dp 2 --fsdp           # 2 pipelines x 2 FSDP shards\n"
+            "  pipeswap-train --device cuda --replay-rank 0 --ranks 8 --microbatches 16\n"
+            "      # rank 0 of an 8-rank pipeline alone on one GPU: does it fit?\n"
             "  torchrun --nproc-per-node 4 -m pipeswap.runtime.train --device cuda\n"
             "  torchrun --nproc-per-node 4 -m pipeswap.runtime.train --dp 2 --fsdp\n"),
         formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -580,6 +671,9 @@ def parse_args(argv: list[str] | None) -> tuple[TrainConfig, argparse.Namespace]
     parser.add_argument("--width", type=int, default=defaults.width, help="model width")
     parser.add_argument("--layers", type=int, default=None,
                         help="transformer blocks (default: two per stage)")
+    parser.add_argument("--heads", type=int, default=defaults.heads,
+                        help=f"attention heads, dividing --width (default {defaults.heads}; "
+                             "llama: half as many key/value heads)")
     parser.add_argument("--lr", type=float, default=defaults.lr,
                         help=f"AdamW learning rate (default {defaults.lr:g})")
     parser.add_argument("--device", default=defaults.device,
@@ -643,6 +737,14 @@ def parse_args(argv: list[str] | None) -> tuple[TrainConfig, argparse.Namespace]
                         help="go on from the newest checkpoint in DIR/<mode>; --steps counts "
                              "from the run's start, so a checkpoint of step 2 and --steps 4 "
                              "run steps 3 and 4, as the uninterrupted run would")
+    parser.add_argument("--replay-rank", type=int, metavar="R",
+                        help="run pipeline rank R of --ranks alone, in this process, on one "
+                             "device: its stages only (fresh weights), what it would receive "
+                             "made here with the shapes the stage boundaries have, what it "
+                             "would send dropped, everything else (compute, swap copies and "
+                             "their waits) real; reports its peaks and step time without and "
+                             "with swap, as in the full run. Checks on one GPU whether rank R "
+                             "of a larger pipeline fits")
     parser.add_argument("--seed", type=int, default=defaults.seed, help="weights and data seed")
     parser.add_argument("--timeout", type=float, default=defaults.timeout_s,
                         help="seconds a rank waits for a peer before failing (default "
@@ -677,8 +779,10 @@ def parse_args(argv: list[str] | None) -> tuple[TrainConfig, argparse.Namespace]
         dtype=args.dtype, verbose=not args.json,
         log_level=args.log_level or ("warning" if args.json else "info"),
         checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
-        resume=args.resume, metrics=args.metrics, timeout_s=args.timeout)
+        resume=args.resume, metrics=args.metrics, timeout_s=args.timeout, heads=args.heads,
+        replay_rank=args.replay_rank)
     _check_checkpoints(parser, config)
+    _check_replay(parser, config, torchrun)
     if args.swap_granularity != "auto" and args.policy != "peak":
         parser.error(f"--swap-granularity applies to the peak policy, not --policy "
                      f"{args.policy} (which swaps whole chunks)")
@@ -698,9 +802,33 @@ def parse_args(argv: list[str] | None) -> tuple[TrainConfig, argparse.Namespace]
     if config.num_layers < config.num_stages:
         parser.error(f"--layers {config.num_layers} cannot fill {config.num_stages} stages: "
                      f"use at least {config.num_stages}, one block per stage")
+    if config.replay_rank is not None:
+        local_ranks = 1
     _check_device(parser, config.device, local_ranks)
     _check_memory(parser, config, local_ranks)
     return config, args
+
+
+def _check_replay(parser: argparse.ArgumentParser, config: TrainConfig, torchrun: bool
+                  ) -> None:
+    """--replay-rank runs one rank of one pipeline, by itself."""
+    rank = config.replay_rank
+    if rank is None:
+        return
+    if not 0 <= rank < config.ranks:
+        parser.error(f"--replay-rank {rank}: the pipeline has ranks 0 to {config.ranks - 1}")
+    if torchrun:
+        parser.error("--replay-rank runs one rank in this process: start it with "
+                     "pipeswap-train (or python -m pipeswap.runtime.train), not torchrun")
+    if config.meshed:
+        parser.error("--replay-rank replays one rank of one pipeline: drop --dp and --fsdp "
+                     "(FSDP's collectives need the other ranks)")
+    if config.budget is not None:
+        parser.error("--budget plans on every rank's measured chunk sizes, which a replay "
+                     "of one rank does not have: give --replay-rank without --budget")
+    if config.checkpoint_dir is not None or config.resume is not None:
+        parser.error("--replay-rank trains fresh weights of one rank for a few steps to "
+                     "measure it: no --checkpoint-dir or --resume")
 
 
 def _check_numbers(parser: argparse.ArgumentParser, args: argparse.Namespace, ranks: int,
@@ -709,10 +837,9 @@ def _check_numbers(parser: argparse.ArgumentParser, args: argparse.Namespace, ra
     import math
 
     from pipeswap.runtime.data import Corpus
-    from pipeswap.runtime.model import GPTConfig
 
     chars = len(Corpus.bundled().text)  # a window is seq_len tokens and the next, one a char
-    heads = GPTConfig(vocab=1).heads
+    heads = args.heads
     # option, value, lowest, highest (None: none of its own), why no higher
     limits: list[tuple[str, int, int, int | None, str]] = [
         ("--ranks", ranks, 1, None, ""),
@@ -725,6 +852,7 @@ def _check_numbers(parser: argparse.ArgumentParser, args: argparse.Namespace, ra
         ("--batch-size", args.batch_size, 1, None, ""),
         ("--seq-len", args.seq_len, 1, chars - 2,
          f"the bundled corpus has {chars} characters, so use {chars - 2} or less"),
+        ("--heads", args.heads, 1, None, ""),
         ("--width", args.width, heads, None, ""),
         ("--seed", args.seed, 0, 2**64 - 1, "torch's seeds are 64-bit"),
     ]
@@ -898,6 +1026,15 @@ def main(argv: list[str] | None = None) -> int:
     config, args = parse_args(argv)
     if launched_by_torchrun():
         return _main_torchrun(config, args)
+    if config.replay_rank is not None:
+        if config.verbose:
+            print(f"pipeswap-train: replaying rank {config.replay_rank} of {config.schedule} on "
+                  f"{config.ranks} ranks x {config.stages_per_rank} stage(s), "
+                  f"{config.microbatches} microbatches, {config.steps} steps per mode "
+                  f"({', '.join(config.modes)}) on {config.device}, in this process ...",
+                  flush=True)
+        _report(config, args, [run_rank(config.replay_rank, 1, config)])
+        return 0
     if config.verbose:
         replicas = (f" x {config.dp} replicas{' (FSDP)' if config.fsdp else ''}"
                     if config.meshed else "")
