@@ -47,6 +47,8 @@ from pipeswap.swap import SwapResidencyError
 from pipeswap.swap.layers import layer_hooks
 from pipeswap.swap.pool import size_class
 
+DEVICE = torch.get_default_device().type  # cpu, or PIPESWAP_TEST_DEVICE: see conftest.py
+
 # CI replays a fixed set of examples (derandomized) so that a run is repeatable; elsewhere
 # every run explores new ones.
 PROPERTY_SETTINGS = settings(
@@ -215,7 +217,7 @@ class ChainCalls(RuleBasedStateMachine):
 
     def __init__(self) -> None:
         super().__init__()
-        self.mgr = SwapManager(get_platform("cpu"))
+        self.mgr = SwapManager(get_platform(DEVICE))
         self.chains: list[Chain] = []
         self.created = 0
         self.running: LayerChain | None = None  # the chain whose forward runs

@@ -23,6 +23,8 @@ from hypothesis import strategies as st
 from pipeswap.platform import get_platform
 from pipeswap.swap import GroupState, LayerOffload, SwapManager
 
+DEVICE = torch.get_default_device().type  # cpu, or PIPESWAP_TEST_DEVICE: see conftest.py
+
 # CI replays a fixed set of examples (derandomized) so that a run is repeatable; elsewhere
 # every run explores new ones.
 PROPERTY_SETTINGS = settings(
@@ -159,7 +161,7 @@ def gradients(loss: torch.Tensor, leaf: torch.Tensor, model: torch.nn.Module
 def plain(model: torch.nn.Module, x: torch.Tensor) -> tuple[list[torch.Tensor], int]:
     """The step without LayerOffload, and the bytes its forward saves (one group collecting
     everything, nothing moved: the most any offload may hold)."""
-    mgr = SwapManager(get_platform("cpu"))
+    mgr = SwapManager(get_platform(DEVICE))
     mgr.protect_module(model)
     leaf = x.clone().requires_grad_(True)
     with mgr.group_context("all"):
@@ -197,7 +199,7 @@ def test_random_stacks_round_trip_bit_identically(
     x, other = torch.randn(2, 4, width, dtype=dtype), torch.randn(2, 4, width, dtype=dtype)
     want, whole_forward = plain(model, x)
     want_other, _ = plain(model, other)
-    manager = SwapManager(get_platform("cpu"), min_bytes=min_bytes)
+    manager = SwapManager(get_platform(DEVICE), min_bytes=min_bytes)
     offload = LayerOffload(list(model), lag=lag, manager=manager)
     with quiet():
         if abandon_first:  # a forward whose groups the next `with` ends, restoring them
@@ -238,7 +240,7 @@ def test_a_dropped_graph_is_freed_without_coming_back(
     returns."""
     torch.manual_seed(seed)
     model = build(specs, width)
-    offload = LayerOffload(list(model), lag=lag, platform=get_platform("cpu"))
+    offload = LayerOffload(list(model), lag=lag, platform=get_platform(DEVICE))
     leaf = torch.randn(2, 4, width, requires_grad=True)
     with quiet():
         with offload:

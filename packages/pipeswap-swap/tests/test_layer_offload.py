@@ -20,9 +20,10 @@ import pytest
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from pipeswap.platform import get_platform
-from pipeswap.platform.cpu import CpuPlatform, WorkerStream
+from pipeswap.platform import Platform, get_platform
 from pipeswap.swap import GroupBytes, LayerOffload, SwapError, SwapManager
+
+DEVICE = torch.get_default_device().type  # cpu, or PIPESWAP_TEST_DEVICE: see conftest.py
 
 WIDTH = 32
 
@@ -111,7 +112,7 @@ def test_gradients_are_bit_identical_over_two_steps(
         make: Callable[[], torch.nn.Module], lag: int, dtype: torch.dtype) -> None:
     torch.manual_seed(0)
     model = stack(make, 6, dtype)
-    offload = LayerOffload(list(model), lag=lag, platform=get_platform("cpu"))
+    offload = LayerOffload(list(model), lag=lag, platform=get_platform(DEVICE))
     for number in range(2):  # the second step reuses the offload, its host buffers included
         x = torch.randn(2, 16, WIDTH, dtype=dtype)
         want = step(model, x, None)
@@ -142,7 +143,7 @@ def test_layers_that_save_nothing_keep_the_loads_going() -> None:
     model = torch.nn.Sequential(*layers)
     x = torch.randn(2, 8, WIDTH)
     want = step(model, x, None)
-    offload = LayerOffload(layers, platform=get_platform("cpu"))
+    offload = LayerOffload(layers, platform=get_platform(DEVICE))
     with offload:
         loss = loss_of(model(x.requires_grad_(True)))
     chain = offload.chain
@@ -185,7 +186,7 @@ def test_the_peak_held_is_what_the_lag_allows(lag: int) -> None:
     torch.manual_seed(0)
     model = stack(Block, 8)
     x = torch.randn(4, 32, WIDTH, requires_grad=True)
-    plain = SwapManager(get_platform("cpu"))  # one group, nothing moved: a forward's total
+    plain = SwapManager(get_platform(DEVICE))  # one group, nothing moved: a forward's total
     plain.protect_module(model)
     with plain.group_context("all"):
         loss = loss_of(model(x))
@@ -193,7 +194,7 @@ def test_the_peak_held_is_what_the_lag_allows(lag: int) -> None:
     backward(loss)
     plain.finish_group("all")
 
-    offload = LayerOffload(list(model), lag=lag, platform=get_platform("cpu"))
+    offload = LayerOffload(list(model), lag=lag, platform=get_platform(DEVICE))
     with offload:
         loss = loss_of(model(x))
     chain = offload.chain
@@ -218,7 +219,7 @@ def test_the_allocator_peak_drops_with_offload() -> None:
     torch.manual_seed(0)
     model = stack(Block, 8)
     x = torch.randn(4, 64, WIDTH)
-    platform = get_platform("cpu")
+    platform = get_platform(DEVICE)
     offload = LayerOffload(list(model), platform=platform)
     want = step(model, x, None)
     peaks: dict[bool, int] = {}
@@ -274,7 +275,7 @@ def test_checkpointed_layers(use_reentrant: bool) -> None:
     model = torch.nn.Sequential(*layers)
     x = torch.randn(2, 16, WIDTH)
     want = step(model, x, None)
-    offload = LayerOffload(layers, platform=get_platform("cpu"))
+    offload = LayerOffload(layers, platform=get_platform(DEVICE))
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # nothing kept on the device for a held reference
         with input_bytes(layers) as sizes:
@@ -293,7 +294,7 @@ def test_checkpointed_layers(use_reentrant: bool) -> None:
 def test_a_step_leaves_nothing_behind() -> None:
     torch.manual_seed(0)
     model = stack(Block, 4)
-    offload = LayerOffload(list(model), platform=get_platform("cpu"))
+    offload = LayerOffload(list(model), platform=get_platform(DEVICE))
     x = torch.randn(2, 16, WIDTH, requires_grad=True)
     with offload:
         loss = loss_of(model(x))
@@ -328,7 +329,7 @@ def test_a_forward_that_raises_leaves_nothing_and_the_next_step_works() -> None:
     layers = [Block(), Block(), Block(), FailOnce(Block()), Block()]
     model = torch.nn.Sequential(*layers)
     x = torch.randn(2, 16, WIDTH)
-    offload = LayerOffload(layers, lag=1, platform=get_platform("cpu"))
+    offload = LayerOffload(layers, lag=1, platform=get_platform(DEVICE))
     with pytest.raises(Failure):
         step(model, x, offload)
     assert offload.chain is None
@@ -348,7 +349,7 @@ def test_a_forward_without_backward_is_restored_by_the_next() -> None:
     params = list(model.parameters())
     want1 = torch.autograd.grad(loss_of(model(x1)), params)
     want2 = torch.autograd.grad(loss_of(model(x2)), params)
-    offload = LayerOffload(list(model), platform=get_platform("cpu"))
+    offload = LayerOffload(list(model), platform=get_platform(DEVICE))
     with offload:
         first = loss_of(model(x1))
     moved = offload.manager.stats().bytes_offloaded
@@ -371,7 +372,7 @@ def test_a_forward_without_backward_is_restored_by_the_next() -> None:
 def test_fewer_than_two_layers_is_refused() -> None:
     for layers in ([], [torch.nn.Linear(4, 4)]):
         with pytest.raises(SwapError, match="at least 2 layers"):
-            LayerOffload(layers, platform=get_platform("cpu"))
+            LayerOffload(layers, platform=get_platform(DEVICE))
 
 
 class Shared(torch.nn.Module):
@@ -390,7 +391,7 @@ def test_a_layer_called_twice_is_refused_by_name_and_order() -> None:
     torch.manual_seed(0)
     model = Shared()
     x = torch.randn(4, 8)
-    offload = LayerOffload([model.a, model.b, model.c], platform=get_platform("cpu"))
+    offload = LayerOffload([model.a, model.b, model.c], platform=get_platform(DEVICE))
     with pytest.raises(SwapError, match=r"layer 0 ended but the forward is in layer 2 of 3; "
                                         r"each layer must run once, in order"):
         step(model, x, offload)
@@ -400,7 +401,7 @@ def test_a_layer_called_twice_is_refused_by_name_and_order() -> None:
 
 def test_layers_called_out_of_order_are_refused() -> None:
     a, b, c = (torch.nn.Linear(8, 8) for _ in range(3))
-    offload = LayerOffload([a, b, c], platform=get_platform("cpu"))
+    offload = LayerOffload([a, b, c], platform=get_platform(DEVICE))
     x = torch.randn(4, 8, requires_grad=True)
     with pytest.raises(SwapError, match="layer 1 ended but the forward is in layer 0"):
         with offload:
@@ -411,7 +412,7 @@ def test_layers_called_out_of_order_are_refused() -> None:
 @pytest.mark.parametrize("skipped", ["middle", "last"])
 def test_a_skipped_layer_is_refused_and_finish_cleans_up(skipped: str) -> None:
     a, b, c = (torch.nn.Linear(8, 8) for _ in range(3))
-    offload = LayerOffload([a, b, c], platform=get_platform("cpu"))
+    offload = LayerOffload([a, b, c], platform=get_platform(DEVICE))
     x = torch.randn(4, 8, requires_grad=True)
     message = ("layer 2 ended but the forward is in layer 1 of 3" if skipped == "middle"
                else "ended in layer 2 of 3 without ending it; every layer must run")
@@ -431,7 +432,7 @@ def test_a_skipped_layer_is_refused_and_finish_cleans_up(skipped: str) -> None:
 
 def test_the_last_layer_called_twice_is_refused() -> None:
     a, b = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
-    offload = LayerOffload([a, b], platform=get_platform("cpu"))
+    offload = LayerOffload([a, b], platform=get_platform(DEVICE))
     x = torch.randn(4, 8, requires_grad=True)
     with pytest.raises(SwapError, match="past its last layer"):
         with offload:
@@ -450,7 +451,7 @@ def test_a_layer_output_saved_by_two_layers_moves_with_the_later_one() -> None:
     model = stack(relu_layer, 8)
     x = torch.randn(16, WIDTH)
     want = step(model, x, None)
-    offload = LayerOffload(list(model), platform=get_platform("cpu"))
+    offload = LayerOffload(list(model), platform=get_platform(DEVICE))
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         got = step(model, x, offload)
@@ -464,7 +465,7 @@ def test_a_layer_output_saved_by_two_layers_moves_with_the_later_one() -> None:
 
 def test_protect_belongs_inside_the_with() -> None:
     layers = [torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)]
-    offload = LayerOffload(layers, platform=get_platform("cpu"))
+    offload = LayerOffload(layers, platform=get_platform(DEVICE))
     x = torch.randn(4, 8, requires_grad=True)
     with pytest.raises(SwapError, match="inside `with offload:`"):
         offload.protect(x)
@@ -480,7 +481,7 @@ def test_protect_belongs_inside_the_with() -> None:
 
 def test_a_with_inside_its_own_forward_is_refused() -> None:
     layers = [torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)]
-    offload = LayerOffload(layers, platform=get_platform("cpu"))
+    offload = LayerOffload(layers, platform=get_platform(DEVICE))
     with offload:
         with pytest.raises(SwapError, match="already in a forward"):
             with offload:
@@ -494,41 +495,19 @@ def test_a_with_inside_its_own_forward_is_refused() -> None:
 # -- freed memory reused at once ---------------------------------------------------------------
 
 
-class LaggingCopies(CpuPlatform):
-    """The CPU platform with copy streams far behind compute: every copy on a copy stream
-    first works through a scratch buffer, so copies finish long after the compute that
-    follows their launch. Whatever frees or reads a storage before its copy's event
-    completed then does so before the copy ran."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self._scratch = torch.zeros(1 << 20)
-
-    def copy_(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        stream = self.current_stream()
-        if isinstance(stream, WorkerStream):
-            stream.submit(self._busy)
-        super().copy_(dst, src)
-
-    def _busy(self) -> None:
-        for _ in range(4):
-            self._scratch.add_(1.0)
-
-
-@pytest.mark.parametrize("platform", [CpuPlatform, LaggingCopies], ids=["cpu", "lagging"])
 def test_memory_reused_right_after_each_offload_leaves_values_intact(
-        platform: Callable[[], CpuPlatform]) -> None:
+        copy_platform: Platform) -> None:
     """Whenever storages have just been freed (in the forward right after each layer's end,
     where the layer ``lag`` before it goes; after the forward; between layers of the
     backward, while loads are in flight), tensors as large as every group so far are
     allocated and filled with NaN. A storage freed before its copy to host completed, or read
     before its load completed, would hand its bytes to one of them (or be copied from after
-    it was freed), and a gradient would show it."""
+    it was freed), and a gradient would show it. (``copy_platform``: see conftest.py.)"""
     torch.manual_seed(0)
     model = stack(Block, 6)
     x = torch.randn(4, 64, WIDTH)
     want = step(model, x, None)
-    offload = LayerOffload(list(model), lag=1, platform=platform())
+    offload = LayerOffload(list(model), lag=1, platform=copy_platform)
     litter: list[torch.Tensor] = []
 
     def fill() -> None:

@@ -23,12 +23,14 @@ import torch
 from pipeswap.platform import get_platform
 from pipeswap.swap import SwapManager
 
+DEVICE = torch.get_default_device().type  # cpu, or PIPESWAP_TEST_DEVICE: see conftest.py
+
 Refs = list[weakref.ref[Any]]  # to tensors and storages
 
 
 @pytest.fixture
 def mgr() -> SwapManager:
-    return SwapManager(get_platform("cpu"), min_bytes=0)
+    return SwapManager(get_platform(DEVICE), min_bytes=0)
 
 
 def _forward(mgr: SwapManager | None, refs: Refs) -> torch.Tensor:
@@ -205,7 +207,7 @@ def test_gradients_through_the_aliases_are_bit_identical(protect: bool) -> None:
     model = _SavesEverything()
     x = torch.randn(4, 8, 16, requires_grad=True)
     reference = _first_and_second_order(model, x, None)
-    mgr = SwapManager(get_platform("cpu"))
+    mgr = SwapManager(get_platform(DEVICE))
     if protect:
         mgr.protect_module(model)
     swapped = _first_and_second_order(model, x, mgr)

@@ -15,12 +15,14 @@ import torch
 from pipeswap.platform import get_platform
 from pipeswap.swap import SwapManager
 
+DEVICE = torch.get_default_device().type  # cpu, or PIPESWAP_TEST_DEVICE: see conftest.py
+
 FLOATS = 256  # 1 KiB a saved tensor
 
 
 @pytest.fixture
 def mgr() -> SwapManager:
-    return SwapManager(get_platform("cpu"))
+    return SwapManager(get_platform(DEVICE))
 
 
 def backward(loss: torch.Tensor) -> None:

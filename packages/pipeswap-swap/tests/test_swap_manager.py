@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import threading
 import warnings
 import weakref
@@ -10,7 +11,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from pipeswap.platform import get_platform
+from pipeswap.platform import Platform, get_platform
 from pipeswap.swap import (
     GroupState,
     InPlaceModificationError,
@@ -20,12 +21,14 @@ from pipeswap.swap import (
     SwapResidencyError,
 )
 
+DEVICE = torch.get_default_device().type  # cpu, or PIPESWAP_TEST_DEVICE: see conftest.py
+
 Model = Callable[[torch.Tensor], torch.Tensor]
 
 
 @pytest.fixture
 def mgr() -> SwapManager:
-    return SwapManager(get_platform("cpu"))
+    return SwapManager(get_platform(DEVICE))
 
 
 def backward(loss: torch.Tensor) -> None:
@@ -95,7 +98,7 @@ def test_gradients_are_bit_identical_with_swap(make: Callable[[], torch.nn.Modul
     model = make()
     x = torch.randn(4, 8, 16)
     reference = _grads(model, x, None)
-    mgr = SwapManager(get_platform("cpu"))
+    mgr = SwapManager(get_platform(DEVICE))
     mgr.protect_module(model)
     swapped = _grads(model, x, mgr)
     assert mgr.stats().bytes_offloaded > 0
@@ -338,7 +341,7 @@ def test_backward_never_reads_an_offloaded_activation(mgr: SwapManager) -> None:
 
 
 def test_load_on_demand_warns_and_keeps_numerics() -> None:
-    mgr = SwapManager(get_platform("cpu"), load_on_demand=True)
+    mgr = SwapManager(get_platform(DEVICE), load_on_demand=True)
     x = torch.randn(32, requires_grad=True)
     with mgr.group_context("g"):
         loss = (x.exp()).sum()
@@ -351,7 +354,7 @@ def test_load_on_demand_warns_and_keeps_numerics() -> None:
 
 
 def test_load_on_demand_during_a_load_in_flight_waits_for_it() -> None:
-    mgr = SwapManager(get_platform("cpu"), load_on_demand=True)
+    mgr = SwapManager(get_platform(DEVICE), load_on_demand=True)
     x = torch.randn(1 << 16, requires_grad=True)
     with mgr.group_context("g"):
         loss = (x.exp()).sum()
@@ -480,7 +483,7 @@ def test_host_buffers_are_reused_in_steady_state(mgr: SwapManager) -> None:
 
 
 def test_small_tensors_stay_below_the_threshold() -> None:
-    mgr = SwapManager(get_platform("cpu"), min_bytes=1024)
+    mgr = SwapManager(get_platform(DEVICE), min_bytes=1024)
     x_small, x_big = torch.randn(8, requires_grad=True), torch.randn(1024, requires_grad=True)
     with mgr.group_context("g"):
         small, big = x_small * 1, x_big * 1
@@ -497,7 +500,7 @@ def test_small_tensors_stay_below_the_threshold() -> None:
 
 
 def test_a_failed_launch_leaves_the_group_intact_and_returns_its_buffers() -> None:
-    mgr = SwapManager(get_platform("cpu"), pool_bytes=64 * 1024)
+    mgr = SwapManager(get_platform(DEVICE), pool_bytes=64 * 1024)
     tensors = [torch.randn(4096, requires_grad=True) for _ in range(6)]  # 16 KiB each
     with mgr.group_context("g"):
         loss = torch.stack([(t * 1).sin().sum() for t in tensors]).sum()
@@ -512,7 +515,7 @@ def test_a_failed_launch_leaves_the_group_intact_and_returns_its_buffers() -> No
 
 
 def test_groups_on_two_threads_do_not_mix() -> None:
-    mgr = SwapManager(get_platform("cpu"))
+    mgr = SwapManager(get_platform(DEVICE))
     errors: list[BaseException] = []
 
     def step(name: str) -> None:
@@ -680,3 +683,53 @@ def test_exiting_with_an_offload_in_flight_exits_cleanly() -> None:
                           timeout=120, check=False)
     assert done.returncode == 0, done.stderr
     assert "terminate called" not in done.stderr
+
+
+def test_memory_reused_while_copies_run_leaves_values_intact(copy_platform: Platform) -> None:
+    """Each group waited for right after its launch, and tensors as large as everything moved
+    so far allocated and filled with NaN right after each launch and each wait, with two
+    loads in flight at once. A storage freed before its copy to host ended, or read before
+    its load ended, would lend its bytes to one of them (on a GPU: without the stream waits
+    the manager records), and a gradient would show it. (``copy_platform``: see
+    conftest.py.)"""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*(Attention() for _ in range(4)))
+    xs = [torch.randn(8, 64, 16) for _ in range(3)]
+    want = [_grads(model, x, None) for x in xs]
+    mgr = SwapManager(copy_platform, min_bytes=0)
+    litter: list[torch.Tensor] = []
+
+    def fill() -> None:
+        moved = mgr.stats().bytes_offloaded
+        litter.append(torch.empty(max(1, moved // 4)).fill_(math.nan))
+
+    for _ in range(2):
+        leaves = [x.detach().requires_grad_(True) for x in xs]
+        losses = []
+        for index, leaf in enumerate(leaves):
+            with mgr.group_context(f"g{index}"):
+                losses.append(model(leaf).sum())
+            mgr.protect_alias_tensors(f"g{index}", [leaf])  # the input stays, as in a stage
+            mgr.launch_offload(f"g{index}")
+            fill()
+            mgr.wait_offload(f"g{index}")
+            fill()
+        got: list[list[torch.Tensor]] = []
+        mgr.launch_load("g2")
+        for index in reversed(range(3)):
+            if index:
+                mgr.launch_load(f"g{index - 1}")
+            fill()
+            mgr.wait_load(f"g{index}")
+            fill()
+            model.zero_grad(set_to_none=True)
+            backward(losses[index])
+            mgr.finish_group(f"g{index}")
+            grad = leaves[index].grad
+            assert grad is not None
+            got.insert(0, [grad, *(p.grad for p in model.parameters() if p.grad is not None)])
+        for mine, theirs in zip(got, want):
+            assert all(torch.equal(a, b) for a, b in zip(mine, theirs))
+        assert mgr.stats().bytes_offloaded > 0 and mgr.active_group_count() == 0
+        assert all(t.isnan().all() for t in litter)
+        litter.clear()

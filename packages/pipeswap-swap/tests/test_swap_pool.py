@@ -11,6 +11,8 @@ from pipeswap.platform import get_platform
 from pipeswap.platform.cpu import CpuPlatform
 from pipeswap.swap.pool import HostBufferPool, PoolExhaustedError, size_class
 
+DEVICE = torch.get_default_device().type  # cpu, or PIPESWAP_TEST_DEVICE: see conftest.py
+
 
 def _hold(gate: threading.Event) -> None:
     assert gate.wait(30), "test gate never opened"
@@ -21,7 +23,7 @@ def test_size_classes_are_powers_of_two_from_4_kib() -> None:
 
 
 def test_a_buffer_is_reused_only_after_its_copy_completed() -> None:
-    platform = get_platform("cpu")
+    platform = get_platform(DEVICE)
     assert isinstance(platform, CpuPlatform)
     pool = HostBufferPool(platform, max_bytes=1 << 20)
     first = pool.acquire(5000)
@@ -45,7 +47,7 @@ def test_a_buffer_is_reused_only_after_its_copy_completed() -> None:
 
 
 def test_at_the_cap_the_pool_waits_for_a_pending_block_or_refuses() -> None:
-    platform = get_platform("cpu")
+    platform = get_platform(DEVICE)
     assert isinstance(platform, CpuPlatform)
     pool = HostBufferPool(platform, max_bytes=8192)
     buffer = pool.acquire(8000)

@@ -25,6 +25,8 @@ from hypothesis.stateful import (
 from pipeswap.platform import get_platform
 from pipeswap.swap import GroupState, SwapError, SwapManager, SwapResidencyError
 
+DEVICE = torch.get_default_device().type  # cpu, or PIPESWAP_TEST_DEVICE: see conftest.py
+
 # CI replays a fixed set of examples (derandomized) so that a run is repeatable; elsewhere
 # every run explores new ones.
 PROPERTY_SETTINGS = settings(
@@ -117,7 +119,7 @@ def test_random_view_graphs_round_trip_bit_identically(
 ) -> None:
     x = torch.randn(4, 6, generator=torch.Generator().manual_seed(seed))
     want = _grad(program, x, None)
-    mgr = SwapManager(get_platform("cpu"), min_bytes=min_bytes)
+    mgr = SwapManager(get_platform(DEVICE), min_bytes=min_bytes)
     got = _grad(program, x, mgr)
     assert same_bits(want, got)
     stats = mgr.stats()
@@ -164,7 +166,7 @@ class ManagerCalls(RuleBasedStateMachine):
 
     def __init__(self) -> None:
         super().__init__()
-        self.mgr = SwapManager(get_platform("cpu"))
+        self.mgr = SwapManager(get_platform(DEVICE))
         self.model: dict[str, GroupState] = {}
         self.pending: list[Pending] = []
         self.lives = dict.fromkeys(GROUPS, 0)
@@ -283,7 +285,7 @@ TestManagerCalls.settings = settings(PROPERTY_SETTINGS, max_examples=250, statef
 
 def test_pending_backwards_after_abort_are_exact() -> None:
     """What the state machine leaves behind is usable: abort brings every activation back."""
-    mgr = SwapManager(get_platform("cpu"))
+    mgr = SwapManager(get_platform(DEVICE))
     x = torch.randn(4, 6)
     program: list[Op] = [("exp", 0, 0), ("transpose", 1, 0), ("mul", 2, 1), ("inplace", 3, 1)]
     want = _grad(program, x, None)
