@@ -18,24 +18,37 @@ import torch
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 
 
-def test_gpu_swap_check_runs_on_the_cpu_platform() -> None:
+@pytest.mark.slow  # the stress tests, copies, and two one-rank replays: ~40 s on 2 cores
+def test_gpu_check_runs_every_part_on_the_cpu_platform() -> None:
     out = subprocess.run(
-        [sys.executable, str(BENCHMARKS / "gpu_swap_check.py"), "--device", "cpu", "--mib", "1",
-         "--matmul", "32", "--repeats", "1", "--json"],
-        capture_output=True, text=True, timeout=300, check=True)
+        [sys.executable, str(BENCHMARKS / "gpu_check.py"), "--device", "cpu", "--quick",
+         "--json"], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-4000:]
     figures = json.loads(out.stdout)
-    assert figures["device"] == "cpu" and figures["mib"] == 1
-    for direction in ("d2h", "h2d"):
-        assert figures[f"{direction}_gb_s"] > 0
-        assert 0.0 <= figures[f"{direction}_hidden"] <= 1.0
-    for direction in ("offload", "load"):
-        assert figures[f"manager_{direction}_ms"] > 0
-        assert 0.0 <= figures[f"manager_{direction}_hidden"] <= 1.0
+    assert figures["device"] == "cpu"
+    tests = figures["tests"]
+    assert tests["ok"] and tests["passed"] > 0 and tests["failed"] == 0, tests
+    for direction, through_manager in (("d2h", "offload"), ("h2d", "load")):
+        assert figures["copies"][f"{direction}_gb_s"] > 0
+        assert 0.0 <= figures["overlap"][f"{direction}_hidden"] <= 1.0
+        assert 0.0 <= figures["overlap"][f"manager_{through_manager}_hidden"] <= 1.0
+    assert figures["copies"]["both_gb_s_per_direction"] > 0
+    assert [row["figure"] for row in figures["preset"]][:2] == ["D2H bandwidth", "H2D bandwidth"]
+    replay = figures["replay"]
+    assert replay["ok"], replay
+    rows = replay["rows"]
+    assert list(rows) == ["no swap", "swap, whole chunks", "swap, streamed"]
+    assert rows["no swap"]["swapped"] == 0
+    assert rows["swap, whole chunks"]["swapped"] > 0 and rows["swap, whole chunks"]["streamed"] == 0
+    assert rows["swap, streamed"]["streamed"] == rows["swap, streamed"]["swapped"] > 0
+    for row in list(rows.values())[1:]:
+        assert 0 < row["counted"] < rows["no swap"]["counted"]
+        assert row["allocated_saving"] is not None and row["allocated_saving"] > 0
 
 
 @pytest.mark.skipif(torch.accelerator.is_available(), reason="this machine has an accelerator")
-def test_gpu_swap_check_explains_a_missing_accelerator() -> None:
-    out = subprocess.run([sys.executable, str(BENCHMARKS / "gpu_swap_check.py")],
+def test_gpu_check_explains_a_missing_accelerator() -> None:
+    out = subprocess.run([sys.executable, str(BENCHMARKS / "gpu_check.py")],
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 2
     assert "no accelerator on this machine; pass --device cpu" in out.stderr
