@@ -37,7 +37,17 @@ commands:
                      pytorch_lowering.py, swap_overhead.py, layer_offload.py,
                      train_step.py and executor_vs_torch.py in the
                      default env (`bench --write` records the results in BENCHMARKS.md);
-                     benchmarks/gpu_swap_check.py needs an accelerator and is run by hand
+                     benchmarks/gpu_check.py needs a GPU: see gpu-setup
+  gpu-setup [--use-installed-torch] [--torch-index URL]
+                     on a machine with an NVIDIA GPU, instead of setup: the four packages
+                     (editable), pytest and hypothesis, with a CUDA build of torch and no
+                     Hatch or CPU pin: in .venv-gpu/ with torch 2.13.0 from PyPI (a CUDA build
+                     on Linux x86-64; --torch-index picks another index, e.g.
+                     https://download.pytorch.org/whl/cu128), or with --use-installed-torch
+                     into the environment of the Python running dev.py, keeping its torch
+                     (a container's, a conda env's). Then, with that env's python:
+                       python -m pipeswap.runtime.train --device cuda --replay-rank 0
+                       python benchmarks/gpu_check.py --write
 """
 
 from __future__ import annotations
@@ -64,6 +74,7 @@ WHEEL_CHECK_VENV = CACHE / "wheel-check"
 ENVS_FINGERPRINT = CACHE / "envs-fingerprint"
 DIST = ROOT / "dist"
 SUITE_REPORT = CACHE / "suite-report.xml"
+GPU_VENV = ROOT / ".venv-gpu"
 
 HATCH = "1.18.2"
 UV = "0.13.9"
@@ -312,6 +323,53 @@ def test(pytest_args: list[str]) -> None:
             print(f"tests: {suite_tally()}")
 
 
+def gpu_setup(options: list[str]) -> None:
+    """The four packages with a CUDA build of torch: in .venv-gpu/, or with
+    --use-installed-torch in this Python's own environment, beside the torch it has."""
+    parser = argparse.ArgumentParser(prog="dev.py gpu-setup", allow_abbrev=False)
+    parser.add_argument("--use-installed-torch", action="store_true")
+    parser.add_argument("--torch-index", metavar="URL")
+    args = parser.parse_args(options)
+    if args.use_installed_torch and args.torch_index:
+        parser.error("--use-installed-torch keeps the torch installed; --torch-index installs one")
+    if args.use_installed_torch:
+        python = Path(sys.executable)
+        found = subprocess.run([python, "-c", "import torch; print(torch.__version__)"],
+                               capture_output=True, text=True, check=False)
+        if found.returncode != 0:
+            raise Failure(f"--use-installed-torch: {python} has no torch to use; run dev.py "
+                          "with the Python that has it, or leave the option out to install one "
+                          f"into {GPU_VENV.relative_to(ROOT)}/")
+        pin = f"torch=={found.stdout.strip()}"  # the packages' range must keep this one
+        where = f"{python}'s environment"
+    else:
+        python = GPU_VENV / "bin" / "python"
+        if not python.exists():
+            say(f"creating {GPU_VENV.relative_to(ROOT)} with {sys.executable}")
+            run([sys.executable, "-m", "venv", GPU_VENV])
+        pin = f"torch=={TORCH.split('+')[0]}"
+        index = ["--index-url", args.torch_index] if args.torch_index else []
+        say(f"installing {pin} into {GPU_VENV.relative_to(ROOT)} (a CUDA build from "
+            f"{args.torch_index or 'PyPI'}: a few GB)")
+        run([python, "-m", "pip", "install", "-q", *index, pin])
+        where = str(GPU_VENV.relative_to(ROOT))
+    CACHE.mkdir(exist_ok=True)
+    constraints = CACHE / "gpu-constraints.txt"
+    constraints.write_text(pin + "\n")
+    say(f"installing the four packages (editable), pytest and hypothesis into {where}")
+    run([python, "-m", "pip", "install", "-q", "-c", constraints,
+         *(f"--editable={directory}" for directory in package_dirs()),
+         PYTEST, "hypothesis~=6.170"])
+    probe = ("import torch; cuda = torch.cuda.is_available(); "
+             "print(torch.__version__, torch.version.cuda, "
+             "torch.cuda.get_device_name() if cuda else 'no CUDA device visible', sep=', ')")
+    facts = subprocess.run([python, "-c", probe], capture_output=True, text=True, check=True)
+    say(f"ready: torch, CUDA, device: {facts.stdout.strip()}")
+    shown = python if args.use_installed_torch else python.relative_to(ROOT)
+    say(f"next: {shown} -m pipeswap.runtime.train --device cuda --replay-rank 0   and   "
+        f"{shown} benchmarks/gpu_check.py --write")
+
+
 def main(argv: list[str] | None = None) -> int:
     if sys.version_info < (3, 10):
         print("dev.py needs Python >= 3.10", file=sys.stderr)
@@ -322,15 +380,17 @@ def main(argv: list[str] | None = None) -> int:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         allow_abbrev=False,
     )
-    parser.add_argument("command", choices=["setup", "test", "demo", "bench"])
+    parser.add_argument("command", choices=["setup", "test", "demo", "bench", "gpu-setup"])
     args, extra = parser.parse_known_args(argv)
     if extra and extra[0] == "--":
         extra = extra[1:]
-    if extra and args.command not in ("test", "bench", "demo"):
+    if extra and args.command not in ("test", "bench", "demo", "gpu-setup"):
         parser.error(f"`{args.command}` takes no arguments: {shlex.join(extra)}")
     try:
         if args.command == "setup":
             setup()
+        elif args.command == "gpu-setup":
+            gpu_setup(extra)
         elif args.command == "test":
             test(extra)
         else:
