@@ -15,8 +15,17 @@ import sys
 import pytest
 import torch
 
+from pipeswap.runtime.data import Corpus
 from pipeswap.runtime.launch import spawn
-from pipeswap.runtime.train import ModeResult, TrainConfig, run_rank, summarize, swap_policy
+from pipeswap.runtime.train import (
+    ModeResult,
+    TrainConfig,
+    run_rank,
+    stage_layer_counts,
+    summarize,
+    swap_policy,
+)
+from pipeswap.schedule import SwapPolicy
 from pipeswap.schedule import ScheduleKind, ScheduleSpec, StepType, build_schedule
 from pipeswap.schedule.costs import ChunkBytes, CostModel, StageCosts
 from pipeswap.schedule.simulate import simulate
@@ -24,7 +33,9 @@ from pipeswap.schedule.simulate import simulate
 BASE = TrainConfig(ranks=2, dp=2, fsdp=True, microbatches=4, steps=2, batch_size=8, seq_len=16,
                    width=32, policy="gap", keep_grads=True, verbose=False)
 CASES = {
-    "1f1b": BASE,
+    # the peak policy streams two of rank 0's chunks here (neither the gap rule nor whole
+    # chunks would swap any on 1F1B with P=2 M=4)
+    "1f1b": dataclasses.replace(BASE, policy="peak", swap_granularity="layer"),
     # four stages a rank: the FSDP window (three) evicts and gathers again, so reloads are
     # anchored to those gathers, and the gap rule swaps
     "interleaved-1f1b": dataclasses.replace(BASE, schedule="interleaved-1f1b",
@@ -42,6 +53,11 @@ def _trained(case: str, data_parallel: bool = True) -> list[dict[str, ModeResult
     results: list[dict[str, ModeResult]] = spawn(run_rank, config.world, config,
                                                  timeout_s=config.timeout_s)
     return results
+
+
+def _policy(config: TrainConfig) -> SwapPolicy | None:
+    return swap_policy(config.policy, stage_layer_counts(config, len(Corpus.bundled().vocab)),
+                       config.swap_granularity)
 
 
 def _spec(config: TrainConfig) -> ScheduleSpec:
@@ -65,9 +81,12 @@ def test_swap_is_exact_and_the_replicas_train_as_one_pipeline(case: str) -> None
         # nothing left behind by any step
         assert set(swap.groups_alive_after_step) == {0}
         assert set(swap.host_bytes_in_use_after_step) == {0}
+    if case == "1f1b":  # swap really ran: pipeline rank 0 streams, in both replicas
+        assert all(per_rank[rank]["swap"].streamed_chunks > 0 for rank in range(config.dp))
+        assert all(per_rank[rank]["swap"].bytes_offloaded > 0 for rank in range(config.dp))
     if case == "interleaved-1f1b":  # swap really ran, loads anchored to re-gathers included
         assert all(result["swap"].bytes_offloaded > 0 for result in per_rank)
-        order = build_schedule(_spec(config), swap_policy(config.policy)).orders[0]
+        order = build_schedule(_spec(config), _policy(config)).orders[0]
         kinds = [step.type for step in order if step is not None]
         assert (StepType.SWAP_LAUNCH_LOAD, StepType.FSDP_UNSHARD) in set(zip(kinds, kinds[1:]))
 
@@ -110,15 +129,18 @@ def test_the_simulator_predicts_activations_plus_gathered_parameters(case: str) 
     more."""
     config = CASES[case]
     per_rank = _trained(case)
-    schedule = build_schedule(_spec(config), swap_policy(config.policy))
+    schedule = build_schedule(_spec(config), _policy(config))
     replica = [result for rank, result in enumerate(per_rank) if rank % config.dp == 0]
-    chunks = {key: ChunkBytes(held, pinned=held - movable)
+    chunks = {key: ChunkBytes(held, pinned=held - movable, layers=tuple(
+                  ChunkBytes(h, pinned=h - m) for h, m in result["swap"].layer_bytes.get(key, ())))
               for result in replica for key, (held, movable) in
               result["swap"].chunk_bytes.items()}
     gathered = {stage: size for result in replica
                 for stage, size in result["swap"].gathered_bytes.items()}
     assert len(gathered) == config.num_stages and all(gathered.values())
-    stages = {stage: StageCosts(1.0, 2.0, param_bytes=size) for stage, size in gathered.items()}
+    layers = stage_layer_counts(config, len(Corpus.bundled().vocab))
+    stages = {stage: StageCosts(1.0, 2.0, param_bytes=size, layers=layers[stage])
+              for stage, size in gathered.items()}
     predicted = simulate(schedule, CostModel(chunks=chunks, stages=stages))
     for sim, result in zip(predicted.ranks, replica):
         assert sim.peak_memory_bytes == result["swap"].peak_memory_bytes

@@ -268,6 +268,28 @@ def test_stage_outputs_and_microbatch_counts_that_cannot_work(group: None) -> No
                                               microbatches=8, stages_per_rank=2), 4, lm_loss)
 
 
+def test_a_stage_output_that_is_not_a_tensor_pytree_is_refused(group: None) -> None:
+    """Anything but tensors (tuples, lists and dicts of them) cannot cross a boundary: the
+    error names what was found and what is allowed, before any step runs."""
+    class WithCount(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> dict[str, object]:
+            return {"hidden": x * 2, "count": 3, "name": "x"}
+
+    class Nothing(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> tuple[()]:
+            return ()
+
+    for module, found in ((WithCount(), "dict holding int, str"),
+                          (Nothing(), "tuple with no tensor")):
+        stages = [PipelineStage(module, 0, 2), PipelineStage(torch.nn.Identity(), 1, 2)]
+        executor = PipelineExecutor(stages, SPEC, 4, lm_loss)
+        with pytest.raises(PipelineSetupError, match=f"stage 0's output is {found}: what "
+                           "crosses a stage boundary .* is a tensor, or tuples, lists and "
+                           "dicts of tensors"):
+            executor.step(torch.randn(8, 3, requires_grad=True),
+                          torch.zeros(8, dtype=torch.int64))
+
+
 class _ExpThenInPlace(torch.nn.Module):
     """``lin(x).exp().mul_(0.5)``: exp saves its output, which the in-place write changes."""
 
