@@ -63,3 +63,21 @@ def test_at_the_cap_the_pool_waits_for_a_pending_block_or_refuses() -> None:
     with pytest.raises(ValueError, match="max_bytes must be a positive integer"):
         HostBufferPool(platform, max_bytes=0)
     assert torch.equal(again.view, again.block[:100])
+
+
+def test_the_default_cap_shares_half_the_host_among_its_local_ranks(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import os
+
+    from pipeswap.swap import SwapManager
+    from pipeswap.swap.pool import default_pool_bytes
+
+    physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    alone = default_pool_bytes()
+    assert alone == max(1 << 30, physical // 2)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    assert default_pool_bytes() == max(1 << 30, physical // 2 // 4)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "100000")
+    assert default_pool_bytes() == 1 << 30  # never below 1 GiB
+    assert SwapManager(get_platform(DEVICE))._pool.max_bytes == 1 << 30

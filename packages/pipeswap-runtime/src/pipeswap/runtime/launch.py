@@ -87,7 +87,8 @@ def _rank_main(rank: int, world_size: int, port: int, backend: str, timeout_s: f
 
     _die_with_parent(parent)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                      LOCAL_WORLD_SIZE=str(world_size))  # as torchrun: all on this host
     try:
         _select_device(backend)
         dist.init_process_group(backend, rank=rank, world_size=world_size,

@@ -23,13 +23,12 @@ from enum import Enum
 from typing import TYPE_CHECKING, Any
 
 from pipeswap.platform import Event, Platform
-from pipeswap.swap.pool import HostBuffer, HostBufferPool
+from pipeswap.swap.pool import HostBuffer, HostBufferPool, default_pool_bytes
 from pipeswap.swap.references import referenced_elsewhere, saved_alias
 
 if TYPE_CHECKING:
     import torch
 
-DEFAULT_POOL_BYTES = 16 << 30
 
 
 class GroupState(Enum):
@@ -171,8 +170,11 @@ class SwapManager:
     """Offload and reload groups of saved activations on one platform.
 
     ``min_bytes``: saved tensors whose storage is smaller stay on the device (0, MindSpore hyper-parallel's
-    behaviour, swaps everything eligible). ``load_on_demand``: when backward reaches an
-    activation that is not resident, load it synchronously with a warning instead of raising.
+    behaviour, swaps everything eligible). ``pool_bytes``: the most host memory (pinned on
+    accelerators) the manager's buffers take; default :func:`~pipeswap.swap.pool.default_pool_bytes`,
+    half the host's memory shared among the local ranks. ``load_on_demand``: when backward
+    reaches an activation that is not resident, load it synchronously with a warning instead
+    of raising.
     """
 
     def __init__(
@@ -180,14 +182,15 @@ class SwapManager:
         platform: Platform,
         *,
         min_bytes: int = 0,
-        pool_bytes: int = DEFAULT_POOL_BYTES,
+        pool_bytes: int | None = None,
         load_on_demand: bool = False,
     ) -> None:
         self.platform = platform
         self._device = platform.device  # read for every saved tensor
         self.min_bytes = min_bytes
         self.load_on_demand = load_on_demand
-        self._pool = HostBufferPool(platform, pool_bytes)
+        self._pool = HostBufferPool(
+            platform, default_pool_bytes() if pool_bytes is None else pool_bytes)
         self._d2h = platform.new_stream()
         self._h2d = platform.new_stream()
         self._lock = threading.RLock()

@@ -28,6 +28,24 @@ class HostBuffer:
     view: torch.Tensor
 
 
+def default_pool_bytes() -> int:
+    """The host pool's default cap: half this host's physical memory, shared evenly among the
+    processes a launcher started on it (``LOCAL_WORLD_SIZE``, as torchrun sets it; else one),
+    and at least 1 GiB. Pinned memory cannot be paged out, so no process may take it all; a
+    rank of a large model offloads tens of GB in a step, so a fixed cap would be too small."""
+    import os
+
+    try:
+        physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, OSError, ValueError):  # no such figures here
+        physical = 32 << 30
+    try:
+        local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    except ValueError:
+        local = 1
+    return max(1 << 30, physical // 2 // local)
+
+
 def size_class(nbytes: int) -> int:
     """Blocks come in powers of two from 4 KiB, so a steady workload reuses them."""
     size = MIN_CLASS
