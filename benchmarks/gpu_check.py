@@ -17,8 +17,8 @@ overlap  the share of each copy hidden behind matmuls queued beside it, raw and 
          SwapManager (launch, matmuls, wait); and the matmuls' throughput.
 preset   the simulator's ``h200-pcie5`` preset (link bandwidth, duplex, bf16 matmul
          throughput) against what was measured; a difference over 10% is flagged.
-replay   rank 0 of 1F1B P=8 M=16, Llama layers of hidden 4096 on sequences of 4096 tokens in
-         bf16 (4 layers a stage), replayed alone (``pipeswap-train --replay-rank 0``): peaks
+replay   rank 0 of 1F1B P=8 M=16, Llama layers of hidden 4096 (32 heads, 16 key/value
+         heads) on sequences of 4096 tokens in bf16 (4 layers a stage), replayed alone (``pipeswap-train --replay-rank 0``): peaks
          (counted and the allocator's) and step time without swap, swapping whole chunks, and
          streaming layer by layer. Goal: activation peak down >= 60% at <= 1.05x step time.
 
@@ -64,6 +64,8 @@ REPLAY_SIZES = {"full": ["--width", "4096", "--heads", "32", "--seq-len", "4096"
                 "quick": ["--width", "64", "--heads", "4", "--seq-len", "64", "--layers", "16",
                           "--steps", "2"]}
 QUICK_TESTS = "reused or round_trip or allocator"  # pytest -k of --quick: the stress tests
+TESTS_TIMEOUT_S = 300  # the tests; each replay run gets REPLAY_TIMEOUT_S: 8 minutes in all
+REPLAY_TIMEOUT_S = 150
 
 
 def say(message: str) -> None:
@@ -79,8 +81,13 @@ def run_tests(device: str, quick: bool) -> dict[str, Any]:
                "packages/pipeswap-swap/tests", "-q", "-p", "no:cacheprovider",
                *(["-k", QUICK_TESTS] if quick else [])]
     start = time.perf_counter()
-    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True,
-                          env={**os.environ, "PIPESWAP_TEST_DEVICE": device})
+    try:
+        done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True,
+                              env={**os.environ, "PIPESWAP_TEST_DEVICE": device},
+                              timeout=TESTS_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        return {"ok": False, "tally": f"stopped after {TESTS_TIMEOUT_S} s (hung?)",
+                "seconds": float(TESTS_TIMEOUT_S), "passed": 0, "failed": 0, "skipped": 0}
     seconds = time.perf_counter() - start
     lines = (done.stdout + done.stderr).strip().splitlines()
     tally = next((line.strip("= ") for line in reversed(lines)
@@ -208,9 +215,8 @@ def manager_overlap(check: Check, nbytes: int) -> dict[str, float]:
         samples = []
         for step in range(check.repeats + 1):
             name = f"{direction}{step}"
-            with mgr.group_context(name):
-                loss = torch.stack([leaf.sin().sum() for leaf in leaves]).sum()
-            mgr.protect_alias_tensors(name, leaves)  # the leaves stay; their sines move
+            with mgr.group_context(name):  # sin saves its input, leaf * 2: that moves
+                loss = torch.stack([(leaf * 2).sin().sum() for leaf in leaves]).sum()
             if direction == "load":
                 mgr.launch_offload(name)
                 mgr.wait_offload(name)
@@ -236,6 +242,8 @@ def manager_overlap(check: Check, nbytes: int) -> dict[str, float]:
         both_s = timed(direction, True)
         figures[f"manager_{direction}_ms"] = alone_s * 1e3
         figures[f"manager_{direction}_hidden"] = _hidden(alone_s, compute_s, both_s)
+    # what one group moves (each timed transfer above moved as much)
+    figures["manager_group_bytes"] = mgr.stats().bytes_offloaded / (4 * (check.repeats + 1))
     return figures
 
 
@@ -281,7 +289,12 @@ def replay(device: str, quick: bool) -> dict[str, Any]:
                         ("layer", ["--swap-granularity", "layer", "--swap-only"])):
         say(f"  replay, {'no swap and whole chunks' if name == 'chunk' else 'streaming'} ...")
         start = time.perf_counter()
-        done = subprocess.run([*base, *extra], cwd=ROOT, capture_output=True, text=True)
+        try:
+            done = subprocess.run([*base, *extra], cwd=ROOT, capture_output=True, text=True,
+                                  timeout=REPLAY_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            return {"ok": False, "error": f"{' '.join(base[2:])} {' '.join(extra)} stopped "
+                                          f"after {REPLAY_TIMEOUT_S} s"}
         if done.returncode != 0:
             print(done.stderr[-4000:], file=sys.stderr)
             return {"ok": False, "error": f"{' '.join(base[2:])} {' '.join(extra)} exited "
@@ -343,7 +356,8 @@ def report(figures: dict[str, Any], args: argparse.Namespace, platform: Platform
         lines += ["", f"**Overlap** with {args.matmul}x{args.matmul} {dtype} matmuls "
                   f"({o['matmul_tflop_s']:.1f} TFLOP/s alone) sized to each copy: "
                   f"D2H {o['d2h_hidden']:.0%} hidden, H2D {o['h2d_hidden']:.0%}; through "
-                  f"SwapManager (8 storages): offload {o['manager_offload_ms']:.2f} ms, "
+                  f"SwapManager ({o['manager_group_bytes'] / 2**20:.0f} MiB in 8 storages): "
+                  f"offload {o['manager_offload_ms']:.2f} ms, "
                   f"{o['manager_offload_hidden']:.0%} hidden; load "
                   f"{o['manager_load_ms']:.2f} ms, {o['manager_load_hidden']:.0%} hidden."]
     if "preset" in figures:
@@ -435,6 +449,8 @@ def main(argv: list[str] | None = None) -> int:
         if "preset" not in args.skip:
             figures["preset"] = preset_check(figures["copies"] | figures["overlap"])
         del check
+        if platform.device.type == "cuda":  # the replay runs in processes of its own
+            torch.cuda.empty_cache()
     if "replay" not in args.skip:
         say("replay of rank 0 (pipeswap-train --replay-rank 0) ...")
         figures["replay"] = replay(device, args.quick)

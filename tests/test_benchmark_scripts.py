@@ -33,6 +33,7 @@ def test_gpu_check_runs_every_part_on_the_cpu_platform() -> None:
         assert 0.0 <= figures["overlap"][f"{direction}_hidden"] <= 1.0
         assert 0.0 <= figures["overlap"][f"manager_{through_manager}_hidden"] <= 1.0
     assert figures["copies"]["both_gb_s_per_direction"] > 0
+    assert figures["overlap"]["manager_group_bytes"] >= 1 << 20  # the manager moved the MiB
     assert [row["figure"] for row in figures["preset"]][:2] == ["D2H bandwidth", "H2D bandwidth"]
     replay = figures["replay"]
     assert replay["ok"], replay

@@ -47,3 +47,16 @@ def test_the_tied_weight_gets_the_unsplit_models_gradient_on_both_stages(
     output = last[f"{config.num_stages - 1}.output.weight"]
     assert torch.equal(embed, output)  # summed to the same bits on both ranks
     torch.testing.assert_close(embed, _reference(config), rtol=1e-5, atol=1e-7)
+
+
+def test_a_replayed_v_shaped_rank_holds_the_tied_weight_once() -> None:
+    """Replayed alone (pipeswap-train --replay-rank), the rank of a V-shaped schedule that
+    runs the first and the last stage builds the tied weight once, as the full run's rank
+    does: by the allocator's count, its parameters take one embedding less than untied."""
+    config = dataclasses.replace(BASE, schedule="zbv", stages_per_rank=2, replay_rank=0,
+                                 keep_grads=False, measure_allocator=True)
+    tied = run_rank(0, 1, config)["no-swap"].parameter_bytes
+    untied = run_rank(0, 1, dataclasses.replace(config, tie_embeddings=False))[
+        "no-swap"].parameter_bytes
+    assert tied is not None and untied is not None
+    assert untied - tied == len(Corpus.bundled().vocab) * config.width * 4

@@ -293,3 +293,11 @@ def test_no_measurement_while_another_profiler_runs(cpu: CpuPlatform) -> None:
         with cpu.measure_allocations() as measured:
             _bytes(MIB)
     assert measured.peak_bytes is None
+
+
+def test_host_buffers_stay_on_the_host_whatever_the_default_device() -> None:
+    """A program that sets torch's default device (to an accelerator; here the meta device,
+    which any machine has) still gets host buffers in host memory."""
+    with torch.device("meta"):
+        buffer = CpuPlatform().host_buffer(64)
+    assert buffer.device.type == "cpu" and buffer.numel() == 64

@@ -43,6 +43,19 @@ def test_a_stage_built_on_meta_gets_every_parameter_and_buffer(which: str) -> No
     assert all(torch.equal(mine[name], theirs[name]) for name in mine)
 
 
+def test_materialize_keeps_a_tied_embedding_tied() -> None:
+    """A V-shaped rank holds the first and the last stage, which share the tied embedding: one
+    parameter after materializing, as in the model built directly."""
+    config = LlamaConfig(vocab=11, seq_len=8, dim=16, tie_embeddings=True)
+    with torch.device("meta"):
+        first, last = split_layers(build_llama(config, 0), 2)
+    both = torch.nn.ModuleList([first, last])
+    materialize(both, "cpu")
+    assert first.embed is not None and last.output is not None
+    assert first.embed.weight is last.output.weight and not first.embed.weight.is_meta
+    assert len(list(both.parameters())) == len({id(p) for p in both.parameters()})
+
+
 def test_materialize_refuses_what_it_cannot_initialise() -> None:
     class Bare(torch.nn.Module):
         def __init__(self) -> None:

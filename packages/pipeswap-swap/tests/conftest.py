@@ -1,12 +1,14 @@
 """Where the swap tests run: the CPU platform by default, or the device that the environment
-variable ``PIPESWAP_TEST_DEVICE`` names (``cuda``; ``benchmarks/gpu_check.py`` sets it). With a
-device named, it becomes torch's default device, so every tensor a test makes lives there,
-and each test file's ``DEVICE`` (``torch.get_default_device().type``) picks its platform.
-``copy_platform`` gives it also with copies that lag far behind compute."""
+variable ``PIPESWAP_TEST_DEVICE`` names (``cuda``; ``benchmarks/gpu_check.py`` sets it). Each
+test file's ``DEVICE`` picks its platform, and during each test of this directory the device
+is torch's default (in the test's thread: a thread a test starts sets it itself), so every
+tensor a test makes lives there. ``copy_platform`` gives the platform also with copies that
+lag far behind compute."""
 
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -16,8 +18,12 @@ from pipeswap.platform.accelerator import AcceleratorPlatform
 from pipeswap.platform.cpu import CpuPlatform, WorkerStream
 
 _DEVICE = os.environ.get("PIPESWAP_TEST_DEVICE", "cpu")
-if _DEVICE != "cpu":
-    torch.set_default_device(_DEVICE)
+
+
+@pytest.fixture(autouse=True)
+def _on_the_test_device() -> Iterator[None]:
+    with torch.device(_DEVICE):
+        yield
 
 
 class LaggingCopies(CpuPlatform):

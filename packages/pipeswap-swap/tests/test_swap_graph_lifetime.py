@@ -12,6 +12,7 @@ autograd holds from one the program can still reach.
 from __future__ import annotations
 
 import gc
+import os
 import warnings
 import weakref
 from collections.abc import Callable
@@ -23,7 +24,7 @@ import torch
 from pipeswap.platform import get_platform
 from pipeswap.swap import SwapManager
 
-DEVICE = torch.get_default_device().type  # cpu, or PIPESWAP_TEST_DEVICE: see conftest.py
+DEVICE = os.environ.get("PIPESWAP_TEST_DEVICE", "cpu")  # see conftest.py
 
 Refs = list[weakref.ref[Any]]  # to tensors and storages
 

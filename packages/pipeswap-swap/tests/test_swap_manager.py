@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 import threading
 import warnings
 import weakref
@@ -21,7 +22,7 @@ from pipeswap.swap import (
     SwapResidencyError,
 )
 
-DEVICE = torch.get_default_device().type  # cpu, or PIPESWAP_TEST_DEVICE: see conftest.py
+DEVICE = os.environ.get("PIPESWAP_TEST_DEVICE", "cpu")  # see conftest.py
 
 Model = Callable[[torch.Tensor], torch.Tensor]
 
@@ -521,7 +522,7 @@ def test_groups_on_two_threads_do_not_mix() -> None:
     def step(name: str) -> None:
         try:
             for _ in range(5):
-                x = torch.randn(512, requires_grad=True)
+                x = torch.randn(512, requires_grad=True, device=DEVICE)  # a thread's own default
                 with mgr.group_context(name):
                     loss = x.sin().sum()
                 expected = x.detach().cos()

@@ -25,7 +25,7 @@ from hypothesis.stateful import (
 from pipeswap.platform import get_platform
 from pipeswap.swap import GroupState, SwapError, SwapManager, SwapResidencyError
 
-DEVICE = torch.get_default_device().type  # cpu, or PIPESWAP_TEST_DEVICE: see conftest.py
+DEVICE = os.environ.get("PIPESWAP_TEST_DEVICE", "cpu")  # see conftest.py
 
 # CI replays a fixed set of examples (derandomized) so that a run is repeatable; elsewhere
 # every run explores new ones.
@@ -117,7 +117,7 @@ def _grad(program: list[Op], x: torch.Tensor, mgr: SwapManager | None) -> torch.
 def test_random_view_graphs_round_trip_bit_identically(
     program: list[Op], seed: int, min_bytes: int
 ) -> None:
-    x = torch.randn(4, 6, generator=torch.Generator().manual_seed(seed))
+    x = torch.randn(4, 6, generator=torch.Generator(DEVICE).manual_seed(seed))
     want = _grad(program, x, None)
     mgr = SwapManager(get_platform(DEVICE), min_bytes=min_bytes)
     got = _grad(program, x, mgr)
@@ -194,7 +194,7 @@ class ManagerCalls(RuleBasedStateMachine):
     @rule(target=losses, group=st.sampled_from(GROUPS), program=programs,
           seed=st.integers(0, 2**16))
     def forward(self, group: str, program: list[Op], seed: int) -> Pending | None:
-        x = torch.randn(4, 6, generator=torch.Generator().manual_seed(seed))
+        x = torch.randn(4, 6, generator=torch.Generator(DEVICE).manual_seed(seed))
         reference = x.clone().requires_grad_(True)
         run_program(program, reference).backward()  # type: ignore[no-untyped-call]
         assert reference.grad is not None

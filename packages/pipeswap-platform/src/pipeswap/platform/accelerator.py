@@ -65,7 +65,8 @@ class AcceleratorPlatform(ModuleIntrospection):
     def host_buffer(self, nbytes: int) -> torch.Tensor:
         import torch
 
-        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        # on the CPU whatever torch.set_default_device says: pinned host memory
+        return torch.empty(nbytes, dtype=torch.uint8, device="cpu", pin_memory=True)
 
     def memory_stats(self) -> MemoryStats | None:
         import torch

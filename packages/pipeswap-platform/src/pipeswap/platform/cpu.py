@@ -201,7 +201,7 @@ class CpuPlatform(ModuleIntrospection):
 
         # Named for the profiler, so that measure_allocations can tell host from device.
         with torch.profiler.record_function(HOST_BUFFER_RANGE):
-            return torch.empty(nbytes, dtype=torch.uint8)
+            return torch.empty(nbytes, dtype=torch.uint8, device="cpu")
 
     def memory_stats(self) -> MemoryStats | None:
         """The process's resident set (torch keeps no statistics for host memory); None where

@@ -596,6 +596,9 @@ class PipelineExecutor:
             self.platform.measure_allocations() if self.measure_allocator else nullcontext())
         with measuring as allocated:
             run = self._step(inputs, targets)
+        # The step's device work included (nothing else waits for it on a rank without the
+        # last stage, whose end-of-step agreement runs on the host).
+        self.platform.current_stream().synchronize()
         losses: list[float] = []
         if run.losses:  # one host sync for all of them
             import torch

@@ -118,8 +118,9 @@ def input_boundaries(stage_ranks: Sequence[int], rank: int, example: Any,
 def materialize(module: torch.nn.Module, device: torch.device | str) -> torch.nn.Module:
     """``module``, built on the meta device, given memory on ``device`` and initialised there
     by each submodule's ``reset_parameters()`` (PyTorch's convention for deferred
-    initialisation): fresh weights, not a particular run's. Refuses a module with parameters
-    or buffers of its own and no ``reset_parameters``, which would be left uninitialised."""
+    initialisation): fresh weights, not a particular run's; parameters shared between
+    submodules stay shared. Refuses a module with parameters or buffers of its own and no
+    ``reset_parameters``, which would be left uninitialised."""
     missing = sorted({type(m).__name__ for m in module.modules()
                       if (any(p is not None for p in m._parameters.values())
                           or any(b is not None for b in m._buffers.values()))
@@ -131,7 +132,17 @@ def materialize(module: torch.nn.Module, device: torch.device | str) -> torch.nn
             "each such module a reset_parameters() that fills its own parameters and buffers")
     import torch
 
+    # to_empty gives each module a parameter of its own: tie again what was shared (a tied
+    # embedding), as the model built directly has it
+    holders: dict[int, list[tuple[torch.nn.Module, str]]] = {}
+    for sub in module.modules():
+        for name, parameter in sub._parameters.items():
+            if parameter is not None:
+                holders.setdefault(id(parameter), []).append((sub, name))
     module.to_empty(device=device)
+    for (first, first_name), *others in holders.values():
+        for sub, name in others:
+            sub._parameters[name] = first._parameters[first_name]
     with torch.no_grad():
         for sub in module.modules():
             reset = getattr(sub, "reset_parameters", None)

@@ -348,14 +348,17 @@ def replay_stages(config: TrainConfig, vocab: int, placement: tuple[int, ...],
     from pipeswap.runtime.stage import PipelineStage
 
     with torch.device("meta"):
-        modules = build_stage_modules(config, vocab)
+        mine = {index: module for index, module in enumerate(build_stage_modules(config, vocab))
+                if placement[index] == config.replay_rank}
     where = torch.device(device)
     with torch.random.fork_rng(devices=[] if where.type == "cpu" else [where.index or 0],
                                device_type="cuda" if where.type == "cpu" else where.type):
-        torch.manual_seed(config.seed)
-        return [PipelineStage(materialize(module, device), index, config.num_stages)
-                for index, module in enumerate(modules)
-                if placement[index] == config.replay_rank]
+        torch.default_generator.manual_seed(config.seed)
+        if where.type != "cpu":
+            torch.get_device_module(where.type).manual_seed(config.seed)  # its current device
+        # together, so that a weight two of them share (a tied embedding) stays one
+        materialize(torch.nn.ModuleList(mine.values()), device)
+    return [PipelineStage(module, index, config.num_stages) for index, module in mine.items()]
 
 
 def build_stage_modules(config: TrainConfig, vocab: int, device: Any = None) -> list[Any]:
@@ -673,7 +676,8 @@ def parse_args(argv: list[str] | None) -> tuple[TrainConfig, argparse.Namespace]
                         help="transformer blocks (default: two per stage)")
     parser.add_argument("--heads", type=int, default=defaults.heads,
                         help=f"attention heads, dividing --width (default {defaults.heads}; "
-                             "llama: half as many key/value heads)")
+                             "llama: half as many key/value heads, or as many for an odd "
+                             "count)")
     parser.add_argument("--lr", type=float, default=defaults.lr,
                         help=f"AdamW learning rate (default {defaults.lr:g})")
     parser.add_argument("--device", default=defaults.device,
@@ -1011,15 +1015,21 @@ def _check_memory(parser: argparse.ArgumentParser, config: TrainConfig,
     except (AttributeError, OSError, ValueError):  # no such figures here: nothing to compare
         return
     # A lower bound: each rank builds the whole model in float32 (about 12 width^2 weights a
-    # block) and every step's batches up front (int64 inputs and targets).
+    # block; a replayed rank only its own stages) and every step's batches up front (int64
+    # inputs and targets).
     weights = 4 * 12 * config.width**2 * config.num_layers
+    if config.replay_rank is not None:
+        weights = weights * config.stages_per_rank // config.num_stages
     batches = 2 * 8 * config.steps * config.batch_size * config.seq_len
     need = local_ranks * (weights + batches)
     if need > total:
-        parser.error(f"{local_ranks} ranks need at least {need // 2**30:,} GiB, more than this "
-                     f"machine's {total / 2**30:.1f} GiB: each holds the whole model and all "
-                     f"{config.steps} steps' batches; lower --width, --layers, --steps, "
-                     "--batch-size or --ranks")
+        who = ("the replayed rank needs" if config.replay_rank is not None
+               else f"{local_ranks} ranks need")
+        holds = ("its stages' weights" if config.replay_rank is not None
+                 else "each holds the whole model")
+        parser.error(f"{who} at least {need // 2**30:,} GiB, more than this machine's "
+                     f"{total / 2**30:.1f} GiB: {holds} and all {config.steps} steps' batches; "
+                     "lower --width, --layers, --steps, --batch-size or --ranks")
 
 
 def main(argv: list[str] | None = None) -> int:

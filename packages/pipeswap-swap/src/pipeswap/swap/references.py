@@ -106,7 +106,7 @@ def _fresh_counts() -> _Counts:
 
     # An alias as the pack hook makes it, of a tensor nothing holds any more: what one saved
     # entry's alias counts when it alone reaches its storage, less the entry's own reference.
-    known = {0: saved_alias(torch.empty(1))}
+    known = {0: saved_alias(torch.empty(1, device="cpu"))}
     storage = _storage_uses(known[0].untyped_storage()) - 1
     impl = _use_count(known[0])
     return _Counts(storage, impl, _python_refs(known)[0])
