@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from pipeswap.platform import Platform, get_platform
+from pipeswap.platform.cpu import CpuPlatform, WorkerStream
 from pipeswap.swap import (
     GroupState,
     InPlaceModificationError,
@@ -734,3 +735,130 @@ def test_memory_reused_while_copies_run_leaves_values_intact(copy_platform: Plat
         assert mgr.stats().bytes_offloaded > 0 and mgr.active_group_count() == 0
         assert all(t.isnan().all() for t in litter)
         litter.clear()
+
+
+class GatedCopies(CpuPlatform):
+    """The CPU platform with copies held back: each copy on a copy stream waits for ``gate``
+    (so it stays queued, holding a tensor on its source's storage, until the test opens
+    it), and ``copied`` counts the copies that ran."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = threading.Event()
+        self.copied = 0
+
+    def copy_(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        stream = self.current_stream()
+        if isinstance(stream, WorkerStream):
+            stream.submit(self._wait)
+        super().copy_(dst, src)
+        if isinstance(stream, WorkerStream):
+            stream.submit(self._count)
+
+    def _wait(self) -> None:
+        self.gate.wait()
+
+    def _count(self) -> None:
+        self.copied += 1
+
+
+def test_load_ahead_with_a_missing_group_arms_none(mgr: SwapManager) -> None:
+    """load_ahead used to arm the groups before a missing one although it raised."""
+    x = torch.randn(32, requires_grad=True)
+    with mgr.group_context("g"):
+        loss = x.exp().sum()
+    mgr.launch_offload("g")
+    mgr.wait_offload("g")
+    with pytest.raises(SwapError, match=r"load_ahead\('missing'\): no such group"):
+        mgr.load_ahead(["g", "missing"])
+    with pytest.raises(SwapResidencyError, match="'g'"):  # not armed: not loaded
+        backward(loss)
+    assert mgr.group_state("g") is GroupState.OFFLOADED
+    mgr.abort_group("g")
+
+
+def test_a_first_read_of_an_offloading_group_keeps_it_without_a_warning(
+    mgr: SwapManager,
+) -> None:
+    """A first read (load_ahead) of a group whose offload was not waited for used to wait
+    for it as wait_offload does, which took the tensor being unpacked for an outside
+    reference: its storage stayed, with a false warning. Nothing needs to move there."""
+    x = torch.randn(64, 64, requires_grad=True)
+    with mgr.group_context("g"):
+        loss = (x * 1).exp().sum()  # saves exp's output only
+    mgr.launch_offload("g")
+    mgr.load_ahead(["g"])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        backward(loss)
+    assert not caught, [str(w.message) for w in caught]
+    assert mgr.group_state("g") is GroupState.RESIDENT
+    stats = mgr.stats()
+    assert (stats.bytes_offloaded, stats.bytes_reloaded, stats.bytes_kept_referenced,
+            stats.host_bytes_in_use) == (0, 0, 0, 0)
+    assert x.grad is not None and torch.equal(x.grad, x.detach().exp())
+    mgr.finish_group("g")
+
+
+@pytest.mark.parametrize("held", [False, True], ids=["unreferenced", "still-held"])
+def test_a_storage_taken_over_while_its_copy_is_queued_moves(held: bool) -> None:
+    """A plain launch_offload used to count the copy the layer before's offload still had
+    queued (on the CPU platform, a closure holding a tensor on the storage) as a reference
+    to a storage its group took over (link_groups), and kept it with a warning. A storage
+    the program still holds stays all the same (wait_offload checks it)."""
+    platform = GatedCopies()
+    mgr = SwapManager(platform)
+    mgr.ensure_group("a")
+    mgr.ensure_group("b")
+    mgr.link_groups(["a", "b"])
+    x = torch.randn(64, 64, device="cpu", requires_grad=True)
+    try:
+        with mgr.group_context("a"):
+            h = torch.relu(x * 1)  # saves h
+            mgr.launch_offload("a", copy_referenced=True)  # h's copy waits at the gate
+            mgr.switch_group("b")
+            loss = (h * h).sum()  # saves h again: b takes it over
+        (storage,) = _storages(h)
+        if not held:
+            del h
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            mgr.launch_offload("b")
+            platform.gate.set()
+            mgr.wait_offload("a")
+            mgr.wait_offload("b")
+    finally:
+        platform.gate.set()
+    assert len(caught) == held
+    assert all("swap keeps an activation storage" in str(w.message) for w in caught)
+    nbytes = 64 * 64 * 4
+    assert storage.nbytes() == (nbytes if held else 0)
+    stats = mgr.stats()
+    assert (stats.bytes_offloaded, stats.bytes_kept_referenced) == (
+        (0, nbytes) if held else (nbytes, 0))
+    for name in ("b", "a"):
+        mgr.launch_load(name)
+        mgr.wait_load(name)
+    backward(loss)
+    assert x.grad is not None and torch.equal(x.grad, 2 * torch.relu(x.detach()))
+    for name in ("a", "b"):
+        mgr.finish_group(name)
+    assert mgr.stats().host_bytes_in_use == 0
+
+
+def test_close_waits_for_the_copies_each_time() -> None:
+    """close() used to drain the copy streams only the first time: a copy started after it
+    still ran when a second close() returned (and when the interpreter exited)."""
+    platform = GatedCopies()
+    mgr = SwapManager(platform)
+    x = torch.randn(64, 64, device="cpu", requires_grad=True)
+    for index in range(2):
+        with mgr.group_context(f"g{index}"):
+            loss = (x * 1).exp().sum()  # saves exp's output
+        platform.gate.clear()
+        mgr.launch_offload(f"g{index}")
+        threading.Timer(0.2, platform.gate.set).start()
+        mgr.close()
+        assert platform.copied == index + 1
+        mgr.abort_group(f"g{index}")
+        del loss

@@ -101,6 +101,9 @@ class _Storage:
     resident: bool = True
     counted: bool = True  # its nbytes are in the manager's device bytes held
     host: HostBuffer | None = None
+    # the end of an earlier owner's offload that copied it (taken over: see
+    # SwapManager._hand_over); until then that queued copy may hold a reference to it
+    copying: Event | None = None
 
     def alive(self) -> bool:
         """Whether a saved view is still alive (:meth:`storage` is not None), without
@@ -211,8 +214,9 @@ class SwapManager:
         self._drain = weakref.finalize(self, _drain, (self._d2h, self._h2d))
 
     def close(self) -> None:
-        """Wait for every transfer in flight (also done at interpreter exit)."""
-        self._drain()
+        """Wait for every transfer in flight (also done at interpreter exit). Each call
+        drains: the manager stays usable, and the exit's drain stays armed."""
+        _drain((self._d2h, self._h2d))
 
     # -- groups ----------------------------------------------------------------------------
 
@@ -435,6 +439,8 @@ class SwapManager:
         """Move a storage from ``owner`` to ``group`` (see :meth:`link_groups`); a copy of it
         in flight in the owner's offload is dropped (its buffer returns once the copy ends)."""
         del owner.storages[key]
+        if entry.host is not None:
+            entry.copying = owner.event
         self._return_host(entry, owner.event)
         for saved in entry.holders():
             saved.group = group
@@ -447,10 +453,12 @@ class SwapManager:
         ``names[k]``, that group is made resident (its load waited for, or done then if none
         was launched) and the load of ``names[k - 1]`` is launched, so each group's copy
         overlaps the backward of the group after it. ``names`` are a forward's groups in the
-        order it saved them (one per layer); launch the last one's load yourself."""
+        order it saved them (one per layer); launch the last one's load yourself. All or
+        nothing: with one of ``names`` missing, it raises and arms none."""
         with self._lock:
-            for index, name in enumerate(names):
+            for name in names:
                 self._group(name, "load_ahead")
+            for index, name in enumerate(names):
                 self._ahead[name] = names[index - 1] if index > 0 else None
 
     def _first_read(self, group: _Group) -> None:
@@ -470,11 +478,22 @@ class SwapManager:
 
     def _make_resident(self, group: _Group) -> None:
         if group.state is GroupState.OFFLOADING:
-            self.wait_offload(group.name)
+            self._stop_offload(group)
         if group.state is GroupState.OFFLOADED:
             self.launch_load(group.name)
         if group.state is GroupState.LOADING:
             self.wait_load(group.name)
+
+    def _stop_offload(self, group: _Group) -> None:
+        """End an offload that released nothing yet by keeping every storage: backward reads
+        the group now, so a release would only be loaded back (and the tensor being unpacked
+        would count as a reference). Compute waits for the copies, which read the storages,
+        before autograd may free them."""
+        assert group.event is not None
+        group.event.wait()
+        for entry in group.storages.values():
+            self._return_host(entry, group.event)
+        group.event, group.state = None, GroupState.RESIDENT
 
     # -- transfers -------------------------------------------------------------------------
 
@@ -488,12 +507,16 @@ class SwapManager:
                 moving.append((entry, storage))
         return moving
 
-    def _releasable(self, candidates: list[tuple[_Storage, Any]]) -> list[tuple[_Storage, Any]]:
+    def _releasable(self, candidates: list[tuple[_Storage, Any]], *, launch: bool = False
+                    ) -> list[tuple[_Storage, Any]]:
         """The candidates nothing outside the saved activations references; the rest stay on
-        the device, counted in the stats (with a warning: that memory is not saved)."""
+        the device, counted in the stats (with a warning: that memory is not saved). At a
+        ``launch``, one whose earlier copy is still queued passes unchecked: that copy may
+        hold it (the CPU platform's does), so :meth:`wait_offload` checks it after."""
         moving, kept = [], []
         for entry, storage in candidates:
-            if referenced_elsewhere(entry.holders()):
+            queued = launch and entry.copying is not None and not entry.copying.query()
+            if not queued and referenced_elsewhere(entry.holders()):
                 kept.append(entry)
             else:
                 moving.append((entry, storage))
@@ -526,7 +549,7 @@ class SwapManager:
                 candidates = self._swappable(group)
                 with self.platform.stream(self._d2h):
                     for entry, storage in (candidates if copy_referenced
-                                           else self._releasable(candidates)):
+                                           else self._releasable(candidates, launch=True)):
                         entry.host = self._pool.acquire(entry.nbytes)
                         taken.append(entry)
                         self.platform.copy_(entry.host.view, entry.bytes_tensor(storage))
