@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 from pipeswap.runtime.comm import BoundaryMeta, Transfer, Transport
 from pipeswap.runtime.errors import PipelineCommError, PipelineSetupError
 from pipeswap.runtime.stage import PipelineStage, output_meta
-from pipeswap.schedule import Step, StepType
+from pipeswap.schedule import Step
 from pipeswap.schedule.steps import SENDS
 
 if TYPE_CHECKING:

@@ -4,14 +4,11 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from pipeswap.schedule import ChunkKey
 from pipeswap.swap import SwapManager
 from pipeswap.swap.layers import LayerChain
-
-if TYPE_CHECKING:
-    import torch
 
 
 class SwapSession:

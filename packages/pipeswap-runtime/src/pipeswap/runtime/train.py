@@ -34,6 +34,7 @@ from pipeswap.schedule.build import V_SHAPED
 
 if TYPE_CHECKING:
     from pipeswap.platform import AllocationPeak
+    from pipeswap.runtime.replay import Replay
 
 MODES = ("no-swap", "swap")
 MODELS = ("gpt", "llama")
@@ -307,7 +308,7 @@ def build_stages(config: TrainConfig, vocab: int, placement: tuple[int, ...], pp
 
 
 def replay_of(config: TrainConfig, vocab: int, placement: tuple[int, ...], inputs: Any,
-              device: Any) -> Any:
+              device: Any) -> Replay:
     """What the executor needs to replay ``config.replay_rank``: every stage's layer count and
     what crosses into its stages from other ranks, found by dry runs of the stages before
     them on one microbatch of ``inputs``, each stage built on ``device`` alone and dropped

@@ -233,10 +233,10 @@ class _Stream:
     def replace(self, owner: ChunkKey, new: Sequence[_Copy]) -> None:
         self.copies = sorted([*(c for c in self.copies if c.owner != owner), *new])
         self.ends, self.index, free = [], {}, 0.0
-        for index, copy in enumerate(self.copies):
-            free = max(copy.release, free) + copy.duration
+        for index, queued in enumerate(self.copies):
+            free = max(queued.release, free) + queued.duration
             self.ends.append(free)
-            self.index.setdefault(copy.owner, []).append(index)
+            self.index.setdefault(queued.owner, []).append(index)
 
     def offload_ends(self, owner: ChunkKey) -> dict[int, float]:
         """When each of ``owner``'s offloads ends, by layer."""
@@ -247,9 +247,9 @@ class _Stream:
                       ) -> list[tuple[_Copy, float]]:
         """Every copy and its end once ``owner``'s copies are ``new``."""
         out, free = [], 0.0
-        for copy in sorted([*(c for c in self.copies if c.owner != owner), *new]):
-            free = max(copy.release, free) + copy.duration
-            out.append((copy, free))
+        for queued in sorted([*(c for c in self.copies if c.owner != owner), *new]):
+            free = max(queued.release, free) + queued.duration
+            out.append((queued, free))
         return out
 
 
