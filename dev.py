@@ -14,22 +14,30 @@ defined in pyproject.toml; after `setup`, `.venv/bin/hatch ...` works directly t
 
 commands:
   setup              create .venv, install hatch and uv, fetch the torch wheel (idempotent)
-  test               the full check, phases in order, stopping at the first failure:
+  test               the everyday check (<= 5 min on 2 cores, set-up included), phases in
+                     order, stopping at the first failure:
                        a. layout: no packages/*/src/pipeswap/__init__.py (PEP 420), py.typed
-                          and __about__.py in every package, unique test file names
-                       b. `hatch test`: the whole suite, all packages installed together
+                          and __about__.py in every package, unique test file names, no
+                          source module over 600 lines
+                       b. `hatch test -m "not multiprocess or everyday"`: every test that
+                          starts no process, and the few multi-process ones marked everyday
+                          (1F1B with swap bit-identical, a failure and recover, FSDP x DP)
                        c. `hatch run types`: mypy --strict over all packages as one program
-                       d. `hatch run pkg:test`, `hatch run pkg:types`: each package alone,
-                          with only the siblings it declares
+  test --full        everything, each test once (<= 15 min on 2 cores; what CI runs):
+                       a. layout, as above
+                       b. `hatch test`: the whole suite, every multi-process case included
+                       c. `hatch run types`
+                       d. each package alone, in a Hatch env with only the siblings it
+                          declares: every module imports (pipeswap-schedule with torch
+                          absent) and `mypy --strict` passes
                        e. build every package (sdist + wheel) into dist/, install the wheels
                           into a fresh venv, import them, run `pipeswap-schedule --help`,
-                          `pipeswap-train --help`, the distribution tests and one
-                          multi-process training run against them (the multi-process
-                          suite runs once, in b)
+                          `pipeswap-train --help` and a short two-rank training run
                      Hatch envs are deleted first on CI (CI=true) and whenever a
                      pyproject.toml or __about__.py changed since they were built.
-  test ARGS...       only phase b, with ARGS passed to pytest
-                     (e.g. `python3 dev.py test -k hygiene -x`)
+  test [--full] -- ARGS...
+                     only phase b (of that tier), with ARGS passed to pytest
+                     (e.g. `python3 dev.py test -- -k hygiene -x`)
   demo [ARGS...]     the main job: `pipeswap-train` in the default env (a small GPT trained
                      on 4 CPU ranks with 1F1B, without and with swap, then compared);
                      ARGS go to pipeswap-train (`python3 dev.py demo -- --help`)
@@ -84,6 +92,7 @@ BENCHMARKS = ["benchmarks/schedule_passes.py", "benchmarks/simulate_schedules.py
               "benchmarks/pytorch_lowering.py", "benchmarks/swap_overhead.py",
               "benchmarks/layer_offload.py", "benchmarks/train_step.py",
               "benchmarks/executor_vs_torch.py"]
+MAX_MODULE_LINES = 600  # a source module past this is doing more than one job
 DEMO = ["pipeswap-train"]  # 1F1B on 4 spawned CPU ranks, without and with swap, compared
 
 
@@ -234,6 +243,11 @@ def check_layout() -> None:
                 f"test file name {test_file.name} is used twice: {first.relative_to(ROOT)} and "
                 f"{test_file.relative_to(ROOT)}; give each a name unique in the repository"
             )
+    for module in sorted(ROOT.glob("packages/*/src/pipeswap/**/*.py")):
+        lines = len(module.read_text().splitlines())
+        if lines > MAX_MODULE_LINES:
+            problems.append(f"{module.relative_to(ROOT)} has {lines} lines; split it by job "
+                            f"into modules of at most {MAX_MODULE_LINES}")
     if len(package_dirs()) != 4:
         problems.append(f"expected 4 packages under packages/, found {[p.name for p in package_dirs()]}")
     for problem in problems:
@@ -243,8 +257,37 @@ def check_layout() -> None:
     print(f"  layout ok: {len(package_dirs())} packages, {len(test_files)} test files")
 
 
+# Run in each package's own env: every module imports with only the declared siblings
+# installed, and an undeclared sibling is really absent (so a stray import would have failed).
+ISOLATION_PROBE = """
+import importlib, os, pkgutil, sys
+name = sys.argv[1]
+declared = set(sys.argv[2].split(",")) - {""}
+if os.environ.get("PIPESWAP_EXPECT_NO_TORCH"):
+    for blocked in ("torch", "numpy"):
+        sys.modules[blocked] = None  # an import of it now fails
+package = importlib.import_module(f"pipeswap.{name}")
+modules = [info.name for info in pkgutil.walk_packages(package.__path__, package.__name__ + ".")]
+for module in modules:
+    importlib.import_module(module)
+for sibling in {"schedule", "platform", "swap", "runtime"} - declared - {name}:
+    try:
+        importlib.import_module(f"pipeswap.{sibling}")
+    except ImportError:
+        continue
+    raise SystemExit(f"pipeswap.{sibling} is importable in the env of pipeswap-{name}, "
+                     "which does not declare it")
+print(f"  pipeswap.{name}: {len(modules) + 1} modules import with only "
+      f"{sorted(declared) or 'no sibling'} beside it")
+"""
+# The siblings each package declares (pyproject.toml's pkg matrix installs the same).
+DECLARED = {"schedule": [], "platform": [], "swap": ["platform"],
+            "runtime": ["schedule", "platform", "swap"]}
+
+
 def check_each_package() -> None:
-    hatch("run", "pkg:test")
+    for name, siblings in DECLARED.items():
+        hatch("run", f"+pkg={name}", "pkg:python", "-c", ISOLATION_PROBE, name, ",".join(siblings))
     hatch("run", "pkg:types")
 
 
@@ -256,7 +299,7 @@ def check_wheels() -> None:
     shutil.rmtree(WHEEL_CHECK_VENV, ignore_errors=True)
     run([BIN / "uv", "venv", "-q", "--python", BIN / "python", WHEEL_CHECK_VENV], env=tools_env())
     python = WHEEL_CHECK_VENV / "bin" / "python"
-    run([BIN / "uv", "pip", "install", "-q", "--python", python, *wheels, PYTEST], env=tools_env())
+    run([BIN / "uv", "pip", "install", "-q", "--python", python, *wheels], env=tools_env())
     probe = (
         "import importlib, importlib.metadata as md, sys\n"
         "from pathlib import Path\n"
@@ -270,10 +313,10 @@ def check_wheels() -> None:
     run([python, "-c", probe], label=f"{python} -c <import all four, no nvidia-*, torch {TORCH}>")
     run([WHEEL_CHECK_VENV / "bin" / "pipeswap-schedule", "--help"])
     run([WHEEL_CHECK_VENV / "bin" / "pipeswap-train", "--help"])
-    # The installed wheels: their metadata and namespace, and one multi-process run of the
-    # training job end to end. The multi-process suite itself runs once, in phase b.
-    run([python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_distributions.py",
-         "tests/test_train_cli.py::test_spawned_run_prints_the_json_contract"])
+    # One short multi-process run from the installed wheels (the suite itself ran in phase b,
+    # against the editable packages): the bundled corpus, spawn and the entry point.
+    run([WHEEL_CHECK_VENV / "bin" / "pipeswap-train", "--ranks", "2", "--microbatches", "2",
+         "--batch-size", "4", "--seq-len", "16", "--width", "32", "--steps", "1", "--json"])
 
 
 def suite_tally() -> str:
@@ -287,17 +330,28 @@ def suite_tally() -> str:
     return f"{passed} passed, {failed} failed, {count['skipped']} skipped"
 
 
-def test(pytest_args: list[str]) -> None:
+EVERYDAY = "not multiprocess or everyday"  # pytest -m: what `dev.py test` runs of the suite
+
+
+def test(options: list[str]) -> None:
+    full = bool(options) and options[0] == "--full"
+    pytest_args = options[1:] if full else options
+    if pytest_args and pytest_args[0] == "--":
+        pytest_args = pytest_args[1:]
     setup()
     SUITE_REPORT.unlink(missing_ok=True)
-    test_args = ["--", f"--junit-xml={SUITE_REPORT}", *pytest_args]
+    selection = [] if full else ["-m", EVERYDAY]
+    test_args = ["--", f"--junit-xml={SUITE_REPORT}", *selection, *pytest_args]
+    tier = "full" if full else "everyday"
     phases: list[tuple[str, Callable[[], None]]] = [
         ("a. layout", check_layout),
-        ("b. hatch test (whole suite)", lambda: hatch("test", *test_args)),
+        (f"b. hatch test ({'whole suite' if full else EVERYDAY})",
+         lambda: hatch("test", *test_args)),
         ("c. hatch run types", lambda: hatch("run", "types")),
-        ("d. each package alone", check_each_package),
-        ("e. built wheels", check_wheels),
     ]
+    if full:
+        phases += [("d. each package alone", check_each_package),
+                   ("e. built wheels", check_wheels)]
     if pytest_args:
         say(f"pytest arguments given: running phase b only, with {shlex.join(pytest_args)}")
         phases = [phases[1]]
@@ -315,11 +369,11 @@ def test(pytest_args: list[str]) -> None:
                 raise
             timings.append((name, time.monotonic() - start, "ok"))
     finally:
-        print("\n===== summary =====")
+        print(f"\n===== summary ({tier} tier) =====")
         for name, seconds, status in timings:
             print(f"  {status:6} {seconds:7.1f}s  {name}")
         print(f"  total  {sum(s for _, s, _ in timings):7.1f}s")
-        if SUITE_REPORT.exists():  # the whole suite's count, as the last line
+        if SUITE_REPORT.exists():  # the suite's count, as the last line
             print(f"tests: {suite_tally()}")
 
 

@@ -17,7 +17,6 @@ in the odd steps; step time is the median over the even steps (the profiler slow
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import datetime
 import sys
 from pathlib import Path
@@ -37,21 +36,17 @@ SECTION = "## Training step, swap vs no swap (`benchmarks/train_step.py`)"
 def cases(base: TrainConfig) -> dict[str, TrainConfig]:
     return {
         # the default policy picks each chunk's granularity; the next two force one
-        "1F1B P=4 M=8": dataclasses.replace(base, schedule="1f1b", ranks=4, microbatches=8),
-        "1F1B P=4 M=8, whole chunks only": dataclasses.replace(
-            base, schedule="1f1b", ranks=4, microbatches=8, swap_granularity="chunk"),
-        "1F1B P=4 M=8, every chunk streamed": dataclasses.replace(
-            base, schedule="1f1b", ranks=4, microbatches=8, swap_granularity="layer"),
-        "Interleaved 1F1B P=2 V=2 M=8": dataclasses.replace(
-            base, schedule="interleaved-1f1b", ranks=2, stages_per_rank=2, microbatches=8),
-        "ZBV P=2 M=8": dataclasses.replace(base, schedule="zbv", ranks=2, stages_per_rank=2,
+        "1F1B P=4 M=8": base.but(schedule="1f1b", ranks=4, microbatches=8),
+        "1F1B P=4 M=8, whole chunks only": base.but(schedule="1f1b", ranks=4, microbatches=8, granularity="chunk"),
+        "1F1B P=4 M=8, every chunk streamed": base.but(schedule="1f1b", ranks=4, microbatches=8, granularity="layer"),
+        "Interleaved 1F1B P=2 V=2 M=8": base.but(schedule="interleaved-1f1b", ranks=2, stages_per_rank=2, microbatches=8),
+        "ZBV P=2 M=8": base.but(schedule="zbv", ranks=2, stages_per_rank=2,
                                            microbatches=8),
-        "DualPipeV P=2 M=8": dataclasses.replace(base, schedule="dualpipev", ranks=2,
+        "DualPipeV P=2 M=8": base.but(schedule="dualpipev", ranks=2,
                                                  stages_per_rank=2, microbatches=8),
         # two replicas of the interleaved case, stages sharded with FSDP2: each replica has
         # half the batch, so half the activations a rank
-        "Interleaved 1F1B P=2 V=2 M=8 x DP=2, FSDP": dataclasses.replace(
-            base, schedule="interleaved-1f1b", ranks=2, stages_per_rank=2, microbatches=8,
+        "Interleaved 1F1B P=2 V=2 M=8 x DP=2, FSDP": base.but(schedule="interleaved-1f1b", ranks=2, stages_per_rank=2, microbatches=8,
             dp=2, fsdp=True),
     }
 
@@ -65,21 +60,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seq-len", type=int, default=128, help="tokens per sequence")
     parser.add_argument("--write", action="store_true", help="record results in BENCHMARKS.md")
     args = parser.parse_args(argv)
-    base = TrainConfig(steps=args.steps, batch_size=16, seq_len=args.seq_len, width=args.width,
+    base = TrainConfig.of(steps=args.steps, batch_size=16, seq_len=args.seq_len, width=args.width,
                        device=args.device, verbose=False, timeout_s=300)
     rows = []
     for name, config in cases(base).items():
         print(f"{name} ...", file=sys.stderr, flush=True)
-        summary = summarize(config, spawn(run_rank, config.world, config,
-                                          backend=backend_for(config.device),
-                                          timeout_s=config.timeout_s))
+        summary = summarize(config, spawn(run_rank, config.parallel.world, config,
+                                          backend=backend_for(config.training.device),
+                                          timeout_s=config.job.timeout_s))
         for entry in summary["per_rank"]:
             plain, swap = entry["peak_activation_bytes_no_swap"], entry["peak_activation_bytes_swap"]
             a_plain = entry["peak_allocated_bytes_no_swap"]
             a_swap = entry["peak_allocated_bytes_swap"]
             t_plain, t_swap = entry["step_time_s_no_swap"], entry["step_time_s_swap"]
             rank = str(entry["rank"])
-            if config.dp > 1:
+            if config.parallel.dp > 1:
                 rank += f" (pp {entry['pp_rank']}, dp {entry['dp_rank']})"
             rows.append(
                 f"| {name} | {rank} | {entry['swapped_chunks']} "
@@ -87,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"{plain / 2**20:.2f} MiB | {swap / 2**20:.2f} MiB | {1 - swap / plain:.0%} | "
                 f"{a_plain / 2**20:.2f} MiB | {a_swap / 2**20:.2f} MiB | "
                 f"{1 - a_swap / a_plain:.0%} | "
-                f"{entry['bytes_offloaded'] / 2**20 / config.steps:.1f} MiB | "
+                f"{entry['bytes_offloaded'] / 2**20 / config.training.steps:.1f} MiB | "
                 f"{t_plain * 1e3:.0f} ms | {t_swap * 1e3:.0f} ms | {t_swap / t_plain:.2f}x |")
         rows.append(f"| {name}: losses with and without swap "
                     f"{'bit-identical' if summary['losses_match'] else 'DIFFER'} | | | | | | | | "

@@ -3,7 +3,6 @@ replicas with FSDP2), save part way, and resume in fresh processes from the chec
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,9 +17,9 @@ from pipeswap.runtime.model import lm_loss
 from pipeswap.runtime.train import TrainConfig, build_stages
 from pipeswap.schedule import ScheduleKind, ScheduleSpec, build_schedule
 
-PP = TrainConfig(ranks=2, microbatches=4, steps=4, batch_size=8, seq_len=16, width=32,
+PP = TrainConfig.of(ranks=2, microbatches=4, steps=4, batch_size=8, seq_len=16, width=32,
                  verbose=False, timeout_s=30)
-PP_DP = dataclasses.replace(PP, dp=2, fsdp=True)
+PP_DP = PP.but(dp=2, fsdp=True)
 SAVED_AT = 2  # the interrupted run saves after this many steps
 
 
@@ -36,28 +35,28 @@ class Job:
 
 def _job(rank: int, config: TrainConfig, model_seed: int, run: bool = True) -> Job:
     """Stages of a model built from ``model_seed`` (the data always comes from
-    ``config.seed``), AdamW over them, and (``run``) an executor."""
+    ``config.training.seed``), AdamW over them, and (``run``) an executor."""
     mesh = None
-    if config.meshed:
+    if config.parallel.meshed:
         from torch.distributed.device_mesh import init_device_mesh
 
-        mesh = init_device_mesh("cpu", (config.ranks, config.dp), mesh_dim_names=("pp", "dp"))
-    pp_rank, dp_rank = divmod(rank, config.dp)
+        mesh = init_device_mesh("cpu", (config.parallel.ranks, config.parallel.dp), mesh_dim_names=("pp", "dp"))
+    pp_rank, dp_rank = divmod(rank, config.parallel.dp)
     corpus = Corpus.bundled()
-    spec = ScheduleSpec(ScheduleKind(config.schedule), ranks=config.ranks,
-                        microbatches=config.microbatches, stages_per_rank=config.stages_per_rank,
-                        fsdp=config.fsdp)
-    stages = build_stages(dataclasses.replace(config, seed=model_seed), len(corpus.vocab),
+    spec = ScheduleSpec(ScheduleKind(config.parallel.schedule), ranks=config.parallel.ranks,
+                        microbatches=config.parallel.microbatches, stages_per_rank=config.parallel.stages_per_rank,
+                        fsdp=config.parallel.fsdp)
+    stages = build_stages(config.but(seed=model_seed), len(corpus.vocab),
                           build_schedule(spec).stage_ranks, pp_rank, mesh, torch.device("cpu"))
     optimizer = torch.optim.AdamW([p for s in stages for p in s.module.parameters()],
-                                  lr=config.lr)
-    executor = PipelineExecutor(stages, spec, config.microbatches, lm_loss,
+                                  lr=config.training.lr)
+    executor = PipelineExecutor(stages, spec, config.parallel.microbatches, lm_loss,
                                 mesh=mesh) if run else None
-    rows = slice(dp_rank * config.batch_size // config.dp,
-                 (dp_rank + 1) * config.batch_size // config.dp)
+    rows = slice(dp_rank * config.training.batch_size // config.parallel.dp,
+                 (dp_rank + 1) * config.training.batch_size // config.parallel.dp)
     data = [(x[rows], y[rows]) for x, y in
-            batches(corpus.encode(), config.batch_size, config.seq_len, config.steps,
-                    config.seed)]
+            batches(corpus.encode(), config.training.batch_size, config.model.seq_len, config.training.steps,
+                    config.training.seed)]
     return Job(stages, optimizer, executor, data)
 
 
@@ -83,16 +82,16 @@ def _params(stages: list[PipelineStage]) -> dict[str, torch.Tensor]:
 
 def train_and_save(rank: int, world_size: int, config: TrainConfig, directory: Path
                    ) -> dict[str, Any]:
-    """The uninterrupted run of ``config.steps`` steps, then, from the same weights, a run
+    """The uninterrupted run of ``config.training.steps`` steps, then, from the same weights, a run
     that saves after 1 and after ``SAVED_AT`` steps (each rank's generators set apart), having
     tried to save before its first step."""
     torch.set_num_threads(1)
     torch.manual_seed(100 + rank)
     torch.rand(rank + 1)
-    job = _job(rank, config, config.seed)
+    job = _job(rank, config, config.training.seed)
     losses = _train(job, job.data)
     params = _params(job.stages)
-    job = _job(rank, config, config.seed)
+    job = _job(rank, config, config.training.seed)
     try:
         save_checkpoint(directory, step=0, stages=job.stages, optimizer=job.optimizer,
                         data_position=0)
@@ -114,7 +113,7 @@ def resume(rank: int, world_size: int, config: TrainConfig, directory: Path,
     torch.set_num_threads(1)
     refused = {name: _refused(rank, other, path) for name, (other, path) in refusals.items()}
     torch.manual_seed(7)  # the same generators on every rank until the load
-    job = _job(rank, config, config.seed + 1)
+    job = _job(rank, config, config.training.seed + 1)
     built = _params(job.stages)
     point = load_checkpoint(directory, stages=job.stages, optimizer=job.optimizer)
     rng = torch.get_rng_state()
@@ -129,7 +128,7 @@ def resume(rank: int, world_size: int, config: TrainConfig, directory: Path,
 def _refused(rank: int, config: TrainConfig, directory: Path) -> dict[str, Any]:
     """Load ``directory`` into a job built from ``config`` (no executor: the checks come
     before anything runs); the error this rank saw, and how long it took to come."""
-    job = _job(rank, config, config.seed, run=False)
+    job = _job(rank, config, config.training.seed, run=False)
     start = time.perf_counter()
     try:
         load_checkpoint(directory, stages=job.stages, optimizer=job.optimizer)

@@ -25,7 +25,7 @@ from pipeswap.runtime.model import lm_loss
 from pipeswap.runtime.train import TrainConfig, build_stages
 from pipeswap.schedule import MinGapPolicy, ScheduleKind, ScheduleSpec, StepType, build_schedule
 
-CONFIG = TrainConfig(schedule="interleaved-1f1b", ranks=2, dp=2, fsdp=True, stages_per_rank=4,
+CONFIG = TrainConfig.of(schedule="interleaved-1f1b", ranks=2, dp=2, fsdp=True, stages_per_rank=4,
                      microbatches=4, batch_size=8, seq_len=16, width=32, verbose=False)
 
 
@@ -37,20 +37,20 @@ def _executor(rank: int, by_groups: bool = False
     from torch.distributed.device_mesh import init_device_mesh
 
     torch.set_num_threads(1)
-    mesh = init_device_mesh("cpu", (CONFIG.ranks, CONFIG.dp), mesh_dim_names=("pp", "dp"))
-    pp_rank, dp_rank = divmod(rank, CONFIG.dp)
+    mesh = init_device_mesh("cpu", (CONFIG.parallel.ranks, CONFIG.parallel.dp), mesh_dim_names=("pp", "dp"))
+    pp_rank, dp_rank = divmod(rank, CONFIG.parallel.dp)
     corpus = Corpus.bundled()
-    spec = ScheduleSpec(ScheduleKind(CONFIG.schedule), ranks=CONFIG.ranks,
-                        microbatches=CONFIG.microbatches, stages_per_rank=CONFIG.stages_per_rank,
+    spec = ScheduleSpec(ScheduleKind(CONFIG.parallel.schedule), ranks=CONFIG.parallel.ranks,
+                        microbatches=CONFIG.parallel.microbatches, stages_per_rank=CONFIG.parallel.stages_per_rank,
                         fsdp=True, swap=True)
     stages = build_stages(CONFIG, len(corpus.vocab), build_schedule(spec).stage_ranks,
                           pp_rank, mesh, torch.device("cpu"))
     executor = PipelineExecutor(
-        stages, spec, CONFIG.microbatches, lm_loss, swap_policy=MinGapPolicy(),
+        stages, spec, CONFIG.parallel.microbatches, lm_loss, swap_policy=MinGapPolicy(),
         **({"dp_group": mesh.get_group("dp")} if by_groups else {"mesh": mesh}))
-    half = CONFIG.batch_size // CONFIG.dp
+    half = CONFIG.training.batch_size // CONFIG.parallel.dp
     data = [t[dp_rank * half:(dp_rank + 1) * half] for pair in
-            batches(corpus.encode(), CONFIG.batch_size, CONFIG.seq_len, 2, 0) for t in pair]
+            batches(corpus.encode(), CONFIG.training.batch_size, CONFIG.model.seq_len, 2, 0) for t in pair]
     return executor, stages, tuple(data)
 
 

@@ -15,10 +15,12 @@ from pathlib import Path
 import pytest
 import torch
 
+pytestmark = pytest.mark.multiprocess  # starts processes: the full tier only, unless marked everyday
+
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 
 
-@pytest.mark.slow  # the stress tests, copies, and two one-rank replays: ~40 s on 2 cores
+# the stress tests, copies, and two one-rank replays: ~40 s on 2 cores
 def test_gpu_check_runs_every_part_on_the_cpu_platform() -> None:
     out = subprocess.run(
         [sys.executable, str(BENCHMARKS / "gpu_check.py"), "--device", "cpu", "--quick",
@@ -55,7 +57,7 @@ def test_gpu_check_explains_a_missing_accelerator() -> None:
     assert "no accelerator on this machine; pass --device cpu" in out.stderr
 
 
-@pytest.mark.slow  # two spawns (4 ranks, then 2), each rank importing torch: ~30 s on 2 cores
+# two spawns (4 ranks, then 2), each rank importing torch: ~30 s on 2 cores
 def test_executor_vs_torch_runs_and_agrees() -> None:
     out = subprocess.run(
         [sys.executable, str(BENCHMARKS / "executor_vs_torch.py"), "--quick", "--json"],

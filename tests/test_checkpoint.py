@@ -5,7 +5,6 @@ that cannot fit fail on every rank at once with the reason."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -23,14 +22,16 @@ from pipeswap.runtime.launch import spawn
 from pipeswap.runtime.train import TrainConfig
 from pipeswap_checkpoint_workers import PP, PP_DP, SAVED_AT, resume, train_and_save
 
+pytestmark = pytest.mark.multiprocess  # starts processes: the full tier only, unless marked everyday
+
 Runs = tuple[list[dict[str, Any]], list[dict[str, Any]]]  # per rank: saving run, resumed run
 
 
 def _run(config: TrainConfig, directory: Path,
          refusals: dict[str, tuple[TrainConfig, Path]]) -> Runs:
-    saved = spawn(train_and_save, config.world, config, directory, timeout_s=config.timeout_s)
-    resumed = spawn(resume, config.world, config, directory, refusals,
-                    timeout_s=config.timeout_s)
+    saved = spawn(train_and_save, config.parallel.world, config, directory, timeout_s=config.job.timeout_s)
+    resumed = spawn(resume, config.parallel.world, config, directory, refusals,
+                    timeout_s=config.job.timeout_s)
     return saved, resumed
 
 
@@ -43,10 +44,10 @@ def pipeline(tmp_path_factory: pytest.TempPathFactory) -> tuple[Runs, Path]:
     empty = tmp_path_factory.mktemp("empty")
     refusals = {
         "empty": (PP, empty),
-        "four stages": (dataclasses.replace(PP, schedule="interleaved-1f1b",
+        "four stages": (PP.but(schedule="interleaved-1f1b",
                                             stages_per_rank=2), directory),
-        "wider": (dataclasses.replace(PP, width=64), directory),
-        "deeper": (dataclasses.replace(PP, layers=6), directory),
+        "wider": (PP.but(width=64), directory),
+        "deeper": (PP.but(layers=6), directory),
     }
     return _run(PP, directory, refusals), directory
 
@@ -71,8 +72,8 @@ def _continues_exactly(runs: Runs, config: TrainConfig) -> None:
         # each rank's own generators, set apart before the save, came back
         assert torch.equal(after["rng_after_load"], before["rng_at_save"]), f"rank {rank}"
     last = [run["losses"] for run in resumed if run["losses"][0]]
-    assert len(last) == config.dp  # the last stage's rank of each replica reports losses
-    assert len({str(run["rng_at_save"].tolist()) for run in saved}) == config.world
+    assert len(last) == config.parallel.dp  # the last stage's rank of each replica reports losses
+    assert len({str(run["rng_at_save"].tolist()) for run in saved}) == config.parallel.world
 
 
 def test_pipeline_resumes_bit_for_bit(pipeline: tuple[Runs, Path]) -> None:

@@ -3,9 +3,13 @@ line (the install itself is checked by hand where a GPU is lent: see BENCHMARKS.
 
 from __future__ import annotations
 
+import pytest
+
 import subprocess
 import sys
 from pathlib import Path
+
+pytestmark = pytest.mark.multiprocess  # starts processes: the full tier only, unless marked everyday
 
 DEV = Path(__file__).resolve().parent.parent / "dev.py"
 

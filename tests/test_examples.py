@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import pytest
+
 import re
 import subprocess
 import sys
 from pathlib import Path
+
+pytestmark = pytest.mark.multiprocess  # starts processes: the full tier only, unless marked everyday
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "train_pipeline.py"
 

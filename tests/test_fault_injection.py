@@ -13,6 +13,8 @@ import pytest
 from pipeswap.runtime import spawn
 from pipeswap_e2e_workers import fault_injection
 
+pytestmark = pytest.mark.multiprocess  # starts processes: the full tier only, unless marked everyday
+
 RANKS, MICROBATCHES, FAILING = 4, 8, 1
 TIMEOUT_S = 60.0  # what each peer would wait without the failure being passed on
 
@@ -24,7 +26,6 @@ def _results() -> list[dict[str, object]]:
     return results
 
 
-@pytest.mark.slow
 def test_every_rank_fails_promptly_names_the_failed_rank_and_recovers_exactly() -> None:
     results = _results()
     assert all(result["swapped"] for result in results[:2])  # swap really ran on ranks 0-1

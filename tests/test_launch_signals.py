@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.multiprocess  # starts processes: the full tier only, unless marked everyday
+
 COMMAND = [sys.executable, "-m", "pipeswap.runtime.train", "--ranks", "2", "--microbatches",
            "2", "--batch-size", "2", "--steps", "100000", "--seq-len", "8", "--width", "16"]
 
@@ -41,7 +43,6 @@ def _alive(pids: set[int]) -> set[int]:
     return alive
 
 
-@pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT, signal.SIGKILL],
                          ids=["SIGTERM", "SIGINT", "SIGKILL"])

@@ -6,7 +6,6 @@ gathers nothing behind the schedule's back, and a failure in one replica stops b
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import json
 import subprocess
@@ -29,16 +28,19 @@ from pipeswap.schedule import SwapPolicy
 from pipeswap.schedule import ScheduleKind, ScheduleSpec, StepType, build_schedule
 from pipeswap.schedule.costs import ChunkBytes, CostModel, StageCosts
 from pipeswap.schedule.simulate import simulate
+from pipeswap_pool import POOL
 
-BASE = TrainConfig(ranks=2, dp=2, fsdp=True, microbatches=4, steps=2, batch_size=8, seq_len=16,
+pytestmark = pytest.mark.multiprocess  # starts processes: the full tier only, unless marked everyday
+
+BASE = TrainConfig.of(ranks=2, dp=2, fsdp=True, microbatches=4, steps=2, batch_size=8, seq_len=16,
                    width=32, policy="gap", keep_grads=True, verbose=False)
 CASES = {
     # the peak policy streams two of rank 0's chunks here (neither the gap rule nor whole
     # chunks would swap any on 1F1B with P=2 M=4)
-    "1f1b": dataclasses.replace(BASE, policy="peak", swap_granularity="layer"),
+    "1f1b": BASE.but(policy="peak", granularity="layer"),
     # four stages a rank: the FSDP window (three) evicts and gathers again, so reloads are
     # anchored to those gathers, and the gap rule swaps
-    "interleaved-1f1b": dataclasses.replace(BASE, schedule="interleaved-1f1b",
+    "interleaved-1f1b": BASE.but(schedule="interleaved-1f1b",
                                             stages_per_rank=4),
 }
 
@@ -49,24 +51,26 @@ def _trained(case: str, data_parallel: bool = True) -> list[dict[str, ModeResult
     with unsharded stages and the same global batch."""
     config = CASES[case]
     if not data_parallel:
-        config = dataclasses.replace(config, dp=1, fsdp=False)
-    results: list[dict[str, ModeResult]] = spawn(run_rank, config.world, config,
-                                                 timeout_s=config.timeout_s)
+        config = config.but(dp=1, fsdp=False)
+    results: list[dict[str, ModeResult]] = POOL.run(run_rank, config.parallel.world, config,
+                                                 timeout_s=config.job.timeout_s)
     return results
 
 
 def _policy(config: TrainConfig) -> SwapPolicy | None:
-    return swap_policy(config.policy, stage_layer_counts(config, len(Corpus.bundled().vocab)),
-                       config.swap_granularity)
+    return swap_policy(config.swap.policy, stage_layer_counts(config, len(Corpus.bundled().vocab)),
+                       config.swap.granularity)
 
 
 def _spec(config: TrainConfig) -> ScheduleSpec:
-    return ScheduleSpec(ScheduleKind(config.schedule), ranks=config.ranks,
-                        microbatches=config.microbatches, stages_per_rank=config.stages_per_rank,
-                        fsdp=config.fsdp, swap=True)
+    return ScheduleSpec(ScheduleKind(config.parallel.schedule), ranks=config.parallel.ranks,
+                        microbatches=config.parallel.microbatches, stages_per_rank=config.parallel.stages_per_rank,
+                        fsdp=config.parallel.fsdp, swap=True)
 
 
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize(
+    "case", [pytest.param(name, marks=[pytest.mark.everyday] if name == "1f1b" else [])
+             for name in CASES])
 def test_swap_is_exact_and_the_replicas_train_as_one_pipeline(case: str) -> None:
     config = CASES[case]
     per_rank, alone = _trained(case), _trained(case, data_parallel=False)
@@ -82,8 +86,8 @@ def test_swap_is_exact_and_the_replicas_train_as_one_pipeline(case: str) -> None
         assert set(swap.groups_alive_after_step) == {0}
         assert set(swap.host_bytes_in_use_after_step) == {0}
     if case == "1f1b":  # swap really ran: pipeline rank 0 streams, in both replicas
-        assert all(per_rank[rank]["swap"].streamed_chunks > 0 for rank in range(config.dp))
-        assert all(per_rank[rank]["swap"].bytes_offloaded > 0 for rank in range(config.dp))
+        assert all(per_rank[rank]["swap"].streamed_chunks > 0 for rank in range(config.parallel.dp))
+        assert all(per_rank[rank]["swap"].bytes_offloaded > 0 for rank in range(config.parallel.dp))
     if case == "interleaved-1f1b":  # swap really ran, loads anchored to re-gathers included
         assert all(result["swap"].bytes_offloaded > 0 for result in per_rank)
         order = build_schedule(_spec(config), _policy(config)).orders[0]
@@ -92,19 +96,19 @@ def test_swap_is_exact_and_the_replicas_train_as_one_pipeline(case: str) -> None
 
     # Each step's loss (the mean over both replicas' microbatches) is the pipeline-only run's
     # on the same global batch.
-    reference = summarize(dataclasses.replace(config, dp=1, fsdp=False), alone)
+    reference = summarize(config.but(dp=1, fsdp=False), alone)
     for mode in ("no-swap", "swap"):
         torch.testing.assert_close(summary["losses"][mode], reference["losses"][mode],
                                    rtol=1e-5, atol=0)
     # Each rank's gradient shard is its part (FSDP shards dim 0 as torch.chunk does) of the
     # pipeline-only gradient, averaged over the replicas by FSDP's reduce-scatter.
     for rank, result in enumerate(per_rank):
-        pp_rank, dp_rank = divmod(rank, config.dp)
+        pp_rank, dp_rank = divmod(rank, config.parallel.dp)
         full = alone[pp_rank]["no-swap"].grads
         assert full is not None and result["no-swap"].grads is not None
         assert result["no-swap"].grads.keys() == full.keys()
         for name, shard in result["no-swap"].grads.items():
-            want = full[name].chunk(config.dp, dim=0)[dp_rank]
+            want = full[name].chunk(config.parallel.dp, dim=0)[dp_rank]
             torch.testing.assert_close(shard, want, rtol=1e-4, atol=1e-6)
 
 
@@ -116,7 +120,7 @@ def test_sharded_parameters_take_half_the_memory(case: str) -> None:
     per_rank, alone = _trained(case), _trained(case, data_parallel=False)
     for rank, result in enumerate(per_rank):
         sharded = result["no-swap"].parameter_bytes
-        whole = alone[rank // CASES[case].dp]["no-swap"].parameter_bytes
+        whole = alone[rank // CASES[case].parallel.dp]["no-swap"].parameter_bytes
         assert sharded is not None and whole is not None and whole > 0
         assert 0.45 <= sharded / whole <= 0.55, (rank, sharded, whole)
 
@@ -130,7 +134,7 @@ def test_the_simulator_predicts_activations_plus_gathered_parameters(case: str) 
     config = CASES[case]
     per_rank = _trained(case)
     schedule = build_schedule(_spec(config), _policy(config))
-    replica = [result for rank, result in enumerate(per_rank) if rank % config.dp == 0]
+    replica = [result for rank, result in enumerate(per_rank) if rank % config.parallel.dp == 0]
     chunks = {key: ChunkBytes(held, pinned=held - movable, layers=tuple(
                   ChunkBytes(h, pinned=h - m) for h, m in result["swap"].layer_bytes.get(key, ())))
               for result in replica for key, (held, movable) in
@@ -154,7 +158,7 @@ def test_the_simulator_predicts_activations_plus_gathered_parameters(case: str) 
 def test_fsdp_runs_only_the_schedule_collectives_and_never_offloads_parameters() -> None:
     from pipeswap_fsdp_workers import collectives_of_a_step
 
-    for counts in spawn(collectives_of_a_step, 4, timeout_s=60):
+    for counts in POOL.run(collectives_of_a_step, 4, timeout_s=60):
         assert counts["all_gathers"] == counts["unshard_gathers"] > 0, counts
         assert counts["reduce_scatters"] == counts["reduce_grad_scatters"] > 0, counts
         assert counts["loads_at_unshard"] > 0, counts
@@ -183,11 +187,10 @@ def test_replicas_without_fsdp_are_refused() -> None:
     """Nothing would average unsharded replicas' gradients: every rank refuses to build."""
     from pipeswap_fsdp_workers import replicas_without_fsdp
 
-    for message in spawn(replicas_without_fsdp, 2, timeout_s=60):
+    for message in POOL.run(replicas_without_fsdp, 2, timeout_s=60):
         assert "2 data-parallel replicas but no stage is sharded" in message, message
 
 
-@pytest.mark.slow
 def test_the_command_reports_every_pp_dp_rank() -> None:
     """The README's command: 2 pipeline ranks x 2 replicas with FSDP, JSON per rank."""
     done = subprocess.run(

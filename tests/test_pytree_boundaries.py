@@ -11,7 +11,9 @@ from typing import Any
 import pytest
 import torch
 
-from pipeswap.runtime.launch import spawn
+from pipeswap_pool import POOL
+
+pytestmark = pytest.mark.multiprocess  # starts processes: the full tier only, unless marked everyday
 
 SCHEDULES = ["interleaved-1f1b", "zbv"]  # zbv: I/W split, and a local hand-over on rank 1
 
@@ -20,7 +22,7 @@ SCHEDULES = ["interleaved-1f1b", "zbv"]  # zbv: I/W split, and a local hand-over
 def _run(schedule: str, swap: bool) -> list[dict[str, Any]]:
     from pipeswap_pytree_workers import train
 
-    results: list[dict[str, Any]] = spawn(train, 2, schedule, swap, timeout_s=60)
+    results: list[dict[str, Any]] = POOL.run(train, 2, schedule, swap, timeout_s=60)
     return results
 
 

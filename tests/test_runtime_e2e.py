@@ -11,7 +11,6 @@ never raises it), and that every step ends with no swap group alive and no host 
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import re
 
@@ -31,63 +30,62 @@ from pipeswap.runtime.train import (
 from pipeswap.schedule import ScheduleKind, ScheduleSpec, Step, StepType, build_schedule
 from pipeswap.schedule.costs import ChunkBytes, CostModel, StageCosts
 from pipeswap.schedule.simulate import simulate
+from pipeswap_pool import POOL
 
-BASE = TrainConfig(steps=2, batch_size=8, seq_len=16, width=32, verbose=False, keep_grads=True,
+pytestmark = pytest.mark.multiprocess  # starts processes: the full tier only, unless marked everyday
+
+BASE = TrainConfig.of(steps=2, batch_size=8, seq_len=16, width=32, verbose=False, keep_grads=True,
                    timeout_s=60)
 CASES = {
-    "gpipe P2 M4": dataclasses.replace(BASE, schedule="gpipe", ranks=2, microbatches=4),
-    "gpipe P2 M4 batched p2p": dataclasses.replace(BASE, schedule="gpipe", ranks=2,
+    "gpipe P2 M4": BASE.but(schedule="gpipe", ranks=2, microbatches=4),
+    "gpipe P2 M4 batched p2p": BASE.but(schedule="gpipe", ranks=2,
                                                    microbatches=4, batch_p2p=True),
-    "interleaved P2 V2 M4": dataclasses.replace(
-        BASE, schedule="interleaved-1f1b", ranks=2, stages_per_rank=2, microbatches=4),
-    "interleaved P2 V2 M4 overlap": dataclasses.replace(
-        BASE, schedule="interleaved-1f1b", ranks=2, stages_per_rank=2, microbatches=4,
+    "interleaved P2 V2 M4": BASE.but(schedule="interleaved-1f1b", ranks=2, stages_per_rank=2, microbatches=4),
+    "interleaved P2 V2 M4 overlap": BASE.but(schedule="interleaved-1f1b", ranks=2, stages_per_rank=2, microbatches=4,
         overlap_b_f=True),
-    "interleaved P2 V2 M4 overlap dxdw batched": dataclasses.replace(
-        BASE, schedule="interleaved-1f1b", ranks=2, stages_per_rank=2, microbatches=4,
+    "interleaved P2 V2 M4 overlap dxdw batched": BASE.but(schedule="interleaved-1f1b", ranks=2, stages_per_rank=2, microbatches=4,
         overlap_b_f=True, dxdw_split=True, batch_p2p=True),
-    "1f1b P4 M8": dataclasses.replace(BASE, schedule="1f1b", ranks=4, microbatches=8),
-    "looped-bfs P2 V2 M4": dataclasses.replace(BASE, schedule="looped-bfs", ranks=2,
+    "1f1b P4 M8": BASE.but(schedule="1f1b", ranks=4, microbatches=8),
+    "looped-bfs P2 V2 M4": BASE.but(schedule="looped-bfs", ranks=2,
                                                stages_per_rank=2, microbatches=4),
-    "interleaved-zb P2 V2 M4": dataclasses.replace(BASE, schedule="interleaved-zb", ranks=2,
+    "interleaved-zb P2 V2 M4": BASE.but(schedule="interleaved-zb", ranks=2,
                                                    stages_per_rank=2, microbatches=4),
-    "zbv P2 M4": dataclasses.replace(BASE, schedule="zbv", ranks=2, stages_per_rank=2,
+    "zbv P2 M4": BASE.but(schedule="zbv", ranks=2, stages_per_rank=2,
                                      microbatches=4),
-    "dualpipev P2 M4": dataclasses.replace(BASE, schedule="dualpipev", ranks=2,
+    "dualpipev P2 M4": BASE.but(schedule="dualpipev", ranks=2,
                                            stages_per_rank=2, microbatches=4),
     # MindSpore hyper-parallel's gap rule instead of the default peak policy
-    "1f1b P4 M8 gap rule": dataclasses.replace(BASE, schedule="1f1b", ranks=4, microbatches=8,
+    "1f1b P4 M8 gap rule": BASE.but(schedule="1f1b", ranks=4, microbatches=8,
                                                policy="gap"),
-    "zbv P2 M4 gap rule": dataclasses.replace(BASE, schedule="zbv", ranks=2, stages_per_rank=2,
+    "zbv P2 M4 gap rule": BASE.but(schedule="zbv", ranks=2, stages_per_rank=2,
                                               microbatches=4, policy="gap"),
     # every swapped chunk streamed layer by layer, or every one swapped whole
-    "1f1b P4 M8 streamed": dataclasses.replace(BASE, schedule="1f1b", ranks=4, microbatches=8,
-                                               swap_granularity="layer"),
-    "1f1b P4 M8 whole chunks": dataclasses.replace(BASE, schedule="1f1b", ranks=4,
-                                                   microbatches=8, swap_granularity="chunk"),
-    "interleaved P2 V2 M4 overlap dxdw streamed": dataclasses.replace(
-        BASE, schedule="interleaved-1f1b", ranks=2, stages_per_rank=2, microbatches=4,
-        overlap_b_f=True, dxdw_split=True, swap_granularity="layer"),
-    "zbv P2 M4 streamed": dataclasses.replace(BASE, schedule="zbv", ranks=2, stages_per_rank=2,
-                                              microbatches=4, swap_granularity="layer"),
+    "1f1b P4 M8 streamed": BASE.but(schedule="1f1b", ranks=4, microbatches=8,
+                                               granularity="layer"),
+    "1f1b P4 M8 whole chunks": BASE.but(schedule="1f1b", ranks=4,
+                                                   microbatches=8, granularity="chunk"),
+    "interleaved P2 V2 M4 overlap dxdw streamed": BASE.but(schedule="interleaved-1f1b", ranks=2, stages_per_rank=2, microbatches=4,
+        overlap_b_f=True, dxdw_split=True, granularity="layer"),
+    "zbv P2 M4 streamed": BASE.but(schedule="zbv", ranks=2, stages_per_rank=2,
+                                              microbatches=4, granularity="layer"),
 }
-SLOW = {"1f1b P4 M8", "1f1b P4 M8 gap rule", "1f1b P4 M8 streamed", "1f1b P4 M8 whole chunks"}
+EVERYDAY = "1f1b P4 M8"  # the case the everyday tier runs
 
 
 @functools.lru_cache(maxsize=None)
 def _trained(case: str) -> list[dict[str, ModeResult]]:
     """Each case's ranks run once; the tests below read the same results."""
     config = CASES[case]
-    results: list[dict[str, ModeResult]] = spawn(run_rank, config.ranks, config,
-                                                 timeout_s=config.timeout_s)
+    results: list[dict[str, ModeResult]] = POOL.run(run_rank, config.parallel.ranks, config,
+                                                 timeout_s=config.job.timeout_s)
     return results
 
 
 def _spec(config: TrainConfig) -> ScheduleSpec:
     return ScheduleSpec(
-        ScheduleKind(config.schedule), ranks=config.ranks, microbatches=config.microbatches,
-        stages_per_rank=config.stages_per_rank, overlap_b_f=config.overlap_b_f,
-        dxdw_split=config.dxdw_split, batch_p2p=config.batch_p2p, swap=True)
+        ScheduleKind(config.parallel.schedule), ranks=config.parallel.ranks, microbatches=config.parallel.microbatches,
+        stages_per_rank=config.parallel.stages_per_rank, overlap_b_f=config.parallel.overlap_b_f,
+        dxdw_split=config.parallel.dxdw_split, batch_p2p=config.parallel.batch_p2p, swap=True)
 
 
 def _resident_peaks(order: tuple[Step | None, ...]) -> tuple[int, int]:
@@ -124,11 +122,11 @@ def _reference(config: TrainConfig) -> tuple[float, dict[str, torch.Tensor], lis
     """Loss and gradients of the first batch on the unsplit model, one process; and the
     global parameter name of each '<stage>.<name>' the ranks report."""
     corpus = Corpus.bundled()
-    gpt = GPTConfig(vocab=len(corpus.vocab), seq_len=config.seq_len, width=config.width,
+    gpt = GPTConfig(vocab=len(corpus.vocab), seq_len=config.model.seq_len, width=config.model.width,
                     layers=config.num_layers)
-    model = build_gpt(gpt, config.seed)
-    inputs, targets = batches(corpus.encode(), config.batch_size, config.seq_len, 1,
-                              config.seed)[0]
+    model = build_gpt(gpt, config.training.seed)
+    inputs, targets = next(batches(corpus.encode(), config.training.batch_size, config.model.seq_len, 1,
+                              config.training.seed))
     loss = lm_loss(model(inputs), targets)
     loss.backward()  # type: ignore[no-untyped-call]
     names = {id(p): name for name, p in model.named_parameters()}
@@ -141,13 +139,13 @@ def _reference(config: TrainConfig) -> tuple[float, dict[str, torch.Tensor], lis
 
 
 @pytest.mark.parametrize(
-    "case", [pytest.param(name, marks=[pytest.mark.slow] if name in SLOW else [])
+    "case", [pytest.param(name, marks=[pytest.mark.everyday] if name == EVERYDAY else [])
              for name in CASES])
 def test_swap_is_exact_and_lowers_the_peak(case: str) -> None:
     config = CASES[case]
     per_rank = _trained(case)
     want_loss, want_grads, stage_names = _reference(config)
-    schedule = build_schedule(_spec(config), swap_policy(config.policy))
+    schedule = build_schedule(_spec(config), swap_policy(config.swap.policy))
     seen: set[str] = set()
     last_rank = schedule.stage_ranks[-1]
     for rank, result in enumerate(per_rank):
@@ -162,7 +160,7 @@ def test_swap_is_exact_and_lowers_the_peak(case: str) -> None:
         seen |= plain.grads.keys()
         if rank == last_rank:
             first = plain.losses[0]
-            assert len(first) == config.microbatches
+            assert len(first) == config.parallel.microbatches
             assert sum(first) / len(first) == pytest.approx(want_loss, rel=1e-5)
         # Memory: lower where the swapped order holds fewer chunks at its peak, never higher.
         with_swap, without = _resident_peaks(schedule.orders[rank])
@@ -186,21 +184,20 @@ def test_swap_is_exact_and_lowers_the_peak(case: str) -> None:
         assert plain.bytes_offloaded == 0
         # Nothing left behind after any step.
         for mode in (plain, swap):
-            assert mode.groups_alive_after_step == [0] * config.steps
-            assert mode.host_bytes_in_use_after_step == [0] * config.steps
+            assert mode.groups_alive_after_step == [0] * config.training.steps
+            assert mode.host_bytes_in_use_after_step == [0] * config.training.steps
     assert seen == set(stage_names)  # every parameter got its gradient on some rank
     assert any(result["swap"].swapped_chunks for result in per_rank)
     streamed = [result["swap"].streamed_chunks for result in per_rank]
-    if config.swap_granularity != "auto":  # forced: every swapped chunk streams, or none
+    if config.swap.granularity != "auto":  # forced: every swapped chunk streams, or none
         swapped = [result["swap"].swapped_chunks for result in per_rank]
-        assert streamed == (swapped if config.swap_granularity == "layer" else [0] * len(swapped))
+        assert streamed == (swapped if config.swap.granularity == "layer" else [0] * len(swapped))
     assert any(_resident_peaks(order)[0] < _resident_peaks(order)[1]
                for order in schedule.orders)  # the case really tests a lower peak
 
 
 @pytest.mark.parametrize(
-    "case", [pytest.param(name, marks=[pytest.mark.slow] if name in SLOW else [])
-             for name in CASES])
+    "case", list(CASES))
 def test_the_simulator_predicts_the_measured_peaks(case: str) -> None:
     """Fed the bytes the runtime measured per chunk (held and movable at the end of its
     forward; for a split backward, what its I leaves for its W), the simulator's peak per
@@ -208,8 +205,8 @@ def test_the_simulator_predicts_the_measured_peaks(case: str) -> None:
     config = CASES[case]
     per_rank = _trained(case)
     layer_counts = stage_layer_counts(config, len(Corpus.bundled().vocab))
-    schedule = build_schedule(_spec(config), swap_policy(config.policy, layer_counts,
-                                                         config.swap_granularity))
+    schedule = build_schedule(_spec(config), swap_policy(config.swap.policy, layer_counts,
+                                                         config.swap.granularity))
     after_input: dict[tuple[int, int], int] = {}
     layers: dict[tuple[int, int], tuple[ChunkBytes, ...]] = {}
     for result in per_rank:  # (stage, micro) -> device bytes held right after its I
@@ -229,7 +226,7 @@ def test_the_simulator_predicts_the_measured_peaks(case: str) -> None:
                               layers=layers.get(key, ()))
               for result in per_rank for key, (held, movable) in
               result["swap"].chunk_bytes.items()}
-    assert len(chunks) == config.num_stages * config.microbatches
+    assert len(chunks) == config.num_stages * config.parallel.microbatches
     costs = CostModel(chunks=chunks, stages={
         index: StageCosts(1.0, 2.0, layers=count) for index, count in layer_counts.items()})
     predicted = simulate(schedule, costs)
@@ -245,8 +242,7 @@ REPLAYED = ["gpipe P2 M4", "interleaved P2 V2 M4 overlap dxdw streamed", "zbv P2
 
 
 @pytest.mark.parametrize(
-    "case", [pytest.param(name, marks=[pytest.mark.slow] if name in SLOW else [])
-             for name in REPLAYED])
+    "case", REPLAYED)
 def test_a_rank_replayed_alone_counts_the_full_runs_peak(case: str) -> None:
     """Each rank replayed in this process alone (pipeswap-train --replay-rank: receives made
     here, sends dropped, its stages built on the meta device and given fresh weights) holds
@@ -255,7 +251,7 @@ def test_a_rank_replayed_alone_counts_the_full_runs_peak(case: str) -> None:
     config = CASES[case]
     per_rank = _trained(case)
     for rank, full in enumerate(per_rank):
-        alone = run_rank(rank, 1, dataclasses.replace(config, replay_rank=rank,
+        alone = run_rank(rank, 1, config.but(replay_rank=rank,
                                                       keep_grads=False))
         for mode in ("no-swap", "swap"):
             ran, replayed = full[mode], alone[mode]
@@ -266,15 +262,15 @@ def test_a_rank_replayed_alone_counts_the_full_runs_peak(case: str) -> None:
             assert replayed.chunk_bytes_after_input == ran.chunk_bytes_after_input, (rank, mode)
             assert replayed.peak_activation_bytes == ran.peak_activation_bytes, (rank, mode)
             assert replayed.parameter_bytes == ran.parameter_bytes, (rank, mode)
-            assert replayed.groups_alive_after_step == [0] * config.steps
-            assert replayed.host_bytes_in_use_after_step == [0] * config.steps
+            assert replayed.groups_alive_after_step == [0] * config.training.steps
+            assert replayed.host_bytes_in_use_after_step == [0] * config.training.steps
         # The made-up inputs are the same in both modes: swap changes no loss bit there either.
         assert alone["swap"].losses == alone["no-swap"].losses
         assert bool(alone["swap"].losses[0]) == bool(full["swap"].losses[0])
     assert any(result["swap"].swapped_chunks for result in per_rank)
 
 
-@pytest.mark.parametrize("how", ["raise", "die"])
+@pytest.mark.parametrize("how", [pytest.param("raise", marks=pytest.mark.everyday), "die"])
 def test_a_failing_rank_makes_the_others_fail_promptly(how: str) -> None:
     from pipeswap_e2e_workers import fail_mid_step
 
@@ -313,13 +309,14 @@ def test_mismatched_ranks_fail_on_every_rank_before_any_step(what: str, message:
     assert any(message in text for text in failures.values())
 
 
+@pytest.mark.everyday
 def test_a_batch_one_rank_refuses_fails_every_rank_and_recover_goes_on() -> None:
     """No collective guards a step's start: a refused batch fails the step like any other
     failure, the peer stops at its first transfer naming the rank and the reason, and after
     recover() the next step runs."""
     from pipeswap_e2e_workers import bad_batch_then_recover
 
-    (errors0, losses0, groups0), (errors1, losses1, groups1) = spawn(
+    (errors0, losses0, groups0), (errors1, losses1, groups1) = POOL.run(
         bad_batch_then_recover, 2, timeout_s=20)
     assert len(errors0) == 1 and errors0[0].startswith("PipelineSetupError")
     assert "batch size 6" in errors0[0]

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import pytest
+
 import json
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
+
+pytestmark = pytest.mark.multiprocess  # starts processes: the full tier only, unless marked everyday
 
 SMALL = ["--schedule", "gpipe", "--microbatches", "4", "--steps", "2", "--width", "32",
          "--seq-len", "16", "--batch-size", "8"]

@@ -214,7 +214,7 @@ def test_the_command_line_refuses_bad_options(capsys: pytest.CaptureFixture[str]
         assert exit_info.value.code == 2
         assert message in capsys.readouterr().err
     config, _ = parse_args(["--schedule", "gpipe", "--ranks", "2", "--no-swap"])
-    assert config.modes == ("no-swap",) and config.num_stages == 2 and config.num_layers == 4
+    assert config.swap.modes == ("no-swap",) and config.num_stages == 2 and config.num_layers == 4
 
 
 def test_overlap_dxdw_on_one_rank_with_a_frozen_stage(group: None) -> None:

@@ -67,7 +67,7 @@ BAD = [
     (["-M", "100000", "--batch-size", "100000"], ["at most 100000", "--microbatches"]),
     (["--width", "100000"], ["GiB", "more than this machine's", "--width"]),
     (["--layers", "10000000"], ["GiB", "more than this machine's"]),
-    (["--steps", "1000000000"], ["GiB", "more than this machine's", "--steps"]),
+    (["--batch-size", "800000000"], ["GiB", "more than this machine's", "--batch-size"]),
     (["--ranks", "four"], ["--ranks/-P: invalid int value: 'four'"]),
     (["--dp", "0"], ["--dp must be at least 1, got 0"]),
     (["--dp", "2"], ["--dp 2", "add --fsdp"]),
@@ -143,7 +143,7 @@ def test_cuda_needs_a_gpu_per_rank(no_ranks: None, capsys: pytest.CaptureFixture
 
 def test_the_defaults_parse_to_the_default_config(no_ranks: None) -> None:
     config, args = parse_args([])
-    assert config == TrainConfig() and not args.json
+    assert config == TrainConfig.of() and not args.json
 
 
 @pytest.mark.parametrize("argv", [
@@ -166,6 +166,6 @@ def test_under_torchrun_dp_splits_the_world_into_replicas(
         capsys: pytest.CaptureFixture[str]) -> None:
     _as_torchrun(monkeypatch, 6)
     config, _ = parse_args(["--dp", "2", "--fsdp"])
-    assert (config.ranks, config.dp, config.world) == (3, 2, 6)
+    assert (config.parallel.ranks, config.parallel.dp, config.parallel.world) == (3, 2, 6)
     line = _refused(["--dp", "4", "--fsdp"], capsys)
     assert "world size 6 does not split into --dp 4 replicas" in line

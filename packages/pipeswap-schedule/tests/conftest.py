@@ -1,5 +1,5 @@
-"""Shared fixtures for the schedule tests: the seed's worked examples as data, and the
-command line run in-process."""
+"""Shared fixtures for the schedule tests: MindSpore hyper-parallel's worked examples as
+data, and the command line run in-process."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ WORKED = Path(__file__).parent / "worked"
 
 @pytest.fixture
 def worked() -> Callable[[str], Schedule]:
-    """Load one of the seed's exact schedules from ``tests/worked/<name>.txt``."""
+    """Load one of MindSpore hyper-parallel's exact schedules from ``tests/worked/<name>.txt``."""
 
     def load(name: str) -> Schedule:
         return Schedule.from_orders(parse_rank_lines((WORKED / f"{name}.txt").read_text()))

@@ -1,4 +1,5 @@
-"""Generators: the seed's exact orders, closed forms, argument errors, and validity everywhere."""
+"""Generators: MindSpore hyper-parallel's exact orders, closed forms, argument errors, and
+validity everywhere."""
 
 from __future__ import annotations
 
@@ -24,9 +25,10 @@ from pipeswap.schedule import (
     validate,
 )
 
-# The seed's Interleaved 1F1B compute orders for P=4, V=2, M=8 (its tests assert them exactly).
+# MindSpore hyper-parallel's Interleaved 1F1B compute orders for P=4, V=2, M=8 (its tests
+# assert them exactly).
 # "F0.0-3" abbreviates F0.0 F0.1 F0.2 F0.3; idle slots and P2P are not part of this listing.
-SEED_INTERLEAVED_P4_V2_M8 = [
+HYPER_PARALLEL_INTERLEAVED_P4_V2_M8 = [
     "F0.0-3 F4.0-3 F0.4 F0.5 F0.6 B4.0 F0.7 B4.1 F4.4 B4.2 F4.5 B4.3 F4.6 B0.0 F4.7 B0.1 B0.2 B0.3"
     " B4.4-7 B0.4-7",
     "F1.0-3 F5.0-3 F1.4 B5.0 F1.5 B5.1 F1.6 B5.2 F1.7 B5.3 F5.4 B1.0 F5.5 B1.1 F5.6 B1.2 F5.7 B1.3"
@@ -52,9 +54,9 @@ def _compute(schedule: Schedule, rank: int) -> list[str]:
             (StepType.FWD, StepType.BWD)]
 
 
-def test_interleaved_compute_orders_match_the_seed() -> None:
+def test_interleaved_compute_orders_match_hyper_parallel() -> None:
     schedule = interleaved_1f1b_compute(4, 8, 2)
-    for rank, listing in enumerate(SEED_INTERLEAVED_P4_V2_M8):
+    for rank, listing in enumerate(HYPER_PARALLEL_INTERLEAVED_P4_V2_M8):
         assert _compute(schedule, rank) == _expand(listing)
     # Rank r starts after r idle slots; rank 0 waits 3 slots before its first backward.
     assert [schedule.orders[r][:r] for r in range(4)] == [(), (None,), (None,) * 2, (None,) * 3]
@@ -62,7 +64,8 @@ def test_interleaved_compute_orders_match_the_seed() -> None:
 
 
 def test_interleaved_with_one_stage_per_rank_warms_up_deeper_than_1f1b() -> None:
-    # The seed keeps this difference: its classic interleaved warm-up is 2(P-1-r) deep.
+    # MindSpore hyper-parallel keeps this difference: its classic interleaved warm-up is
+    # 2(P-1-r) deep.
     deep = interleaved_1f1b_compute(4, 8, 1)
     shallow = interleaved_1f1b_compute(4, 8, 1, less_memory=True)
 

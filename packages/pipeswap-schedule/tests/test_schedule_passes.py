@@ -55,7 +55,7 @@ def test_coalesce_never_changes_the_p2p_sequence() -> None:
             s for s in packed if s is None or s.type not in COMM]
 
 
-def test_dxdw_split_follows_the_seed() -> None:
+def test_dxdw_split_follows_hyper_parallel() -> None:
     schedule = insert_send_recv(interleaved_1f1b_compute(4, 8, 2, overlap_b_f=True))
     split = split_dxdw(schedule)
     for rank, (plain, done) in enumerate(zip(schedule.orders, split.orders)):
@@ -83,7 +83,7 @@ def test_dxdw_split_follows_the_seed() -> None:
                 assert done.index(own_send) < index
 
 
-def test_fsdp_single_stage_matches_the_seed() -> None:
+def test_fsdp_single_stage_matches_hyper_parallel() -> None:
     order = ("0F0 0SEND_F0 0F1 0SEND_F1 0F2 0SEND_F2 0F3 0SEND_F3 "
              "0RECV_B0 0B0 0RECV_B1 0B1 0RECV_B2 0B2 0RECV_B3 0B3")
     done = add_fsdp_steps(_rank0(order), managed_stages=[0])

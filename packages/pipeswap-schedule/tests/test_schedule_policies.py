@@ -8,20 +8,27 @@ from collections.abc import Sequence
 import pytest
 
 from pipeswap.schedule import (
+    CostModel,
+    CostModelPolicy,
+    MemoryBudgetPolicy,
     MinGapPolicy,
+    PeakPolicy,
+    ScheduleError,
     ScheduleKind,
     ScheduleSpec,
+    StageCosts,
     SwapCandidate,
     SwapPlacement,
     build_schedule,
+    default_swap_policy,
     inject_swap,
+    simulate,
     swap_candidates,
     swapped_chunks,
+    uniform_layers,
 )
+from pipeswap.schedule.costs import Link
 from pipeswap.schedule.steps import Order
-from pipeswap.schedule.costs import CostModel, Link
-from pipeswap.schedule.policies import CostModelPolicy, MemoryBudgetPolicy, PeakPolicy
-from pipeswap.schedule.simulate import simulate
 
 ONE_F_ONE_B = ScheduleSpec(ScheduleKind.ONE_F_ONE_B, ranks=4, microbatches=8, swap=True)
 UNIT = CostModel(forward=1.0, backward=2.0, activation_bytes=100)
@@ -88,8 +95,6 @@ def test_the_cost_policy_takes_only_chunks_whose_copies_hide() -> None:
 
 
 def test_a_budget_per_rank_must_cover_every_rank() -> None:
-    from pipeswap.schedule import ScheduleError
-
     with pytest.raises(ScheduleError, match="no figure for rank 2"):
         build_schedule(ONE_F_ONE_B, MemoryBudgetPolicy(UNIT, budget={0: 1, 1: 1}))
 
@@ -154,6 +159,27 @@ def test_a_budget_is_met_by_exposing_copies_and_says_how_much(chunks: int) -> No
     if chunks == 3:  # the old budget policy meets it too, with more stall on rank 0
         old = simulate(build_schedule(H100_1F1B, MemoryBudgetPolicy(costs, 3 * chunk)), costs)
         assert zero.exposed_copy <= old.ranks[0].exposed_copy
+
+
+# -- the default policy on layer counts alone -------------------------------------------------
+
+
+def test_the_default_policy_plans_on_uniform_layers() -> None:
+    assert uniform_layers({0: 2, 1: 3}) == {
+        0: StageCosts(2.0, 4.0, layers=2), 1: StageCosts(3.0, 6.0, layers=3)}
+    policy = default_swap_policy({0: 2, 1: 3}, "layer")
+    assert isinstance(policy, PeakPolicy) and policy.granularity == "layer"
+    assert policy.costs == CostModel(stages=uniform_layers({0: 2, 1: 3}))
+    assert default_swap_policy({0: 1}).granularity == "auto"
+    # one layer a stage: the default inject_swap uses, on the same uniform costs
+    plain = build_schedule(dataclasses.replace(ONE_F_ONE_B, swap=False))
+    assert inject_swap(plain) == inject_swap(plain, default_swap_policy(
+        {stage: 1 for stage in range(plain.num_stages)}))
+
+
+def test_the_default_policy_refuses_an_unknown_granularity() -> None:
+    with pytest.raises(ScheduleError, match="unknown swap granularity 'layers'"):
+        default_swap_policy({0: 2}, "layers")
 
 
 class _Fixed:

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from pipeswap.schedule.simulate_cli import parse_size, parse_time
+from pipeswap.schedule import parse_bytes
+from pipeswap.schedule.units import MAX_BYTES, parse_size, parse_time
 
 Cli = Callable[..., tuple[int, str, str]]  # the `cli` fixture of conftest.py
 
@@ -214,3 +215,29 @@ def test_units() -> None:
     assert parse_size("1GiB") == 2**30 and parse_size("55GB") == 55e9
     assert parse_size("1.5e3") == 1500.0 and parse_time("12ms") == pytest.approx(0.012)
     assert parse_time("800us") == pytest.approx(8e-4) and parse_time("2") == 2.0
+
+
+def test_parse_bytes_takes_what_the_byte_options_take() -> None:
+    assert parse_bytes("3MiB") == 3 * 2**20 and parse_bytes(" 55 GB ") == 55 * 10**9
+    assert parse_bytes("1.5e3") == 1500 and parse_bytes("1073741824") == 2**30
+    assert parse_bytes("2Ki") == 2048 and parse_bytes("0.5") == 0  # a fraction is dropped
+    assert parse_bytes("1TiB") == 2**40 and parse_bytes(str(MAX_BYTES)) == MAX_BYTES
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    ("lots", "not a size: 'lots' (examples: "),
+    ("-1", "not a size: '-1'"),
+    ("3 MiBs", "not a size"),
+    ("2e18", "'2e18' is out of range: give 0 to 2**60 bytes (1 EiB)"),
+    ("1e400", "'1e400' is out of range"),
+])
+def test_parse_bytes_refuses_with_a_message(text: str, message: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(message)):
+        parse_bytes(text)
+
+
+def test_a_bad_time_or_size_is_a_value_error() -> None:
+    with pytest.raises(ValueError, match=re.escape("not a time: '3h'")):
+        parse_time("3h")
+    with pytest.raises(ValueError, match=re.escape("not a size: ''")):
+        parse_size("")

@@ -1,4 +1,5 @@
-"""Swap injection: the seed's exact placements, its asserted behaviours, and the fixed bugs."""
+"""Swap injection: MindSpore hyper-parallel's exact placements, its asserted behaviours, and
+the bugs of its pass that this one fixes."""
 
 from __future__ import annotations
 
@@ -71,7 +72,7 @@ def test_worked_examples_reproduce_exactly(
     validate(got)
 
 
-def test_build_schedule_runs_the_passes_in_the_seed_order(worked: Load) -> None:
+def test_build_schedule_runs_the_passes_in_hyper_parallels_order(worked: Load) -> None:
     spec = ScheduleSpec(ScheduleKind.INTERLEAVED_1F1B, 2, 4, 2, overlap_b_f=True,
                         dxdw_split=True, swap=True)
     assert build_schedule(spec, GAP) == worked("interleaved_p2_v2_m4_overlap_dxdw_swap")
@@ -85,12 +86,12 @@ def test_injection_only_adds_swap_steps(worked: Load) -> None:
         assert inject_swap(_strip_swap(swapped), GAP) == swapped
 
 
-def test_1f1b_swaps_the_seeds_chunks() -> None:
+def test_1f1b_swaps_hyper_parallels_chunks() -> None:
     chunks = swapped_chunks(inject_swap(one_f_one_b(4, 8), GAP))
     assert [[m for _, m in c] for c in chunks] == [list(range(8)), list(range(1, 7)), [], []]
 
 
-def test_interleaved_swaps_the_seeds_chunks() -> None:
+def test_interleaved_swaps_hyper_parallels_chunks() -> None:
     chunks = swapped_chunks(inject_swap(insert_send_recv(interleaved_1f1b_compute(4, 8, 2)), GAP))
 
     def keys(*groups: tuple[int, Sequence[int]]) -> list[tuple[int, int]]:
@@ -146,9 +147,10 @@ def test_overlap_containers_are_one_slot_and_get_waits_around_them() -> None:
     assert overlap < _pos(order, "0LO7") < _pos(order, "0WO7")
 
 
-def test_seed_single_stage_fsdp_case_verbatim() -> None:
-    # The seed's §4.8 case: one FSDP stage whose parameters stay gathered throughout, so every
-    # reload waits until right before its backward (plain orders launch it one compute earlier).
+def test_hyper_parallel_single_stage_fsdp_case_verbatim() -> None:
+    # MindSpore hyper-parallel's case of one FSDP stage whose parameters stay gathered
+    # throughout, so every reload waits until right before its backward (plain orders launch
+    # it one compute earlier).
     order = parse_order("0UNSHARD 0F0 0SEND_F0 0F1 0SEND_F1 0F2 0SEND_F2 0F3 0SEND_F3 0RECV_B0 "
                         "0B0 0RECV_B1 0B1 0RECV_B2 0B2 0RECV_B3 0B3 0REDUCE_GRAD 0RESHARD")
     assert format_order(inject_swap_order(order, MinGapPolicy())) == (
@@ -160,14 +162,14 @@ def test_seed_single_stage_fsdp_case_verbatim() -> None:
     assert _pos(done, "0LL0") < _pos(done, "0F3")
 
 
-def test_seed_gathered_stage_reloads_adjacent_to_the_backward() -> None:
+def test_hyper_parallel_gathered_stage_reloads_adjacent_to_the_backward() -> None:
     done = inject_swap_order(parse_order("0UNSHARD 0F0 0F1 0F2 0F3 0B0 0RESHARD"), MinGapPolicy())
     assert format_order(done[_pos(done, "0LL0"):_pos(done, "0B0") + 1]) == "0LL0 0WL0 0B0"
 
 
-def test_seed_overlap_fragment_verbatim() -> None:
-    # The seed's §4.8 rank-0 fragment for Interleaved P=4 V=2 M=8 with overlap_b_f: the reload
-    # wait precedes the whole overlap, the overlap's forward offloads after it.
+def test_hyper_parallel_overlap_fragment_verbatim() -> None:
+    # MindSpore hyper-parallel's rank-0 fragment for Interleaved P=4 V=2 M=8 with overlap_b_f:
+    # the reload wait precedes the whole overlap, the overlap's forward offloads after it.
     order = format_order(inject_swap(insert_send_recv(
         interleaved_1f1b_compute(4, 8, 2, overlap_b_f=True)), GAP).orders[0])
     assert ("_ _ _ 4RECV_B0 4LL0 0F6 0LO6 0SEND_F6 0WO5 4LL1 4WL0 (4B0;0F7)OVERLAP_B_F 0LO7 "
@@ -214,8 +216,9 @@ def test_fsdp_with_dxdw_reloads_before_the_input_gradient() -> None:
 
 
 def test_zero_width_steps_are_transparent_to_the_offload_wait() -> None:
-    # Seed bug (its DATA_* tokens): a local control step between F1 and F1's send made the
-    # offload wait of micro 0 run before that send was issued.
+    # A bug of MindSpore hyper-parallel's pass (its DATA_* tokens): a local control step
+    # between F1 and F1's send made the offload wait of micro 0 run before that send was
+    # issued.
     order = parse_order("0F0 0SEND_F0 0F1 0REDUCE_GRAD 0SEND_F1 0F2 0SEND_F2 0F3 0SEND_F3 "
                         "0RECV_B0 0B0 0RECV_B1 0B1 0RECV_B2 0B2 0RECV_B3 0B3")
     done = inject_swap_order(order, MinGapPolicy())
@@ -223,8 +226,9 @@ def test_zero_width_steps_are_transparent_to_the_offload_wait() -> None:
 
 
 def test_reload_never_precedes_the_offload_wait() -> None:
-    # Seed bug: the search for the backward stage's UNSHARD was bounded by the forward, so an
-    # UNSHARD before the first compute in between put LL before WO.
+    # A bug of MindSpore hyper-parallel's pass: the search for the backward stage's UNSHARD
+    # was bounded by the forward, so an UNSHARD before the first compute in between put LL
+    # before WO.
     order = parse_order(
         "0UNSHARD 0F0 0RESHARD 0UNSHARD 0F1 0F2 0F3 0B0 0B1 0B2 0B3 0REDUCE_GRAD 0RESHARD")
     done = inject_swap_order(order, MinGapPolicy())

@@ -15,7 +15,6 @@ import os
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
-from typing import Any
 
 import pytest
 import torch
@@ -255,7 +254,7 @@ def input_bytes(layers: Sequence[torch.nn.Module]) -> Iterator[list[int]]:
     reference would keep the storage on the device)."""
     sizes: list[int] = []
 
-    def record(module: torch.nn.Module, args: tuple[Any, ...]) -> None:
+    def record(module: torch.nn.Module, args: tuple[torch.Tensor, ...]) -> None:
         sizes.append(args[0].untyped_storage().nbytes())
 
     handles = [layer.register_forward_pre_hook(record) for layer in layers]
@@ -517,7 +516,8 @@ def test_memory_reused_right_after_each_offload_leaves_values_intact(
         for closed in chain.layer_bytes:
             litter.append(torch.empty(closed.movable // 4).fill_(math.nan))
 
-    def after_layer(module: torch.nn.Module, args: Any, output: torch.Tensor) -> None:
+    def after_layer(module: torch.nn.Module, args: tuple[object, ...], output: torch.Tensor
+                    ) -> None:
         # runs after the offload's own hook, which has just freed a layer's storages
         fill()
         # in the backward, between layers

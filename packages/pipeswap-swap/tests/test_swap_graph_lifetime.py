@@ -16,7 +16,6 @@ import os
 import warnings
 import weakref
 from collections.abc import Callable
-from typing import Any
 
 import pytest
 import torch
@@ -26,7 +25,7 @@ from pipeswap.swap import SwapManager
 
 DEVICE = os.environ.get("PIPESWAP_TEST_DEVICE", "cpu")  # see conftest.py
 
-Refs = list[weakref.ref[Any]]  # to tensors and storages
+Refs = list[weakref.ref[torch.Tensor] | weakref.ref[torch.UntypedStorage]]
 
 
 @pytest.fixture
@@ -46,7 +45,8 @@ def _forward(mgr: SwapManager | None, refs: Refs) -> torch.Tensor:
     h = lin(x)
     t = (h * h).tanh()  # mul saves h twice, tanh its output
     y: torch.Tensor = norm(t).log_softmax(-1).softmax(-1)  # LayerNorm saves t and its statistics
-    refs.extend([weakref.ref(y), *(weakref.ref(a.untyped_storage()) for a in (h, t, y))])
+    refs.append(weakref.ref(y))
+    refs.extend(weakref.ref(a.untyped_storage()) for a in (h, t, y))
     return y
 
 

@@ -219,8 +219,9 @@ class _SaveOnly(torch.autograd.Function):
         return torch.zeros(())
 
     @staticmethod
-    def backward(ctx: torch.autograd.function.FunctionCtx, grad: torch.Tensor) -> torch.Tensor:
-        (x,) = ctx.saved_tensors  # type: ignore[attr-defined]
+    def backward(ctx: torch.autograd.function.BackwardCFunction, grad: torch.Tensor
+                 ) -> torch.Tensor:
+        (x,) = ctx.saved_tensors
         return torch.zeros_like(x)
 
 

@@ -81,4 +81,4 @@ def test_the_default_cap_shares_half_the_host_among_its_local_ranks(
     assert default_pool_bytes() == max(1 << 30, physical // 2 // 4)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "100000")
     assert default_pool_bytes() == 1 << 30  # never below 1 GiB
-    assert SwapManager(get_platform(DEVICE))._pool.max_bytes == 1 << 30
+    assert SwapManager(get_platform(DEVICE))._transfers.pool.max_bytes == 1 << 30

@@ -47,7 +47,7 @@ class AcceleratorPlatform(ModuleIntrospection):
         import torch
 
         previous = torch.accelerator.current_stream(self._device)
-        torch.accelerator.set_stream(stream)  # type: ignore[arg-type]
+        torch.accelerator.set_stream(cast("torch.Stream", stream))  # one of this platform's
         try:
             yield
         finally:

@@ -18,8 +18,11 @@ def buffers_dict(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     return dict(module.named_buffers())
 
 
+# Any, as torch's own Module.state_dict says: besides tensors, a value is whatever a module's
+# get_extra_state() returns, and no type covers that.
 def get_model_state_dict(module: torch.nn.Module) -> dict[str, Any]:
-    """The module's state dict (parameters and persistent buffers)."""
+    """The module's state dict (parameters, persistent buffers, and any module's extra
+    state)."""
     return dict(module.state_dict())
 
 

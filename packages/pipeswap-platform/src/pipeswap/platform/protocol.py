@@ -111,5 +111,6 @@ class Platform(Protocol):
     def buffers_dict(self, module: torch.nn.Module) -> dict[str, torch.Tensor]:
         """Every buffer, persistent or not, of the module and its children, by dotted name."""
 
-    def get_model_state_dict(self, module: torch.nn.Module) -> dict[str, Any]: ...
+    def get_model_state_dict(self, module: torch.nn.Module) -> dict[str, Any]:
+        """The module's state dict; Any: a module's extra state is any object it returns."""
 

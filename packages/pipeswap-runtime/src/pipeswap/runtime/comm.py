@@ -14,10 +14,10 @@ backend too, as ``backend_for`` sets up).
 from __future__ import annotations
 
 import datetime
+from collections.abc import Mapping, Sequence
 from contextlib import suppress
-from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, TypeAlias, Union
 
 from pipeswap.runtime.errors import PeerFailedError, PipelineCommError, PipelineSetupError
 from pipeswap.schedule import Step, StepType
@@ -25,6 +25,11 @@ from pipeswap.schedule import Step, StepType
 if TYPE_CHECKING:
     import torch
     import torch.distributed as dist
+    from torch.utils._pytree import TreeSpec
+
+#: What crosses a stage boundary, and a batch's inputs and targets: a tensor, or tuples,
+#: lists and dicts of tensors (:func:`flatten` refuses anything else).
+PyTree: TypeAlias = Union["torch.Tensor", Sequence["PyTree"], Mapping[str, "PyTree"]]
 
 _DTYPES = ("float32", "float64", "float16", "bfloat16", "int64", "int32", "uint8", "bool")
 _MAX_DIMS = 8
@@ -73,7 +78,7 @@ class BoundaryMeta:
     grads: tuple[bool, ...]
 
     @staticmethod
-    def of(value: Any, what: str) -> tuple[BoundaryMeta, list[torch.Tensor]]:
+    def of(value: object, what: str) -> tuple[BoundaryMeta, list[torch.Tensor]]:
         """The meta of ``value`` and its tensors; a clear error for anything that is not a
         pytree of tensors."""
         leaves, spec = flatten(value, what)
@@ -81,10 +86,11 @@ class BoundaryMeta:
                                                 for t in leaves),
                             tuple(t.requires_grad for t in leaves)), leaves
 
-    def unflatten(self, leaves: Sequence[torch.Tensor]) -> Any:
+    def unflatten(self, leaves: Sequence[torch.Tensor]) -> PyTree:
         from torch.utils._pytree import tree_unflatten, treespec_loads
 
-        return tree_unflatten(list(leaves), treespec_loads(self.spec))
+        tree: PyTree = tree_unflatten(list(leaves), treespec_loads(self.spec))
+        return tree
 
     def with_grads(self, grads: Sequence[bool]) -> BoundaryMeta:
         return BoundaryMeta(self.spec, self.leaves, tuple(grads))
@@ -110,7 +116,7 @@ class BoundaryMeta:
         return BoundaryMeta(spec, leaves, grads)
 
 
-def flatten(value: Any, what: str) -> tuple[list[torch.Tensor], Any]:
+def flatten(value: object, what: str) -> tuple[list[torch.Tensor], TreeSpec]:
     """The tensors of a pytree and its structure; refuses anything but tensors as leaves."""
     import torch
     from torch.utils._pytree import tree_flatten
@@ -127,7 +133,7 @@ def flatten(value: Any, what: str) -> tuple[list[torch.Tensor], Any]:
     return leaves, spec
 
 
-def _dumps(spec: Any) -> str:
+def _dumps(spec: TreeSpec) -> str:
     from torch.utils._pytree import treespec_dumps
 
     text: str = treespec_dumps(spec)
@@ -145,7 +151,7 @@ class Transfer:
     """One posted send or receive: its step, its requests, and the tensors it moves."""
 
     step: Step
-    works: list[Any]  # torch.distributed Work, one per tensor (or one for a batch on NCCL)
+    works: list[dist.Work]  # one per tensor (or one for a whole batch, repeated, on NCCL)
     tensors: list[torch.Tensor]
     peer: int
 
@@ -283,7 +289,7 @@ class Transport:
                              for i, tensor in enumerate(tensors)])
         try:
             groups = [[op for ops in per_step for op in ops]] if batched else per_step
-            works: list[Any] = []
+            works: list[dist.Work] = []
             for ops in groups:
                 if len(ops) == 1:
                     op = ops[0]

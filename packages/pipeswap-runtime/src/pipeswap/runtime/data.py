@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 from importlib import resources
 
@@ -24,13 +25,11 @@ class Corpus:
 
 
 def batches(ids: torch.Tensor, batch_size: int, seq_len: int, steps: int, seed: int
-            ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """``steps`` (inputs, next-token targets) pairs of random windows; the same on every rank
-    for one seed."""
+            ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """``steps`` (inputs, next-token targets) pairs of random windows, each made when it is
+    asked for (a long run holds one batch at a time); the same on every rank for one seed."""
     generator = torch.Generator().manual_seed(seed)
-    out = []
     for _ in range(steps):
         starts = torch.randint(0, len(ids) - seq_len - 1, (batch_size,), generator=generator)
         windows = torch.stack([ids[s:s + seq_len + 1] for s in starts.tolist()])
-        out.append((windows[:, :-1].contiguous(), windows[:, 1:].contiguous()))
-    return out
+        yield windows[:, :-1].contiguous(), windows[:, 1:].contiguous()

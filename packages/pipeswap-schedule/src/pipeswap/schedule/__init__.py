@@ -1,4 +1,5 @@
-"""Pipeline schedules as data: the step IR, generators, passes (swap injection included) and validation.
+"""Pipeline schedules as data: the step IR, generators, passes (swap injection included),
+swap policies, validation and simulation.
 
 Pure Python with no dependencies: install ``pipeswap-schedule`` alone to build and analyse
 schedules without torch or a GPU.
@@ -6,6 +7,7 @@ schedules without torch or a GPU.
 
 from pipeswap.schedule.__about__ import __version__
 from pipeswap.schedule.build import Lowering, ScheduleKind, ScheduleSpec, build_schedule
+from pipeswap.schedule.costs import ChunkBytes, CostModel, Link, StageCosts
 from pipeswap.schedule.dxdw import split_dxdw
 from pipeswap.schedule.errors import (
     ChunkOrderError,
@@ -21,40 +23,62 @@ from pipeswap.schedule.errors import (
 from pipeswap.schedule.formats import dumps_lines, from_json, loads, to_json
 from pipeswap.schedule.fsdp import add_fsdp_steps
 from pipeswap.schedule.generators import gpipe, interleaved_1f1b_compute, one_f_one_b
+from pipeswap.schedule.order_checks import validate_rank
 from pipeswap.schedule.p2p import (
     coalesce_p2p,
     insert_send_recv,
     insert_send_recv_by_dependency,
     insert_send_recv_early,
 )
-from pipeswap.schedule.schedule import Schedule, StageMapping, stage_to_rank
-from pipeswap.schedule.steps import ChunkKey, Order, Step, StepType
-from pipeswap.schedule.swap import (
+from pipeswap.schedule.policies import (
+    GRANULARITIES,
+    BudgetOutcome,
+    CostModelPolicy,
+    MemoryBudgetPolicy,
     MinGapPolicy,
+    PeakOutcome,
+    PeakPolicy,
     SwapCandidate,
     SwapPlacement,
     SwapPolicy,
-    inject_swap,
-    swap_candidates,
-    swapped_chunks,
+    default_swap_policy,
+    uniform_layers,
 )
+from pipeswap.schedule.schedule import Schedule, StageMapping, stage_to_rank
+from pipeswap.schedule.simulate import RankResult, SimulationResult, simulate
+from pipeswap.schedule.steps import ChunkKey, Order, Step, StepType
+from pipeswap.schedule.swap import inject_swap, swap_candidates, swapped_chunks
 from pipeswap.schedule.text import format_order, parse_order, parse_step
-from pipeswap.schedule.validation import simulate_p2p, validate, validate_rank
+from pipeswap.schedule.transports import simulate_p2p
+from pipeswap.schedule.units import parse_bytes
+from pipeswap.schedule.validation import validate
 
 __all__ = [
+    "BudgetOutcome",
+    "ChunkBytes",
     "ChunkKey",
     "ChunkOrderError",
+    "CostModel",
+    "CostModelPolicy",
     "DeadlockError",
     "FSDPOrderError",
+    "GRANULARITIES",
+    "Link",
     "Lowering",
+    "MemoryBudgetPolicy",
     "MinGapPolicy",
     "Order",
     "P2PError",
     "ParseError",
+    "PeakOutcome",
+    "PeakPolicy",
+    "RankResult",
     "Schedule",
     "ScheduleError",
     "ScheduleKind",
     "ScheduleSpec",
+    "SimulationResult",
+    "StageCosts",
     "StageMapping",
     "Step",
     "StepError",
@@ -68,6 +92,7 @@ __all__ = [
     "add_fsdp_steps",
     "build_schedule",
     "coalesce_p2p",
+    "default_swap_policy",
     "dumps_lines",
     "format_order",
     "from_json",
@@ -79,14 +104,17 @@ __all__ = [
     "interleaved_1f1b_compute",
     "loads",
     "one_f_one_b",
+    "parse_bytes",
     "parse_order",
     "parse_step",
+    "simulate",
     "simulate_p2p",
     "split_dxdw",
     "stage_to_rank",
     "swap_candidates",
     "swapped_chunks",
     "to_json",
+    "uniform_layers",
     "validate",
     "validate_rank",
 ]

@@ -28,6 +28,7 @@ from pipeswap.schedule.p2p import (
     insert_send_recv_by_dependency,
     insert_send_recv_early,
 )
+from pipeswap.schedule.policies import SwapPolicy
 from pipeswap.schedule.pytorch_family import (
     dualpipev,
     interleaved_zero_bubble,
@@ -35,7 +36,7 @@ from pipeswap.schedule.pytorch_family import (
     zbv,
 )
 from pipeswap.schedule.schedule import Schedule
-from pipeswap.schedule.swap import SwapPolicy, inject_swap
+from pipeswap.schedule.swap import inject_swap
 
 
 class ScheduleKind(Enum):

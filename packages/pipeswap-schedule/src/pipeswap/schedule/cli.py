@@ -9,6 +9,7 @@ from collections.abc import Sequence
 
 from pipeswap.schedule.__about__ import __version__
 from pipeswap.schedule.build import LOWERINGS, Lowering, ScheduleKind, ScheduleSpec, build_schedule
+from pipeswap.schedule.costs import PRESETS
 from pipeswap.schedule.errors import ScheduleError
 from pipeswap.schedule.files import FileAccessError, read_text, write_text
 from pipeswap.schedule.formats import (
@@ -20,7 +21,8 @@ from pipeswap.schedule.formats import (
     render_grid,
     swap_summary,
 )
-from pipeswap.schedule.costs import PRESETS
+from pipeswap.schedule.p2p import coalesce_p2p
+from pipeswap.schedule.policies import MinGapPolicy, SwapPolicy
 from pipeswap.schedule.schedule import Schedule
 from pipeswap.schedule.simulate_cli import (
     choose_policy,
@@ -30,8 +32,7 @@ from pipeswap.schedule.simulate_cli import (
     policy_arguments,
     run_simulate,
 )
-from pipeswap.schedule.p2p import coalesce_p2p
-from pipeswap.schedule.swap import MinGapPolicy, SwapPolicy, inject_swap
+from pipeswap.schedule.swap import inject_swap
 from pipeswap.schedule.text import MAX_DIGITS
 from pipeswap.schedule.validation import TRANSPORTS, validate
 

@@ -41,9 +41,10 @@ def _split(order: Order) -> list[Step | None]:
             continue
         stage, micro = bwd.key
         end = index + 1
-        while end < len(order) and order[end] is not None and (
-            order[end].type in _GRADIENT_P2P  # type: ignore[union-attr]
-        ):
+        while end < len(order):
+            following = order[end]
+            if following is None or following.type not in _GRADIENT_P2P:
+                break
             end += 1
         out += order[done:index]
         dx = Step(StepType.BWD_INPUT, stage, micro)

@@ -136,7 +136,7 @@ def insert_send_recv_early(schedule: Schedule) -> Schedule:
             if sent is not None:
                 send, recv = _pair(sent)
                 out[rank].append(send)
-                out[schedule.stage_ranks[recv.stage]].append(recv)  # type: ignore[index]
+                out[schedule.stage_ranks[recv.key[0]]].append(recv)
         return made
 
     turns = [pytorch_turns(order, micros) for order in schedule.orders]
@@ -191,8 +191,9 @@ def _upcoming_stages(computes: list[Step], count: int) -> list[list[int]]:
         seen: list[int] = []
         for step in computes[index:]:
             for leaf in step.compute_leaves:
-                if leaf.stage not in seen:
-                    seen.append(leaf.stage)  # type: ignore[arg-type]
+                stage = leaf.key[0]
+                if stage not in seen:
+                    seen.append(stage)
             if len(seen) >= count:
                 break
         result.append(seen)

@@ -1,13 +1,16 @@
-"""``pipeswap-schedule simulate``: cost options, the policy choice, and the report."""
+"""``pipeswap-schedule simulate``: cost options, the policy choice, and running it.
+
+Also the argparse types of every number the command line takes: each refuses a value out of
+its range with a message that names the range.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
-import re
 from collections.abc import Callable
 from dataclasses import replace
-from typing import Any
+from typing import TypeVar
 
 from pipeswap.schedule.costs import (
     CostModel,
@@ -19,39 +22,36 @@ from pipeswap.schedule.costs import (
 )
 from pipeswap.schedule.errors import ScheduleError
 from pipeswap.schedule.files import writing
+from pipeswap.schedule.plot import plot
 from pipeswap.schedule.policies import (
     GRANULARITIES,
     CostModelPolicy,
     MemoryBudgetPolicy,
+    MinGapPolicy,
     PeakPolicy,
+    SwapPolicy,
 )
 from pipeswap.schedule.schedule import Schedule
-from pipeswap.schedule.simulate import SimulationResult, simulate
+from pipeswap.schedule.simulate import simulate
+from pipeswap.schedule.simulate_report import Outcomes, render, report
 from pipeswap.schedule.steps import FSDP
-from pipeswap.schedule.swap import MinGapPolicy, SwapPolicy
+from pipeswap.schedule.trace import write_chrome_trace
+from pipeswap.schedule.units import MAX_BYTES, parse_bytes, parse_size, parse_time
 
-_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([KMGT]?)(i?)B?\s*$")
-_TIME = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*(s|ms|us)?\s*$")
-_POWERS = {"": 0, "K": 1, "M": 2, "G": 3, "T": 4}
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+_Value = TypeVar("_Value")
 
 
-def parse_size(text: str) -> float:
-    """'4GiB' -> 4 * 2**30, '55GB' -> 55e9, '1.5e9' -> 1.5e9."""
-    match = _SIZE.match(text)
-    if match is None:
-        raise argparse.ArgumentTypeError(
-            f"not a size: {text!r} (examples: 1073741824, 1GiB, 512MiB, 55GB)")
-    number, prefix, binary = match.groups()
-    return float(number) * float((1024 if binary else 1000) ** _POWERS[prefix])
+def _argument(parse: Callable[[str], _Value]) -> Callable[[str], _Value]:
+    """``parse`` as an argparse type: its ValueError becomes the option's error message."""
 
+    def parse_argument(text: str) -> _Value:
+        try:
+            return parse(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
 
-def parse_time(text: str) -> float:
-    match = _TIME.match(text)
-    if match is None:
-        raise argparse.ArgumentTypeError(f"not a time: {text!r} (examples: 0.012, 12ms, 800us)")
-    number, unit = match.groups()
-    return float(number) * {"s": 1.0, None: 1.0, "ms": 1e-3, "us": 1e-6}[unit]
+    return parse_argument
 
 
 def in_range(parse: Callable[[str], float], low: float, high: float,
@@ -59,8 +59,10 @@ def in_range(parse: Callable[[str], float], low: float, high: float,
     """``parse``, refusing a value outside ``low..high`` (inf and NaN included) with a message
     naming the range: every cost stays finite, and so does every time the simulator adds up."""
 
+    checked = _argument(parse)
+
     def parse_in_range(text: str) -> float:
-        value = parse(text)
+        value = checked(text)
         if not low <= value <= high:
             raise argparse.ArgumentTypeError(f"{text!r} is out of range: {allowed}")
         return value
@@ -83,9 +85,8 @@ def count(high: int) -> Callable[[str], int]:
     return parse_count
 
 
-MAX_BYTES = 2**60  # 1 EiB
 MAX_SECONDS = 1e6  # about 11.6 days: no chunk's compute or message takes longer
-BYTES = in_range(parse_size, 0, MAX_BYTES, "give 0 to 2**60 bytes (1 EiB)")
+BYTES = _argument(parse_bytes)
 BANDWIDTH = in_range(parse_size, 1, MAX_BYTES, "give 1 to 2**60 bytes per second")
 FLOPS = in_range(parse_size, 1, 1e21, "give 1 to 1e21 FLOP/s")
 SECONDS = in_range(parse_time, 0, MAX_SECONDS, "give 0 to 1e6 s (about 11.6 days)")
@@ -181,7 +182,6 @@ def costs_from(args: argparse.Namespace) -> CostModel:
 #: The policy ``--swap``, ``--policy`` and ``--budget`` use when no other is named.
 DEFAULT_POLICY = "peak"
 POLICIES = ("peak", "gap", "cost", "budget")
-Outcomes = MemoryBudgetPolicy | PeakPolicy
 
 
 def policy_arguments() -> argparse.ArgumentParser:
@@ -241,11 +241,10 @@ def choose_policy(args: argparse.Namespace, costs: CostModel
     if name == "budget":
         if args.budget is None:
             raise ScheduleError("--policy budget needs --budget BYTES")
-        budget = MemoryBudgetPolicy(costs, int(args.budget))
+        budget = MemoryBudgetPolicy(costs, args.budget)
         return budget, budget
     if name == "peak":
-        peak = PeakPolicy(costs, None if args.budget is None else int(args.budget),
-                          granularity=granularity or "auto")
+        peak = PeakPolicy(costs, args.budget, granularity=granularity or "auto")
         return peak, peak
     if name == "cost":
         return CostModelPolicy(costs), None
@@ -263,13 +262,9 @@ def run_simulate(args: argparse.Namespace,
     schedule = build(args, policy)
     result = simulate(schedule, costs)
     if args.trace:
-        from pipeswap.schedule.trace import write_chrome_trace
-
         with writing(args.trace):
             write_chrome_trace(result, args.trace)
     if args.plot:
-        from pipeswap.schedule.plot import plot
-
         with writing(args.plot):
             plot(result, args.plot)
     summary = report(result, budget, fsdp=_has_fsdp_steps(schedule))
@@ -280,83 +275,3 @@ def run_simulate(args: argparse.Namespace,
 def _has_fsdp_steps(schedule: Schedule) -> bool:
     return any(step is not None and step.type in FSDP
                for order in schedule.orders for step in order)
-
-
-def report(result: SimulationResult, budget: Outcomes | None, *, fsdp: bool
-           ) -> dict[str, Any]:
-    """The JSON object of ``--format json``; ``fsdp`` says whether the schedule gathers
-    parameters (its ``peak_memory_bytes`` then count them)."""
-    per_rank = []
-    for rank in result.ranks:
-        entry: dict[str, Any] = {
-            "rank": rank.rank,
-            "step_time_s": rank.step_time,
-            "bubble_fraction": rank.bubble_fraction,
-            "exposed_copy_s": rank.exposed_copy,
-            "peak_activation_bytes": rank.peak_activation_bytes,
-            "peak_activation_bytes_no_swap": rank.peak_activation_bytes_no_swap,
-            "peak_parameter_bytes": rank.peak_parameter_bytes,
-            "peak_memory_bytes": rank.peak_memory_bytes,
-            "peak_memory_bytes_no_swap": rank.peak_memory_bytes_no_swap,
-            "swapped_chunks": len(rank.swapped),
-            "hidden_chunks": sum(c.hidden for c in rank.swapped),
-            "streamed_chunks": sum(c.streamed for c in rank.swapped),
-            "chunks": [{"stage": c.stage, "micro": c.micro, "hidden": c.hidden,
-                        "lifespan_s": c.lifespan, "off_device_s": c.off_device,
-                        "layer_lag": c.layer_lag}
-                       for c in rank.swapped],
-        }
-        outcome = budget.outcomes.get(rank.rank) if budget is not None else None
-        if outcome is not None and outcome.budget is not None:
-            entry["budget"] = {"bytes": outcome.budget, "met": outcome.met,
-                               "shortfall_bytes": outcome.shortfall}
-        per_rank.append(entry)
-    return {"step_time_s": result.step_time, "fsdp": fsdp, "per_rank": per_rank}
-
-
-def _bytes(value: int) -> str:
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(value) >= scale:
-            return f"{value / scale:.2f} {unit}"
-    return f"{value} B"
-
-
-def render(summary: dict[str, Any]) -> str:
-    ranks = summary["per_rank"]
-    rows: list[tuple[str, list[str]]] = [
-        ("rank", [str(r["rank"]) for r in ranks]),
-        ("step time", [f"{r['step_time_s']:.4g} s" for r in ranks]),
-        ("bubble", [f"{r['bubble_fraction']:.1%}" for r in ranks]),
-        ("exposed copy", [f"{r['exposed_copy_s']:.4g} s" for r in ranks]),
-        ("peak, no swap", [_bytes(r["peak_activation_bytes_no_swap"]) for r in ranks]),
-        ("peak, swap", [_bytes(r["peak_activation_bytes"]) for r in ranks]),
-        *(_parameter_rows(ranks) if summary["fsdp"] else ()),
-        ("swapped (hidden)", [f"{r['swapped_chunks']} ({r['hidden_chunks']})" for r in ranks]),
-    ]
-    if any(r["streamed_chunks"] for r in ranks):  # a row only where streaming happened
-        rows.append(("streamed", [str(r["streamed_chunks"]) for r in ranks]))
-    if any("budget" in r for r in ranks):
-        rows.append(("budget", [("met" if r["budget"]["met"] else
-                                 f"short {_bytes(r['budget']['shortfall_bytes'])}")
-                                if "budget" in r else "-" for r in ranks]))
-    width = max(len(name) for name, _ in rows)
-    cells = [max(len(row[1][i]) for row in rows) for i in range(len(ranks))]
-    lines = [f"{name:<{width}}  " + "  ".join(v.rjust(w) for v, w in zip(values, cells))
-             for name, values in rows]
-    if summary["fsdp"]:
-        lines.append(f"\n{_PARAMETER_LEGEND}")
-    lines.append(f"\nsimulated step time: {summary['step_time_s']:.4g} s")
-    return "\n".join(lines)
-
-
-_PARAMETER_LEGEND = ("params gathered: the most parameter bytes FSDP holds gathered at once; "
-                     "peak with params: the most\nsaved activations and gathered parameters "
-                     "held at once (at most the sum of the two peaks)")
-
-
-def _parameter_rows(ranks: list[dict[str, Any]]) -> list[tuple[str, list[str]]]:
-    """The rows of a schedule with FSDP steps: parameter memory, alone and with activations."""
-    return [("params gathered", [_bytes(r["peak_parameter_bytes"]) for r in ranks]),
-            ("peak with params, no swap", [_bytes(r["peak_memory_bytes_no_swap"])
-                                           for r in ranks]),
-            ("peak with params, swap", [_bytes(r["peak_memory_bytes"]) for r in ranks])]

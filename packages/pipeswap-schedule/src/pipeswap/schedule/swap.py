@@ -35,12 +35,17 @@ from __future__ import annotations
 
 from bisect import bisect_left
 from collections import defaultdict
-from collections.abc import Collection, Mapping, Sequence
-from dataclasses import dataclass
-from typing import NamedTuple, Protocol
+from collections.abc import Mapping
 
 from pipeswap.schedule._gc import gc_paused
 from pipeswap.schedule.errors import ScheduleError
+from pipeswap.schedule.policies.base import (
+    DEFAULT_PLACEMENT,
+    SwapCandidate,
+    SwapPlacement,
+    SwapPolicy,
+)
+from pipeswap.schedule.policies.defaults import default_policy
 from pipeswap.schedule.schedule import Schedule
 from pipeswap.schedule.steps import (
     ACTIVATION_CONSUMERS,
@@ -55,109 +60,16 @@ from pipeswap.schedule.steps import (
     StepType,
 )
 
-#: The fewest compute slots between a forward and its backward that leave room for
-#: WO (after the first slot in between) to come before LL (before the last one).
-MIN_FEASIBLE_GAP = 3
 _OWN_SEND = {StepType.FWD: StepType.FWD_SEND, StepType.BWD: StepType.BWD_SEND,
              StepType.BWD_INPUT: StepType.BWD_SEND}
-
-
-class SwapCandidate(NamedTuple):
-    """A chunk whose forward and activation-consuming backward both run on ``rank``.
-
-    Slots are compute-slot indices in the rank's order; ``gap`` is how many slots the
-    backward comes after the forward. (An immutable record; a NamedTuple because a big
-    schedule has one per chunk and these build several times faster than a dataclass.)
-    """
-
-    rank: int
-    stage: int
-    micro: int
-    forward_slot: int
-    backward_slot: int
-
-    @property
-    def key(self) -> ChunkKey:
-        return (self.stage, self.micro)
-
-    @property
-    def gap(self) -> int:
-        return self.backward_slot - self.forward_slot
-
-
-class SwapPlacement(NamedTuple):
-    """Where a swapped chunk's waits go, in compute slots: the offload copy runs during the
-    ``offload_slots`` computes after the forward (``WO`` follows the last of them), the
-    reload during the ``load_slots`` computes before the backward (``LL`` precedes the
-    first). More slots hide a longer copy and keep the chunk on the device longer; zero
-    slots frees (or loads) the chunk right at its compute, and compute waits for the whole
-    copy. ``layer_lag`` 0 swaps the chunk whole; from 1 it streams the chunk layer by layer
-    (see the module docstring), and the slots then bound what the forward's last layers
-    and the backward's last layer have to hide their copies behind."""
-
-    offload_slots: int = 1
-    load_slots: int = 1
-    layer_lag: int = 0
-
-    @property
-    def streaming(self) -> bool:
-        return self.layer_lag > 0
-
-
-#: MindSpore hyper-parallel's placement: one compute to hide each copy.
-DEFAULT_PLACEMENT = SwapPlacement()
-
-
-class SwapPolicy(Protocol):
-    """Chooses which candidate chunks of one rank get swapped; ``order`` is that rank's order
-    before swap injection (for policies that weigh costs or memory). A policy returns the
-    chunks (placed as :data:`DEFAULT_PLACEMENT`) or a placement for each."""
-
-    def select(self, candidates: Sequence[SwapCandidate], order: Order
-               ) -> Collection[ChunkKey] | Mapping[ChunkKey, SwapPlacement]:
-        ...
-
-
-@dataclass(frozen=True)
-class MinGapPolicy:
-    """Swap every chunk whose backward is at least ``min_gap`` compute slots after its forward.
-
-    ``min_gap=4`` is MindSpore hyper-parallel's rule: three computes in between leave one to hide the
-    offload, one to hide the reload and one to spare.
-    """
-
-    min_gap: int = 4
-
-    def __post_init__(self) -> None:
-        if isinstance(self.min_gap, bool) or not isinstance(self.min_gap, int) or (
-            self.min_gap < MIN_FEASIBLE_GAP
-        ):
-            raise ScheduleError(
-                f"min_gap must be an integer >= {MIN_FEASIBLE_GAP} (the offload wait needs a "
-                f"compute before the reload launch), got {self.min_gap!r}"
-            )
-
-    def select(self, candidates: Sequence[SwapCandidate], order: Order) -> Collection[ChunkKey]:
-        return {c.key for c in candidates if c.gap >= self.min_gap}
 
 
 @gc_paused
 def inject_swap(schedule: Schedule, policy: SwapPolicy | None = None) -> Schedule:
     """Insert swap steps into every rank's order for the chunks ``policy`` selects (by
-    default :func:`default_policy`)."""
+    default :func:`~pipeswap.schedule.policies.defaults.default_policy`: the peak policy)."""
     chosen = default_policy() if policy is None else policy
     return schedule.map_orders(lambda rank, order: inject_swap_order(order, chosen, rank=rank))
-
-
-def default_policy() -> SwapPolicy:
-    """The peak policy on the default cost model (uniform chunks of one layer, a backward
-    twice a forward): swap only chunks that lower a rank's peak, copies hidden, whole (a
-    chunk of one layer has nothing to stream). ``MinGapPolicy()`` gives MindSpore
-    hyper-parallel's orders."""
-    from pipeswap.schedule.costs import CostModel
-    from pipeswap.schedule.policies import PeakPolicy
-
-    return PeakPolicy(CostModel())
 
 
 def swap_candidates(order: Order, rank: int = 0) -> list[SwapCandidate]:
@@ -197,15 +109,17 @@ class _Slots:
                 raise ScheduleError(f"the order already has swap steps ({step}); inject them once")
             else:
                 if kind is StepType.FSDP_UNSHARD:
-                    self.unshards.setdefault(step.stage, []).append(index)  # type: ignore[arg-type]
+                    stage = step.stage
+                    assert stage is not None  # Step requires it
+                    self.unshards.setdefault(stage, []).append(index)
                 continue
             slot = len(self.container)
             self.container.append(index)
             for leaf in leaves:
                 if leaf.type is StepType.FWD:
-                    self.fwd[(leaf.stage, leaf.micro)] = slot  # type: ignore[index]
+                    self.fwd[leaf.key] = slot
                 elif leaf.type in ACTIVATION_CONSUMERS:
-                    self.bwd[(leaf.stage, leaf.micro)] = slot  # type: ignore[index]
+                    self.bwd[leaf.key] = slot
 
     def candidates(self, rank: int) -> list[SwapCandidate]:
         bwd = self.bwd

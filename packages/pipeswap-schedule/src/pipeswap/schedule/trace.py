@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import TypedDict
 
 from pipeswap.schedule.simulate import SimulationResult
 
@@ -13,9 +13,32 @@ _THREADS = {"compute": 0, "d2h": 1, "h2d": 2, "copy": 1}
 _MICROSECONDS = 1e6
 
 
-def chrome_trace(result: SimulationResult) -> dict[str, Any]:
+class _EventBase(TypedDict):
+    ph: str  # the phase: M metadata, X a span, C a counter
+    name: str
+    pid: int  # the rank
+
+
+class TraceEvent(_EventBase, total=False):
+    """One event of the trace; which other keys it has depends on its phase."""
+
+    tid: int  # the stream
+    cat: str
+    ts: float  # microseconds
+    dur: float
+    args: dict[str, str | int]
+
+
+class ChromeTrace(TypedDict):
+    """The JSON object Perfetto and chrome://tracing open."""
+
+    traceEvents: list[TraceEvent]
+    displayTimeUnit: str
+
+
+def chrome_trace(result: SimulationResult) -> ChromeTrace:
     """The trace as a JSON-ready object (times in microseconds, as the format wants)."""
-    events: list[dict[str, Any]] = []
+    events: list[TraceEvent] = []
     for rank in result.ranks:
         events.append({"ph": "M", "name": "process_name", "pid": rank.rank,
                        "args": {"name": f"rank {rank.rank}"}})

@@ -5,18 +5,18 @@ torch is imported lazily: importing this package is cheap.
 """
 
 from pipeswap.swap.__about__ import __version__
-from pipeswap.swap.manager import (
+from pipeswap.swap.layers import LayerChain, find_layers
+from pipeswap.swap.manager import SwapManager
+from pipeswap.swap.offload import LayerOffload
+from pipeswap.swap.pool import HostBufferPool, PoolExhaustedError
+from pipeswap.swap.values import (
     GroupBytes,
     GroupState,
     InPlaceModificationError,
     SwapError,
-    SwapManager,
     SwapResidencyError,
     SwapStats,
 )
-from pipeswap.swap.layers import LayerChain, find_layers
-from pipeswap.swap.offload import LayerOffload
-from pipeswap.swap.pool import HostBufferPool, PoolExhaustedError
 
 __all__ = [
     "GroupBytes",

@@ -19,9 +19,10 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from pipeswap.swap.manager import GroupBytes, GroupState, SwapError, SwapManager
+from pipeswap.swap.manager import SwapManager
+from pipeswap.swap.values import GroupBytes, GroupState, SwapError
 
 if TYPE_CHECKING:
     import torch
@@ -60,9 +61,10 @@ class LayerChain:
         the layers that had not, when the forward ended."""
         return tuple(self._bytes[index] for index in sorted(self._bytes))
 
-    def protect(self, tensors: Any) -> None:
-        """Keep storages shared with ``tensors`` on the device in every layer's group (the
-        forward's inputs before it runs, its output after)."""
+    def protect(self, tensors: object) -> None:
+        """Keep storages shared with ``tensors`` (a tensor, or a nest of lists, tuples, dicts
+        and sets holding some) on the device in every layer's group (the forward's inputs
+        before it runs, its output after)."""
         for name in self.names:
             if self.manager.group_state(name) in (GroupState.COLLECTING, GroupState.OFFLOADING):
                 self.manager.protect_alias_tensors(name, tensors)
@@ -178,7 +180,8 @@ def layer_hooks(layers: Sequence[torch.nn.Module],
     the hooks."""
     handles = []
     for index, layer in enumerate(layers):
-        def ended(module: torch.nn.Module, args: Any, output: Any, index: int = index) -> None:
+        def ended(module: torch.nn.Module, args: tuple[object, ...], output: object,
+                  index: int = index) -> None:
             chain = active()
             if chain is not None:
                 chain.layer_done(index)

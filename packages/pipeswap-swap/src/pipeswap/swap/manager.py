@@ -7,6 +7,11 @@ copy is known complete, and only when nothing but autograd's saved tensors can r
 :mod:`pipeswap.swap.references`), so no tensor a program still holds ever points to freed
 memory. Backward refuses to read a storage that is not resident, and a saved tensor written in
 place after it was saved fails backward exactly as it does without swap.
+
+This module holds the facade: the groups by name, autograd's pack and unpack hooks,
+protection, chains of per-layer groups and the backward's loads ahead. The records it keeps
+are in :mod:`pipeswap.swap.groups`, the copies in :mod:`pipeswap.swap.transfers`, the byte
+counts in :mod:`pipeswap.swap.ledger`.
 """
 
 from __future__ import annotations
@@ -15,169 +20,36 @@ import contextvars
 import threading
 import warnings
 import weakref
-from collections import Counter, deque
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager, suppress
-from dataclasses import dataclass, field
-from enum import Enum
-from typing import TYPE_CHECKING, Any
+from contextlib import contextmanager
+from typing import TYPE_CHECKING
 
-from pipeswap.platform import Event, Platform
-from pipeswap.swap.pool import HostBuffer, HostBufferPool, default_pool_bytes
-from pipeswap.swap.references import referenced_elsewhere, saved_alias
+from pipeswap.platform import Platform
+from pipeswap.swap.groups import Group, SavedEntry, StorageEntry, expect
+from pipeswap.swap.ledger import Ledger
+from pipeswap.swap.transfers import Transfers, drain
+from pipeswap.swap.values import (
+    GroupBytes,
+    GroupState,
+    InPlaceModificationError,
+    SwapError,
+    SwapResidencyError,
+    SwapStats,
+)
 
 if TYPE_CHECKING:
     import torch
 
 
-
-class GroupState(Enum):
-    COLLECTING = "collecting"
-    OFFLOADING = "offloading"
-    OFFLOADED = "offloaded"
-    LOADING = "loading"
-    RESIDENT = "resident"
-    DONE = "done"
-    ABORTED = "aborted"
-
-
-class SwapError(RuntimeError):
-    """A swap call that is not legal now; the message names the group, its state and the call."""
-
-
-class SwapResidencyError(SwapError):
-    """Backward reached an activation whose storage is not on the device."""
-
-
-class InPlaceModificationError(SwapError):
-    """Backward met a saved activation written in place after autograd saved it (the error
-    plain autograd raises there too)."""
-
-
-@dataclass(frozen=True)
-class SwapStats:
-    """Byte-exact accounting of what the manager moved and holds."""
-
-    bytes_offloaded: int
-    bytes_reloaded: int
-    # device bytes of resident storages in live groups that a saved activation still holds (a
-    # storage whose saved views autograd has all freed, by a backward or by the input part of
-    # a split backward, no longer counts)
-    device_bytes_held: int
-    peak_device_bytes_held: int
-    host_bytes_in_use: int
-    host_buffers_allocated: int
-    host_bytes_allocated: int
-    skipped: dict[str, int]  # reason -> saved tensors (or storages) left alone
-    # device bytes an offload left in place because a tensor outside autograd's saved
-    # activations still referenced their storage (freeing them would break that tensor)
-    bytes_kept_referenced: int
-
-
-@dataclass(frozen=True)
-class GroupBytes:
-    """A group's device bytes: all its saved activations hold (what it adds to
-    ``device_bytes_held``), and the part not protected (what moves)."""
-
-    held: int
-    movable: int
-
-
-@dataclass
-class _Storage:
-    """One device storage saved by a group: all its saved views travel together.
-
-    The views are reached weakly, through the :class:`_Saved` objects autograd owns: autograd
-    frees them during backward, and swap must not keep that memory alive any longer. A storage
-    whose views are all gone has nothing left to move, and is no longer counted as held: each
-    dying view posts its entry to ``graveyard``, which the manager reads (see
-    :meth:`SwapManager._bury`) before it next counts.
-    """
-
-    nbytes: int
-    graveyard: deque[_Storage]
-    saved: weakref.WeakSet[_Saved] = field(default_factory=weakref.WeakSet)
-    protected: bool = False
-    resident: bool = True
-    counted: bool = True  # its nbytes are in the manager's device bytes held
-    host: HostBuffer | None = None
-    # the end of an earlier owner's offload that copied it (taken over: see
-    # SwapManager._hand_over); until then that queued copy may hold a reference to it
-    copying: Event | None = None
-
-    def alive(self) -> bool:
-        """Whether a saved view is still alive (:meth:`storage` is not None), without
-        iterating: a WeakSet drops a dead entry at once, and its length discounts the removals
-        an iteration in progress holds back."""
-        return len(self.saved) > 0
-
-    def holders(self) -> list[_Saved]:
-        """The saved entries autograd still holds for this storage."""
-        return list(self.saved)
-
-    def storage(self) -> Any | None:
-        """The storage (``torch.UntypedStorage``), or None once no saved view is alive."""
-        for saved in self.saved:
-            return saved.tensor.untyped_storage()
-        return None
-
-    def bytes_tensor(self, storage: Any) -> torch.Tensor:
-        """A uint8 tensor over the whole storage (its current size)."""
-        import torch
-
-        return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
-
-
-@dataclass
-class _Group:
-    name: str
-    state: GroupState = GroupState.COLLECTING
-    storages: dict[int, _Storage] = field(default_factory=dict)  # storage key -> storage
-    event: Event | None = None  # the transfer in flight
-    loading: list[_Storage] = field(default_factory=list)  # what the load in flight restores
-    protected_keys: set[int] = field(default_factory=set)  # storages kept, saved now or later
-    deferred: list[_Storage] = field(default_factory=list)  # copied, still referenced
-    # the destinations of the load in flight: they keep its storages allocated until the
-    # copy is waited for, even if autograd frees the saved tensors before (an unread layer)
-    targets: list[Any] = field(default_factory=list)
-
-
-class _Saved:
-    """What autograd keeps for a tensor saved inside a group: an alias of the tensor (its
-    storage, geometry and version counter, without its autograd identity: see
-    :func:`~pipeswap.swap.references.saved_alias`), its version when saved (autograd leaves
-    that check to the hooks), and, when it may move, its group and storage entry, through
-    which unpack checks residency.
-
-    Never the tensor itself: for an op that saves its own output, the tensor's ``grad_fn`` is
-    the node that holds this object, a cycle through C++ that Python's collector cannot break,
-    so a graph dropped without a backward would leak with all its activations."""
-
-    __slots__ = ("group", "entry", "tensor", "version", "__weakref__")
-
-    def __init__(self, group: _Group | None, entry: _Storage | None, tensor: torch.Tensor
-                 ) -> None:
-        self.group, self.entry = group, entry
-        self.tensor = saved_alias(tensor)
-        self.version = self.tensor._version  # the tensor's: the counter is shared
-
-    def __del__(self) -> None:
-        # Autograd freed this saved view (in whatever thread ran the backward): only post the
-        # entry, without the manager's lock; the manager checks whether it has views left.
-        entry = self.entry
-        if entry is not None:
-            entry.graveyard.append(entry)
-
-
 class SwapManager:
     """Offload and reload groups of saved activations on one platform.
 
-    ``min_bytes``: saved tensors whose storage is smaller stay on the device (0, MindSpore hyper-parallel's
-    behaviour, swaps everything eligible). ``pool_bytes``: the most host memory (pinned on
-    accelerators) the manager's buffers take; default :func:`~pipeswap.swap.pool.default_pool_bytes`,
-    half the host's memory shared among the local ranks. ``load_on_demand``: when backward
-    reaches an activation that is not resident, load it synchronously with a warning instead
-    of raising.
+    ``min_bytes``: saved tensors whose storage is smaller stay on the device (0, MindSpore
+    hyper-parallel's behaviour, swaps everything eligible). ``pool_bytes``: the most host
+    memory (pinned on accelerators) the manager's buffers take; default
+    :func:`~pipeswap.swap.pool.default_pool_bytes`, half the host's memory shared among the
+    local ranks. ``load_on_demand``: when backward reaches an activation that is not
+    resident, load it synchronously with a warning instead of raising.
     """
 
     def __init__(
@@ -192,12 +64,10 @@ class SwapManager:
         self._device = platform.device  # read for every saved tensor
         self.min_bytes = min_bytes
         self.load_on_demand = load_on_demand
-        self._pool = HostBufferPool(
-            platform, default_pool_bytes() if pool_bytes is None else pool_bytes)
-        self._d2h = platform.new_stream()
-        self._h2d = platform.new_stream()
+        self._ledger = Ledger()
+        self._transfers = Transfers(platform, pool_bytes, self._ledger)
         self._lock = threading.RLock()
-        self._groups: dict[str, _Group] = {}
+        self._groups: dict[str, Group] = {}
         self._owner: dict[int, str] = {}  # storage key -> group that saved it
         self._protected: set[int] = set()  # storage keys protected manager-wide
         self._current: contextvars.ContextVar[str | None] = contextvars.ContextVar(
@@ -207,23 +77,20 @@ class SwapManager:
         self._ahead: dict[str, str | None] = {}
         self._chains: dict[str, int] = {}  # group -> its chain (see link_groups)
         self._next_chain = 0
-        self._offloaded = self._reloaded = self._held = self._peak = self._kept = 0
-        self._graveyard: deque[_Storage] = deque()  # entries that lost a saved view
-        self._skipped: Counter[str] = Counter()
         # A copy still running when the interpreter exits aborts the process: drain first.
-        self._drain = weakref.finalize(self, _drain, (self._d2h, self._h2d))
+        self._drain = weakref.finalize(self, drain, self._transfers.streams)
 
     def close(self) -> None:
         """Wait for every transfer in flight (also done at interpreter exit). Each call
         drains: the manager stays usable, and the exit's drain stays armed."""
-        _drain((self._d2h, self._h2d))
+        drain(self._transfers.streams)
 
     # -- groups ----------------------------------------------------------------------------
 
     def ensure_group(self, name: str) -> None:
         with self._lock:
             if name not in self._groups:
-                self._groups[name] = _Group(name)
+                self._groups[name] = Group(name)
 
     def active_group_count(self) -> int:
         with self._lock:
@@ -232,19 +99,13 @@ class SwapManager:
     def group_state(self, name: str) -> GroupState:
         return self._group(name, "group_state").state
 
-    def _group(self, name: str, call: str) -> _Group:
+    def _group(self, name: str, call: str) -> Group:
         with self._lock:
             group = self._groups.get(name)
         if group is None:
             raise SwapError(f"{call}({name!r}): no such group; create it with ensure_group() or "
                             "group_context()")
         return group
-
-    def _expect(self, group: _Group, call: str, *states: GroupState) -> None:
-        if group.state not in states:
-            allowed = " or ".join(s.value for s in states)
-            raise SwapError(f"{call}({group.name!r}): group is {group.state.value}, "
-                            f"{call} needs it {allowed}")
 
     # -- collection ------------------------------------------------------------------------
 
@@ -254,7 +115,7 @@ class SwapManager:
         import torch
 
         self.ensure_group(name)
-        self._expect(self._group(name, "group_context"), "group_context", GroupState.COLLECTING)
+        expect(self._group(name, "group_context"), "group_context", GroupState.COLLECTING)
         token = self._current.set(name)
         try:
             with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
@@ -269,7 +130,7 @@ class SwapManager:
             raise SwapError(f"switch_group({name!r}): no group is collecting here; call it "
                             "inside group_context()")
         self.ensure_group(name)
-        self._expect(self._group(name, "switch_group"), "switch_group", GroupState.COLLECTING)
+        expect(self._group(name, "switch_group"), "switch_group", GroupState.COLLECTING)
         self._current.set(name)
 
     def protect_module(self, module: torch.nn.Module) -> None:
@@ -282,16 +143,17 @@ class SwapManager:
             self._protect(list(self._groups.values()), keys, "protect_module")
             self._protected |= keys
 
-    def protect_alias_tensors(self, name: str, tensors: Any) -> None:
-        """Never free the storages in group ``name`` shared with any tensor in ``tensors``,
-        whether the group saved them already or saves them later."""
+    def protect_alias_tensors(self, name: str, tensors: object) -> None:
+        """Never free the storages in group ``name`` shared with any tensor in ``tensors`` (a
+        tensor, or a nest of lists, tuples, dicts and sets holding some), whether the group
+        saved them already or saves them later."""
         group = self._group(name, "protect_alias_tensors")
         keys = {_storage_key(t) for t in _tensors(tensors)}
         with self._lock:
             self._protect([group], keys, "protect_alias_tensors")
             group.protected_keys |= keys
 
-    def _protect(self, groups: list[_Group], keys: set[int], call: str) -> None:
+    def _protect(self, groups: list[Group], keys: set[int], call: str) -> None:
         """Mark the groups' storages among ``keys`` protected; all or nothing.
 
         Protection during an offload still counts (wait_offload keeps the storage), but a
@@ -306,17 +168,18 @@ class SwapManager:
         for _, entry in hits:
             entry.protected = True
 
-    def _pack(self, tensor: torch.Tensor) -> Any:
+    def _pack(self, tensor: torch.Tensor) -> SavedEntry:
         # Every tensor autograd saves in a group comes through here: kept lean (one storage
         # object per call, no WeakSet iteration where its length answers).
         name = self._current.get()
         if name is None:
-            return _Saved(None, None, tensor)
+            return SavedEntry(None, None, tensor)
         storage = tensor.untyped_storage()
         key: int = storage._cdata
+        ledger = self._ledger
         with self._lock:
-            if self._graveyard:
-                self._bury()
+            if ledger.graveyard:
+                ledger.bury()
             group = self._groups[name]
             if group.state is not GroupState.COLLECTING:
                 raise SwapError(f"group_context({name!r}): group is {group.state.value}; "
@@ -334,25 +197,25 @@ class SwapManager:
             nbytes = storage.nbytes()
             reason = self._skip_reason(tensor, nbytes)
             if reason is not None:
-                self._skipped[reason] += 1
-                return _Saved(None, None, tensor)
+                ledger.skipped[reason] += 1
+                return SavedEntry(None, None, tensor)
             if owner is not None and owner[0] is not group and self._chained(owner[0], group):
                 self._hand_over(owner[0], owner[1], key, group)
             elif owner is not None and owner[0] is not group:
                 owner[1].protected = True  # saved by two groups: it stays on the device
-                self._skipped["shared across groups"] += 1
-                return _Saved(None, None, tensor)
+                ledger.skipped["shared across groups"] += 1
+                return SavedEntry(None, None, tensor)
             entry = group.storages.get(key)
             if entry is None or not entry.alive():  # new, or a dead storage's key
                 if entry is not None:
-                    self._uncount(entry)
-                entry = _Storage(nbytes, self._graveyard, protected=(
+                    ledger.uncount(entry)
+                entry = StorageEntry(nbytes, ledger.graveyard, protected=(
                     key in self._protected or key in group.protected_keys))
                 group.storages[key] = entry
                 self._owner[key] = name
-                self._held += entry.nbytes
-                self._peak = max(self._peak, self._held)
-            saved = _Saved(group, entry, tensor)
+                ledger.held += entry.nbytes
+                ledger.note_peak()
+            saved = SavedEntry(group, entry, tensor)
             entry.saved.add(saved)
         return saved
 
@@ -372,7 +235,7 @@ class SwapManager:
             return "below min_bytes"
         return None
 
-    def _live_entry(self, name: str | None, key: int) -> tuple[_Group, _Storage] | None:
+    def _live_entry(self, name: str | None, key: int) -> tuple[Group, StorageEntry] | None:
         """The group and entry that hold storage ``key`` with a saved view still alive."""
         group = self._groups.get(name) if name is not None else None
         entry = group.storages.get(key) if group is not None else None
@@ -380,7 +243,7 @@ class SwapManager:
             return None
         return group, entry
 
-    def _unpack(self, saved: _Saved) -> torch.Tensor:
+    def _unpack(self, saved: SavedEntry) -> torch.Tensor:
         tensor = saved.tensor
         if tensor._version != saved.version:
             where = f" in swap group {saved.group.name!r}" if saved.group is not None else ""
@@ -406,15 +269,7 @@ class SwapManager:
                           "launch_load/wait_load before backward to overlap the copy",
                           stacklevel=2)
             with self._lock:
-                if any(e is entry for e in group.loading):  # load in flight: wait, not again
-                    assert group.event is not None
-                    group.event.synchronize()
-                    for loaded in group.loading:
-                        loaded.resident = True
-                        self._reloaded += loaded.nbytes
-                    group.loading = []  # wait_load still returns the buffers
-                else:
-                    self._restore_now(group, entry)
+                self._transfers.load_now(group, entry)
         return tensor
 
     def link_groups(self, names: Sequence[str]) -> None:
@@ -428,20 +283,20 @@ class SwapManager:
                 self._group(name, "link_groups")
                 self._chains[name] = self._next_chain
 
-    def _chained(self, owner: _Group, group: _Group) -> bool:
+    def _chained(self, owner: Group, group: Group) -> bool:
         """Whether ``group`` may take a storage ``owner`` saved: same chain, and the owner
         has not released anything yet."""
         chain = self._chains.get(owner.name)
         return (chain is not None and chain == self._chains.get(group.name)
                 and owner.state in (GroupState.COLLECTING, GroupState.OFFLOADING))
 
-    def _hand_over(self, owner: _Group, entry: _Storage, key: int, group: _Group) -> None:
+    def _hand_over(self, owner: Group, entry: StorageEntry, key: int, group: Group) -> None:
         """Move a storage from ``owner`` to ``group`` (see :meth:`link_groups`); a copy of it
         in flight in the owner's offload is dropped (its buffer returns once the copy ends)."""
         del owner.storages[key]
         if entry.host is not None:
             entry.copying = owner.event
-        self._return_host(entry, owner.event)
+        self._transfers.return_host(entry, owner.event)
         for saved in entry.holders():
             saved.group = group
         entry.protected = entry.protected or key in group.protected_keys
@@ -461,7 +316,7 @@ class SwapManager:
             for index, name in enumerate(names):
                 self._ahead[name] = names[index - 1] if index > 0 else None
 
-    def _first_read(self, group: _Group) -> None:
+    def _first_read(self, group: Group) -> None:
         """Backward reached ``group`` for the first time (see :meth:`load_ahead`)."""
         with self._lock:
             if group.name not in self._ahead:  # another thread got here first
@@ -476,60 +331,15 @@ class SwapManager:
                 if following.state is GroupState.OFFLOADED:
                     self.launch_load(following.name)
 
-    def _make_resident(self, group: _Group) -> None:
+    def _make_resident(self, group: Group) -> None:
         if group.state is GroupState.OFFLOADING:
-            self._stop_offload(group)
+            self._transfers.stop_offload(group)
         if group.state is GroupState.OFFLOADED:
             self.launch_load(group.name)
         if group.state is GroupState.LOADING:
             self.wait_load(group.name)
 
-    def _stop_offload(self, group: _Group) -> None:
-        """End an offload that released nothing yet by keeping every storage: backward reads
-        the group now, so a release would only be loaded back (and the tensor being unpacked
-        would count as a reference). Compute waits for the copies, which read the storages,
-        before autograd may free them."""
-        assert group.event is not None
-        group.event.wait()
-        for entry in group.storages.values():
-            self._return_host(entry, group.event)
-        group.event, group.state = None, GroupState.RESIDENT
-
     # -- transfers -------------------------------------------------------------------------
-
-    def _swappable(self, group: _Group) -> list[tuple[_Storage, Any]]:
-        """(entry, storage) for every storage of the group that moves: not protected, with a
-        saved view alive."""
-        moving = []
-        for entry in group.storages.values():
-            storage = None if entry.protected else entry.storage()
-            if storage is not None:
-                moving.append((entry, storage))
-        return moving
-
-    def _releasable(self, candidates: list[tuple[_Storage, Any]], *, launch: bool = False
-                    ) -> list[tuple[_Storage, Any]]:
-        """The candidates nothing outside the saved activations references; the rest stay on
-        the device, counted in the stats (with a warning: that memory is not saved). At a
-        ``launch``, one whose earlier copy is still queued passes unchecked: that copy may
-        hold it (the CPU platform's does), so :meth:`wait_offload` checks it after."""
-        moving, kept = [], []
-        for entry, storage in candidates:
-            queued = launch and entry.copying is not None and not entry.copying.query()
-            if not queued and referenced_elsewhere(entry.holders()):
-                kept.append(entry)
-            else:
-                moving.append((entry, storage))
-        if kept:
-            self._skipped["referenced outside saved activations"] += len(kept)
-            self._kept += sum(entry.nbytes for entry in kept)
-            warnings.warn(
-                "swap keeps an activation storage on the device: a tensor outside autograd's "
-                "saved activations still references it, and freeing it would leave that "
-                "tensor pointing at freed memory; drop such references before launch_offload "
-                "(or protect them with protect_alias_tensors) to save that memory",
-                stacklevel=3)
-        return moving
 
     def launch_offload(self, name: str, *, copy_referenced: bool = False) -> None:
         """Start copying the group's storages to host memory on the D2H stream; a storage that
@@ -539,28 +349,8 @@ class SwapManager:
         :meth:`wait_offload` checks again before freeing."""
         group = self._group(name, "launch_offload")
         with self._lock:
-            self._expect(group, "launch_offload", GroupState.COLLECTING)
-            ready = self.platform.new_event()
-            ready.record()
-            done = self.platform.new_event()
-            taken: list[_Storage] = []
-            try:
-                ready.wait(self._d2h)
-                candidates = self._swappable(group)
-                with self.platform.stream(self._d2h):
-                    for entry, storage in (candidates if copy_referenced
-                                           else self._releasable(candidates, launch=True)):
-                        entry.host = self._pool.acquire(entry.nbytes)
-                        taken.append(entry)
-                        self.platform.copy_(entry.host.view, entry.bytes_tensor(storage))
-                done.record(self._d2h)
-            except BaseException:
-                with suppress(Exception):  # the first error is the one to report
-                    self._d2h.synchronize()  # nothing may still write into returned buffers
-                for entry in taken:
-                    self._return_host(entry, None)
-                raise
-            group.event, group.state = done, GroupState.OFFLOADING
+            expect(group, "launch_offload", GroupState.COLLECTING)
+            self._transfers.launch_offload(group, copy_referenced=copy_referenced)
 
     def wait_offload(self, name: str, *, defer_referenced: bool = False) -> None:
         """Make compute wait for the offload, then release the group's device storage (what
@@ -570,44 +360,16 @@ class SwapManager:
         forward runs, whose tensors its caller may still hold: autocast's cast weights)."""
         group = self._group(name, "wait_offload")
         with self._lock:
-            self._expect(group, "wait_offload", GroupState.OFFLOADING)
-            assert group.event is not None
-            group.event.wait()
-            copied = [(e, s) for e, s in self._swappable(group) if e.host is not None]
-            if defer_referenced:
-                group.deferred = [e for e, _ in copied if referenced_elsewhere(e.holders())]
-                moving = [(e, s) for e, s in copied if all(e is not d for d in group.deferred)]
-            else:
-                moving = self._releasable(copied)
-            kept = [*(entry for entry, _ in moving), *group.deferred]
-            for entry in group.storages.values():  # protected, referenced, gone, not copied
-                if all(entry is not other for other in kept):
-                    self._return_host(entry, group.event)
-            self._release(moving)
-            group.event, group.state = None, GroupState.OFFLOADED
+            expect(group, "wait_offload", GroupState.OFFLOADING)
+            self._transfers.wait_offload(group, defer_referenced=defer_referenced)
 
     def release_deferred(self, name: str) -> None:
         """Release what :meth:`wait_offload` deferred in an offloaded group, now that nothing
         else references it; what is still referenced stays on the device (with a warning)."""
         group = self._group(name, "release_deferred")
         with self._lock:
-            self._expect(group, "release_deferred", GroupState.OFFLOADED)
-            waiting, group.deferred = group.deferred, []
-            alive = [(e, s) for e in waiting
-                     if not e.protected and (s := e.storage()) is not None]
-            moving = self._releasable(alive)
-            for entry in waiting:
-                if all(entry is not other for other, _ in moving):
-                    self._return_host(entry, None)  # its copy was waited for
-            self._release(moving)
-
-    def _release(self, moving: list[tuple[_Storage, Any]]) -> None:
-        """Free copied storages' device memory: their host copies are complete."""
-        for entry, storage in moving:
-            storage.resize_(0)
-            entry.resident = False
-            self._uncount(entry)
-            self._offloaded += entry.nbytes
+            expect(group, "release_deferred", GroupState.OFFLOADED)
+            self._transfers.release_deferred(group)
 
     def launch_load(self, name: str) -> None:
         """Re-allocate the group's storages and start copying them back on the H2D stream."""
@@ -616,50 +378,21 @@ class SwapManager:
             if group.state is GroupState.OFFLOADING:
                 raise SwapError(f"launch_load({name!r}): group is offloading; call "
                                 "wait_offload first (load before the offload finished)")
-            self._expect(group, "launch_load", GroupState.OFFLOADED)
-            for entry in group.deferred:  # never released: they stayed on the device
-                self._return_host(entry, None)
-            group.deferred = []
-            moving = [(e, s) for e, s in self._swappable(group) if not e.resident]
-            for entry, storage in moving:
-                storage.resize_(entry.nbytes)
-            ready = self.platform.new_event()
-            ready.record()
-            ready.wait(self._h2d)
-            group.targets = [entry.bytes_tensor(storage) for entry, storage in moving]
-            with self.platform.stream(self._h2d):
-                for (entry, _), target in zip(moving, group.targets):
-                    assert entry.host is not None
-                    self.platform.copy_(target, entry.host.view)
-            done = self.platform.new_event()
-            done.record(self._h2d)
-            group.loading = [entry for entry, _ in moving]
-            self._bury()
-            for entry in group.loading:
-                self._count(entry)
-            self._peak = max(self._peak, self._held)
-            group.event, group.state = done, GroupState.LOADING
+            expect(group, "launch_load", GroupState.OFFLOADED)
+            self._transfers.launch_load(group)
 
     def wait_load(self, name: str) -> None:
         """Make compute wait for the load; the activations are usable again."""
         group = self._group(name, "wait_load")
         with self._lock:
-            self._expect(group, "wait_load", GroupState.LOADING)
-            assert group.event is not None
-            group.event.wait()
-            for entry in group.loading:
-                entry.resident = True
-                self._reloaded += entry.nbytes
-            for entry in group.storages.values():
-                self._return_host(entry, group.event)
-            group.loading, group.targets = [], []
-            group.event, group.state = None, GroupState.RESIDENT
+            expect(group, "wait_load", GroupState.LOADING)
+            self._transfers.wait_load(group)
 
     def finish_group(self, name: str) -> None:
         """Forget a group whose activations are resident (after its backward)."""
         group = self._group(name, "finish_group")
         with self._lock:
-            self._expect(group, "finish_group", GroupState.RESIDENT, GroupState.COLLECTING)
+            expect(group, "finish_group", GroupState.RESIDENT, GroupState.COLLECTING)
             self._drop(group, GroupState.DONE)
 
     def abort_group(self, name: str) -> None:
@@ -670,19 +403,8 @@ class SwapManager:
             if group is None:
                 return
             try:
-                if group.event is not None:
-                    group.event.synchronize()
-                for entry in group.loading:  # a load in flight is complete now
-                    entry.resident = True
-                    self._reloaded += entry.nbytes
-                for entry in group.storages.values():
-                    if not entry.resident:
-                        self._restore_now(group, entry)
-                    self._return_host(entry, None)
-            finally:  # a failed copy raised above: still forget the group and its buffers
-                for entry in group.storages.values():
-                    self._return_host(entry, None)
-                group.targets = []
+                self._transfers.abort(group)
+            finally:  # a failed copy raised: still forget the group
                 self._drop(group, GroupState.ABORTED)
 
     def end_group(self, name: str) -> None:
@@ -697,71 +419,25 @@ class SwapManager:
         else:
             self.abort_group(name)
 
-    def _restore_now(self, group: _Group, entry: _Storage) -> None:
-        """Bring one freed storage back synchronously (its host copy is complete); a storage
-        whose saved views are all gone is simply forgotten."""
-        storage = entry.storage()
-        if storage is None:
-            self._return_host(entry, None)
-            return
-        assert entry.host is not None
-        storage.resize_(entry.nbytes)
-        self.platform.copy_(entry.bytes_tensor(storage), entry.host.view)
-        done = self.platform.new_event()
-        done.record()
-        done.synchronize()
-        entry.resident = True
-        self._bury()
-        self._count(entry)
-        self._reloaded += entry.nbytes
-        self._peak = max(self._peak, self._held)
-        self._return_host(entry, None)
-
-    def _return_host(self, entry: _Storage, after: Event | None) -> None:
-        if entry.host is not None:
-            self._pool.release(entry.host, after)
-            entry.host = None
-
-    def _count(self, entry: _Storage) -> None:
-        """Count a storage brought back onto the device as held."""
-        if not entry.counted:
-            entry.counted = True
-            self._held += entry.nbytes
-
-    def _uncount(self, entry: _Storage) -> None:
-        """Stop counting a storage: released, replaced, dead, or its group dropped."""
-        if entry.counted:
-            entry.counted = False
-            self._held -= entry.nbytes
-
-    def _bury(self) -> None:
-        """Stop counting the storages whose saved views autograd has all freed since the last
-        call: nothing saved holds them any more (a backward freed them, or a split backward's
-        input part freed what its weight part does not need). Called with the lock held,
-        before anything reads or raises the device bytes held."""
-        graveyard = self._graveyard
-        while graveyard:
-            entry = graveyard.popleft()
-            if entry.counted and not entry.alive():
-                self._uncount(entry)
-
-    def _drop(self, group: _Group, state: GroupState) -> None:
+    def _drop(self, group: Group, state: GroupState) -> None:
         self._ahead.pop(group.name, None)
         self._chains.pop(group.name, None)
         for key, entry in group.storages.items():
-            self._uncount(entry)
+            self._ledger.uncount(entry)
             if self._owner.get(key) == group.name:
                 del self._owner[key]
         group.state = state
         group.storages.clear()
         del self._groups[group.name]
 
+    # -- accounting ------------------------------------------------------------------------
+
     def group_bytes(self, name: str) -> GroupBytes:
         """Device bytes the group holds now, and how many of them an offload would move."""
         group = self._group(name, "group_bytes")
         held = movable = 0
-        with self._lock:  # one pass; movable as _swappable counts it, without storage objects
-            self._bury()
+        with self._lock:  # one pass; movable as Group.swappable counts it, without storages
+            self._ledger.bury()
             for entry in group.storages.values():
                 if entry.counted:
                     held += entry.nbytes
@@ -772,29 +448,13 @@ class SwapManager:
     def reset_peak(self) -> None:
         """Start the peak of device bytes held over from what is held now (e.g. per step)."""
         with self._lock:
-            self._bury()
-            self._peak = self._held
+            self._ledger.bury()
+            self._ledger.peak = self._ledger.held
 
     def stats(self) -> SwapStats:
         with self._lock:
-            self._bury()
-            return SwapStats(
-                bytes_offloaded=self._offloaded,
-                bytes_reloaded=self._reloaded,
-                device_bytes_held=self._held,
-                peak_device_bytes_held=self._peak,
-                host_bytes_in_use=self._pool.in_use_bytes,
-                host_buffers_allocated=self._pool.allocated_blocks,
-                host_bytes_allocated=self._pool.allocated_bytes,
-                skipped=dict(self._skipped),
-                bytes_kept_referenced=self._kept,
-            )
-
-
-def _drain(streams: tuple[Any, ...]) -> None:
-    for stream in streams:
-        with suppress(Exception):  # a failed copy was reported where it was waited for
-            stream.synchronize()
+            self._ledger.bury()
+            return self._ledger.stats(self._transfers.pool)
 
 
 def _storage_key(tensor: torch.Tensor) -> int:
@@ -804,7 +464,7 @@ def _storage_key(tensor: torch.Tensor) -> int:
     return key
 
 
-def _tensors(tree: Any) -> Iterator[torch.Tensor]:
+def _tensors(tree: object) -> Iterator[torch.Tensor]:
     """Every tensor in a nest of lists, tuples, dicts and sets."""
     import torch
 

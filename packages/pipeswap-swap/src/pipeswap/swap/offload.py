@@ -17,11 +17,12 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 from types import TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from pipeswap.platform import Platform, get_platform
 from pipeswap.swap.layers import LayerChain, layer_hooks
-from pipeswap.swap.manager import SwapError, SwapManager
+from pipeswap.swap.manager import SwapManager
+from pipeswap.swap.values import SwapError
 
 if TYPE_CHECKING:
     import torch
@@ -69,7 +70,8 @@ class LayerOffload:
 
         self._remove = remove
 
-    def _protect_inputs(self, module: torch.nn.Module, args: Any, kwargs: Any) -> None:
+    def _protect_inputs(self, module: torch.nn.Module, args: tuple[object, ...],
+                        kwargs: dict[str, object]) -> None:
         if self._active is not None:
             self._active.protect([args, kwargs])
 
@@ -78,7 +80,7 @@ class LayerOffload:
         """The groups of the last forward (for its per-layer bytes, ``layer_bytes``)."""
         return self._chain
 
-    def protect(self, tensors: Any) -> None:
+    def protect(self, tensors: object) -> None:
         """Keep storages shared with ``tensors`` on the device (call it inside the ``with``
         for inputs the caller keeps using; the forward's output is the caller's too)."""
         if self._active is None:

@@ -31,7 +31,7 @@ from __future__ import annotations
 import sys
 from collections import Counter
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
     import torch
@@ -112,7 +112,7 @@ def _fresh_counts() -> _Counts:
     return _Counts(storage, impl, _python_refs(known)[0])
 
 
-def _storage_uses(storage: Any) -> int:
+def _storage_uses(storage: torch.UntypedStorage) -> int:
     import torch
 
     uses: int = torch._C._storage_Use_Count(storage._cdata)

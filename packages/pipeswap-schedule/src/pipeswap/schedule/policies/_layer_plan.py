@@ -1,256 +1,27 @@
 """The peak policy at layer resolution: which chunks to swap, whole or streamed, and how.
 
-A streamed chunk's memory changes inside its forward and backward, so this plan follows one
-rank's own timeline (compute back to back, as the chunk-level plan does) point by point:
-each forward and backward is cut at its layers' boundaries, where the simulator takes its
-peaks. What a chunk holds at each point follows from its choice (:class:`Choice`): whole or
-streamed, its layer lag and its slots.
-
-The copies decide the lags. The D2H and H2D streams run their copies first in, first out,
-so which chunks are taken (and where their loads start) fixes when every copy ends; each
-taken chunk then gets the smallest lag and the fewest offload slots that its copies' ends
-allow. Taking a chunk whose copies queue ahead of others can so raise their lags: the plan
-redoes them and counts what that costs in memory. The greedy loop and the prune step are
-the chunk-level plan's (:class:`pipeswap.schedule.policies.PeakPolicy`).
+The plan follows one rank point by point (:mod:`pipeswap.schedule.policies._points`). The
+copies decide the lags: the D2H and H2D streams run their copies first in, first out
+(:mod:`pipeswap.schedule.policies._streams`), so which chunks are taken (and where their
+loads start) fixes when every copy ends; each taken chunk then gets the smallest lag and the
+fewest offload slots that its copies' ends allow. Taking a chunk whose copies queue ahead of
+others can so raise their lags: the plan redoes them and counts what that costs in memory.
+The greedy loop and the prune step are the slot-resolution plan's
+(:mod:`pipeswap.schedule.policies._chunk_plan`).
 """
 
 from __future__ import annotations
 
 import copy
-import math
-from bisect import bisect_left
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import NamedTuple
 
-from pipeswap.schedule.costs import ChunkBytes, CostModel
-from pipeswap.schedule.steps import COMPUTE, OVERLAPS, ChunkKey, Order, StepType
-from pipeswap.schedule.swap import SwapCandidate, SwapPlacement
-
-#: The most compute slots a placement gives one copy (see :class:`SwapPlacement`), at
-#: layer resolution and in the chunk-level plan alike.
-MAX_COPY_SLOTS = 3
-# Copies go on their stream in program order: by compute slot, and in a slot the launches
-# before its compute, the copies the compute starts itself, the launches after it.
-_BEFORE, _INSIDE, _AFTER = 0, 1, 2
-
-
-class Choice(NamedTuple):
-    """How a taken chunk is swapped: streamed (lag >= 1) or whole (lag 0), and its slots."""
-
-    lag: int
-    offload_slots: int
-    load_slots: int
-
-    @property
-    def placement(self) -> SwapPlacement:
-        return SwapPlacement(self.offload_slots, self.load_slots, self.lag)
-
-
-class _Copy(NamedTuple):
-    """One copy on a stream: issued in ``order`` (slot, phase, time, then the order of the
-    forwards or of the layers), from ``release`` on. A load's ``deadline`` is when compute
-    needs it; an offload's follows from the lag and slots chosen for it."""
-
-    order: tuple[int, int, float, int]
-    release: float
-    duration: float
-    owner: ChunkKey
-    layer: int
-    offload: bool
-    deadline: float = math.inf
-
-
-@dataclass(frozen=True)
-class _Chunk:
-    """A candidate chunk on the point timeline."""
-
-    key: ChunkKey
-    forward_slot: int
-    backward_slot: int
-    layers: tuple[ChunkBytes, ...]
-    forward_points: int  # the first of its forward's points, one per layer
-    backward_points: int  # the first of its B's (or I's) points, one per layer, last layer first
-    weight_point: int | None  # its W's point, when its backward is split
-    end: int  # one past its last point
-    total: int
-    pinned: int
-    after_input: int
-
-    @property
-    def gap(self) -> int:
-        return self.backward_slot - self.forward_slot
-
-
-class Points:
-    """One rank's compute slots back to back, each cut into points: a forward's at the end
-    of each layer, a backward's at the start of each layer (the last first), a W's one."""
-
-    def __init__(self, order: Order, costs: CostModel, rank: int) -> None:
-        self.starts: list[float] = []
-        self.ends: list[float] = []
-        self.first: list[int] = []  # slot -> its first point
-        self.slot_of: list[int] = []  # point -> its slot
-        self.times: list[float] = []  # point -> its time
-        self.forward: dict[ChunkKey, int] = {}  # key -> first point of its forward
-        self.backward: dict[ChunkKey, int] = {}  # key -> first point of its B or I
-        self.weight: dict[ChunkKey, int] = {}  # key -> its W's point
-        self.layers: dict[ChunkKey, tuple[ChunkBytes, ...]] = {}
-        now = 0.0
-        for step in order:
-            if step is None or not (step.type in COMPUTE or step.type in OVERLAPS):
-                continue
-            slot = len(self.starts)
-            self.starts.append(now)
-            self.first.append(len(self.times))
-            for leaf in step.compute_leaves:
-                duration = costs.compute_time(leaf.type, leaf.key[0], rank)
-                self._leaf(leaf.type, leaf.key, slot, now, duration, costs)
-                now += duration
-            self.ends.append(now)
-        self.first.append(len(self.times))
-
-    def _leaf(self, kind: StepType, key: ChunkKey, slot: int, start: float, duration: float,
-              costs: CostModel) -> None:
-        if kind is StepType.BWD_WEIGHT:
-            self.weight[key] = len(self.times)
-            self._add(slot, start)
-            return
-        layers = self.layers.get(key)
-        if layers is None:
-            layers = self.layers[key] = costs.layer_bytes(key)
-        part = duration / len(layers)
-        forward = kind is StepType.FWD
-        (self.forward if forward else self.backward)[key] = len(self.times)
-        for k in range(len(layers)):  # a forward's layer ends; a backward's layer starts
-            self._add(slot, start + part * (k + 1 if forward else k))
-
-    def _add(self, slot: int, time: float) -> None:
-        self.slot_of.append(slot)
-        self.times.append(time)
-
-    def chunk(self, c: SwapCandidate) -> _Chunk:
-        key = c.key
-        layers, backward = self.layers[key], self.backward[key]
-        weight = self.weight.get(key)  # a W comes after its I
-        last = backward + len(layers) - 1 if weight is None else weight
-        return _Chunk(key, c.forward_slot, c.backward_slot, layers, self.forward[key],
-                      backward, weight, last + 1, sum(x.total for x in layers),
-                      sum(x.pinned for x in layers), sum(x.held_after_input for x in layers))
-
-
-def profile(points: Points, c: _Chunk, choice: Choice | None) -> list[int]:
-    """What ``c`` holds at each of its points, from its forward's first to its last, when
-    swapped as ``choice`` says (None: not swapped), counted as the simulator counts."""
-    layers = c.layers
-    out = _forward_values(layers, choice)
-    start, stop = c.forward_points + len(layers), c.backward_points
-    if choice is None:
-        out += [c.total] * (stop - start)
-    else:  # held until WO (after slot f + offload slots), pinned until the load starts
-        first = points.first
-        held = min(max(first[c.forward_slot + choice.offload_slots + 1], start), stop)
-        loading = min(max(first[c.backward_slot - choice.load_slots], held), stop)
-        lag = choice.lag
-        tail = c.total if not lag else c.pinned + sum(x.movable for x in layers[-lag:])
-        loaded = c.total if not lag else c.pinned + layers[-1].movable
-        out += [tail] * (held - start) + [c.pinned] * (loading - held) + [loaded] * (
-            stop - loading)
-    out += _backward_values(c, choice)
-    if c.weight_point is not None:
-        out += [c.after_input] * (c.weight_point - (stop + len(layers)) + 1)
-    return out
-
-
-def _forward_values(layers: tuple[ChunkBytes, ...], choice: Choice | None) -> list[int]:
-    """At the end of each layer of the forward (a whole chunk counts at its end)."""
-    if choice is None or not choice.lag:
-        return [0] * (len(layers) - 1) + [sum(layer.total for layer in layers)]
-    held, out = 0, []
-    for k, layer in enumerate(layers):
-        held += layer.total
-        out.append(held)  # the peak, before the layer a lag back leaves
-        if k >= choice.lag:
-            held -= layers[k - choice.lag].movable
-    return out
-
-
-def _backward_values(c: _Chunk, choice: Choice | None) -> list[int]:
-    """At the start of each layer of the backward, the last layer first."""
-    layers = c.layers
-    keeps = c.weight_point is not None
-    if choice is None or not choice.lag:
-        return [c.total] * len(layers)
-    out = []
-    for k in reversed(range(len(layers))):
-        # B frees each layer as it goes; a split I keeps them all until it ends
-        held = sum((layer.total if keeps else 0) for layer in layers[k + 1:])
-        held += sum(layer.pinned for layer in layers[:k + 1]) + layers[k].movable
-        out.append(held + (layers[k - 1].movable if k >= 1 else 0))
-    return out
-
-
-class _Stream:
-    """One copy stream's queue on the rank's own timeline, first in first out, with the end
-    of every copy."""
-
-    def __init__(self) -> None:
-        self.copies: list[_Copy] = []
-        self.ends: list[float] = []
-        self.index: dict[ChunkKey, list[int]] = {}  # owner -> its copies' indices
-
-    def replay(self, owner: ChunkKey, new: Sequence[_Copy]
-               ) -> tuple[dict[int, float], list[float]]:
-        """The ends that change when ``owner``'s copies are replaced by ``new`` (sorted):
-        existing copies' by index, and the new copies'. Stops once the queue is back where
-        it was."""
-        copies, ends = self.copies, self.ends
-        old = self.index.get(owner, [])
-        starts = [*old, *(bisect_left(copies, c) for c in new[:1])]
-        if not starts:
-            return {}, []
-        index, last_old = min(starts), max(old, default=-1)
-        free = ends[index - 1] if index > 0 else 0.0
-        changed: dict[int, float] = {}
-        new_ends: list[float] = []
-        while index < len(copies) or len(new_ends) < len(new):
-            pending = new[len(new_ends)] if len(new_ends) < len(new) else None
-            if pending is not None and (index >= len(copies) or pending < copies[index]):
-                free = max(pending.release, free) + pending.duration
-                new_ends.append(free)
-                continue
-            copy = copies[index]
-            if copy.owner != owner:
-                end = max(copy.release, free) + copy.duration
-                if end != ends[index]:
-                    changed[index] = end
-                elif pending is None and index > last_old:
-                    break  # from here on the queue runs as it did
-                free = end
-            index += 1
-        return changed, new_ends
-
-    def replace(self, owner: ChunkKey, new: Sequence[_Copy]) -> None:
-        self.copies = sorted([*(c for c in self.copies if c.owner != owner), *new])
-        self.ends, self.index, free = [], {}, 0.0
-        for index, queued in enumerate(self.copies):
-            free = max(queued.release, free) + queued.duration
-            self.ends.append(free)
-            self.index.setdefault(queued.owner, []).append(index)
-
-    def offload_ends(self, owner: ChunkKey) -> dict[int, float]:
-        """When each of ``owner``'s offloads ends, by layer."""
-        return {self.copies[i].layer: self.ends[i] for i in self.index.get(owner, ())
-                if self.copies[i].offload}
-
-    def with_replaced(self, owner: ChunkKey, new: Sequence[_Copy]
-                      ) -> list[tuple[_Copy, float]]:
-        """Every copy and its end once ``owner``'s copies are ``new``."""
-        out, free = [], 0.0
-        for queued in sorted([*(c for c in self.copies if c.owner != owner), *new]):
-            free = max(queued.release, free) + queued.duration
-            out.append((queued, free))
-        return out
+from pipeswap.schedule.costs import CostModel
+from pipeswap.schedule.policies._points import Choice, LayerChunk, Points, profile
+from pipeswap.schedule.policies._slots import MAX_COPY_SLOTS
+from pipeswap.schedule.policies._streams import AFTER, BEFORE, INSIDE, Copy, Stream
+from pipeswap.schedule.policies.base import SwapCandidate, SwapPlacement
+from pipeswap.schedule.steps import ChunkKey
 
 
 class Way(NamedTuple):
@@ -280,8 +51,8 @@ class LayerPlan:
         self.chunks = {c.key: points.chunk(c) for c in candidates if c.gap >= 2}
         self.taken: dict[ChunkKey, Way] = {}
         self.chosen: dict[ChunkKey, Choice] = {}
-        self.streams = ({"d2h": _Stream(), "h2d": _Stream()} if self.duplex
-                        else {"copy": _Stream()})
+        self.streams = ({"d2h": Stream(), "h2d": Stream()} if self.duplex
+                        else {"copy": Stream()})
         self.held = [0] * len(points.times)
         self.current: dict[ChunkKey, list[int]] = {}  # each chunk's profile as swapped now
         for c in candidates:
@@ -312,7 +83,7 @@ class LayerPlan:
 
     # -- copies ----------------------------------------------------------------------------
 
-    def _copies(self, c: _Chunk, way: Way | None) -> tuple[list[_Copy], list[_Copy]]:
+    def _copies(self, c: LayerChunk, way: Way | None) -> tuple[list[Copy], list[Copy]]:
         """The offloads and loads of ``c`` swapped as ``way`` says."""
         if way is None:
             return [], []
@@ -320,34 +91,34 @@ class LayerPlan:
         points, layers, key = self.points, c.layers, c.key
         f, b = c.forward_slot, c.backward_slot
         at = points.starts[b - load]
-        launch = (b - load, _BEFORE, at, f)  # launches at one place go in forward order
+        launch = (b - load, BEFORE, at, f)  # launches at one place go in forward order
         if not streamed:
             movable = sum(layer.movable for layer in layers)
             done = points.ends[f]
-            return ([_Copy((f, _AFTER, done, f), done, movable / self.d2h, key, 0, True)],
-                    [_Copy(launch, at, movable / self.h2d, key, 0, False, points.starts[b])])
+            return ([Copy((f, AFTER, done, f), done, movable / self.d2h, key, 0, True)],
+                    [Copy(launch, at, movable / self.h2d, key, 0, False, points.starts[b])])
         last = len(layers) - 1
         offloads = []
         for k, layer in enumerate(layers):
             done = points.times[c.forward_points + k]
-            offloads.append(_Copy((f, _INSIDE, done, k), done, layer.movable / self.d2h, key,
+            offloads.append(Copy((f, INSIDE, done, k), done, layer.movable / self.d2h, key,
                                   k, True))
-        loads = [_Copy(launch, at, layers[last].movable / self.h2d, key, last, False,
+        loads = [Copy(launch, at, layers[last].movable / self.h2d, key, last, False,
                        points.starts[b])]
         for k in reversed(range(1, len(layers))):  # started with the part of layer k
             point = c.backward_points + last - k
             start = points.times[point]
-            loads.append(_Copy((b, _INSIDE, start, last - k), start,
+            loads.append(Copy((b, INSIDE, start, last - k), start,
                                layers[k - 1].movable / self.h2d, key, k - 1, False,
                                points.times[point + 1]))
         return offloads, loads
 
-    def _on(self, name: str, offloads: list[_Copy], loads: list[_Copy]) -> list[_Copy]:
+    def _on(self, name: str, offloads: list[Copy], loads: list[Copy]) -> list[Copy]:
         """The copies that go on stream ``name``, sorted."""
         return sorted([*offloads, *loads] if name == "copy" else
                       offloads if name == "d2h" else loads)
 
-    def _choice(self, c: _Chunk, way: Way, ends: Sequence[float], allow_stall: bool
+    def _choice(self, c: LayerChunk, way: Way, ends: Sequence[float], allow_stall: bool
                 ) -> Choice | None:
         """The smallest lag and fewest offload slots that ``ends`` (of the chunk's offloads,
         in layer order) allow, unless ``way`` forces them; with ``allow_stall``, the most
@@ -408,7 +179,7 @@ class LayerPlan:
         stall = 0.0 if strict else self._stall(key, offloads, loads, changes)
         return changes, stall
 
-    def _stall(self, key: ChunkKey, offloads: list[_Copy], loads: list[_Copy],
+    def _stall(self, key: ChunkKey, offloads: list[Copy], loads: list[Copy],
                changes: Changes) -> float:
         """Compute time all copies hold up once ``key``'s copies are these and ``changes``
         made: each copy's lateness past the compute that waits for it (a load's, an

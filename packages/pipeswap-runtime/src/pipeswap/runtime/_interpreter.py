@@ -1,0 +1,341 @@
+"""The step interpreter: runs this rank's order of one step, one handler per step type.
+
+A table maps each :class:`~pipeswap.schedule.StepType` to its handler, as PyTorch's
+``_PipelineScheduleRuntime`` dispatches its actions: computes go to the chunk autograd
+(:mod:`pipeswap.runtime.backward`), sends and receives to the step's transport, FSDP steps
+to the sharded stage, swap steps to the step's swap session. :class:`StepState` holds what
+the step's chunks hold from one step of the order to the next.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from pipeswap.runtime._failure import collective
+from pipeswap.runtime.backward import ChunkAutograd, forward_chunk
+from pipeswap.runtime.comm import BoundaryMeta, PyTree, Transfer, Transport, flatten
+from pipeswap.runtime.errors import PipelineError, PipelineSetupError
+from pipeswap.runtime.microbatch import split_tree
+from pipeswap.runtime.report import MemoryAccount
+from pipeswap.runtime.session import SwapSession
+from pipeswap.schedule import ChunkKey, Step, StepType
+from pipeswap.schedule.steps import COMPUTE, FSDP, OVERLAPS, P2P, SENDS
+
+if TYPE_CHECKING:
+    import torch
+
+    from pipeswap.runtime.fsdp import ShardedStage
+    from pipeswap.runtime.stage import PipelineStage
+    from pipeswap.swap import SwapManager
+    from pipeswap.swap.layers import LayerChain
+
+LossFn = Callable[["torch.Tensor", "torch.Tensor"], "torch.Tensor"]
+Handler = Callable[["StepState", Step], None]
+
+
+@dataclass
+class StepState:
+    """The state of one step: what each chunk holds until its backward is done."""
+
+    number: int  # the executor's count of steps: part of every message tag
+    transport: Transport
+    session: SwapSession
+    memory: MemoryAccount
+    chunks: dict[ChunkKey, ChunkAutograd] = field(default_factory=dict)  # forward to last B/W
+    # per chunk: its input's gradients, for the tensors that carry one
+    grads_in: dict[ChunkKey, list[torch.Tensor | None]] = field(default_factory=dict)
+    receives: dict[tuple[StepType, ChunkKey], Transfer] = field(default_factory=dict)
+    sends: list[Transfer] = field(default_factory=list)
+    micro_inputs: list[PyTree] = field(default_factory=list)
+    micro_targets: list[PyTree] = field(default_factory=list)
+    losses: dict[int, torch.Tensor] = field(default_factory=dict)  # read once, at the end
+
+
+class Interpreter:
+    """Runs steps of one rank's order on its ``stages`` (by index); ``swapped``: the chunks
+    the schedule swaps (accounted even when the step does not account every chunk);
+    ``sharded``: the stages sharded with FSDP; ``autocast_dtype``: see :meth:`autocast`.
+    :attr:`active` holds, per stage, the chain of the streamed chunk whose forward runs
+    there, for the stage's layer hooks."""
+
+    def __init__(self, stages: Mapping[int, PipelineStage], *, rank: int, microbatches: int,
+                 loss_fn: LossFn, manager: SwapManager, device: torch.device,
+                 autocast_dtype: torch.dtype | None, swapped: set[ChunkKey],
+                 sharded: Mapping[int, ShardedStage]) -> None:
+        self.stages = stages
+        self.rank = rank
+        self.microbatches = microbatches
+        self.loss_fn = loss_fn
+        self.manager = manager
+        self.device = device
+        self.autocast_dtype = autocast_dtype
+        self.swapped = swapped
+        self.sharded = sharded
+        self.active: dict[int, LayerChain] = {}
+        handlers: dict[StepType, Handler] = {
+            StepType.FWD: self._forward,
+            StepType.FSDP_UNSHARD: self._fsdp,
+            StepType.FSDP_RESHARD: self._fsdp,
+            StepType.FSDP_REDUCE_GRAD: self._fsdp,
+            StepType.BATCH_SEND_RECV: self._batch,
+            StepType.SWAP_STREAM_OFFLOAD: self._stream_offload,
+            StepType.SWAP_LAUNCH_OFFLOAD: self._swap,
+            StepType.SWAP_WAIT_OFFLOAD: self._swap,
+            StepType.SWAP_LAUNCH_LOAD: self._swap,
+            StepType.SWAP_WAIT_LOAD: self._swap,
+            StepType.SWAP_STREAM_LOAD: self._swap,
+        }
+        handlers.update(dict.fromkeys((StepType.BWD, StepType.BWD_INPUT, StepType.BWD_WEIGHT),
+                                      self._backward))
+        handlers.update(dict.fromkeys(OVERLAPS, self._overlap))
+        handlers.update(dict.fromkeys(P2P, self._p2p))
+        self._handlers = handlers
+
+    def run(self, state: StepState, step: Step) -> None:
+        """Run one step of the order."""
+        handler = self._handlers.get(step.type)
+        if handler is None:
+            raise PipelineError(f"{step}: the executor has no handler for {step.type.name} steps")
+        if step.type in COMPUTE and self.sharded:
+            self._ready(state, step)
+        handler(state, step)
+
+    def take_batch(self, state: StepState, inputs: PyTree | None, targets: PyTree | None,
+                   input_meta: BoundaryMeta | None) -> None:
+        """Split this rank's part of the batch into microbatches, checking it fits;
+        ``input_meta``: what the first step's microbatches of the inputs held."""
+        if any(stage.is_first for stage in self.stages.values()):
+            if inputs is None:
+                raise PipelineSetupError(f"rank {self.rank} runs the first stage: pass inputs")
+            state.micro_inputs = split_tree(inputs, self.microbatches, "inputs")
+            meta = BoundaryMeta.of(state.micro_inputs[0], "the inputs")[0]
+            if input_meta is not None and meta != input_meta:
+                def shapes(m: BoundaryMeta) -> list[tuple[int, ...]]:
+                    return [leaf.shape for leaf in m.leaves]
+
+                raise PipelineSetupError(
+                    f"microbatch shapes changed from {shapes(input_meta)} to "
+                    f"{shapes(meta)}; stage boundary shapes are fixed after the first step: "
+                    "keep the batch shape constant (pad), or build a new executor")
+        if any(stage.is_last for stage in self.stages.values()):
+            if targets is None:
+                raise PipelineSetupError(f"rank {self.rank} runs the last stage: pass targets")
+            state.micro_targets = split_tree(targets, self.microbatches, "targets")
+
+    def autocast(self) -> AbstractContextManager[object]:
+        """Mixed precision for a forward (and its loss): autocast to ``autocast_dtype``;
+        parameters and their gradients stay in their own dtype."""
+        if self.autocast_dtype is None:
+            return nullcontext()
+        import torch
+
+        return torch.autocast(self.device.type, dtype=self.autocast_dtype)
+
+    def finish(self, state: StepState) -> None:
+        """After the order: every send is done, and every receive was consumed."""
+        for transfer in state.sends:
+            state.transport.wait(transfer)
+        if state.receives:
+            raise PipelineError(
+                f"rank {self.rank}: the schedule posted receives no step consumed: "
+                f"{', '.join(str(t.step) for t in state.receives.values())}")
+
+    # -- computes --------------------------------------------------------------------------
+
+    def _ready(self, state: StepState, step: Step) -> None:
+        """Before a compute of a sharded stage: its parameters are gathered (and, just
+        gathered, kept out of swap: they are parameters, not activations)."""
+        assert step.stage is not None
+        sharded = self.sharded.get(step.stage)
+        if sharded is not None and collective(state.transport, step,
+                                              lambda: sharded.ready(step)):
+            self.manager.protect_module(self.stages[step.stage].module)
+
+    def _forward(self, state: StepState, step: Step) -> None:
+        key = step.key
+        stage_index, micro = key
+        stage = self.stages[stage_index]
+        inputs: list[torch.Tensor] = []
+        x: PyTree
+        if stage.is_first:
+            x = state.micro_inputs[micro]
+        else:
+            meta = state.transport.boundary[stage_index - 1]
+            received = self._received(state, StepType.FWD_RECV, key)
+            if received is None:  # the previous stage runs here: hand over locally
+                received, _ = flatten(self._output(state, (stage_index - 1, micro)), "")
+            inputs = [leaf.requires_grad_(True)
+                      for leaf, grad in zip(received, meta.grads) if grad]
+            x = meta.unflatten(received)
+        target = state.micro_targets[micro] if stage.is_last else None
+        accounted = state.memory.every_chunk or key in self.swapped
+        chain = state.session.chain(key)
+        if chain is not None:  # streamed: the layers' groups offload as the forward goes
+            chain.protect([x, target])
+            self.active[stage_index] = chain
+        try:
+            with self.autocast():
+                chunk = forward_chunk(stage.forward, x, inputs=inputs,
+                                      carries=self._carries(state, stage), target=target,
+                                      loss_fn=self.loss_fn, scale=self.microbatches,
+                                      saving=state.session.forward(key) if accounted else None)
+        finally:
+            self.active.pop(stage_index, None)
+        if chunk.loss is not None:
+            state.losses[micro] = chunk.loss
+        if accounted:
+            state.session.protect(key, [x, chunk.value, target])
+            if chain is not None:
+                chain.forward_done()
+            state.memory.forward_done(key, state.session)
+        state.chunks[key] = chunk
+
+    def _carries(self, state: StepState, stage: PipelineStage
+                 ) -> Callable[[PyTree], list[torch.Tensor]] | None:
+        """How to pick a stage output's tensors that carry a gradient back (as the shape
+        exchange found them); None on the last stage, whose loss does."""
+        if stage.is_last:
+            return None
+        meta = state.transport.boundary[stage.stage_index]
+
+        def carried(out: PyTree) -> list[torch.Tensor]:
+            leaves, _ = flatten(out, f"stage {stage.stage_index}'s output")
+            picked = [leaf for leaf, grad in zip(leaves, meta.grads) if grad]
+            if any(not leaf.requires_grad for leaf in picked):
+                raise PipelineError(
+                    f"stage {stage.stage_index}'s output changed which tensors need a "
+                    "gradient since the first step; keep the stage's outputs alike")
+            return picked
+
+        return carried
+
+    def _backward(self, state: StepState, step: Step) -> None:
+        """B (dx and dw), I (dx) or W (dw) of one chunk; the autograd is in
+        :mod:`pipeswap.runtime.backward`. The swap group ends after the chunk's last step."""
+        key = step.key
+        dx, dw = step.type is not StepType.BWD_WEIGHT, step.type is not StepType.BWD_INPUT
+        stage_index, micro = key
+        stage = self.stages[stage_index]
+        chunk = state.chunks[key]
+        if dx:
+            grads: list[torch.Tensor] | None = None
+            if not stage.is_last:
+                grads = self._received(state, StepType.BWD_RECV, key)
+                if grads is None:  # the next stage runs here
+                    grads = self._gradients(state, stage_index, state.grads_in.pop(
+                        (stage_index + 1, micro), None), f"stage {stage_index} micro {micro}")
+            grad_in = chunk.backward(grads) if dw else chunk.backward_input(grads)
+            if not stage.is_first:
+                state.grads_in[key] = grad_in
+            if not dw:  # the chunk keeps what its W step needs, and only that
+                state.memory.input_done(key, state.session)
+                return
+        else:
+            chunk.backward_weight()
+        if key in state.memory.accounted:
+            state.session.finish(key)
+        del state.chunks[key]
+
+    def _overlap(self, state: StepState, step: Step) -> None:
+        for sub in step.sub_steps:
+            self.run(state, sub)
+
+    # -- sends and receives ----------------------------------------------------------------
+
+    def _p2p(self, state: StepState, step: Step) -> None:
+        self._post(state, [step], batched=False)
+
+    def _batch(self, state: StepState, step: Step) -> None:
+        self._post(state, list(step.sub_steps), batched=True)
+
+    def _post(self, state: StepState, steps: list[Step], batched: bool) -> None:
+        pairs = []
+        for step in steps:
+            if step.type is StepType.FWD_SEND:
+                leaves, _ = flatten(self._output(state, step.key), "a stage's output")
+                pairs.append((step, [leaf.contiguous() for leaf in leaves]))
+            elif step.type is StepType.BWD_SEND:
+                grads = self._gradients(state, step.key[0] - 1,
+                                        state.grads_in.pop(step.key, None), step)
+                pairs.append((step, [grad.contiguous() for grad in grads]))
+            else:
+                pairs.append((step, state.transport.receive_buffers(step)))
+        for transfer in state.transport.post(state.number, pairs, batched):
+            if transfer.step.type in SENDS:
+                state.sends.append(transfer)
+            else:
+                state.receives[(transfer.step.type, transfer.step.key)] = transfer
+
+    def _gradients(self, state: StepState, boundary: int,
+                   grads: list[torch.Tensor | None] | None, at: object) -> list[torch.Tensor]:
+        """The gradients of boundary ``boundary``'s tensors that carry one, a tensor each:
+        zeros for one the next stage did not use; an error if it used none."""
+        import torch
+
+        if grads is None or all(grad is None for grad in grads):
+            raise PipelineError(f"{at}: stage {boundary + 1}'s input got no gradient to "
+                                "send: does the stage's output depend on its input?")
+        meta = state.transport.boundary[boundary]
+        metas = [leaf for leaf, grad in zip(meta.leaves, meta.grads) if grad]
+        return [grad if grad is not None else torch.zeros(leaf.shape, dtype=leaf.dtype,
+                                                          device=self.device)
+                for grad, leaf in zip(grads, metas)]
+
+    def _received(self, state: StepState, kind: StepType, key: ChunkKey
+                  ) -> list[torch.Tensor] | None:
+        transfer = state.receives.pop((kind, key), None)
+        return None if transfer is None else state.transport.wait(transfer)
+
+    def _output(self, state: StepState, key: ChunkKey) -> PyTree:
+        """The chunk's forward output, its tensors detached, to send or hand over to the
+        next stage."""
+        import torch
+        from torch.utils._pytree import tree_map_only
+
+        chunk = state.chunks.get(key)
+        if chunk is None or chunk.value is None:
+            raise PipelineError(f"stage {key[0]} micro {key[1]}: its output is needed after "
+                                "its backward began")
+        detached: PyTree = tree_map_only(torch.Tensor, lambda t: t.detach(), chunk.value)
+        return detached
+
+    # -- FSDP and swap ---------------------------------------------------------------------
+
+    def _fsdp(self, state: StepState, step: Step) -> None:
+        """UNSHARD, RESHARD or REDUCE_GRAD of a sharded stage."""
+        assert step.stage is not None
+        sharded = self.sharded[step.stage]
+        if step.type is StepType.FSDP_REDUCE_GRAD:
+            collective(state.transport, step, sharded.reduce_grad)
+            return
+        state.memory.flush()
+        if step.type is StepType.FSDP_UNSHARD:
+            collective(state.transport, step, sharded.unshard)
+            state.memory.parameters_changed(sharded.gathered_bytes)
+        else:
+            collective(state.transport, step, sharded.reshard)
+            state.memory.parameters_changed(-sharded.gathered_bytes)
+
+    def _stream_offload(self, state: StepState, step: Step) -> None:
+        """SO: the chunk's layers get a swap group each, which its forward offloads."""
+        assert step.lag is not None
+        stage = self.stages[step.key[0]]
+        state.session.stream(step.key, len(stage.layers), step.lag)
+
+    def _swap(self, state: StepState, step: Step) -> None:
+        """LO, WO, LL and WL of a chunk swapped whole; WO, SL and WL of a streamed one."""
+        kind = step.type
+        chain = state.session.chain(step.key)
+        if chain is not None:
+            {StepType.SWAP_WAIT_OFFLOAD: chain.wait_offload,
+             StepType.SWAP_STREAM_LOAD: chain.launch_load,
+             StepType.SWAP_WAIT_LOAD: chain.wait_load}[kind]()
+            return
+        name = state.session.name(step.key)
+        {StepType.SWAP_LAUNCH_OFFLOAD: self.manager.launch_offload,
+         StepType.SWAP_WAIT_OFFLOAD: self.manager.wait_offload,
+         StepType.SWAP_LAUNCH_LOAD: self.manager.launch_load,
+         StepType.SWAP_WAIT_LOAD: self.manager.wait_load}[kind](name)

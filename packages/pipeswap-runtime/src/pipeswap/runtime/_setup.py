@@ -1,0 +1,339 @@
+"""Setting up an executor: the schedule it runs, checked against this rank's stages and
+agreed on by every rank before any step, its transport, and the stage boundaries' shapes,
+exchanged before the first step.
+
+Functions of what they are given (and of collectives over the groups they are given), so that
+the executor's constructor reads as the order of the checks. A problem one rank finds must
+raise on every rank, or the others would wait for it forever: :func:`agree` is the collective
+that carries it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from collections.abc import Callable, Mapping, Sequence
+from contextlib import AbstractContextManager
+from typing import TYPE_CHECKING
+
+from pipeswap.runtime.comm import (
+    BoundaryMeta,
+    FailureBoard,
+    PyTree,
+    Transport,
+    all_gather_ints,
+    group_timeout,
+)
+from pipeswap.runtime.errors import PipelineSetupError
+from pipeswap.runtime.fsdp import ShardedStage, fsdp_modules
+from pipeswap.runtime.stage import PipelineStage, output_meta
+from pipeswap.schedule import (
+    Schedule,
+    ScheduleError,
+    ScheduleKind,
+    ScheduleSpec,
+    SwapPolicy,
+    build_schedule,
+    dumps_lines,
+    validate,
+)
+from pipeswap.schedule.policies import default_swap_policy
+from pipeswap.schedule.steps import FSDP
+from pipeswap.schedule.validation import TRANSPORTS
+
+if TYPE_CHECKING:
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from pipeswap.runtime.replay import Replay
+
+
+def gather_layer_counts(stages: Sequence[PipelineStage], group: dist.ProcessGroup | None,
+                        world: int, replay: Replay | None) -> dict[int, int]:
+    """Every stage's layer count, from the rank that runs it: each rank builds every
+    rank's order, so the default policy needs them all."""
+    import torch.distributed as dist
+
+    mine = {stage.stage_index: len(stage.layers) for stage in stages}
+    if replay is not None:
+        given = {index: replay.layer_counts.get(index) for index in mine}
+        if given != mine:
+            raise PipelineSetupError(
+                f"Replay.layer_counts gives this rank's stages {given} layers, but they "
+                f"have {mine}: count every stage's layers as its PipelineStage does")
+        return dict(replay.layer_counts)
+    everyone: list[dict[int, int] | None] = [None] * world
+    dist.all_gather_object(everyone, mine, group=group)
+    return {index: count for counts in everyone if counts for index, count in counts.items()}
+
+
+def data_parallel_group(mesh: DeviceMesh | None, dp_group: dist.ProcessGroup | None,
+                        group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
+    """The data-parallel group, from ``mesh`` or as given; the stages' ``group`` must be
+    the mesh's pipeline group."""
+    import torch.distributed as dist
+
+    if mesh is None:
+        return dp_group
+    if dp_group is not None:
+        raise PipelineSetupError("give mesh or dp_group, not both (the mesh holds the "
+                                 "data-parallel group)")
+    names = mesh.mesh_dim_names or ()
+    if mesh.ndim != 2 or set(names) != {"pp", "dp"}:
+        raise PipelineSetupError(
+            f"mesh has dimensions {names or mesh.ndim}; the executor needs a 2-D mesh "
+            "named ('pp', 'dp'), e.g. init_device_mesh(device, (ranks, dp), "
+            "mesh_dim_names=('pp', 'dp'))")
+    pipeline = dist.get_process_group_ranks(mesh.get_group("pp"))
+    ours = (list(range(dist.get_world_size())) if group is None
+            else dist.get_process_group_ranks(group))
+    if ours != pipeline:
+        raise PipelineSetupError(
+            f"the stages' group has ranks {ours} but the mesh's pipeline group is "
+            f"{pipeline}: build each PipelineStage with group=mesh.get_group('pp')")
+    return mesh.get_group("dp")
+
+
+def find_sharded(stages: Sequence[PipelineStage], dp_group: dist.ProcessGroup | None,
+                 dp_size: int, replay: Replay | None) -> dict[int, ShardedStage]:
+    """This rank's stages sharded with fully_shard: all of them or none (and all with
+    more than one replica, whose gradients FSDP averages)."""
+    sharded = {stage.stage_index: ShardedStage(stage.stage_index, stage.module, dp_group)
+               for stage in stages if fsdp_modules(stage.module)}
+    if sharded and replay is not None:
+        raise PipelineSetupError(
+            f"stages {sorted(sharded)} are sharded with fully_shard, whose collectives "
+            "need the other ranks: replay a rank of unsharded stages")
+    if dp_size > 1 and not sharded:
+        raise PipelineSetupError(
+            f"{dp_size} data-parallel replicas but no stage is sharded with "
+            "fully_shard: nothing would average the replicas' gradients; shard each stage "
+            "over the data-parallel group (pipeswap.runtime.fsdp.shard_stage)")
+    if sharded and len(sharded) != len(stages):
+        plain = sorted(s.stage_index for s in stages if s.stage_index not in sharded)
+        raise PipelineSetupError(
+            f"stages {sorted(sharded)} are sharded with fully_shard but stages {plain} "
+            "are not: shard every stage of the rank, or none")
+    return sharded
+
+
+def check_transport(transport: str, group: dist.ProcessGroup | None,
+                    replay: Replay | None) -> None:
+    """``transport`` is a transport model the schedule can be checked under, and one that
+    ``group``'s backend keeps."""
+    import torch.distributed as dist
+
+    if transport not in TRANSPORTS:
+        raise PipelineSetupError(
+            f"check_transport={transport!r}: use 'ordered' (NCCL's model, the default) or "
+            "'tagged' (gloo's)")
+    if transport == "tagged" and replay is None and dist.get_backend(group) != "gloo":
+        raise PipelineSetupError(
+            f"check_transport='tagged' matches gloo's tagged messages, but this group "
+            f"runs {dist.get_backend(group)}, which pairs sends and receives in "
+            "order: keep 'ordered' and build the schedule with the early lowering")
+
+
+def resolve_schedule(schedule: Schedule | ScheduleSpec | str, *, swap: bool,
+                     swap_policy: SwapPolicy | None, swap_granularity: str, transport: str,
+                     layer_counts: Mapping[int, int], stages: Sequence[PipelineStage],
+                     rank: int, world: int, microbatches: int,
+                     sharded: Mapping[int, ShardedStage]) -> Schedule:
+    """The schedule this rank runs: ``schedule`` as given, or built (with the swap policy
+    asked for, by default the peak policy on ``layer_counts``), valid under ``transport``,
+    with FSDP steps exactly where stages are sharded, and fitting this rank's ``stages``
+    (sorted by index) and microbatch count."""
+    builds_swap = not isinstance(schedule, Schedule) and (
+        swap or (isinstance(schedule, ScheduleSpec) and schedule.swap))
+    if swap_policy is None and builds_swap:
+        try:
+            swap_policy = default_swap_policy(layer_counts, swap_granularity)
+        except ScheduleError as exc:
+            raise PipelineSetupError(str(exc)) from exc
+    elif swap_policy is not None and swap_granularity != "auto":
+        raise PipelineSetupError(
+            "swap_granularity applies to the default policy; a swap_policy of your "
+            "own chooses each chunk's granularity itself")
+    try:
+        if isinstance(schedule, Schedule):
+            if swap or swap_policy is not None:
+                raise PipelineSetupError(
+                    "swap=True or a swap_policy applies to a schedule the executor builds; "
+                    "an explicit Schedule runs as given (inject swap steps into it first)")
+            built = schedule
+        else:
+            if isinstance(schedule, str):
+                schedule = ScheduleSpec(
+                    _kind(schedule), ranks=world, microbatches=microbatches,
+                    stages_per_rank=len(stages), swap=swap, fsdp=bool(sharded))
+            elif swap and not schedule.swap:
+                schedule = dataclasses.replace(schedule, swap=True)
+            built = build_schedule(schedule, swap_policy)
+        # Ordered unless asked: NCCL pairs sends and receives in order, and a schedule that
+        # passes on CPU then passes there. (Every micro below the count: see _check_stages.)
+        validate(built, transport=transport)
+    except ScheduleError as exc:
+        raise PipelineSetupError(f"the schedule cannot run: {exc}") from exc
+    mine = built.orders[rank] if rank < built.num_ranks else ()
+    named = {step.stage for step in mine
+             if step is not None and step.type in FSDP and step.stage is not None}
+    if named - sharded.keys():
+        raise PipelineSetupError(
+            f"the schedule has FSDP steps for stage(s) {sorted(named - sharded.keys())}"
+            f" of rank {rank}, which are not sharded with fully_shard: shard them "
+            "(pipeswap.runtime.fsdp.shard_stage) or build the schedule with fsdp=False")
+    if sharded and not named:
+        raise PipelineSetupError(
+            "the stages are sharded with fully_shard but the schedule has no FSDP steps "
+            "to gather and free their parameters: build it with fsdp=True")
+    _check_stages(built, stages, rank=rank, world=world, microbatches=microbatches)
+    return built
+
+
+def _check_stages(schedule: Schedule, stages: Sequence[PipelineStage], *, rank: int,
+                  world: int, microbatches: int) -> None:
+    """This rank's stages and microbatch count fit ``schedule``."""
+    num_stages, group = stages[0].num_stages, stages[0].group
+    if schedule.num_ranks != world:
+        raise PipelineSetupError(
+            f"the schedule is for {schedule.num_ranks} ranks but the process group has "
+            f"{world}")
+    if schedule.num_stages != num_stages:
+        raise PipelineSetupError(
+            f"the schedule has {schedule.num_stages} stages but the stages say "
+            f"num_stages={num_stages}")
+    micros = schedule.num_microbatches
+    if micros != microbatches:
+        raise PipelineSetupError(
+            f"the schedule runs {micros} microbatches but microbatches={microbatches}; "
+            "give the executor the microbatch count the schedule was built for")
+    mine = sorted(s for s, r in enumerate(schedule.stage_ranks) if r == rank)
+    given = [stage.stage_index for stage in stages]
+    if mine != given:
+        raise PipelineSetupError(
+            f"rank {rank} runs stages {mine} in this schedule but was given stages "
+            f"{given}; build each rank's PipelineStage objects for the stages the schedule "
+            "places on it")
+    if any(stage.num_stages != num_stages or stage.group is not group for stage in stages):
+        raise PipelineSetupError(
+            "all stages of an executor need the same num_stages and process group")
+
+
+def _kind(name: str) -> ScheduleKind:
+    try:
+        return ScheduleKind(name)
+    except ValueError:
+        allowed = ", ".join(kind.value for kind in ScheduleKind)
+        raise PipelineSetupError(f"unknown schedule {name!r}; allowed: {allowed}") from None
+
+
+def agree(schedule: Schedule | None, problem: PipelineSetupError | None, *,
+          microbatches: int, group: dist.ProcessGroup | None,
+          dp_group: dist.ProcessGroup | None, dp_size: int, replay: Replay | None) -> None:
+    """One collective before any step (two with data parallel: over the pipeline, then
+    over the data-parallel group): every rank has a schedule its stages fit, and all run
+    the same one. Any problem raises on every rank of every replica, so none waits
+    forever. A replayed rank has nobody to agree with."""
+    if replay is not None:
+        if problem is not None:
+            raise problem
+        return
+    fingerprint = 0
+    if schedule is not None:
+        text = f"{dumps_lines(schedule)}|{schedule.stage_ranks}|{microbatches}"
+        fingerprint = int.from_bytes(hashlib.sha256(text.encode()).digest()[:7], "big")
+    everyone = all_gather_ints(fingerprint * 2 + (problem is not None), group)
+    bad = [rank for rank, value in enumerate(everyone) if value % 2]
+    replicas = [everyone[0]]
+    if dp_size > 1:  # this replica's verdict, to every replica
+        ours = fingerprint * 2 + bool(bad or len({v // 2 for v in everyone}) != 1)
+        replicas = all_gather_ints(ours, dp_group)
+    if problem is not None:
+        raise problem
+    if bad:
+        raise PipelineSetupError(
+            f"rank(s) {bad} could not set up (see their errors): a schedule, stages or "
+            "microbatch count that do not fit; nothing ran")
+    if any(value % 2 for value in replicas):
+        raise PipelineSetupError(
+            "another pipeline replica could not set up (see its ranks' errors); nothing "
+            "ran")
+    if len({value // 2 for value in replicas}) != 1:
+        raise PipelineSetupError(
+            "the pipeline replicas were given different schedules: build the executor "
+            "with the same schedule, options and microbatch count in every replica")
+    if len({value // 2 for value in everyone}) != 1:
+        prints = [f"{value // 2:014x}" for value in everyone]
+        raise PipelineSetupError(
+            f"the ranks were given different schedules (fingerprints by rank: {prints}); "
+            "build the executor with the same schedule, options and microbatch count on "
+            "every rank")
+
+
+def new_transport(schedule: Schedule, *, microbatches: int, device: torch.device,
+                  group: dist.ProcessGroup | None, world: int,
+                  dp_group: dist.ProcessGroup | None, dp_size: int, spans_world: bool,
+                  replay: Replay | None,
+                  boundary: dict[int, BoundaryMeta] | None = None) -> Transport:
+    """A transport over a communication group of its own (created by the pipeline's ranks
+    alone), so that a failed step can break it without touching the caller's process group;
+    ``boundary``: the stage boundaries' meta a previous transport learned."""
+    import torch.distributed as dist
+
+    if replay is not None:
+        from pipeswap.runtime.replay import ReplayTransport
+
+        return ReplayTransport(replay, schedule.stage_ranks, microbatches, device)
+    ranks = [r if group is None else dist.get_global_rank(group, r) for r in range(world)]
+    # A pipeline that spans the world: every rank creates the group, and torch names it
+    # from a count all ranks share. Otherwise (one replica of several) only the
+    # pipeline's ranks do, and torch names it from its ranks and the number of groups
+    # this rank has, which the pipeline's ranks share (same executors, same recoveries)
+    # but which a destroyed group would lower and so repeat a live group's name: such a
+    # pipeline keeps its broken groups (see FailureProtocol.recover).
+    comm = dist.new_group(ranks, timeout=group_timeout(group),
+                          use_local_synchronization=not spans_world)
+    groups = [comm] if dp_size == 1 else [comm, dp_group]
+    transport = Transport(comm, schedule.stage_ranks, microbatches, device,
+                          FailureBoard(*groups))
+    if boundary is not None:
+        transport.boundary = boundary
+    return transport
+
+
+def exchange_shapes(example: PyTree | None, transport: Transport, *, schedule: Schedule,
+                    rank: int, stages: Mapping[int, PipelineStage],
+                    sharded: Mapping[int, ShardedStage], device: torch.device,
+                    autocast: Callable[[], AbstractContextManager[object]]) -> None:
+    """Run each stage of this rank once on zeros, in stage order, passing what its output
+    holds (the structure, shapes, dtypes, and which tensors carry a gradient) down the
+    chain into ``transport.boundary`` (see :func:`pipeswap.runtime.stage.output_meta`);
+    ``example``: a microbatch of the inputs, on the rank of the first stage."""
+    ranks = schedule.stage_ranks
+    for index in range(schedule.num_stages):
+        if ranks[index] != rank:
+            continue
+        if index == 0:
+            assert example is not None
+            meta, _ = BoundaryMeta.of(example, "the inputs")
+            meta = meta.with_grads([False] * len(meta.leaves))
+        elif ranks[index - 1] == rank:
+            meta = transport.boundary[index - 1]
+        else:
+            meta = transport.boundary[index - 1] = transport.recv_meta(index)
+        stage = stages[index]
+        if stage.is_last:
+            break
+        gathered = sharded.get(index)
+        if gathered is not None:  # gathered for the dry run alone, and freed again
+            gathered.unshard()
+            gathered.ready("the exchange of stage boundary shapes")
+        try:
+            boundary = output_meta(stage, meta, device, autocast)
+        finally:
+            if gathered is not None:
+                gathered.reshard()
+        transport.boundary[index] = boundary
+        if ranks[index + 1] != rank:
+            transport.send_meta(index, boundary)

@@ -1,0 +1,165 @@
+"""What one ``pipeswap-train`` job is: frozen sections (model, parallelism, swap, training,
+checkpoints, the job itself) in one :class:`TrainConfig`, the same object on every rank.
+
+Sections keep each component's knobs together, as torchtitan's job config does; the command
+line (``cli.py``) is the only place that turns arguments into one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from pipeswap.runtime.launch import DEFAULT_TIMEOUT_S
+
+MODES = ("no-swap", "swap")
+MODELS = ("gpt", "llama")
+DTYPES = ("fp32", "bf16")
+LOG_LEVELS = ("debug", "info", "warning", "error")
+POLICIES = ("cost", "gap", "peak")
+GRANULARITIES = ("auto", "chunk", "layer")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The model every rank builds whole (or, replayed, its own stages) from one seed."""
+
+    family: str = "gpt"  # or llama: RMSNorm, rotary embeddings, grouped-query attention, SwiGLU
+    tie_embeddings: bool = False  # llama: one weight for the embedding and the output
+    width: int = 64
+    layers: int | None = None  # default: two blocks per stage
+    heads: int = 4  # attention heads (llama: half as many key/value heads)
+    seq_len: int = 64
+    dtype: str = "fp32"  # bf16: forwards under autocast to bfloat16, fp32 master weights
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """The pipeline schedule and the (pp, dp) layout of the ranks."""
+
+    schedule: str = "1f1b"
+    ranks: int = 4  # pipeline ranks: the world has ranks x dp
+    dp: int = 1  # pipeline replicas (data parallel)
+    fsdp: bool = False  # shard each stage with FSDP2 over its data-parallel group
+    stages_per_rank: int = 1
+    microbatches: int = 8
+    overlap_b_f: bool = False
+    dxdw_split: bool = False
+    batch_p2p: bool = False
+
+    @property
+    def num_stages(self) -> int:
+        return self.ranks * self.stages_per_rank
+
+    @property
+    def world(self) -> int:
+        return self.ranks * self.dp
+
+    @property
+    def meshed(self) -> bool:
+        """Whether the run lays its ranks out on a 2-D (pp, dp) device mesh."""
+        return self.dp > 1 or self.fsdp
+
+
+@dataclass(frozen=True)
+class SwapConfig:
+    """Which chunks swap, how, and which modes the job runs to compare."""
+
+    policy: str = "peak"  # see policy.swap_policy()
+    granularity: str = "auto"  # the peak policy's: auto, chunk or layer (streaming)
+    # per-rank bytes of saved activations the peak policy keeps each rank under, planned on
+    # the chunk sizes the run without swap measured (compare mode only)
+    budget: int | None = None
+    modes: tuple[str, ...] = MODES
+
+
+@dataclass(frozen=True)
+class TrainingConfig:
+    """The optimisation loop: steps, batch, learning rate, seed and device."""
+
+    steps: int = 10
+    batch_size: int = 16
+    lr: float = 3e-3
+    seed: int = 0  # weights and data
+    device: str = "cpu"
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    """Save each mode's run into ``save_dir/<mode>`` after every ``every`` steps and at its
+    end; resume each from ``resume/<mode>`` (steps counted from the run's start)."""
+
+    save_dir: str | None = None
+    every: int | None = None
+    resume: str | None = None
+
+
+@dataclass(frozen=True)
+class JobConfig:
+    """How the job reports and guards itself."""
+
+    verbose: bool = True  # log each step's progress (at info level)
+    log_level: str = "info"  # of the pipeswap loggers in every rank
+    keep_grads: bool = False  # return the first step's gradients (for tests)
+    # measure the allocator's peak in the odd steps (1, 3, ...) and time only the even ones,
+    # as measuring slows a step (the one step of a one-step run is measured and timed)
+    measure_allocator: bool = True
+    timeout_s: float = DEFAULT_TIMEOUT_S
+    metrics: str | None = None  # a file rank 0 appends one JSON line to per step and mode
+    # run this pipeline rank alone, in this process: receives made here, sends dropped
+    replay_rank: int | None = None
+
+
+_Section = TypeVar("_Section", ModelConfig, ParallelConfig, SwapConfig, TrainingConfig,
+                   CheckpointConfig, JobConfig)
+_SECTIONS = {"model": ModelConfig, "parallel": ParallelConfig, "swap": SwapConfig,
+             "training": TrainingConfig, "checkpoint": CheckpointConfig, "job": JobConfig}
+# each section field's name is unique across sections, so a flat keyword names one field
+_SECTION_OF = {f.name: section for section, kind in _SECTIONS.items()
+               for f in dataclasses.fields(kind)}
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Everything a rank needs to run the job; the same object on every rank."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    swap: SwapConfig = field(default_factory=SwapConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    job: JobConfig = field(default_factory=JobConfig)
+
+    # Field values below are typed Any: each keyword is a field of a different section, and
+    # no one type describes them all.
+    @staticmethod
+    def of(**fields: Any) -> TrainConfig:
+        """The defaults with some fields set by their own names, whatever their section:
+        ``TrainConfig.of(ranks=2, steps=3)``."""
+        return TrainConfig().but(**fields)
+
+    def but(self, **fields: Any) -> TrainConfig:
+        """This config with some fields changed, named as in :meth:`of`."""
+        unknown = sorted(set(fields) - set(_SECTION_OF))
+        if unknown:
+            raise TypeError(f"TrainConfig has no field {', '.join(unknown)}")
+
+        def changed(name: str, section: _Section) -> _Section:
+            mine = {key: value for key, value in fields.items() if _SECTION_OF[key] == name}
+            return dataclasses.replace(section, **mine) if mine else section
+
+        return TrainConfig(model=changed("model", self.model),
+                           parallel=changed("parallel", self.parallel),
+                           swap=changed("swap", self.swap),
+                           training=changed("training", self.training),
+                           checkpoint=changed("checkpoint", self.checkpoint),
+                           job=changed("job", self.job))
+
+    @property
+    def num_stages(self) -> int:
+        return self.parallel.num_stages
+
+    @property
+    def num_layers(self) -> int:
+        return self.model.layers if self.model.layers is not None else 2 * self.num_stages

@@ -1,0 +1,245 @@
+"""One rank of a ``pipeswap-train`` job: a :class:`Trainer` set up from the config (device,
+mesh, data, schedule) that trains each mode in turn, one :meth:`~Trainer.train_step` at a
+time, and returns this rank's figures.
+
+:func:`run_rank` is what :func:`~pipeswap.runtime.spawn` and torchrun start on every rank.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import sys
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, nullcontext
+from typing import TYPE_CHECKING
+
+from pipeswap.runtime.train.components import (
+    build_stages,
+    replay_of,
+    replay_stages,
+    stage_layer_counts,
+    tied_parameters,
+)
+from pipeswap.runtime.train.config import TrainConfig
+from pipeswap.runtime.train.metrics import ModeResult, write_metrics
+from pipeswap.runtime.train.policy import budget_policy, swap_policy
+from pipeswap.runtime.train.report import mib
+
+if TYPE_CHECKING:
+    import torch
+
+    from pipeswap.platform import AllocationPeak
+    from pipeswap.runtime.executor import PipelineExecutor
+    from pipeswap.runtime.stage import PipelineStage
+    from pipeswap.runtime.tied import TiedGradients
+
+log = logging.getLogger("pipeswap.runtime.train")
+
+Batch = tuple["torch.Tensor", "torch.Tensor"]
+
+
+def run_rank(rank: int, world_size: int, config: TrainConfig) -> dict[str, ModeResult]:
+    """Train ``config.training.steps`` steps in each mode on this rank; this rank's
+    figures."""
+    return Trainer(config, rank, world_size).run()
+
+
+class Trainer:
+    """This rank's part of the job: its device, place in the (pp, dp) mesh, data and
+    schedule, set up once; then each mode built and trained from the same weights."""
+
+    def __init__(self, config: TrainConfig, rank: int, world_size: int) -> None:
+        import torch
+
+        from pipeswap.platform import get_platform
+        from pipeswap.runtime.data import Corpus
+        from pipeswap.schedule import ScheduleKind, ScheduleSpec, build_schedule
+
+        parallel = config.parallel
+        self.config, self.rank = config, rank
+        self.replaying = config.job.replay_rank is not None
+        if self.replaying:
+            if rank != config.job.replay_rank or parallel.meshed:
+                raise ValueError(f"a replay of rank {config.job.replay_rank} runs as that rank "
+                                 "alone, without data parallel")
+        elif world_size != parallel.world:
+            raise ValueError(f"config needs {parallel.world} ranks ({parallel.ranks} pipeline "
+                             f"ranks x {parallel.dp} replicas) but {world_size} were started")
+        else:
+            torch.set_num_threads(1)  # several ranks share the cores
+        setup_logging(rank, config.job.log_level)
+        # torchrun and spawn both set LOCAL_RANK; a replay takes the first device
+        local_rank = 0 if self.replaying else int(os.environ.get("LOCAL_RANK", rank))
+        device = config.training.device
+        self.platform = get_platform(device if device == "cpu"
+                                     else f"{device}:{local_rank % max(1, _device_count(device))}")
+        self.mesh = None
+        if parallel.meshed:
+            from torch.distributed.device_mesh import init_device_mesh
+
+            self.mesh = init_device_mesh(self.platform.device.type, (parallel.ranks, parallel.dp),
+                                         mesh_dim_names=("pp", "dp"))
+        self.pp_rank, self.dp_rank = divmod(rank, parallel.dp)  # the mesh: pp outer, dp inner
+        corpus = Corpus.bundled()
+        self.vocab = len(corpus.vocab)
+        self.ids = corpus.encode()
+        self.spec = ScheduleSpec(
+            ScheduleKind(parallel.schedule), ranks=parallel.ranks,
+            microbatches=parallel.microbatches, stages_per_rank=parallel.stages_per_rank,
+            overlap_b_f=parallel.overlap_b_f, dxdw_split=parallel.dxdw_split,
+            batch_p2p=parallel.batch_p2p, fsdp=parallel.fsdp)
+        self.placement = build_schedule(self.spec).stage_ranks  # loop, or V for zbv, dualpipev
+        self.layer_counts = stage_layer_counts(config, self.vocab)
+        metrics = config.job.metrics
+        if metrics is not None and (rank == 0 or self.replaying) and config.checkpoint.resume is None:
+            open(metrics, "w", encoding="utf-8").close()  # filled step by step
+        self.replay = None
+        if self.replaying:
+            first, _ = next(self.batches(0))
+            self.replay = replay_of(config, self.vocab, self.placement, first,
+                                    self.platform.device)
+
+    def batches(self, done: int) -> Iterator[Batch]:
+        """This replica's part of every batch after the first ``done`` steps, each made and
+        moved to the device when its step comes."""
+        from pipeswap.runtime.data import batches
+
+        config, dp = self.config, self.config.parallel.dp
+        size = config.training.batch_size
+        rows = slice(self.dp_rank * size // dp, (self.dp_rank + 1) * size // dp)
+        every = batches(self.ids, size, config.model.seq_len, config.training.steps,
+                        config.training.seed)
+        device = self.platform.device
+        for inputs, targets in itertools.islice(every, done, None):
+            yield inputs[rows].to(device), targets[rows].to(device)
+
+    def run(self) -> dict[str, ModeResult]:
+        results: dict[str, ModeResult] = {}
+        for mode in self.config.swap.modes:
+            results[mode] = self.run_mode(mode, results)
+        return results
+
+    def run_mode(self, mode: str, earlier: dict[str, ModeResult]) -> ModeResult:
+        """Build this rank's stages afresh and train them in ``mode`` (``earlier``: the
+        modes already run, whose measured chunk sizes a budget plans on)."""
+        import torch
+
+        from pipeswap.runtime.checkpoint import load_checkpoint
+        from pipeswap.runtime.executor import PipelineExecutor
+        from pipeswap.runtime.model import lm_loss
+        from pipeswap.runtime.tied import TiedGradients
+
+        config = self.config
+        measuring: AbstractContextManager[AllocationPeak | None] = (
+            self.platform.measure_allocations() if config.job.measure_allocator
+            else nullcontext())
+        with measuring as built:
+            stages = (replay_stages(config, self.vocab, self.placement, self.platform.device)
+                      if self.replaying else
+                      build_stages(config, self.vocab, self.placement, self.pp_rank, self.mesh,
+                                   self.platform.device))
+        # one entry per parameter, also where two stages of this rank share one
+        params = list({id(p): p for stage in stages for p in stage.module.parameters()}.values())
+        optimizer = torch.optim.AdamW(params, lr=config.training.lr)
+        # a replay drops the sum of a tied embedding's gradients, as it drops sends
+        tied = None if self.replaying else TiedGradients(
+            stages, self.placement, tied_parameters(config, self.vocab),
+            None if self.mesh is None else self.mesh.get_group("pp"))
+        done = 0  # steps taken before this run: a resumed one goes on after them
+        if config.checkpoint.resume is not None:
+            done = load_checkpoint(os.path.join(config.checkpoint.resume, mode), stages=stages,
+                                   optimizer=optimizer).data_position
+        # Both modes account every chunk's saved activations, to compare their peaks.
+        policy = swap_policy(config.swap.policy, self.layer_counts, config.swap.granularity)
+        if mode == "swap" and config.swap.budget is not None:
+            policy = budget_policy(config, earlier["no-swap"].chunk_bytes, self.layer_counts)
+        executor = PipelineExecutor(
+            stages, self.spec, config.parallel.microbatches, lm_loss, swap=mode == "swap",
+            platform=self.platform, swap_policy=policy, account_activations=True,
+            mesh=self.mesh, replay=self.replay,
+            autocast_dtype=torch.bfloat16 if config.model.dtype == "bf16" else None)
+        result = ModeResult(first_step=done + 1, swapped_chunks=len(executor.swapped),
+                            streamed_chunks=len(executor.streamed),
+                            parameter_bytes=None if built is None else built.held_bytes,
+                            gathered_bytes=executor.gathered_bytes)
+        for number, batch in enumerate(self.batches(done), done + 1):
+            self.train_step(mode, number, batch, executor, stages, optimizer, tied, result)
+        return result
+
+    def train_step(self, mode: str, number: int, batch: Batch, executor: PipelineExecutor,
+                   stages: list[PipelineStage], optimizer: torch.optim.Optimizer,
+                   tied: TiedGradients | None, result: ModeResult) -> None:
+        """Step ``number``: one pipeline step, the optimizer's, a checkpoint when due, and
+        the step's figures into ``result`` (and the metrics file)."""
+        from pipeswap.runtime.checkpoint import save_checkpoint
+
+        config = self.config
+        measured = config.job.measure_allocator and number % 2 == 1
+        executor.measure_allocator = measured
+        optimizer.zero_grad(set_to_none=True)
+        report = executor.step(*batch)
+        if tied is not None:
+            tied.sum_gradients()
+        if config.job.keep_grads and number == 1:
+            result.grads = {f"{stage.stage_index}.{name}": _local(p.grad).detach().clone()
+                            for stage in stages for name, p in stage.module.named_parameters()
+                            if p.grad is not None}
+        optimizer.step()
+        saving, every = config.checkpoint.save_dir, config.checkpoint.every
+        if saving is not None and (number == config.training.steps
+                                   or (every is not None and number % every == 0)):
+            save_checkpoint(os.path.join(saving, mode), step=number, stages=stages,
+                            optimizer=optimizer, data_position=number)
+        result.record(report, measured=measured,
+                      timed=not measured or config.training.steps == 1)
+        if config.job.metrics is not None:
+            write_metrics(config, mode, number,
+                          {**result.per_step[-1], "losses": list(report.losses)}, self.rank)
+        result.groups_alive_after_step.append(executor.manager.active_group_count())
+        result.host_bytes_in_use_after_step.append(executor.manager.stats().host_bytes_in_use)
+        if config.job.verbose:
+            self._progress(mode, number, report.seconds, report.losses,
+                           report.peak_activation_bytes, report.peak_allocated_bytes, measured)
+
+    def _progress(self, mode: str, number: int, seconds: float, losses: tuple[float, ...],
+                  peak: int | None, allocated: int | None, measured: bool) -> None:
+        steps = self.config.training.steps
+        if self.replaying:
+            log.info("[%7s] step %d/%d  %.2f s  peak activations %s%s", mode, number, steps,
+                     seconds, mib(peak), "" if allocated is None else f", allocated {mib(allocated)}")
+        elif losses:
+            dp = self.config.parallel.dp
+            tokens = self.config.training.batch_size // dp * self.config.model.seq_len
+            replica = f" replica {self.dp_rank}" if dp > 1 else ""
+            log.info("[%7s%s] step %d/%d  loss %.4f  %.2f s  %s tokens/s%s", mode, replica,
+                     number, steps, sum(losses) / len(losses), seconds,
+                     f"{tokens / seconds:,.0f}", "  (allocator measured)" if measured else "")
+
+
+def setup_logging(rank: int, level: str) -> None:
+    """The job's ranks log through ``logging``: the ``pipeswap`` loggers to standard output,
+    each line prefixed with the rank that wrote it (a user's own configuration of the
+    ``pipeswap`` logger, made before, is kept)."""
+    root = logging.getLogger("pipeswap")
+    root.setLevel(level.upper())
+    if not root.handlers:
+        handler = logging.StreamHandler(sys.stdout)
+        handler.setFormatter(logging.Formatter(f"[rank {rank}] %(message)s"))
+        root.addHandler(handler)
+        root.propagate = False
+
+
+def _local(tensor: torch.Tensor | None) -> torch.Tensor:
+    """A gradient as this rank holds it (its shard, under FSDP)."""
+    from torch.distributed.tensor import DTensor
+
+    assert tensor is not None
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def _device_count(device: str) -> int:
+    import torch
+
+    return torch.accelerator.device_count() if device != "cpu" else 1

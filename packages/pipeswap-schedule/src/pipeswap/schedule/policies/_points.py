@@ -1,0 +1,158 @@
+"""One rank's own timeline at layer resolution: points, and what a chunk holds at each.
+
+A streamed chunk's memory changes inside its forward and backward, so the layer-resolution
+plan follows the rank (compute back to back, as the slot timeline does) point by point: each
+forward and backward is cut at its layers' boundaries, where the simulator takes its peaks.
+What a chunk holds at each point follows from its choice (:class:`Choice`): whole or
+streamed, its layer lag and its slots.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from pipeswap.schedule.costs import ChunkBytes, CostModel
+from pipeswap.schedule.policies.base import SwapCandidate, SwapPlacement
+from pipeswap.schedule.steps import COMPUTE, OVERLAPS, ChunkKey, Order, StepType
+
+
+class Choice(NamedTuple):
+    """How a taken chunk is swapped: streamed (lag >= 1) or whole (lag 0), and its slots."""
+
+    lag: int
+    offload_slots: int
+    load_slots: int
+
+    @property
+    def placement(self) -> SwapPlacement:
+        return SwapPlacement(self.offload_slots, self.load_slots, self.lag)
+
+
+@dataclass(frozen=True)
+class LayerChunk:
+    """A candidate chunk on the point timeline."""
+
+    key: ChunkKey
+    forward_slot: int
+    backward_slot: int
+    layers: tuple[ChunkBytes, ...]
+    forward_points: int  # the first of its forward's points, one per layer
+    backward_points: int  # the first of its B's (or I's) points, one per layer, last layer first
+    weight_point: int | None  # its W's point, when its backward is split
+    end: int  # one past its last point
+    total: int
+    pinned: int
+    after_input: int
+
+    @property
+    def gap(self) -> int:
+        return self.backward_slot - self.forward_slot
+
+
+class Points:
+    """One rank's compute slots back to back, each cut into points: a forward's at the end
+    of each layer, a backward's at the start of each layer (the last first), a W's one."""
+
+    def __init__(self, order: Order, costs: CostModel, rank: int) -> None:
+        self.starts: list[float] = []
+        self.ends: list[float] = []
+        self.first: list[int] = []  # slot -> its first point
+        self.slot_of: list[int] = []  # point -> its slot
+        self.times: list[float] = []  # point -> its time
+        self.forward: dict[ChunkKey, int] = {}  # key -> first point of its forward
+        self.backward: dict[ChunkKey, int] = {}  # key -> first point of its B or I
+        self.weight: dict[ChunkKey, int] = {}  # key -> its W's point
+        self.layers: dict[ChunkKey, tuple[ChunkBytes, ...]] = {}
+        now = 0.0
+        for step in order:
+            if step is None or not (step.type in COMPUTE or step.type in OVERLAPS):
+                continue
+            slot = len(self.starts)
+            self.starts.append(now)
+            self.first.append(len(self.times))
+            for leaf in step.compute_leaves:
+                duration = costs.compute_time(leaf.type, leaf.key[0], rank)
+                self._leaf(leaf.type, leaf.key, slot, now, duration, costs)
+                now += duration
+            self.ends.append(now)
+        self.first.append(len(self.times))
+
+    def _leaf(self, kind: StepType, key: ChunkKey, slot: int, start: float, duration: float,
+              costs: CostModel) -> None:
+        if kind is StepType.BWD_WEIGHT:
+            self.weight[key] = len(self.times)
+            self._add(slot, start)
+            return
+        layers = self.layers.get(key)
+        if layers is None:
+            layers = self.layers[key] = costs.layer_bytes(key)
+        part = duration / len(layers)
+        forward = kind is StepType.FWD
+        (self.forward if forward else self.backward)[key] = len(self.times)
+        for k in range(len(layers)):  # a forward's layer ends; a backward's layer starts
+            self._add(slot, start + part * (k + 1 if forward else k))
+
+    def _add(self, slot: int, time: float) -> None:
+        self.slot_of.append(slot)
+        self.times.append(time)
+
+    def chunk(self, c: SwapCandidate) -> LayerChunk:
+        key = c.key
+        layers, backward = self.layers[key], self.backward[key]
+        weight = self.weight.get(key)  # a W comes after its I
+        last = backward + len(layers) - 1 if weight is None else weight
+        return LayerChunk(key, c.forward_slot, c.backward_slot, layers, self.forward[key],
+                      backward, weight, last + 1, sum(x.total for x in layers),
+                      sum(x.pinned for x in layers), sum(x.held_after_input for x in layers))
+
+
+def profile(points: Points, c: LayerChunk, choice: Choice | None) -> list[int]:
+    """What ``c`` holds at each of its points, from its forward's first to its last, when
+    swapped as ``choice`` says (None: not swapped), counted as the simulator counts."""
+    layers = c.layers
+    out = _forward_values(layers, choice)
+    start, stop = c.forward_points + len(layers), c.backward_points
+    if choice is None:
+        out += [c.total] * (stop - start)
+    else:  # held until WO (after slot f + offload slots), pinned until the load starts
+        first = points.first
+        held = min(max(first[c.forward_slot + choice.offload_slots + 1], start), stop)
+        loading = min(max(first[c.backward_slot - choice.load_slots], held), stop)
+        lag = choice.lag
+        tail = c.total if not lag else c.pinned + sum(x.movable for x in layers[-lag:])
+        loaded = c.total if not lag else c.pinned + layers[-1].movable
+        out += [tail] * (held - start) + [c.pinned] * (loading - held) + [loaded] * (
+            stop - loading)
+    out += _backward_values(c, choice)
+    if c.weight_point is not None:
+        out += [c.after_input] * (c.weight_point - (stop + len(layers)) + 1)
+    return out
+
+
+def _forward_values(layers: tuple[ChunkBytes, ...], choice: Choice | None) -> list[int]:
+    """At the end of each layer of the forward (a whole chunk counts at its end)."""
+    if choice is None or not choice.lag:
+        return [0] * (len(layers) - 1) + [sum(layer.total for layer in layers)]
+    held, out = 0, []
+    for k, layer in enumerate(layers):
+        held += layer.total
+        out.append(held)  # the peak, before the layer a lag back leaves
+        if k >= choice.lag:
+            held -= layers[k - choice.lag].movable
+    return out
+
+
+def _backward_values(c: LayerChunk, choice: Choice | None) -> list[int]:
+    """At the start of each layer of the backward, the last layer first."""
+    layers = c.layers
+    keeps = c.weight_point is not None
+    if choice is None or not choice.lag:
+        return [c.total] * len(layers)
+    out = []
+    for k in reversed(range(len(layers))):
+        # B frees each layer as it goes; a split I keeps them all until it ends
+        held = sum((layer.total if keeps else 0) for layer in layers[k + 1:])
+        held += sum(layer.pinned for layer in layers[:k + 1]) + layers[k].movable
+        out.append(held + (layers[k - 1].movable if k >= 1 else 0))
+    return out

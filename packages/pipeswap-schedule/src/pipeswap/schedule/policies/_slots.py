@@ -1,0 +1,70 @@
+"""One rank's own timeline in compute slots, which the cost-aware policies plan on.
+
+Compute slots run back to back, with no waits for other ranks: waits only add room for
+copies, so what hides here hides in the full simulation too. The swap pass places a whole
+chunk's steps so that, with one slot for each copy, the chunk is off the device from the
+second slot after its forward to the second slot before its backward.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from pipeswap.schedule.costs import CostModel
+from pipeswap.schedule.policies.base import SwapCandidate
+from pipeswap.schedule.steps import COMPUTE, OVERLAPS, ChunkKey, Order, StepType
+
+#: Fewest compute slots from forward to backward for a chunk swapped with one slot per copy
+#: to leave the device.
+SAVING_GAP = 4
+#: The most compute slots a placement gives one copy (see :class:`SwapPlacement`), at
+#: layer resolution and in the chunk-level plan alike.
+MAX_COPY_SLOTS = 3
+
+
+@dataclass(frozen=True)
+class Timeline:
+    """One rank's compute slots back to back: slot i runs from ``starts[i]`` to ``ends[i]``."""
+
+    starts: tuple[float, ...]
+    ends: tuple[float, ...]
+    last_slot: dict[ChunkKey, int]  # the slot whose end frees the chunk (its B or W)
+
+    @staticmethod
+    def of(order: Order, costs: CostModel, rank: int) -> Timeline:
+        starts: list[float] = []
+        ends: list[float] = []
+        last: dict[ChunkKey, int] = {}
+        now = 0.0
+        for step in order:
+            if step is None or not (step.type in COMPUTE or step.type in OVERLAPS):
+                continue
+            leaves = step.sub_steps if step.type in OVERLAPS else (step,)
+            starts.append(now)
+            now += sum(costs.compute_time(l.type, l.key[0], rank) for l in leaves)
+            ends.append(now)
+            for leaf in leaves:
+                if leaf.type is not StepType.FWD:
+                    last[leaf.key] = max(last.get(leaf.key, -1), len(ends) - 1)
+        return Timeline(tuple(starts), tuple(ends), last)
+
+    def held(self, candidates: Sequence[SwapCandidate], costs: CostModel) -> list[int]:
+        """Bytes of saved activations the rank holds in each slot without swap: a chunk from
+        its forward's slot through the slot that frees it."""
+        held = [0] * (len(self.ends) + 1)  # a difference array over slots, then prefix sums
+        for c in candidates:
+            total = costs.chunk_bytes(c.key).total
+            held[c.forward_slot] += total
+            held[self.last_slot.get(c.key, c.backward_slot) + 1] -= total
+        for slot in range(1, len(held)):
+            held[slot] += held[slot - 1]
+        held.pop()
+        return held
+
+
+def copy_times(costs: CostModel, rank: int, key: ChunkKey) -> tuple[float, float]:
+    """How long the chunk's offload and its reload take on the rank's host link."""
+    link = costs.rank_link(rank)
+    movable = costs.chunk_bytes(key).movable
+    return movable / link.d2h_bandwidth, movable / link.h2d_bandwidth

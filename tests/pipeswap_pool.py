@@ -1,0 +1,150 @@
+"""Shared rank processes for the multi-process tests: started once per test session and
+reused by every case that only needs "run this function on P ranks", so that the suite pays
+for starting a process and importing torch four times, not once per rank of every case.
+
+Each case still gets a process group of its own (a fresh TCP store on a free port, torn
+down after it), the environment torchrun would give it, and every rank's error if one
+fails. A case that leaves a rank dead or still running gets the pool restarted, so the next
+case starts clean. Tests of launching itself (signals, a rank that dies, hangs, timeouts)
+use :func:`pipeswap.runtime.spawn`, which starts fresh processes each time.
+"""
+
+from __future__ import annotations
+
+import atexit
+import datetime
+import os
+import pickle
+import signal
+import socket
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from contextlib import suppress
+from typing import Any
+
+import torch.multiprocessing as mp
+
+from pipeswap.runtime import RankFailedError
+
+SIZE = 4  # the most ranks a pooled case runs
+_context = mp.get_context("spawn")
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def _serve(rank: int, tasks: Any, results: Any, parent: int) -> None:
+    """A pooled rank: run each task it is sent in a process group of the task's own."""
+    import torch.distributed as dist
+
+    if sys.platform.startswith("linux"):  # die with the test session, however it ends
+        import ctypes
+
+        with suppress(OSError, AttributeError):
+            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    if os.getppid() != parent:
+        os._exit(1)
+    while (task := tasks.get()) is not None:
+        job, fn, args, world, port, timeout_s = task
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                          WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                          LOCAL_WORLD_SIZE=str(world))
+        try:
+            dist.init_process_group("gloo", rank=rank, world_size=world,
+                                    timeout=datetime.timedelta(seconds=timeout_s))
+            try:
+                value = fn(rank, world, *args)
+            finally:
+                dist.destroy_process_group()
+            results.put((job, rank, True, pickle.dumps(value)))
+        except BaseException:  # noqa: BLE001 - reported to the test, which raises
+            results.put((job, rank, False, traceback.format_exc()))
+
+
+class RankPool:
+    """``SIZE`` rank processes, started on first use and kept for the session."""
+
+    def __init__(self) -> None:
+        self._processes: list[Any] = []
+        self._tasks: list[Any] = []
+        self._results: Any = None
+        self._job = 0
+
+    def _start(self) -> None:
+        self._results = _context.SimpleQueue()
+        self._tasks = [_context.SimpleQueue() for _ in range(SIZE)]
+        self._processes = [_context.Process(target=_serve, name=f"pipeswap-pooled-rank{rank}",
+                                            args=(rank, self._tasks[rank], self._results,
+                                                  os.getpid()), daemon=True)
+                           for rank in range(SIZE)]
+        for process in self._processes:
+            process.start()
+
+    def close(self) -> None:
+        """Stop every rank: asked first, killed if it does not go."""
+        for tasks, process in zip(self._tasks, self._processes):
+            if process.is_alive():
+                with suppress(OSError, ValueError):
+                    tasks.put(None)
+        for process in self._processes:
+            process.join(timeout=5)
+            if process.is_alive():
+                process.kill()
+                process.join()
+        self._processes = []
+
+    def run(self, fn: Callable[..., Any], world: int, *args: Any,
+            timeout_s: float = 60.0) -> list[Any]:
+        """``fn(rank, world, *args)`` on ranks ``0..world-1``; their results, as
+        :func:`~pipeswap.runtime.spawn` returns them. ``timeout_s`` bounds each collective,
+        and how long the others may run on once a rank failed."""
+        assert 1 <= world <= SIZE, f"a pooled case runs 1 to {SIZE} ranks, not {world}"
+        if not self._processes or not all(p.is_alive() for p in self._processes):
+            self.close()
+            self._start()
+        self._job += 1
+        port = _free_port()
+        for rank in range(world):
+            self._tasks[rank].put((self._job, fn, args, world, port, timeout_s))
+        values: dict[int, Any] = {}
+        failures: dict[int, str] = {}
+        deadline: float | None = None
+        while len(values) + len(failures) < world:
+            if not self._results.empty():
+                job, rank, ok, value = self._results.get()
+                if job != self._job:
+                    continue  # a late report of a case that already failed
+                if ok:
+                    values[rank] = pickle.loads(value)
+                else:
+                    failures[rank] = value
+                continue
+            dead = [rank for rank in range(world) if not self._processes[rank].is_alive()]
+            for rank in dead:
+                if rank not in values and rank not in failures and self._results.empty():
+                    failures[rank] = (f"pooled rank {rank} died with exit code "
+                                      f"{self._processes[rank].exitcode}")
+            if failures and deadline is None:
+                deadline = time.monotonic() + timeout_s + 5
+            if deadline is not None and time.monotonic() > deadline:
+                for rank in sorted(set(range(world)) - set(values) - set(failures)):
+                    failures[rank] = f"rank {rank} still running {timeout_s:.0f} s after a failure"
+                break
+            time.sleep(0.01)
+        if failures:
+            self.close()  # the next case starts with fresh ranks
+            story = "\n".join(f"--- rank {rank} ---\n{text.rstrip()}"
+                              for rank, text in sorted(failures.items()))
+            raise RankFailedError(f"{len(failures)} of {world} ranks failed:\n{story}",
+                                  failures)
+        return [values[rank] for rank in range(world)]
+
+
+POOL = RankPool()
+atexit.register(POOL.close)
