@@ -35,9 +35,9 @@ commands:
                           `pipeswap-train --help` and a short two-rank training run
                      Hatch envs are deleted first on CI (CI=true) and whenever a
                      pyproject.toml or __about__.py changed since they were built.
-  test [--full] -- ARGS...
-                     only phase b (of that tier), with ARGS passed to pytest
-                     (e.g. `python3 dev.py test -- -k hygiene -x`)
+  test -- ARGS...    only phase b, over the whole suite, with ARGS passed to pytest
+                     (e.g. `python3 dev.py test -- -k hygiene -x`; add
+                     `-m "not multiprocess or everyday"` for the everyday tier's tests)
   demo [ARGS...]     the main job: `pipeswap-train` in the default env (a small GPT trained
                      on 4 CPU ranks with 1F1B, without and with swap, then compared);
                      ARGS go to pipeswap-train (`python3 dev.py demo -- --help`)
@@ -340,7 +340,8 @@ def test(options: list[str]) -> None:
         pytest_args = pytest_args[1:]
     setup()
     SUITE_REPORT.unlink(missing_ok=True)
-    selection = [] if full else ["-m", EVERYDAY]
+    # ARGS given: pytest over the whole suite with them (a -m of their own picks a tier)
+    selection = [] if full or pytest_args else ["-m", EVERYDAY]
     test_args = ["--", f"--junit-xml={SUITE_REPORT}", *selection, *pytest_args]
     tier = "full" if full else "everyday"
     phases: list[tuple[str, Callable[[], None]]] = [

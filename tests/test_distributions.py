@@ -10,7 +10,7 @@ from types import ModuleType
 
 import pytest
 
-# distribution -> the distributions it may require (README.md, "Installing the packages")
+# distribution -> the distributions it may require (docs/development.md, "Installing the packages")
 EDGES: dict[str, set[str]] = {
     "pipeswap-schedule": set(),
     "pipeswap-platform": {"torch"},

@@ -192,7 +192,7 @@ def test_replicas_without_fsdp_are_refused() -> None:
 
 
 def test_the_command_reports_every_pp_dp_rank() -> None:
-    """The README's command: 2 pipeline ranks x 2 replicas with FSDP, JSON per rank."""
+    """docs/fsdp.md's command: 2 pipeline ranks x 2 replicas with FSDP, JSON per rank."""
     done = subprocess.run(
         [sys.executable, "-m", "pipeswap.runtime.train", "--ranks", "2", "--dp", "2", "--fsdp",
          "--steps", "2", "--json"], capture_output=True, text=True, timeout=600, check=True)

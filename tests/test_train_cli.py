@@ -1,14 +1,20 @@
-"""`pipeswap-train` as people run it: spawned by itself (JSON for tools) and under torchrun."""
+"""`pipeswap-train` as people run it: spawned by itself (JSON for tools) and under torchrun;
+and its options (budget, llama, resume) run from the command line's own config on the shared
+rank pool, which saves starting a launcher and its ranks for each."""
 
 from __future__ import annotations
 
-import pytest
-
+import functools
 import json
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
+
+import pytest
+
+from pipeswap.runtime.train import parse_args, run_rank, summarize
+from pipeswap_pool import POOL
 
 pytestmark = pytest.mark.multiprocess  # starts processes: the full tier only, unless marked everyday
 
@@ -22,10 +28,26 @@ def _run(command: list[str]) -> str:
     return done.stdout
 
 
-def test_spawned_run_prints_the_json_contract() -> None:
+@functools.cache
+def _json_run() -> dict[str, Any]:
+    """The spawned fp32 run of SMALL on 2 ranks, both modes, as --json prints it."""
     out = _run([sys.executable, "-m", "pipeswap.runtime.train", "--ranks", "2", *SMALL,
                 "--json"])
-    summary = json.loads(out.strip().splitlines()[-1])
+    summary: dict[str, Any] = json.loads(out.strip().splitlines()[-1])
+    return summary
+
+
+def _pooled(argv: list[str]) -> dict[str, Any]:
+    """The --json summary of ``argv`` (with ``--json``), the ranks run on the shared pool from
+    the config the command line makes of it."""
+    config, _ = parse_args([*argv, "--json"])
+    summary: dict[str, Any] = summarize(config, POOL.run(run_rank, config.parallel.world,
+                                                         config, timeout_s=60))
+    return summary
+
+
+def test_spawned_run_prints_the_json_contract() -> None:
+    summary = _json_run()
     assert summary["max_abs_loss_diff"] == 0.0 and summary["losses_match"] is True
     assert summary["step_time_ratio"] > 0
     assert [entry["rank"] for entry in summary["per_rank"]] == [0, 1]
@@ -42,23 +64,44 @@ def test_spawned_run_prints_the_json_contract() -> None:
     assert summary["losses"]["swap"] == summary["losses"]["no-swap"]
 
 
-def test_under_torchrun_rank_zero_prints_progress_and_the_table() -> None:
-    out = _run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                "-m", "pipeswap.runtime.train", *SMALL])
-    assert "[no-swap] step 2/2  loss" in out and "[   swap] step 1/2  loss" in out
+def test_under_torchrun_bf16_prints_progress_metrics_and_the_table(tmp_path: Path) -> None:
+    """Under torchrun with --dtype bf16: the last stage's rank prints progress, each line
+    naming its rank, and the table; losses are bit-identical with and without swap and not
+    those of fp32 (the forwards really ran in bfloat16); --metrics has a line per step and
+    mode; nothing warns."""
+    metrics_file = tmp_path / "metrics.jsonl"
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
+                           "2", "-m", "pipeswap.runtime.train", *SMALL, "--dtype", "bf16",
+                           "--metrics", str(metrics_file)],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-4000:]
+    out = done.stdout
+    assert "[rank 1] [no-swap] step 2/2  loss" in out and "[rank 1] [   swap] step 1/2  loss" in out
+    progress = [line for line in out.splitlines() if "] step " in line]
+    assert progress and all(line.startswith("[rank 1] [") for line in progress), progress
     assert "tokens/s" in out
     assert "peak activations (counted)" in out and "peak allocated (allocator)" in out
     assert "(allocator measured)" in out  # the odd steps, which are not timed
     assert "losses with and without swap: bit-identical" in out
+    assert "Warning" not in out + done.stderr, done.stderr[-4000:]
+    records = [json.loads(line) for line in metrics_file.read_text().splitlines()]
+    assert [(r["step"], r["mode"]) for r in records] == [
+        (1, "no-swap"), (2, "no-swap"), (1, "swap"), (2, "swap")]
+    for record in records:
+        assert record["tokens_per_s"] > 0 and [e["rank"] for e in record["per_rank"]] == [0, 1]
+        assert all(e["peak_activation_bytes"] > 0 for e in record["per_rank"])
+    bf16 = [r["loss"] for r in records if r["mode"] == "swap"]
+    assert bf16 == [r["loss"] for r in records if r["mode"] == "no-swap"]
+    fp32 = _json_run()["losses"]["no-swap"]
+    assert bf16 != fp32
+    assert all(abs(a - b) < 0.05 * abs(b) for a, b in zip(bf16, fp32))
 
 
 def test_a_budget_keeps_every_rank_under_it_with_bit_identical_losses() -> None:
     """--budget plans the peak policy on the chunk sizes the run without swap measured (all
     ranks'), exposing copies where it must: the counted peak of each rank ends under it."""
     budget = 350_000  # GPipe P=2 M=4 holds about 600 KB a rank without swap, 450-500 KB
-    out = _run([sys.executable, "-m", "pipeswap.runtime.train", "--ranks", "2", *SMALL,
-                "--budget", str(budget), "--json"])
-    summary = json.loads(out.strip().splitlines()[-1])
+    summary = _pooled(["--ranks", "2", *SMALL, "--budget", str(budget)])
     assert summary["max_abs_loss_diff"] == 0.0
     for entry in summary["per_rank"]:
         assert entry["peak_activation_bytes_no_swap"] > budget
@@ -78,38 +121,10 @@ def test_under_torchrun_dp_makes_replicas_of_the_pipeline() -> None:
         assert entry["peak_memory_bytes_no_swap"] > entry["peak_activation_bytes_no_swap"] > 0
 
 
-def test_bf16_metrics_and_logs(tmp_path: Path) -> None:
-    """--dtype bf16: losses bit-identical with and without swap, and not those of fp32 (the
-    forwards really ran in bfloat16); --metrics writes a line per step and mode; every
-    progress line names its rank, and the run prints no warning."""
-    metrics_file = tmp_path / "metrics.jsonl"
-    command = [sys.executable, "-m", "pipeswap.runtime.train", "--ranks", "2", *SMALL]
-    done = subprocess.run([*command, "--dtype", "bf16", "--metrics", str(metrics_file)],
-                          capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-4000:]
-    assert "losses with and without swap: bit-identical" in done.stdout
-    progress = [line for line in done.stdout.splitlines() if "] step " in line]
-    assert progress and all(line.startswith("[rank 1] [") for line in progress), progress
-    assert "Warning" not in done.stdout + done.stderr, done.stderr[-4000:]
-    records = [json.loads(line) for line in metrics_file.read_text().splitlines()]
-    assert [(r["step"], r["mode"]) for r in records] == [
-        (1, "no-swap"), (2, "no-swap"), (1, "swap"), (2, "swap")]
-    for record in records:
-        assert record["tokens_per_s"] > 0 and [e["rank"] for e in record["per_rank"]] == [0, 1]
-        assert all(e["peak_activation_bytes"] > 0 for e in record["per_rank"])
-    bf16 = [r["loss"] for r in records if r["mode"] == "swap"]
-    assert bf16 == [r["loss"] for r in records if r["mode"] == "no-swap"]
-    fp32 = json.loads(_run([*command, "--no-swap", "--json"]).strip().splitlines()[-1])
-    assert bf16 != fp32["losses"]["no-swap"]
-    assert all(abs(a - b) < 0.05 * abs(b) for a, b in zip(bf16, fp32["losses"]["no-swap"]))
-
-
 def test_llama_in_bf16_swaps_without_changing_a_bit() -> None:
     """--model llama (RMSNorm, rotary embeddings, grouped-query attention, SwiGLU) in bf16:
     losses bit-identical with and without swap, and both ranks' peaks lower with swap."""
-    out = _run([sys.executable, "-m", "pipeswap.runtime.train", "--ranks", "2", *SMALL,
-                "--model", "llama", "--dtype", "bf16", "--json"])
-    summary = json.loads(out.strip().splitlines()[-1])
+    summary = _pooled(["--ranks", "2", *SMALL, "--model", "llama", "--dtype", "bf16"])
     assert summary["max_abs_loss_diff"] == 0.0 and summary["losses_match"] is True
     for entry in summary["per_rank"]:
         assert 0 < entry["peak_activation_bytes_swap"] < entry["peak_activation_bytes_no_swap"]
@@ -120,12 +135,8 @@ def test_a_resumed_run_goes_on_exactly(tmp_path: Path) -> None:
     """Steps 1-2 saved at their end, then --resume with --steps 4: steps 3 and 4 lose what
     the uninterrupted run's steps 3 and 4 lose, bit for bit (the run with swap; the
     checkpoint API's own tests cover more); --metrics goes on in the same file."""
-    command = [sys.executable, "-m", "pipeswap.runtime.train", "--ranks", "2", *SMALL,
-               "--swap-only", "--json"]
-
     def losses(*extra: str) -> dict[str, Any]:
-        summary: dict[str, Any] = json.loads(_run([*command, *extra]).strip().splitlines()[-1])
-        return summary
+        return _pooled(["--ranks", "2", *SMALL, "--swap-only", *extra])
 
     whole = losses("--steps", "4")
     metrics = tmp_path / "metrics.jsonl"

@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 import torch
 
-from pipeswap.runtime import train
+from pipeswap.runtime.train import cli
 from pipeswap.runtime.data import Corpus
 from pipeswap.runtime.train import TrainConfig, main, parse_args
 
@@ -93,8 +93,8 @@ def no_ranks(monkeypatch: pytest.MonkeyPatch) -> None:
     def started(*args: Any, **kwargs: Any) -> None:
         pytest.fail("a rank was started for arguments that should have been refused")
 
-    monkeypatch.setattr(train, "spawn", started)
-    monkeypatch.setattr(train, "init_from_env", started, raising=False)
+    monkeypatch.setattr(cli, "spawn", started)
+    monkeypatch.setattr(cli, "init_from_env", started)
 
 
 def _refused(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:

@@ -123,8 +123,8 @@ def _imports(tree: ast.Module, modules: dict[str, Path]
 def test_no_import_cycle_and_no_import_hidden_in_a_function() -> None:
     modules = _modules()
     graph: dict[str, set[str]] = {}
-    for name, path in modules.items():
-        top, nested = _imports(ast.parse(path.read_text()), modules)
+    for name, source in modules.items():
+        top, nested = _imports(ast.parse(source.read_text()), modules)
         assert not nested, f"{name} imports {nested} inside a function: import at the top"
         graph[name] = top - {name}
     # depth-first search; a module met again while still on the path closes a cycle

@@ -5,8 +5,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-import pytest
-
 from pipeswap.schedule import MinGapPolicy, ScheduleKind, ScheduleSpec, build_schedule, validate
 from pipeswap.schedule.formats import dumps_csv, loads, loads_csv
 from pipeswap.schedule.pytorch_family import dualpipev, zbv

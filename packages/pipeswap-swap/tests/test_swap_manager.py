@@ -614,7 +614,7 @@ def test_group_bytes_split_what_moves_from_what_stays(mgr: SwapManager) -> None:
 
 
 def test_tensors_the_program_still_holds_are_never_freed(mgr: SwapManager) -> None:
-    """The README's example: the input is a slice of a batch the program keeps. Releasing its
+    """docs/swap.md's example: the input is a slice of a batch the program keeps. Releasing its
     storage would make reading or writing ``x`` or ``batch`` a use-after-free."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.GELU(), torch.nn.Linear(64, 16))

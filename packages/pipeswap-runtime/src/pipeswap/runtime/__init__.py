@@ -4,18 +4,22 @@ torch is imported lazily where it can be: importing this package is cheap.
 """
 
 from pipeswap.runtime.__about__ import __version__
+from pipeswap.runtime.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from pipeswap.runtime.errors import (
     PeerFailedError,
     PipelineCommError,
     PipelineError,
     PipelineSetupError,
 )
-from pipeswap.runtime.executor import PipelineExecutor, StepReport
+from pipeswap.runtime.executor import PipelineExecutor
+from pipeswap.runtime.fsdp import shard_stage
 from pipeswap.runtime.launch import RankFailedError, spawn
-from pipeswap.runtime.session import SwapSession
+from pipeswap.runtime.replay import Replay
+from pipeswap.runtime.report import StepReport
 from pipeswap.runtime.stage import PipelineStage
 
 __all__ = [
+    "CheckpointError",
     "PeerFailedError",
     "PipelineCommError",
     "PipelineError",
@@ -23,8 +27,11 @@ __all__ = [
     "PipelineSetupError",
     "PipelineStage",
     "RankFailedError",
+    "Replay",
     "StepReport",
-    "SwapSession",
     "__version__",
+    "load_checkpoint",
+    "save_checkpoint",
+    "shard_stage",
     "spawn",
 ]

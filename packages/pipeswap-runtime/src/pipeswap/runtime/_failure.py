@@ -66,7 +66,8 @@ class FailureProtocol:
             return
         who = f"rank {dist.get_rank()}"
         if self.dp_size > 1:
-            who += f" (pipeline rank {self.rank}, data-parallel rank {dist.get_rank(self.dp_group)})"
+            dp_rank = dist.get_rank(self.dp_group)
+            who += f" (pipeline rank {self.rank}, data-parallel rank {dp_rank})"
         reason = f"{who} failed at {where}: {type(exc).__name__}: {first_line}"
         assert transport.board is not None
         if isinstance(exc, PeerFailedError):  # pass the first failure on to other groups

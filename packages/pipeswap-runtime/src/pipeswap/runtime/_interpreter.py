@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar
 
 from pipeswap.runtime._failure import collective
 from pipeswap.runtime.backward import ChunkAutograd, forward_chunk
@@ -33,7 +33,7 @@ if TYPE_CHECKING:
     from pipeswap.swap.layers import LayerChain
 
 LossFn = Callable[["torch.Tensor", "torch.Tensor"], "torch.Tensor"]
-Handler = Callable[["StepState", Step], None]
+Handler = Callable[["Interpreter", "StepState", Step], None]
 
 
 @dataclass
@@ -75,33 +75,15 @@ class Interpreter:
         self.swapped = swapped
         self.sharded = sharded
         self.active: dict[int, LayerChain] = {}
-        handlers: dict[StepType, Handler] = {
-            StepType.FWD: self._forward,
-            StepType.FSDP_UNSHARD: self._fsdp,
-            StepType.FSDP_RESHARD: self._fsdp,
-            StepType.FSDP_REDUCE_GRAD: self._fsdp,
-            StepType.BATCH_SEND_RECV: self._batch,
-            StepType.SWAP_STREAM_OFFLOAD: self._stream_offload,
-            StepType.SWAP_LAUNCH_OFFLOAD: self._swap,
-            StepType.SWAP_WAIT_OFFLOAD: self._swap,
-            StepType.SWAP_LAUNCH_LOAD: self._swap,
-            StepType.SWAP_WAIT_LOAD: self._swap,
-            StepType.SWAP_STREAM_LOAD: self._swap,
-        }
-        handlers.update(dict.fromkeys((StepType.BWD, StepType.BWD_INPUT, StepType.BWD_WEIGHT),
-                                      self._backward))
-        handlers.update(dict.fromkeys(OVERLAPS, self._overlap))
-        handlers.update(dict.fromkeys(P2P, self._p2p))
-        self._handlers = handlers
 
     def run(self, state: StepState, step: Step) -> None:
         """Run one step of the order."""
-        handler = self._handlers.get(step.type)
+        handler = self._HANDLERS.get(step.type)
         if handler is None:
-            raise PipelineError(f"{step}: the executor has no handler for {step.type.name} steps")
+            raise PipelineError(f"{step}: the executor runs no {step.type.name} steps")
         if step.type in COMPUTE and self.sharded:
             self._ready(state, step)
-        handler(state, step)
+        handler(self, state, step)
 
     def take_batch(self, state: StepState, inputs: PyTree | None, targets: PyTree | None,
                    input_meta: BoundaryMeta | None) -> None:
@@ -155,6 +137,8 @@ class Interpreter:
             self.manager.protect_module(self.stages[step.stage].module)
 
     def _forward(self, state: StepState, step: Step) -> None:
+        """F of one chunk: its input received, handed over or split from the batch, run
+        inside the chunk's swap group when it is accounted."""
         key = step.key
         stage_index, micro = key
         stage = self.stages[stage_index]
@@ -240,6 +224,7 @@ class Interpreter:
         del state.chunks[key]
 
     def _overlap(self, state: StepState, step: Step) -> None:
+        """A forward and a backward the schedule overlaps: run in order."""
         for sub in step.sub_steps:
             self.run(state, sub)
 
@@ -339,3 +324,18 @@ class Interpreter:
          StepType.SWAP_WAIT_OFFLOAD: self.manager.wait_offload,
          StepType.SWAP_LAUNCH_LOAD: self.manager.launch_load,
          StepType.SWAP_WAIT_LOAD: self.manager.wait_load}[kind](name)
+
+    # the step interpreter's table (functions, not bound methods: no reference cycle keeps
+    # an interpreter, and the stages and manager it holds, alive after its executor)
+    _HANDLERS: ClassVar[dict[StepType, Handler]] = {
+        StepType.FWD: _forward,
+        **dict.fromkeys((StepType.BWD, StepType.BWD_INPUT, StepType.BWD_WEIGHT), _backward),
+        **dict.fromkeys(OVERLAPS, _overlap),
+        **dict.fromkeys(P2P, _p2p),
+        StepType.BATCH_SEND_RECV: _batch,
+        **dict.fromkeys(FSDP, _fsdp),
+        StepType.SWAP_STREAM_OFFLOAD: _stream_offload,
+        **dict.fromkeys((StepType.SWAP_LAUNCH_OFFLOAD, StepType.SWAP_WAIT_OFFLOAD,
+                         StepType.SWAP_LAUNCH_LOAD, StepType.SWAP_WAIT_LOAD,
+                         StepType.SWAP_STREAM_LOAD), _swap),
+    }

@@ -274,8 +274,7 @@ def agree(schedule: Schedule | None, problem: PipelineSetupError | None, *,
 def new_transport(schedule: Schedule, *, microbatches: int, device: torch.device,
                   group: dist.ProcessGroup | None, world: int,
                   dp_group: dist.ProcessGroup | None, dp_size: int, spans_world: bool,
-                  replay: Replay | None,
-                  boundary: dict[int, BoundaryMeta] | None = None) -> Transport:
+                  replay: Replay | None, boundary: dict[int, BoundaryMeta] | None) -> Transport:
     """A transport over a communication group of its own (created by the pipeline's ranks
     alone), so that a failed step can break it without touching the caller's process group;
     ``boundary``: the stage boundaries' meta a previous transport learned."""

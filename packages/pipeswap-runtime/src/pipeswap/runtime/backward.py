@@ -52,18 +52,21 @@ if TYPE_CHECKING:
     import torch
     from torch.autograd.graph import GradientEdge, Node
 
+    from pipeswap.runtime.comm import PyTree
+
 Grads = tuple["torch.Tensor | None", ...]
 
 _ACCUMULATE = "torch::autograd::AccumulateGrad"
 
 
 def forward_chunk(
-    forward: Callable[[Any], Any],
-    x: Any,
+    forward: Callable[[PyTree], PyTree],
+    x: PyTree,
     *,
     inputs: Sequence[torch.Tensor] | None = None,
-    carries: Callable[[Any], Sequence[torch.Tensor]] | None = None,
-    target: Any = None,
+    carries: Callable[[PyTree], Sequence[torch.Tensor]] | None = None,
+    target: PyTree | None = None,
+    # Any: the loss function's own parameter types (the executor's LossFn takes tensors)
     loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
     scale: int = 1,
     saving: AbstractContextManager[object] | None = None,
@@ -82,7 +85,13 @@ def forward_chunk(
     with saving if saving is not None else nullcontext():
         out = forward(x)
         if target is None:
-            roots = tuple(carries(out)) if carries is not None else (out,)
+            if carries is not None:
+                roots = tuple(carries(out))
+            elif isinstance(out, torch.Tensor):
+                roots = (out,)
+            else:
+                raise TypeError("the output is not one tensor: give carries, which picks "
+                                "its tensors that carry a gradient")
             return ChunkAutograd(tuple(inputs), roots, out)
         if loss_fn is None:
             raise ValueError("a target needs a loss_fn")
@@ -116,7 +125,7 @@ class ChunkAutograd:
 
     inputs: tuple[torch.Tensor, ...] | None
     outputs: tuple[torch.Tensor, ...] | None
-    value: Any = None
+    value: PyTree | None = None
     loss: torch.Tensor | None = None
     output: torch.Tensor | None = None  # the root W starts from when I found no dx path
     _grad: torch.Tensor | None = None  # the output's gradient, while W still needs it
@@ -131,7 +140,8 @@ class ChunkAutograd:
         outputs, xs = self._take("B")
         live = _live(outputs, grads)
         if live:
-            given: Any = [g for _, g in live]  # None for the loss, as autograd takes it
+            # Any: None for the loss, which autograd takes but torch's stubs do not
+            given: Any = [g for _, g in live]
             torch.autograd.backward([o for o, _ in live], given)
         return [x.grad for x in xs]
 

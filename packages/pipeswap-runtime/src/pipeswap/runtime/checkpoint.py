@@ -38,12 +38,17 @@ import shutil
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 from pipeswap.runtime.errors import PipelineError
 
 if TYPE_CHECKING:
     import torch
+    from torch.distributed.checkpoint.state_dict import (
+        OptimizerStateType,
+        StateDictOptions,
+        ValueType,
+    )
 
     from pipeswap.runtime.stage import PipelineStage
 
@@ -267,7 +272,7 @@ def _find(root: Path) -> _Found:
     return _Found(path, _Manifest.read(path), shapes)
 
 
-def _check_keys(found: _Found, mine: Mapping[str, Any], indices: Sequence[int]) -> None:
+def _check_keys(found: _Found, mine: Mapping[str, object], indices: Sequence[int]) -> None:
     """Every key this rank loads is saved with its shape, and nothing saved for its stages is
     left behind; the problems of every rank raise on every rank."""
     import torch.distributed as dist
@@ -284,7 +289,7 @@ def _check_keys(found: _Found, mine: Mapping[str, Any], indices: Sequence[int]) 
             "afresh")
 
 
-def _key_problems(saved: Mapping[str, tuple[int, ...] | None], mine: Mapping[str, Any],
+def _key_problems(saved: Mapping[str, tuple[int, ...] | None], mine: Mapping[str, object],
                   indices: Sequence[int]) -> list[str]:
     import torch
 
@@ -315,27 +320,30 @@ class _State:
     """This rank's part of a checkpoint, as DCP state dicts over its stages."""
 
     wrapper: torch.nn.Module  # this rank's stage modules, named stage<i>
-    model: dict[str, Any]
-    optim: dict[str, Any]
+    model: dict[str, ValueType]
+    optim: OptimizerStateType
     rng: dict[str, torch.Tensor]
 
-    def flat(self) -> dict[str, Any]:
+    def flat(self) -> dict[str, object]:
         """One flat state dict; DCP loads tensors in place and replaces other values."""
         return {**_prefixed("model.", self.model), **_prefixed("optim.", self.optim),
                 **_prefixed("rng.", self.rng)}
 
-    def restore(self, flat: Mapping[str, Any], optimizer: torch.optim.Optimizer) -> None:
-        """Put what DCP loaded into ``flat`` into the stages, optimizer and generators."""
+    def restore(self, flat: Mapping[str, object], optimizer: torch.optim.Optimizer) -> None:
+        """Put what DCP loaded into ``flat`` (made by :meth:`flat`, so each part holds what
+        its state dict held) into the stages, optimizer and generators."""
         import torch
         from torch.distributed.checkpoint.state_dict import (
             set_model_state_dict,
             set_optimizer_state_dict,
         )
 
-        set_model_state_dict(self.wrapper, _unprefixed("model.", flat))
-        set_optimizer_state_dict(self.wrapper, optimizer, _unprefixed("optim.", flat),
+        set_model_state_dict(self.wrapper,
+                             cast("dict[str, ValueType]", _unprefixed("model.", flat)))
+        set_optimizer_state_dict(self.wrapper, optimizer,
+                                 cast("OptimizerStateType", _unprefixed("optim.", flat)),
                                  options=_options())
-        rng = _unprefixed("rng.", flat)
+        rng = cast("dict[str, torch.Tensor]", _unprefixed("rng.", flat))
         rank = _rank_key()
         torch.set_rng_state(rng[f"{rank}.cpu"])
         if f"{rank}.cuda" in rng:
@@ -358,7 +366,7 @@ def _state(stages: Sequence[PipelineStage], optimizer: torch.optim.Optimizer) ->
                   get_optimizer_state_dict(wrapper, optimizer, options=_options()), rng)
 
 
-def _options() -> Any:
+def _options() -> StateDictOptions:
     from torch.distributed.checkpoint.state_dict import StateDictOptions
 
     # one key per parameter and setting, so that no two pipeline ranks write the same key
@@ -375,7 +383,7 @@ def _prefixed(prefix: str, values: Mapping[str, T]) -> dict[str, T]:
     return {prefix + key: value for key, value in values.items()}
 
 
-def _unprefixed(prefix: str, values: Mapping[str, Any]) -> dict[str, Any]:
+def _unprefixed(prefix: str, values: Mapping[str, T]) -> dict[str, T]:
     return {key.removeprefix(prefix): value for key, value in values.items()
             if key.startswith(prefix)}
 
@@ -390,7 +398,7 @@ def _gather_layout(stages: Sequence[PipelineStage], extra: T
 
     mine = (max((s.num_stages for s in stages), default=0),
             tuple(sorted(s.stage_index for s in stages)), extra)
-    gathered: list[Any] = [None] * dist.get_world_size()
+    gathered: list[Any] = [None] * dist.get_world_size()  # Any: every rank's pickled tuple
     dist.all_gather_object(gathered, mine)
     empty = [rank for rank, (_, indices, _) in enumerate(gathered) if not indices]
     if empty:
@@ -405,7 +413,7 @@ def _on_rank0(action: Callable[[], T], what: str) -> T:
     rank raises its error rather than waiting for rank 0 in the next collective."""
     import torch.distributed as dist
 
-    outcome: list[Any] = [None]
+    outcome: list[Any] = [None]  # Any: rank 0's pickled (ok, result or message)
     if dist.get_rank() == 0:
         try:
             outcome[0] = (True, action())

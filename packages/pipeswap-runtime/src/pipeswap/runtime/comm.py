@@ -166,8 +166,8 @@ class FailureBoard:
         import torch.distributed as dist
 
         store = dist.distributed_c10d._get_default_store()
-        self._stores = [dist.PrefixStore(  # type: ignore[attr-defined]
-            f"pipeswap/{group.group_name}/", store) for group in groups]
+        self._stores = [dist.distributed_c10d.PrefixStore(f"pipeswap/{group.group_name}/", store)
+                        for group in groups]
 
     def post(self, text: str) -> None:
         """Record ``text`` in each group unless another rank's failure came first there."""

@@ -18,6 +18,12 @@ agreement of all ranks (of the pipeline, then of the data-parallel group). After
 group; the next step then runs as if nothing had failed. A failure also closes the
 data-parallel group (FSDP's collectives would wait on it forever otherwise), so with more than
 one replica a failed step ends the run: restart it.
+
+This module wires the parts together: :mod:`~pipeswap.runtime._setup` (the schedule, checked
+and agreed on by every rank; the transport; the boundary shapes),
+:mod:`~pipeswap.runtime._interpreter` (one step's order, a handler per step type),
+:mod:`~pipeswap.runtime._failure` (a failed step, and recover) and
+:mod:`~pipeswap.runtime.report` (:class:`StepReport` and the memory accounting).
 """
 
 from __future__ import annotations
@@ -170,7 +176,7 @@ class PipelineExecutor:
         self.manager = manager or SwapManager(self.platform)
         for stage in self.stages:
             self.manager.protect_module(stage.module)
-        self.transport: Transport = self._new_transport()
+        self.transport: Transport = self._new_transport(None)
         self._failure = FailureProtocol(self.rank, self.dp_group, self.dp_size,
                                         replayed=replay is not None,
                                         spans_world=self._spans_world)
@@ -178,7 +184,7 @@ class PipelineExecutor:
         self._shapes_known = False
         self._runs = 0
         self.swapped = set(swapped_chunks(self.schedule)[self.rank])
-        # chunks that stream, and the layer hooks that drive their forwards
+        # the chunks that stream, with their layer lag
         self.streamed = {step.key: step.lag for step in self.schedule.orders[self.rank]
                          if step is not None and step.type is StepType.SWAP_STREAM_OFFLOAD}
         self._interpreter = Interpreter(
@@ -223,12 +229,11 @@ class PipelineExecutor:
     def autocast_dtype(self, dtype: torch.dtype | None) -> None:
         self._interpreter.autocast_dtype = dtype
 
-    def _new_transport(self) -> Transport:
+    def _new_transport(self, boundary: dict[int, BoundaryMeta] | None) -> Transport:
         return _setup.new_transport(
             self.schedule, microbatches=self.microbatches, device=self.platform.device,
             group=self.group, world=self.world, dp_group=self.dp_group, dp_size=self.dp_size,
-            spans_world=self._spans_world, replay=self.replay,
-            boundary=self.transport.boundary if hasattr(self, "transport") else None)
+            spans_world=self._spans_world, replay=self.replay, boundary=boundary)
 
     def recover(self) -> None:
         """After a failed step, on every rank: replace the broken communication group with a
@@ -237,8 +242,9 @@ class PipelineExecutor:
         (gradients zeroed as usual) gives what it would have without the failure. Collective
         over the pipeline's ranks. Not possible with more than one data-parallel replica:
         the failure closed the data-parallel group, which FSDP needs."""
-        self.transport = self._failure.recover(self.transport, self._sharded.values(),
-                                               self._new_transport)
+        self.transport = self._failure.recover(
+            self.transport, self._sharded.values(),
+            partial(self._new_transport, self.transport.boundary))
 
     # -- one step --------------------------------------------------------------------------
 

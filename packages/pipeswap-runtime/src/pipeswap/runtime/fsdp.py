@@ -18,25 +18,31 @@ post-backward and the root's end-of-backward callback.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, cast
 
 from pipeswap.runtime.errors import PipelineSetupError
 
 if TYPE_CHECKING:
     import torch
     import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import FSDPModule, UnshardHandle
+
+    class Sharded(torch.nn.Module, FSDPModule):
+        """A module ``fully_shard`` sharded: FSDP2 gives it a class of its own that derives
+        from FSDPModule and the module's class."""
 
 
-def fsdp_modules(module: torch.nn.Module) -> list[Any]:
+def fsdp_modules(module: torch.nn.Module) -> list[Sharded]:
     """The FSDP2 modules in ``module`` (itself included), outermost first."""
     try:
         from torch.distributed.fsdp import FSDPModule
     except ImportError:  # a torch without FSDP2: nothing can be sharded
         return []
-    return [m for m in module.modules() if isinstance(m, FSDPModule)]
+    return cast("list[Sharded]", [m for m in module.modules() if isinstance(m, FSDPModule)])
 
 
-def shard_stage(module: torch.nn.Module, mesh: Any,
+def shard_stage(module: torch.nn.Module, mesh: DeviceMesh,
                 blocks: Sequence[torch.nn.Module] = ()) -> torch.nn.Module:
     """Shard a stage's parameters over the data-parallel ``mesh`` (a 1-D DeviceMesh) with
     ``fully_shard``: each of ``blocks`` on its own (it then all-gathers apart from the rest)
@@ -68,7 +74,7 @@ class ShardedStage:
                 f"stage {stage_index}'s module itself is not sharded, only parts of it: apply "
                 "fully_shard to the stage's module last (pipeswap.runtime.fsdp.shard_stage "
                 "does), so that it is the FSDP root that holds the rest")
-        self.root = module
+        self.root = self.modules[0]  # module itself
         params = [p for m in self.modules for p in m.parameters(recurse=False)]
         # what UNSHARD gathers: every parameter at its full size (FSDP2 keeps each one a
         # DTensor sharded on dim 0 while sharded, and numel() is the global count)
@@ -85,7 +91,7 @@ class ShardedStage:
                             f"but the data-parallel group is ranks {wanted}: shard each "
                             "stage over the mesh's 'dp' dimension (mesh['dp'])")
                     break
-        self._pending: list[Any] = []  # unshard handles not yet waited for
+        self._pending: list[UnshardHandle] = []  # unshard handles not yet waited for
         self.gathered = False
         self.prepare()
 
@@ -99,7 +105,9 @@ class ShardedStage:
 
     def unshard(self) -> None:
         """UNSHARD: start the all-gathers (waited for by the stage's next compute)."""
-        self._pending = [m.unshard(async_op=True) for m in self.modules]
+        # with async_op, FSDP returns a handle for every module
+        self._pending = [handle for m in self.modules
+                         if (handle := m.unshard(async_op=True)) is not None]
         self.gathered = True
 
     def ready(self, at: object) -> bool:
@@ -126,13 +134,11 @@ class ShardedStage:
     def reduce_grad(self) -> None:
         """REDUCE_GRAD: reduce-scatter the gradients accumulated since the last one into the
         sharded parameters' ``.grad`` (averaged over the data-parallel group, as FSDP does)."""
-        from torch.distributed.fsdp import fully_shard
-
         for m in self.modules:
             m.set_requires_gradient_sync(True, recurse=False)
         self.root.set_is_last_backward(True)
         try:
-            state = fully_shard.state(self.root)  # type: ignore[attr-defined]
+            state = self.root._get_fsdp_state()
             for each in state._state_ctx.all_states:
                 for group in each._fsdp_param_groups:
                     group.post_backward()

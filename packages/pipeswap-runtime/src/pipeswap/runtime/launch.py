@@ -21,7 +21,17 @@ import time
 import traceback
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
-from typing import Any
+from typing import TYPE_CHECKING, TypeVar
+
+if TYPE_CHECKING:
+    from multiprocessing.process import BaseProcess
+    from multiprocessing.queues import SimpleQueue
+    from types import FrameType
+
+    # what a rank reports: its rank, and its pickled result or the story of its failure
+    Results = SimpleQueue[tuple[int, bytes | str]]
+
+T = TypeVar("T")
 
 DEFAULT_TIMEOUT_S = 60.0
 _GRACE_S = 5.0  # how long a rank asked to stop may take before it is killed
@@ -82,7 +92,8 @@ def _die_with_parent(parent: int) -> None:
 
 
 def _rank_main(rank: int, world_size: int, port: int, backend: str, timeout_s: float,
-               fn: Callable[..., Any], args: tuple[Any, ...], results: Any, parent: int) -> None:
+               fn: Callable[..., object], args: tuple[object, ...], results: Results,
+               parent: int) -> None:
     import torch.distributed as dist
 
     _die_with_parent(parent)
@@ -98,15 +109,15 @@ def _rank_main(rank: int, world_size: int, port: int, backend: str, timeout_s: f
         finally:
             dist.destroy_process_group()
     except BaseException:  # noqa: BLE001 - reported to the parent, which raises
-        results.put((rank, False, traceback.format_exc()))
+        results.put((rank, traceback.format_exc()))
         return
     # Pickled here, by value: torch's queue would share tensors through file descriptors
     # that vanish when this process exits.
-    results.put((rank, True, pickle.dumps(value)))
+    results.put((rank, pickle.dumps(value)))
 
 
-def spawn(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "gloo",
-          timeout_s: float = DEFAULT_TIMEOUT_S) -> list[Any]:
+def spawn(fn: Callable[..., T], world_size: int, *args: object, backend: str = "gloo",
+          timeout_s: float = DEFAULT_TIMEOUT_S) -> list[T]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` local processes; their results.
 
     ``fn`` and ``args`` must be picklable (a module-level function). ``timeout_s`` bounds
@@ -117,13 +128,13 @@ def spawn(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "g
     import torch.multiprocessing as mp
 
     context = mp.get_context("spawn")
-    results = context.SimpleQueue()
+    results: Results = context.SimpleQueue()
     port = _free_port()
-    processes = [context.Process(target=_rank_main, name=f"pipeswap-rank{rank}",
+    processes: list[BaseProcess] = [context.Process(target=_rank_main, name=f"pipeswap-rank{rank}",
                                  args=(rank, world_size, port, backend, timeout_s, fn, args,
                                        results, os.getpid()))
                  for rank in range(world_size)]
-    values: dict[int, Any] = {}
+    values: dict[int, T] = {}
     failures: dict[int, str] = {}
     with _stopping_on_signals(), _stopped_at_exit(processes):
         for process in processes:
@@ -137,7 +148,7 @@ def spawn(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "g
     return [values[rank] for rank in range(world_size)]
 
 
-def _collect(processes: list[Any], results: Any, values: dict[int, Any],
+def _collect(processes: list[BaseProcess], results: Results, values: dict[int, T],
              failures: dict[int, str], timeout_s: float) -> None:
     """Read every rank's result as it comes; once one rank failed, the others get
     ``timeout_s`` (plus a grace period) to finish before they are killed."""
@@ -145,9 +156,9 @@ def _collect(processes: list[Any], results: Any, values: dict[int, Any],
     deadline: float | None = None
     while len(reported) < len(processes):
         if not results.empty():
-            rank, ok, value = results.get()
+            rank, value = results.get()
             reported.add(rank)
-            if ok:
+            if isinstance(value, bytes):
                 values[rank] = pickle.loads(value)
             else:
                 failures[rank] = value
@@ -168,7 +179,7 @@ def _collect(processes: list[Any], results: Any, values: dict[int, Any],
 
 
 @contextmanager
-def _stopped_at_exit(processes: list[Any]) -> Iterator[None]:
+def _stopped_at_exit(processes: list[BaseProcess]) -> Iterator[None]:
     """However the block ends (an error, Ctrl-C, SIGTERM), no rank is left running."""
     try:
         yield
@@ -176,7 +187,7 @@ def _stopped_at_exit(processes: list[Any]) -> Iterator[None]:
         _stop(processes)
 
 
-def _stop(processes: list[Any]) -> None:
+def _stop(processes: list[BaseProcess]) -> None:
     """Ask the ranks still running to stop (SIGTERM), then kill those that do not."""
     started = [p for p in processes if p.pid is not None]
     for process in started:
@@ -198,7 +209,7 @@ def _stopping_on_signals() -> Iterator[None]:
         yield
         return
 
-    def terminate(signum: int, frame: Any) -> None:
+    def terminate(signum: int, frame: FrameType | None) -> None:
         raise SystemExit(128 + signum)
 
     previous = signal.signal(signal.SIGTERM, terminate)

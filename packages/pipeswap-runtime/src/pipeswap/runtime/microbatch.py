@@ -3,12 +3,14 @@ dimension 0."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from pipeswap.runtime.errors import PipelineSetupError
 
 if TYPE_CHECKING:
     import torch
+
+    from pipeswap.runtime.comm import PyTree
 
 
 def split_microbatches(batch: torch.Tensor, microbatches: int, what: str) -> list[torch.Tensor]:
@@ -22,7 +24,7 @@ def split_microbatches(batch: torch.Tensor, microbatches: int, what: str) -> lis
     return list(batch.chunk(microbatches))
 
 
-def split_tree(batch: Any, microbatches: int, what: str) -> list[Any]:
+def split_tree(batch: PyTree, microbatches: int, what: str) -> list[PyTree]:
     """``microbatches`` pytrees like ``batch`` (a tensor, or tuples, lists and dicts of
     tensors), each tensor split along dimension 0 as :func:`split_microbatches` does."""
     from torch.utils._pytree import tree_unflatten

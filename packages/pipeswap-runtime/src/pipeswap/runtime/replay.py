@@ -18,9 +18,9 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from pipeswap.runtime.comm import BoundaryMeta, Transfer, Transport
+from pipeswap.runtime.comm import BoundaryMeta, PyTree, Transfer, Transport
 from pipeswap.runtime.errors import PipelineCommError, PipelineSetupError
 from pipeswap.runtime.stage import PipelineStage, output_meta
 from pipeswap.schedule import Step
@@ -93,7 +93,7 @@ class ReplayTransport(Transport):
         return PipelineCommError(f"replayed rank {self.replay.rank}: {where} failed: {exc}")
 
 
-def input_boundaries(stage_ranks: Sequence[int], rank: int, example: Any,
+def input_boundaries(stage_ranks: Sequence[int], rank: int, example: PyTree,
                      build: Callable[[int], PipelineStage], device: torch.device,
                      autocast: Callable[[], AbstractContextManager[object]]
                      ) -> dict[int, BoundaryMeta]:

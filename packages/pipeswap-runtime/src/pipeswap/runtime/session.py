@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
 
 from pipeswap.schedule import ChunkKey
 from pipeswap.swap import SwapManager
@@ -49,7 +48,7 @@ class SwapSession:
                 self.name(key)):
             yield
 
-    def protect(self, key: ChunkKey, tensors: Any) -> None:
+    def protect(self, key: ChunkKey, tensors: object) -> None:
         """Keep storages shared with ``tensors`` (boundary inputs, outputs, targets) on the
         device, in the groups the chunk's forward saves into now or later; None entries are
         skipped."""

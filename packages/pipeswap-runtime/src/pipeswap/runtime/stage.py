@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from pipeswap.runtime.errors import PipelineSetupError
 
@@ -12,7 +12,7 @@ if TYPE_CHECKING:
     import torch
     import torch.distributed as dist
 
-    from pipeswap.runtime.comm import BoundaryMeta
+    from pipeswap.runtime.comm import BoundaryMeta, PyTree
 
 
 class PipelineStage:
@@ -67,11 +67,12 @@ class PipelineStage:
     def is_last(self) -> bool:
         return self.stage_index == self.num_stages - 1
 
-    def forward(self, value: Any) -> Any:
+    def forward(self, value: PyTree) -> PyTree:
         """The module on ``value``, unpacked as the class docstring says; its output must be
         a pytree of tensors."""
         from pipeswap.runtime.comm import flatten
 
+        out: PyTree  # once flatten has checked it
         if isinstance(value, tuple):
             out = self.module(*value)
         elif isinstance(value, dict):

@@ -104,14 +104,16 @@ def check_rank(schedule: Schedule, rank: int) -> Where:
             # The common, valid case, checked with a few comparisons; anything else is
             # explained by the checks below.
             dx, dw = dxs.get(key), dws.get(key)
-            swap = [positions.get(key) for positions in swaps]
+            lo, wo, ll, wl = (positions.get(key) for positions in swaps)
             prev_remote, next_remote = neighbours[key[0]]
             fr, fs, br, bs = (recv_f.get(key), send_f.get(key), recv_b.get(key),
                               send_b.get(key))
             if (
                 ((dx is None and dw is None) if full is not None
                  else (dw is not None and dw > consumer))
-                and (swap == _NO_SWAP or _ascending([fwd, *swap, consumer]))
+                and ((lo is None and wo is None and ll is None and wl is None)
+                     or (lo is not None and wo is not None and ll is not None and wl is not None
+                         and fwd < lo < wo < ll < wl < consumer))
                 and key not in streams[0] and key not in streams[1]
                 and ((fr is not None and fr < fwd and bs is not None and bs > consumer)
                      if prev_remote else (fr is None and bs is None))

@@ -93,6 +93,10 @@ class _RankState:
     pending: list[_Pending] = field(default_factory=list)
 
 
+_RECEIVER = {StepType.FWD_SEND: StepType.FWD_RECV, StepType.BWD_SEND: StepType.BWD_RECV}
+_STEP = {StepType.FWD_SEND: 1, StepType.BWD_SEND: -1}  # receiving stage - sending stage
+
+
 def _payload(step: Step) -> tuple[bool, int, int]:
     """What a P2P leaf carries: (activation?, sending stage, micro)."""
     stage, micro, kind = step.stage, step.micro, step.type
@@ -129,7 +133,7 @@ def simulate_p2p(schedule: Schedule) -> None:
             if not state.posted:
                 state.posted = True
                 for leaf in step.sub_steps or (step,):
-                    route = routes.get((leaf.type, leaf.key[0]))
+                    route = routes.get((leaf.type, leaf.stage))
                     if route is None:
                         needless_p2p(schedule, rank, leaf)
                     posted, counterparts, peer, is_send = route
@@ -137,7 +141,12 @@ def simulate_p2p(schedule: Schedule) -> None:
                     index = len(posted) - 1
                     if index < len(counterparts):
                         other = counterparts[index]
-                        if _payload(leaf) != _payload(other):  # a send and a receive
+                        send, recv = (leaf, other) if is_send else (other, leaf)
+                        sender, receiver = send.stage, recv.stage
+                        assert sender is not None and receiver is not None  # P2P leaves
+                        if send.micro != recv.micro or recv.type is not _RECEIVER[send.type] or (
+                            receiver != sender + _STEP[send.type]
+                        ):
                             _mismatch(leaf, other, rank, peer, index, is_send)
                         queue.append(peer)
                     else:
@@ -157,7 +166,7 @@ def simulate_p2p(schedule: Schedule) -> None:
 _Route = tuple[list[Step], list[Step], int, bool]
 
 
-def _routes(schedule: Schedule) -> dict[tuple[StepType, int], _Route]:
+def _routes(schedule: Schedule) -> dict[tuple[StepType, int | None], _Route]:
     """For each P2P leaf kind and stage: (the list its kind is posted to on its channel, the
     list of counterparts posted on that channel, the peer rank, is it a send).
 
@@ -166,7 +175,7 @@ def _routes(schedule: Schedule) -> dict[tuple[StepType, int], _Route]:
     ranks = schedule.stage_ranks
     sent: dict[tuple[int, int], list[Step]] = {}
     received: dict[tuple[int, int], list[Step]] = {}
-    routes: dict[tuple[StepType, int], _Route] = {}
+    routes: dict[tuple[StepType, int | None], _Route] = {}
     for stage, rank in enumerate(ranks):
         for kind in P2P:
             other = peer_stage(kind, stage)

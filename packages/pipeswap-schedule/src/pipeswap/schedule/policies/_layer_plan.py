@@ -154,11 +154,11 @@ class LayerPlan:
         for name, stream in self.streams.items():
             new = self._on(name, offloads, loads)
             changed, ends = stream.replay(key, new)
-            for copy, end in [*((stream.copies[i], e) for i, e in changed.items()),
-                              *zip(new, ends)]:
-                if copy.offload:
-                    moved.setdefault(copy.owner, {})[copy.layer] = end
-                elif end > copy.deadline and strict:
+            for queued, end in [*((stream.copies[i], e) for i, e in changed.items()),
+                                *zip(new, ends)]:
+                if queued.offload:
+                    moved.setdefault(queued.owner, {})[queued.layer] = end
+                elif end > queued.deadline and strict:
                     return None
         changes: Changes = {}
         if way is None:
@@ -188,11 +188,11 @@ class LayerPlan:
         offloaded: dict[ChunkKey, dict[int, float]] = {}
         total = 0.0
         for name, stream in self.streams.items():
-            for copy, end in stream.with_replaced(key, self._on(name, offloads, loads)):
-                if copy.offload:
-                    offloaded.setdefault(copy.owner, {})[copy.layer] = end
+            for queued, end in stream.with_replaced(key, self._on(name, offloads, loads)):
+                if queued.offload:
+                    offloaded.setdefault(queued.owner, {})[queued.layer] = end
                 else:
-                    total += max(0.0, end - copy.deadline)
+                    total += max(0.0, end - queued.deadline)
         points = self.points
         for owner, ends in offloaded.items():
             choice, c = chosen.get(owner), self.chunks[owner]

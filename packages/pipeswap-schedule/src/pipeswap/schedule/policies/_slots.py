@@ -18,8 +18,8 @@ from pipeswap.schedule.steps import COMPUTE, OVERLAPS, ChunkKey, Order, StepType
 #: Fewest compute slots from forward to backward for a chunk swapped with one slot per copy
 #: to leave the device.
 SAVING_GAP = 4
-#: The most compute slots a placement gives one copy (see :class:`SwapPlacement`), at
-#: layer resolution and in the chunk-level plan alike.
+#: The most compute slots a :class:`SwapPlacement` gives one copy, at layer resolution and in
+#: the chunk-level plan alike.
 MAX_COPY_SLOTS = 3
 
 

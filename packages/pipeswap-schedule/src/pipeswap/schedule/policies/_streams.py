@@ -64,9 +64,9 @@ class Stream:
                 free = max(pending.release, free) + pending.duration
                 new_ends.append(free)
                 continue
-            copy = copies[index]
-            if copy.owner != owner:
-                end = max(copy.release, free) + copy.duration
+            queued = copies[index]
+            if queued.owner != owner:
+                end = max(queued.release, free) + queued.duration
                 if end != ends[index]:
                     changed[index] = end
                 elif pending is None and index > last_old:
