@@ -257,29 +257,6 @@ def check_layout() -> None:
     print(f"  layout ok: {len(package_dirs())} packages, {len(test_files)} test files")
 
 
-# Run in each package's own env: every module imports with only the declared siblings
-# installed, and an undeclared sibling is really absent (so a stray import would have failed).
-ISOLATION_PROBE = """
-import importlib, os, pkgutil, sys
-name = sys.argv[1]
-declared = set(sys.argv[2].split(",")) - {""}
-if os.environ.get("PIPESWAP_EXPECT_NO_TORCH"):
-    for blocked in ("torch", "numpy"):
-        sys.modules[blocked] = None  # an import of it now fails
-package = importlib.import_module(f"pipeswap.{name}")
-modules = [info.name for info in pkgutil.walk_packages(package.__path__, package.__name__ + ".")]
-for module in modules:
-    importlib.import_module(module)
-for sibling in {"schedule", "platform", "swap", "runtime"} - declared - {name}:
-    try:
-        importlib.import_module(f"pipeswap.{sibling}")
-    except ImportError:
-        continue
-    raise SystemExit(f"pipeswap.{sibling} is importable in the env of pipeswap-{name}, "
-                     "which does not declare it")
-print(f"  pipeswap.{name}: {len(modules) + 1} modules import with only "
-      f"{sorted(declared) or 'no sibling'} beside it")
-"""
 # The siblings each package declares (pyproject.toml's pkg matrix installs the same).
 DECLARED = {"schedule": [], "platform": [], "swap": ["platform"],
             "runtime": ["schedule", "platform", "swap"]}
@@ -287,7 +264,8 @@ DECLARED = {"schedule": [], "platform": [], "swap": ["platform"],
 
 def check_each_package() -> None:
     for name, siblings in DECLARED.items():
-        hatch("run", f"+pkg={name}", "pkg:python", "-c", ISOLATION_PROBE, name, ",".join(siblings))
+        hatch("run", f"+pkg={name}", "pkg:python", str(ROOT / ".ci" / "isolation_probe.py"), name,
+              ",".join(siblings) or "-")
     hatch("run", "pkg:types")
 
 

@@ -130,10 +130,11 @@ def spawn(fn: Callable[..., T], world_size: int, *args: object, backend: str = "
     context = mp.get_context("spawn")
     results: Results = context.SimpleQueue()
     port = _free_port()
-    processes: list[BaseProcess] = [context.Process(target=_rank_main, name=f"pipeswap-rank{rank}",
-                                 args=(rank, world_size, port, backend, timeout_s, fn, args,
-                                       results, os.getpid()))
-                 for rank in range(world_size)]
+    processes: list[BaseProcess] = [
+        context.Process(target=_rank_main, name=f"pipeswap-rank{rank}",
+                        args=(rank, world_size, port, backend, timeout_s, fn, args, results,
+                              os.getpid()))
+        for rank in range(world_size)]
     values: dict[int, T] = {}
     failures: dict[int, str] = {}
     with _stopping_on_signals(), _stopped_at_exit(processes):
