@@ -37,17 +37,20 @@ def cases(base: TrainConfig) -> dict[str, TrainConfig]:
     return {
         # the default policy picks each chunk's granularity; the next two force one
         "1F1B P=4 M=8": base.but(schedule="1f1b", ranks=4, microbatches=8),
-        "1F1B P=4 M=8, whole chunks only": base.but(schedule="1f1b", ranks=4, microbatches=8, granularity="chunk"),
-        "1F1B P=4 M=8, every chunk streamed": base.but(schedule="1f1b", ranks=4, microbatches=8, granularity="layer"),
-        "Interleaved 1F1B P=2 V=2 M=8": base.but(schedule="interleaved-1f1b", ranks=2, stages_per_rank=2, microbatches=8),
-        "ZBV P=2 M=8": base.but(schedule="zbv", ranks=2, stages_per_rank=2,
-                                           microbatches=8),
-        "DualPipeV P=2 M=8": base.but(schedule="dualpipev", ranks=2,
+        "1F1B P=4 M=8, whole chunks only": base.but(schedule="1f1b", ranks=4, microbatches=8,
+                                                    granularity="chunk"),
+        "1F1B P=4 M=8, every chunk streamed": base.but(schedule="1f1b", ranks=4,
+                                                       microbatches=8, granularity="layer"),
+        "Interleaved 1F1B P=2 V=2 M=8": base.but(schedule="interleaved-1f1b", ranks=2,
                                                  stages_per_rank=2, microbatches=8),
+        "ZBV P=2 M=8": base.but(schedule="zbv", ranks=2, stages_per_rank=2, microbatches=8),
+        "DualPipeV P=2 M=8": base.but(schedule="dualpipev", ranks=2, stages_per_rank=2,
+                                      microbatches=8),
         # two replicas of the interleaved case, stages sharded with FSDP2: each replica has
         # half the batch, so half the activations a rank
-        "Interleaved 1F1B P=2 V=2 M=8 x DP=2, FSDP": base.but(schedule="interleaved-1f1b", ranks=2, stages_per_rank=2, microbatches=8,
-            dp=2, fsdp=True),
+        "Interleaved 1F1B P=2 V=2 M=8 x DP=2, FSDP": base.but(
+            schedule="interleaved-1f1b", ranks=2, stages_per_rank=2, microbatches=8, dp=2,
+            fsdp=True),
     }
 
 
@@ -60,8 +63,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seq-len", type=int, default=128, help="tokens per sequence")
     parser.add_argument("--write", action="store_true", help="record results in BENCHMARKS.md")
     args = parser.parse_args(argv)
-    base = TrainConfig.of(steps=args.steps, batch_size=16, seq_len=args.seq_len, width=args.width,
-                       device=args.device, verbose=False, timeout_s=300)
+    base = TrainConfig.of(steps=args.steps, batch_size=16, seq_len=args.seq_len,
+                          width=args.width, device=args.device, verbose=False, timeout_s=300)
     rows = []
     for name, config in cases(base).items():
         print(f"{name} ...", file=sys.stderr, flush=True)
@@ -69,7 +72,8 @@ def main(argv: list[str] | None = None) -> int:
                                           backend=backend_for(config.training.device),
                                           timeout_s=config.job.timeout_s))
         for entry in summary["per_rank"]:
-            plain, swap = entry["peak_activation_bytes_no_swap"], entry["peak_activation_bytes_swap"]
+            plain = entry["peak_activation_bytes_no_swap"]
+            swap = entry["peak_activation_bytes_swap"]
             a_plain = entry["peak_allocated_bytes_no_swap"]
             a_swap = entry["peak_allocated_bytes_swap"]
             t_plain, t_swap = entry["step_time_s_no_swap"], entry["step_time_s_swap"]

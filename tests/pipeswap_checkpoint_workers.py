@@ -18,7 +18,7 @@ from pipeswap.runtime.train import TrainConfig, build_stages
 from pipeswap.schedule import ScheduleKind, ScheduleSpec, build_schedule
 
 PP = TrainConfig.of(ranks=2, microbatches=4, steps=4, batch_size=8, seq_len=16, width=32,
-                 verbose=False, timeout_s=30)
+                    verbose=False, timeout_s=30)
 PP_DP = PP.but(dp=2, fsdp=True)
 SAVED_AT = 2  # the interrupted run saves after this many steps
 
@@ -37,26 +37,27 @@ def _job(rank: int, config: TrainConfig, model_seed: int, run: bool = True) -> J
     """Stages of a model built from ``model_seed`` (the data always comes from
     ``config.training.seed``), AdamW over them, and (``run``) an executor."""
     mesh = None
-    if config.parallel.meshed:
+    parallel, training = config.parallel, config.training
+    if parallel.meshed:
         from torch.distributed.device_mesh import init_device_mesh
 
-        mesh = init_device_mesh("cpu", (config.parallel.ranks, config.parallel.dp), mesh_dim_names=("pp", "dp"))
-    pp_rank, dp_rank = divmod(rank, config.parallel.dp)
+        mesh = init_device_mesh("cpu", (parallel.ranks, parallel.dp), mesh_dim_names=("pp", "dp"))
+    pp_rank, dp_rank = divmod(rank, parallel.dp)
     corpus = Corpus.bundled()
-    spec = ScheduleSpec(ScheduleKind(config.parallel.schedule), ranks=config.parallel.ranks,
-                        microbatches=config.parallel.microbatches, stages_per_rank=config.parallel.stages_per_rank,
-                        fsdp=config.parallel.fsdp)
+    spec = ScheduleSpec(ScheduleKind(parallel.schedule), ranks=parallel.ranks,
+                        microbatches=parallel.microbatches,
+                        stages_per_rank=parallel.stages_per_rank, fsdp=parallel.fsdp)
     stages = build_stages(config.but(seed=model_seed), len(corpus.vocab),
                           build_schedule(spec).stage_ranks, pp_rank, mesh, torch.device("cpu"))
     optimizer = torch.optim.AdamW([p for s in stages for p in s.module.parameters()],
-                                  lr=config.training.lr)
-    executor = PipelineExecutor(stages, spec, config.parallel.microbatches, lm_loss,
+                                  lr=training.lr)
+    executor = PipelineExecutor(stages, spec, parallel.microbatches, lm_loss,
                                 mesh=mesh) if run else None
-    rows = slice(dp_rank * config.training.batch_size // config.parallel.dp,
-                 (dp_rank + 1) * config.training.batch_size // config.parallel.dp)
+    rows = slice(dp_rank * training.batch_size // parallel.dp,
+                 (dp_rank + 1) * training.batch_size // parallel.dp)
     data = [(x[rows], y[rows]) for x, y in
-            batches(corpus.encode(), config.training.batch_size, config.model.seq_len, config.training.steps,
-                    config.training.seed)]
+            batches(corpus.encode(), training.batch_size, config.model.seq_len, training.steps,
+                    training.seed)]
     return Job(stages, optimizer, executor, data)
 
 

@@ -25,8 +25,9 @@ from pipeswap.runtime.model import lm_loss
 from pipeswap.runtime.train import TrainConfig, build_stages
 from pipeswap.schedule import MinGapPolicy, ScheduleKind, ScheduleSpec, StepType, build_schedule
 
-CONFIG = TrainConfig.of(schedule="interleaved-1f1b", ranks=2, dp=2, fsdp=True, stages_per_rank=4,
-                     microbatches=4, batch_size=8, seq_len=16, width=32, verbose=False)
+CONFIG = TrainConfig.of(schedule="interleaved-1f1b", ranks=2, dp=2, fsdp=True,
+                        stages_per_rank=4, microbatches=4, batch_size=8, seq_len=16, width=32,
+                        verbose=False)
 
 
 def _executor(rank: int, by_groups: bool = False
@@ -37,12 +38,13 @@ def _executor(rank: int, by_groups: bool = False
     from torch.distributed.device_mesh import init_device_mesh
 
     torch.set_num_threads(1)
-    mesh = init_device_mesh("cpu", (CONFIG.parallel.ranks, CONFIG.parallel.dp), mesh_dim_names=("pp", "dp"))
-    pp_rank, dp_rank = divmod(rank, CONFIG.parallel.dp)
+    parallel = CONFIG.parallel
+    mesh = init_device_mesh("cpu", (parallel.ranks, parallel.dp), mesh_dim_names=("pp", "dp"))
+    pp_rank, dp_rank = divmod(rank, parallel.dp)
     corpus = Corpus.bundled()
-    spec = ScheduleSpec(ScheduleKind(CONFIG.parallel.schedule), ranks=CONFIG.parallel.ranks,
-                        microbatches=CONFIG.parallel.microbatches, stages_per_rank=CONFIG.parallel.stages_per_rank,
-                        fsdp=True, swap=True)
+    spec = ScheduleSpec(ScheduleKind(parallel.schedule), ranks=parallel.ranks,
+                        microbatches=parallel.microbatches,
+                        stages_per_rank=parallel.stages_per_rank, fsdp=True, swap=True)
     stages = build_stages(CONFIG, len(corpus.vocab), build_schedule(spec).stage_ranks,
                           pp_rank, mesh, torch.device("cpu"))
     executor = PipelineExecutor(
@@ -50,7 +52,8 @@ def _executor(rank: int, by_groups: bool = False
         **({"dp_group": mesh.get_group("dp")} if by_groups else {"mesh": mesh}))
     half = CONFIG.training.batch_size // CONFIG.parallel.dp
     data = [t[dp_rank * half:(dp_rank + 1) * half] for pair in
-            batches(corpus.encode(), CONFIG.training.batch_size, CONFIG.model.seq_len, 2, 0) for t in pair]
+            batches(corpus.encode(), CONFIG.training.batch_size, CONFIG.model.seq_len, 2, 0)
+            for t in pair]
     return executor, stages, tuple(data)
 
 

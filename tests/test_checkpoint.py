@@ -21,15 +21,18 @@ from pipeswap.runtime.checkpoint import (
 from pipeswap.runtime.launch import spawn
 from pipeswap.runtime.train import TrainConfig
 from pipeswap_checkpoint_workers import PP, PP_DP, SAVED_AT, resume, train_and_save
+from pipeswap_pool import POOL
 
-pytestmark = pytest.mark.multiprocess  # starts processes: the full tier only, unless marked everyday
+pytestmark = pytest.mark.multiprocess  # the full tier; the everyday one runs those marked so
 
 Runs = tuple[list[dict[str, Any]], list[dict[str, Any]]]  # per rank: saving run, resumed run
 
 
 def _run(config: TrainConfig, directory: Path,
          refusals: dict[str, tuple[TrainConfig, Path]]) -> Runs:
-    saved = spawn(train_and_save, config.parallel.world, config, directory, timeout_s=config.job.timeout_s)
+    # saved on the shared ranks; resumed in fresh processes, so nothing but the files carries
+    saved = POOL.run(train_and_save, config.parallel.world, config, directory,
+                     timeout_s=config.job.timeout_s)
     resumed = spawn(resume, config.parallel.world, config, directory, refusals,
                     timeout_s=config.job.timeout_s)
     return saved, resumed
@@ -44,8 +47,7 @@ def pipeline(tmp_path_factory: pytest.TempPathFactory) -> tuple[Runs, Path]:
     empty = tmp_path_factory.mktemp("empty")
     refusals = {
         "empty": (PP, empty),
-        "four stages": (PP.but(schedule="interleaved-1f1b",
-                                            stages_per_rank=2), directory),
+        "four stages": (PP.but(schedule="interleaved-1f1b", stages_per_rank=2), directory),
         "wider": (PP.but(width=64), directory),
         "deeper": (PP.but(layers=6), directory),
     }

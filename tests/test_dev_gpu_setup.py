@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-pytestmark = pytest.mark.multiprocess  # starts processes: the full tier only, unless marked everyday
+pytestmark = pytest.mark.multiprocess  # the full tier; the everyday one runs those marked so
 
 DEV = Path(__file__).resolve().parent.parent / "dev.py"
 

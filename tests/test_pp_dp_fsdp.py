@@ -7,15 +7,11 @@ gathers nothing behind the schedule's back, and a failure in one replica stops b
 from __future__ import annotations
 
 import functools
-import json
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from pipeswap.runtime.data import Corpus
-from pipeswap.runtime.launch import spawn
 from pipeswap.runtime.train import (
     ModeResult,
     TrainConfig,
@@ -30,18 +26,17 @@ from pipeswap.schedule.costs import ChunkBytes, CostModel, StageCosts
 from pipeswap.schedule.simulate import simulate
 from pipeswap_pool import POOL
 
-pytestmark = pytest.mark.multiprocess  # starts processes: the full tier only, unless marked everyday
+pytestmark = pytest.mark.multiprocess  # the full tier; the everyday one runs those marked so
 
-BASE = TrainConfig.of(ranks=2, dp=2, fsdp=True, microbatches=4, steps=2, batch_size=8, seq_len=16,
-                   width=32, policy="gap", keep_grads=True, verbose=False)
+BASE = TrainConfig.of(ranks=2, dp=2, fsdp=True, microbatches=4, steps=2, batch_size=8,
+                      seq_len=16, width=32, policy="gap", keep_grads=True, verbose=False)
 CASES = {
     # the peak policy streams two of rank 0's chunks here (neither the gap rule nor whole
     # chunks would swap any on 1F1B with P=2 M=4)
     "1f1b": BASE.but(policy="peak", granularity="layer"),
     # four stages a rank: the FSDP window (three) evicts and gathers again, so reloads are
     # anchored to those gathers, and the gap rule swaps
-    "interleaved-1f1b": BASE.but(schedule="interleaved-1f1b",
-                                            stages_per_rank=4),
+    "interleaved-1f1b": BASE.but(schedule="interleaved-1f1b", stages_per_rank=4),
 }
 
 
@@ -63,9 +58,10 @@ def _policy(config: TrainConfig) -> SwapPolicy | None:
 
 
 def _spec(config: TrainConfig) -> ScheduleSpec:
-    return ScheduleSpec(ScheduleKind(config.parallel.schedule), ranks=config.parallel.ranks,
-                        microbatches=config.parallel.microbatches, stages_per_rank=config.parallel.stages_per_rank,
-                        fsdp=config.parallel.fsdp, swap=True)
+    parallel = config.parallel
+    return ScheduleSpec(ScheduleKind(parallel.schedule), ranks=parallel.ranks,
+                        microbatches=parallel.microbatches,
+                        stages_per_rank=parallel.stages_per_rank, fsdp=parallel.fsdp, swap=True)
 
 
 @pytest.mark.parametrize(
@@ -171,7 +167,7 @@ def test_a_failure_in_one_replica_stops_every_rank_of_both_promptly() -> None:
     from pipeswap_fsdp_workers import one_replica_fails
 
     timeout_s = 60.0
-    outcomes = spawn(one_replica_fails, 4, 2, timeout_s=timeout_s)
+    outcomes = POOL.run(one_replica_fails, 4, 2, timeout_s=timeout_s)
     assert outcomes[2]["error"] == "ValueError"
     for rank in (0, 1, 3):  # its pipeline peer, and both ranks of the other replica
         outcome = outcomes[rank]
@@ -189,18 +185,3 @@ def test_replicas_without_fsdp_are_refused() -> None:
 
     for message in POOL.run(replicas_without_fsdp, 2, timeout_s=60):
         assert "2 data-parallel replicas but no stage is sharded" in message, message
-
-
-def test_the_command_reports_every_pp_dp_rank() -> None:
-    """docs/fsdp.md's command: 2 pipeline ranks x 2 replicas with FSDP, JSON per rank."""
-    done = subprocess.run(
-        [sys.executable, "-m", "pipeswap.runtime.train", "--ranks", "2", "--dp", "2", "--fsdp",
-         "--steps", "2", "--json"], capture_output=True, text=True, timeout=600, check=True)
-    summary = json.loads(done.stdout.strip().splitlines()[-1])
-    assert (summary["dp"], summary["fsdp"], summary["max_abs_loss_diff"]) == (2, True, 0.0)
-    assert sorted((r["pp_rank"], r["dp_rank"]) for r in summary["per_rank"]) == [
-        (0, 0), (0, 1), (1, 0), (1, 1)]
-    for entry in summary["per_rank"]:
-        for key in ("peak_activation_bytes", "peak_memory_bytes", "peak_allocated_bytes"):
-            assert entry[f"{key}_swap"] > 0 and entry[f"{key}_no_swap"] > 0, (key, entry)
-        assert entry["parameter_bytes"] > 0

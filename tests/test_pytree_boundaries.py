@@ -13,7 +13,7 @@ import torch
 
 from pipeswap_pool import POOL
 
-pytestmark = pytest.mark.multiprocess  # starts processes: the full tier only, unless marked everyday
+pytestmark = pytest.mark.multiprocess  # the full tier; the everyday one runs those marked so
 
 SCHEDULES = ["interleaved-1f1b", "zbv"]  # zbv: I/W split, and a local hand-over on rank 1
 

@@ -32,42 +32,38 @@ from pipeswap.schedule.costs import ChunkBytes, CostModel, StageCosts
 from pipeswap.schedule.simulate import simulate
 from pipeswap_pool import POOL
 
-pytestmark = pytest.mark.multiprocess  # starts processes: the full tier only, unless marked everyday
+pytestmark = pytest.mark.multiprocess  # the full tier; the everyday one runs those marked so
 
-BASE = TrainConfig.of(steps=2, batch_size=8, seq_len=16, width=32, verbose=False, keep_grads=True,
-                   timeout_s=60)
+BASE = TrainConfig.of(steps=2, batch_size=8, seq_len=16, width=32, verbose=False,
+                      keep_grads=True, timeout_s=60)
+P2_V2_M4 = {"ranks": 2, "stages_per_rank": 2, "microbatches": 4}
 CASES = {
     "gpipe P2 M4": BASE.but(schedule="gpipe", ranks=2, microbatches=4),
-    "gpipe P2 M4 batched p2p": BASE.but(schedule="gpipe", ranks=2,
-                                                   microbatches=4, batch_p2p=True),
-    "interleaved P2 V2 M4": BASE.but(schedule="interleaved-1f1b", ranks=2, stages_per_rank=2, microbatches=4),
-    "interleaved P2 V2 M4 overlap": BASE.but(schedule="interleaved-1f1b", ranks=2, stages_per_rank=2, microbatches=4,
-        overlap_b_f=True),
-    "interleaved P2 V2 M4 overlap dxdw batched": BASE.but(schedule="interleaved-1f1b", ranks=2, stages_per_rank=2, microbatches=4,
-        overlap_b_f=True, dxdw_split=True, batch_p2p=True),
+    "gpipe P2 M4 batched p2p": BASE.but(schedule="gpipe", ranks=2, microbatches=4,
+                                        batch_p2p=True),
+    "interleaved P2 V2 M4": BASE.but(schedule="interleaved-1f1b", **P2_V2_M4),
+    "interleaved P2 V2 M4 overlap": BASE.but(schedule="interleaved-1f1b", **P2_V2_M4,
+                                             overlap_b_f=True),
+    "interleaved P2 V2 M4 overlap dxdw batched": BASE.but(
+        schedule="interleaved-1f1b", **P2_V2_M4, overlap_b_f=True, dxdw_split=True,
+        batch_p2p=True),
     "1f1b P4 M8": BASE.but(schedule="1f1b", ranks=4, microbatches=8),
-    "looped-bfs P2 V2 M4": BASE.but(schedule="looped-bfs", ranks=2,
-                                               stages_per_rank=2, microbatches=4),
-    "interleaved-zb P2 V2 M4": BASE.but(schedule="interleaved-zb", ranks=2,
-                                                   stages_per_rank=2, microbatches=4),
-    "zbv P2 M4": BASE.but(schedule="zbv", ranks=2, stages_per_rank=2,
-                                     microbatches=4),
-    "dualpipev P2 M4": BASE.but(schedule="dualpipev", ranks=2,
-                                           stages_per_rank=2, microbatches=4),
+    "looped-bfs P2 V2 M4": BASE.but(schedule="looped-bfs", **P2_V2_M4),
+    "interleaved-zb P2 V2 M4": BASE.but(schedule="interleaved-zb", **P2_V2_M4),
+    "zbv P2 M4": BASE.but(schedule="zbv", **P2_V2_M4),
+    "dualpipev P2 M4": BASE.but(schedule="dualpipev", **P2_V2_M4),
     # MindSpore hyper-parallel's gap rule instead of the default peak policy
-    "1f1b P4 M8 gap rule": BASE.but(schedule="1f1b", ranks=4, microbatches=8,
-                                               policy="gap"),
-    "zbv P2 M4 gap rule": BASE.but(schedule="zbv", ranks=2, stages_per_rank=2,
-                                              microbatches=4, policy="gap"),
+    "1f1b P4 M8 gap rule": BASE.but(schedule="1f1b", ranks=4, microbatches=8, policy="gap"),
+    "zbv P2 M4 gap rule": BASE.but(schedule="zbv", **P2_V2_M4, policy="gap"),
     # every swapped chunk streamed layer by layer, or every one swapped whole
     "1f1b P4 M8 streamed": BASE.but(schedule="1f1b", ranks=4, microbatches=8,
-                                               granularity="layer"),
-    "1f1b P4 M8 whole chunks": BASE.but(schedule="1f1b", ranks=4,
-                                                   microbatches=8, granularity="chunk"),
-    "interleaved P2 V2 M4 overlap dxdw streamed": BASE.but(schedule="interleaved-1f1b", ranks=2, stages_per_rank=2, microbatches=4,
-        overlap_b_f=True, dxdw_split=True, granularity="layer"),
-    "zbv P2 M4 streamed": BASE.but(schedule="zbv", ranks=2, stages_per_rank=2,
-                                              microbatches=4, granularity="layer"),
+                                    granularity="layer"),
+    "1f1b P4 M8 whole chunks": BASE.but(schedule="1f1b", ranks=4, microbatches=8,
+                                        granularity="chunk"),
+    "interleaved P2 V2 M4 overlap dxdw streamed": BASE.but(
+        schedule="interleaved-1f1b", **P2_V2_M4, overlap_b_f=True, dxdw_split=True,
+        granularity="layer"),
+    "zbv P2 M4 streamed": BASE.but(schedule="zbv", **P2_V2_M4, granularity="layer"),
 }
 EVERYDAY = "1f1b P4 M8"  # the case the everyday tier runs
 
@@ -77,15 +73,16 @@ def _trained(case: str) -> list[dict[str, ModeResult]]:
     """Each case's ranks run once; the tests below read the same results."""
     config = CASES[case]
     results: list[dict[str, ModeResult]] = POOL.run(run_rank, config.parallel.ranks, config,
-                                                 timeout_s=config.job.timeout_s)
+                                                    timeout_s=config.job.timeout_s)
     return results
 
 
 def _spec(config: TrainConfig) -> ScheduleSpec:
+    parallel = config.parallel
     return ScheduleSpec(
-        ScheduleKind(config.parallel.schedule), ranks=config.parallel.ranks, microbatches=config.parallel.microbatches,
-        stages_per_rank=config.parallel.stages_per_rank, overlap_b_f=config.parallel.overlap_b_f,
-        dxdw_split=config.parallel.dxdw_split, batch_p2p=config.parallel.batch_p2p, swap=True)
+        ScheduleKind(parallel.schedule), ranks=parallel.ranks, microbatches=parallel.microbatches,
+        stages_per_rank=parallel.stages_per_rank, overlap_b_f=parallel.overlap_b_f,
+        dxdw_split=parallel.dxdw_split, batch_p2p=parallel.batch_p2p, swap=True)
 
 
 def _resident_peaks(order: tuple[Step | None, ...]) -> tuple[int, int]:
@@ -125,8 +122,8 @@ def _reference(config: TrainConfig) -> tuple[float, dict[str, torch.Tensor], lis
     gpt = GPTConfig(vocab=len(corpus.vocab), seq_len=config.model.seq_len, width=config.model.width,
                     layers=config.num_layers)
     model = build_gpt(gpt, config.training.seed)
-    inputs, targets = next(batches(corpus.encode(), config.training.batch_size, config.model.seq_len, 1,
-                              config.training.seed))
+    inputs, targets = next(batches(corpus.encode(), config.training.batch_size,
+                                   config.model.seq_len, 1, config.training.seed))
     loss = lm_loss(model(inputs), targets)
     loss.backward()  # type: ignore[no-untyped-call]
     names = {id(p): name for name, p in model.named_parameters()}
@@ -251,8 +248,7 @@ def test_a_rank_replayed_alone_counts_the_full_runs_peak(case: str) -> None:
     config = CASES[case]
     per_rank = _trained(case)
     for rank, full in enumerate(per_rank):
-        alone = run_rank(rank, 1, config.but(replay_rank=rank,
-                                                      keep_grads=False))
+        alone = run_rank(rank, 1, config.but(replay_rank=rank, keep_grads=False))
         for mode in ("no-swap", "swap"):
             ran, replayed = full[mode], alone[mode]
             assert replayed.swapped_chunks == ran.swapped_chunks, (rank, mode)

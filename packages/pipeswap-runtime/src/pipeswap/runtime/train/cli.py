@@ -271,7 +271,8 @@ def _check_replay(parser: argparse.ArgumentParser, config: TrainConfig, torchrun
     if rank is None:
         return
     if not 0 <= rank < config.parallel.ranks:
-        parser.error(f"--replay-rank {rank}: the pipeline has ranks 0 to {config.parallel.ranks - 1}")
+        parser.error(f"--replay-rank {rank}: the pipeline has ranks 0 to "
+                     f"{config.parallel.ranks - 1}")
     if torchrun:
         parser.error("--replay-rank runs one rank in this process: start it with "
                      "pipeswap-train (or python -m pipeswap.runtime.train), not torchrun")
@@ -350,17 +351,18 @@ def _check_checkpoints(parser: argparse.ArgumentParser, config: TrainConfig) -> 
             parser.error(f"--checkpoint-every must be at least 1, got {config.checkpoint.every}")
     if config.checkpoint.resume is None:
         return
+    resume, steps = config.checkpoint.resume, config.training.steps
     for mode in config.swap.modes:
-        where = os.path.join(config.checkpoint.resume, mode)
+        where = os.path.join(resume, mode)
         step = saved_step(where)
         if step is None:
-            parser.error(f"--resume {config.checkpoint.resume}: no checkpoint of the {mode} run in {where}; "
+            parser.error(f"--resume {resume}: no checkpoint of the {mode} run in {where}; "
                          "resume from a directory that --checkpoint-dir filled, with the same "
                          "choice of --no-swap / --swap-only")
-        if step >= config.training.steps:
-            parser.error(f"--resume {config.checkpoint.resume}: the {mode} run's checkpoint is of step "
-                         f"{step}, and --steps {config.training.steps} counts from the run's start: "
-                         f"give more than {step} steps")
+        if step >= steps:
+            parser.error(f"--resume {resume}: the {mode} run's checkpoint is of step {step}, "
+                         f"and --steps {steps} counts from the run's start: give more than "
+                         f"{step} steps")
 
 
 def _check_schedule(parser: argparse.ArgumentParser, config: TrainConfig) -> None:
@@ -369,11 +371,12 @@ def _check_schedule(parser: argparse.ArgumentParser, config: TrainConfig) -> Non
     from pipeswap.schedule import ScheduleError, ScheduleSpec, build_schedule
 
     try:
-        spec = ScheduleSpec(ScheduleKind(config.parallel.schedule), ranks=config.parallel.ranks,
-                            microbatches=config.parallel.microbatches,
-                            stages_per_rank=config.parallel.stages_per_rank,
-                            overlap_b_f=config.parallel.overlap_b_f, dxdw_split=config.parallel.dxdw_split,
-                            batch_p2p=config.parallel.batch_p2p)
+        parallel = config.parallel
+        spec = ScheduleSpec(ScheduleKind(parallel.schedule), ranks=parallel.ranks,
+                            microbatches=parallel.microbatches,
+                            stages_per_rank=parallel.stages_per_rank,
+                            overlap_b_f=parallel.overlap_b_f, dxdw_split=parallel.dxdw_split,
+                            batch_p2p=parallel.batch_p2p)
         pairs = spec.ranks * spec.stages_per_rank * spec.microbatches
         if pairs > _MAX_SCHEDULE_PAIRS:
             parser.error(

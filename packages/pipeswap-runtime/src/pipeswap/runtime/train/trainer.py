@@ -93,7 +93,8 @@ class Trainer:
         self.placement = build_schedule(self.spec).stage_ranks  # loop, or V for zbv, dualpipev
         self.layer_counts = stage_layer_counts(config, self.vocab)
         metrics = config.job.metrics
-        if metrics is not None and (rank == 0 or self.replaying) and config.checkpoint.resume is None:
+        first_writer = rank == 0 or self.replaying
+        if metrics is not None and first_writer and config.checkpoint.resume is None:
             open(metrics, "w", encoding="utf-8").close()  # filled step by step
         self.replay = None
         if self.replaying:
@@ -208,7 +209,8 @@ class Trainer:
         steps = self.config.training.steps
         if self.replaying:
             log.info("[%7s] step %d/%d  %.2f s  peak activations %s%s", mode, number, steps,
-                     seconds, mib(peak), "" if allocated is None else f", allocated {mib(allocated)}")
+                     seconds, mib(peak),
+                     "" if allocated is None else f", allocated {mib(allocated)}")
         elif losses:
             dp = self.config.parallel.dp
             tokens = self.config.training.batch_size // dp * self.config.model.seq_len
