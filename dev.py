@@ -62,6 +62,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import json
 import os
 import shlex
 import shutil
@@ -287,14 +288,25 @@ def check_wheels() -> None:
         "    print(f'  pipeswap.{name} {module.__version__} from {Path(module.__file__).parent}')\n"
         "cuda = [d.metadata['Name'] for d in md.distributions() if d.metadata['Name'].startswith('nvidia')]\n"
         f"assert not cuda and md.version('torch') == {TORCH!r}, (md.version('torch'), cuda)\n"
+        "namespace = Path(importlib.import_module('pipeswap.schedule').__file__).parents[1]\n"
+        "assert not (namespace / '__init__.py').exists(), 'a wheel ships pipeswap/__init__.py'\n"
+        "for name in ('schedule', 'platform', 'swap', 'runtime'):\n"
+        "    assert (namespace / name / 'py.typed').is_file(), f'pipeswap-{name} lacks py.typed'\n"
     )
     run([python, "-c", probe], label=f"{python} -c <import all four, no nvidia-*, torch {TORCH}>")
     run([WHEEL_CHECK_VENV / "bin" / "pipeswap-schedule", "--help"])
     run([WHEEL_CHECK_VENV / "bin" / "pipeswap-train", "--help"])
     # One short multi-process run from the installed wheels (the suite itself ran in phase b,
     # against the editable packages): the bundled corpus, spawn and the entry point.
-    run([WHEEL_CHECK_VENV / "bin" / "pipeswap-train", "--ranks", "2", "--microbatches", "2",
-         "--batch-size", "4", "--seq-len", "16", "--width", "32", "--steps", "1", "--json"])
+    train = [WHEEL_CHECK_VENV / "bin" / "pipeswap-train", "--ranks", "2", "--microbatches", "2",
+             "--batch-size", "4", "--seq-len", "16", "--width", "32", "--steps", "1", "--json"]
+    print(f"$ {shlex.join(map(str, train))}", flush=True)
+    done = subprocess.run(train, capture_output=True, text=True, check=False)
+    lines = done.stdout.strip().splitlines()
+    if done.returncode != 0 or not lines or json.loads(lines[-1]).get("losses_match") is not True:
+        print(done.stdout + done.stderr, file=sys.stderr)
+        raise Failure("the wheels' pipeswap-train run failed or its losses did not match")
+    print("  two ranks from the wheels: losses bit-identical with and without swap")
 
 
 def suite_tally() -> str:

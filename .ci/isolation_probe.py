@@ -1,6 +1,7 @@
 """Run by `dev.py test --full` in each package's own Hatch env (only the siblings it
-declares installed): every module of the package imports, pipeswap-schedule without torch,
-and an undeclared sibling is really absent, so a stray import of one would have failed.
+declares installed): every module of the package imports, torch is not installed beside
+pipeswap-schedule, and an undeclared sibling is really absent, so a stray import of one
+would have failed.
 
 usage: python .ci/isolation_probe.py NAME DECLARED   (DECLARED: siblings, comma-separated,
 or - for none)
@@ -9,6 +10,7 @@ or - for none)
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import os
 import pkgutil
 import sys
@@ -18,8 +20,10 @@ PACKAGES = {"schedule", "platform", "swap", "runtime"}
 
 def main(name: str, declared: set[str]) -> None:
     if os.environ.get("PIPESWAP_EXPECT_NO_TORCH"):  # set in pipeswap-schedule's env
-        for blocked in ("torch", "numpy"):
-            sys.modules[blocked] = None  # type: ignore[assignment]  # an import now fails
+        for absent in ("torch", "numpy"):
+            if importlib.util.find_spec(absent) is not None:
+                raise SystemExit(f"{absent} is installed in the env of pipeswap-{name}, which "
+                                 "must work without it")
     package = importlib.import_module(f"pipeswap.{name}")
     modules = [info.name for info in pkgutil.walk_packages(package.__path__, f"{package.__name__}.")
                if not info.name.endswith(".__main__")]  # that one runs a command

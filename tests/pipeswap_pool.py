@@ -5,14 +5,18 @@ for starting a process and importing torch four times, not once per rank of ever
 Each case still gets a process group of its own (a fresh TCP store on a free port, torn
 down after it), the environment torchrun would give it, and every rank's error if one
 fails. A case that leaves a rank dead or still running gets the pool restarted, so the next
-case starts clean. Tests of launching itself (signals, a rank that dies, hangs, timeouts)
-use :func:`pipeswap.runtime.spawn`, which starts fresh processes each time.
+case starts clean, and so does one that runs past ``CASE_LIMIT_S`` or is interrupted. What a
+case changes in its process (torch's thread count, loggers, the random state) stays for the
+next one, as the environment does, set as :func:`~pipeswap.runtime.spawn` sets it; the ranks
+are daemons and start no processes of their own. Tests of launching itself (signals, a rank
+that dies or hangs, fresh processes) use ``spawn``, which starts new ones each time.
 """
 
 from __future__ import annotations
 
 import atexit
 import datetime
+import gc
 import os
 import pickle
 import signal
@@ -29,6 +33,7 @@ import torch.multiprocessing as mp
 from pipeswap.runtime import RankFailedError
 
 SIZE = 4  # the most ranks a pooled case runs
+CASE_LIMIT_S = 900.0  # a case still running after this is hung: its ranks are killed
 _context = mp.get_context("spawn")
 
 
@@ -65,6 +70,7 @@ def _serve(rank: int, tasks: Any, results: Any, parent: int) -> None:
             results.put((job, rank, True, pickle.dumps(value)))
         except BaseException:  # noqa: BLE001 - reported to the test, which raises
             results.put((job, rank, False, traceback.format_exc()))
+        gc.collect()  # the case's garbage goes now, not inside the next case's measurements
 
 
 class RankPool:
@@ -112,9 +118,26 @@ class RankPool:
         port = _free_port()
         for rank in range(world):
             self._tasks[rank].put((self._job, fn, args, world, port, timeout_s))
+        try:
+            values, failures = self._collect(world, timeout_s)
+        except BaseException:  # interrupted: the ranks may be mid-case, so none is reused
+            self.close()
+            raise
+        if failures:
+            self.close()  # the next case starts with fresh ranks
+            story = "\n".join(f"--- rank {rank} ---\n{text.rstrip()}"
+                              for rank, text in sorted(failures.items()))
+            raise RankFailedError(f"{len(failures)} of {world} ranks failed:\n{story}",
+                                  failures)
+        return [values[rank] for rank in range(world)]
+
+    def _collect(self, world: int, timeout_s: float) -> tuple[dict[int, Any], dict[int, str]]:
+        """Every rank's result of the current job, or the failures; once one rank failed, the
+        others get ``timeout_s`` to report, and none may run past ``CASE_LIMIT_S``."""
         values: dict[int, Any] = {}
         failures: dict[int, str] = {}
         deadline: float | None = None
+        limit = time.monotonic() + CASE_LIMIT_S
         while len(values) + len(failures) < world:
             if not self._results.empty():
                 job, rank, ok, value = self._results.get()
@@ -132,18 +155,15 @@ class RankPool:
                                       f"{self._processes[rank].exitcode}")
             if failures and deadline is None:
                 deadline = time.monotonic() + timeout_s + 5
-            if deadline is not None and time.monotonic() > deadline:
+            now = time.monotonic()
+            if (deadline is not None and now > deadline) or now > limit:
+                why = (f"still running {timeout_s:.0f} s after a failure" if failures
+                       else f"still running after {CASE_LIMIT_S:.0f} s")
                 for rank in sorted(set(range(world)) - set(values) - set(failures)):
-                    failures[rank] = f"rank {rank} still running {timeout_s:.0f} s after a failure"
+                    failures[rank] = f"rank {rank} {why}"
                 break
             time.sleep(0.01)
-        if failures:
-            self.close()  # the next case starts with fresh ranks
-            story = "\n".join(f"--- rank {rank} ---\n{text.rstrip()}"
-                              for rank, text in sorted(failures.items()))
-            raise RankFailedError(f"{len(failures)} of {world} ranks failed:\n{story}",
-                                  failures)
-        return [values[rank] for rank in range(world)]
+        return values, failures
 
 
 POOL = RankPool()

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-pytestmark = pytest.mark.multiprocess  # the full tier; the everyday one runs those marked so
+pytestmark = pytest.mark.multiprocess  # full tier only, unless also marked everyday
 
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 

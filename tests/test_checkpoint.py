@@ -23,7 +23,7 @@ from pipeswap.runtime.train import TrainConfig
 from pipeswap_checkpoint_workers import PP, PP_DP, SAVED_AT, resume, train_and_save
 from pipeswap_pool import POOL
 
-pytestmark = pytest.mark.multiprocess  # the full tier; the everyday one runs those marked so
+pytestmark = pytest.mark.multiprocess  # full tier only, unless also marked everyday
 
 Runs = tuple[list[dict[str, Any]], list[dict[str, Any]]]  # per rank: saving run, resumed run
 

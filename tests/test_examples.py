@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-pytestmark = pytest.mark.multiprocess  # the full tier; the everyday one runs those marked so
+pytestmark = pytest.mark.multiprocess  # full tier only, unless also marked everyday
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "train_pipeline.py"
 

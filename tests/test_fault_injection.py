@@ -13,7 +13,7 @@ import pytest
 from pipeswap.runtime import spawn
 from pipeswap_e2e_workers import fault_injection
 
-pytestmark = pytest.mark.multiprocess  # the full tier; the everyday one runs those marked so
+pytestmark = pytest.mark.multiprocess  # full tier only, unless also marked everyday
 
 RANKS, MICROBATCHES, FAILING = 4, 8, 1
 TIMEOUT_S = 60.0  # what each peer would wait without the failure being passed on

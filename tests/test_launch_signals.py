@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.multiprocess  # the full tier; the everyday one runs those marked so
+pytestmark = pytest.mark.multiprocess  # full tier only, unless also marked everyday
 
 COMMAND = [sys.executable, "-m", "pipeswap.runtime.train", "--ranks", "2", "--microbatches",
            "2", "--batch-size", "2", "--steps", "100000", "--seq-len", "8", "--width", "16"]

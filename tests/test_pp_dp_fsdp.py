@@ -26,7 +26,7 @@ from pipeswap.schedule.costs import ChunkBytes, CostModel, StageCosts
 from pipeswap.schedule.simulate import simulate
 from pipeswap_pool import POOL
 
-pytestmark = pytest.mark.multiprocess  # the full tier; the everyday one runs those marked so
+pytestmark = pytest.mark.multiprocess  # full tier only, unless also marked everyday
 
 BASE = TrainConfig.of(ranks=2, dp=2, fsdp=True, microbatches=4, steps=2, batch_size=8,
                       seq_len=16, width=32, policy="gap", keep_grads=True, verbose=False)

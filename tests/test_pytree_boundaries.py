@@ -13,7 +13,7 @@ import torch
 
 from pipeswap_pool import POOL
 
-pytestmark = pytest.mark.multiprocess  # the full tier; the everyday one runs those marked so
+pytestmark = pytest.mark.multiprocess  # full tier only, unless also marked everyday
 
 SCHEDULES = ["interleaved-1f1b", "zbv"]  # zbv: I/W split, and a local hand-over on rank 1
 

@@ -32,7 +32,7 @@ from pipeswap.schedule.costs import ChunkBytes, CostModel, StageCosts
 from pipeswap.schedule.simulate import simulate
 from pipeswap_pool import POOL
 
-pytestmark = pytest.mark.multiprocess  # the full tier; the everyday one runs those marked so
+pytestmark = pytest.mark.multiprocess  # full tier only, unless also marked everyday
 
 BASE = TrainConfig.of(steps=2, batch_size=8, seq_len=16, width=32, verbose=False,
                       keep_grads=True, timeout_s=60)

@@ -15,7 +15,7 @@ from pipeswap.runtime.model import lm_loss
 from pipeswap.runtime.train import TrainConfig, run_rank
 from pipeswap_pool import POOL
 
-pytestmark = pytest.mark.multiprocess  # the full tier; the everyday one runs those marked so
+pytestmark = pytest.mark.multiprocess  # full tier only, unless also marked everyday
 
 BASE = TrainConfig.of(family="llama", tie_embeddings=True, ranks=2, microbatches=4, steps=1,
                       batch_size=8, seq_len=16, width=32, keep_grads=True, verbose=False,

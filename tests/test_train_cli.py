@@ -5,7 +5,9 @@ rank pool, which saves starting a launcher and its ranks for each."""
 from __future__ import annotations
 
 import functools
+import io
 import json
+import logging
 import subprocess
 import sys
 from pathlib import Path
@@ -16,7 +18,7 @@ import pytest
 from pipeswap.runtime.train import parse_args, render, run_rank, summarize
 from pipeswap_pool import POOL
 
-pytestmark = pytest.mark.multiprocess  # the full tier; the everyday one runs those marked so
+pytestmark = pytest.mark.multiprocess  # full tier only, unless also marked everyday
 
 SMALL = ["--schedule", "gpipe", "--microbatches", "4", "--steps", "2", "--width", "32",
          "--seq-len", "16", "--batch-size", "8"]
@@ -136,19 +138,21 @@ def test_llama_in_bf16_swaps_without_changing_a_bit() -> None:
 
 
 def test_a_resumed_run_goes_on_exactly(tmp_path: Path) -> None:
-    """Steps 1-2 saved at their end, then --resume with --steps 4: steps 3 and 4 lose what
-    the uninterrupted run's steps 3 and 4 lose, bit for bit (the run with swap; the
-    checkpoint API's own tests cover more); --metrics goes on in the same file."""
+    """Steps 1-2 saved at their end, then --resume with --steps 3: step 3 loses what the
+    uninterrupted run's step 3 loses, bit for bit (the run with swap; the checkpoint API's
+    own tests cover more), and the resumed run's one step, which measures the allocator, is
+    also timed; --metrics goes on in the same file."""
     def losses(*extra: str) -> dict[str, Any]:
         return _pooled(["--ranks", "2", *SMALL, "--swap-only", *extra])
 
-    whole = losses("--steps", "4")
+    whole = losses("--steps", "3")
     metrics = tmp_path / "metrics.jsonl"
     first = losses("--steps", "2", "--checkpoint-dir", str(tmp_path), "--metrics", str(metrics))
-    resumed = losses("--steps", "4", "--resume", str(tmp_path), "--metrics", str(metrics))
+    resumed = losses("--steps", "3", "--resume", str(tmp_path), "--metrics", str(metrics))
     assert resumed["first_step"] == 3
+    assert resumed["per_rank"][0]["step_time_s_swap"] > 0
     steps = [json.loads(line)["step"] for line in metrics.read_text().splitlines()]
-    assert steps == [1, 2, 3, 4]
+    assert steps == [1, 2, 3]
     assert first["losses"]["swap"] == whole["losses"]["swap"][:2]
     assert resumed["losses"]["swap"] == whole["losses"]["swap"][2:]
     assert (tmp_path / "swap" / "latest").is_file()
@@ -200,8 +204,16 @@ def test_a_replayed_rank_reports_itself_alone(tmp_path: Path) -> None:
         (1, "no-swap"), (2, "no-swap"), (1, "swap"), (2, "swap")]
     assert all(line["per_rank"][0]["rank"] == 1 and line["loss"] > 0 for line in lines)
     # Rank 0 of the same pipeline computes no loss: nothing to compare, and the table says
-    # so (replayed here, in this process, as the command would).
+    # so (replayed here, in this process, as the command would, its progress lines caught).
     config, _ = parse_args(["--replay-rank", "0", "--ranks", "2", *SMALL, "--steps", "1"])
-    table = render(summarize(config, [run_rank(0, 1, config.but(verbose=False))]))
+    caught = io.StringIO()
+    logger = logging.getLogger("pipeswap")
+    handler = logging.StreamHandler(caught)
+    logger.addHandler(handler)  # the job's own set-up keeps a handler it finds
+    try:
+        table = render(summarize(config, [run_rank(0, 1, config)]))
+    finally:
+        logger.removeHandler(handler)
+    assert "[   swap] step 1/1" in caught.getvalue() and "peak activations" in caught.getvalue()
     assert "rank 0 of 2 replayed alone" in table
     assert "losses with and without swap" not in table

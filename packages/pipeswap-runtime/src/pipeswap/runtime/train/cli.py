@@ -20,7 +20,6 @@ from pipeswap.runtime.launch import (
 )
 from pipeswap.runtime.train.config import (
     DTYPES,
-    GRANULARITIES,
     LOG_LEVELS,
     MODELS,
     MODES,
@@ -36,7 +35,7 @@ from pipeswap.runtime.train.config import (
 from pipeswap.runtime.train.metrics import ModeResult
 from pipeswap.runtime.train.report import render, summarize
 from pipeswap.runtime.train.trainer import run_rank
-from pipeswap.schedule import ScheduleKind, parse_bytes
+from pipeswap.schedule import GRANULARITIES, ScheduleKind, parse_bytes
 from pipeswap.schedule.build import V_SHAPED
 
 
@@ -436,21 +435,21 @@ def main(argv: list[str] | None = None) -> int:
     if launched_by_torchrun():
         return _main_torchrun(config, args)
     parallel, where = config.parallel, f"on {config.training.device}"
-    shape = (f"{parallel.schedule} on {parallel.ranks} ranks x {parallel.stages_per_rank} "
-             f"stage(s)")
+    shape = f"{parallel.ranks} ranks x {parallel.stages_per_rank} stage(s)"
     plan = (f"{parallel.microbatches} microbatches, {config.training.steps} steps per mode "
             f"({', '.join(config.swap.modes)})")
     if config.job.replay_rank is not None:
         if config.job.verbose:
-            print(f"pipeswap-train: replaying rank {config.job.replay_rank} of {shape}, {plan} "
-                  f"{where}, in this process ...", flush=True)
+            print(f"pipeswap-train: replaying rank {config.job.replay_rank} of "
+                  f"{parallel.schedule} on {shape}, {plan} {where}, in this process ...",
+                  flush=True)
         _report(config, args, [run_rank(config.job.replay_rank, 1, config)])
         return 0
     if config.job.verbose:
         replicas = (f" x {parallel.dp} replicas{' (FSDP)' if parallel.fsdp else ''}"
                     if parallel.meshed else "")
-        print(f"pipeswap-train: {shape}{replicas}, {plan} {where}; spawning the ranks ...",
-              flush=True)
+        print(f"pipeswap-train: {parallel.schedule}, {shape}{replicas}, {plan} {where}; "
+              "spawning the ranks ...", flush=True)
     try:
         per_rank = spawn(run_rank, parallel.world, config,
                          backend=backend_for(config.training.device),

@@ -7,6 +7,7 @@ weights for one seed; modules that only inform a plan are built on the meta devi
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from contextlib import AbstractContextManager, nullcontext
 from typing import TYPE_CHECKING
 
@@ -85,11 +86,12 @@ def tied_parameters(config: TrainConfig, vocab: int) -> list[TiedParameter]:
 
 
 def replay_of(config: TrainConfig, vocab: int, placement: tuple[int, ...],
-              inputs: torch.Tensor, device: torch.device) -> Replay:
+              layer_counts: Mapping[int, int], inputs: torch.Tensor, device: torch.device
+              ) -> Replay:
     """What the executor needs to replay ``config.job.replay_rank``: every stage's layer
-    count and what crosses into its stages from other ranks, found by dry runs of the stages
-    before them on one microbatch of ``inputs``, each stage built on ``device`` alone and
-    dropped after."""
+    count (``layer_counts``) and what crosses into its stages from other ranks, found by dry
+    runs of the stages before them on one microbatch of ``inputs``, each stage built on
+    ``device`` alone and dropped after."""
     import torch
 
     from pipeswap.runtime.microbatch import split_tree
@@ -111,7 +113,7 @@ def replay_of(config: TrainConfig, vocab: int, placement: tuple[int, ...],
 
     example = split_tree(inputs, config.parallel.microbatches, "inputs")[0]
     boundaries = input_boundaries(placement, rank, example, build, device, autocast)
-    return Replay(rank, config.parallel.ranks, stage_layer_counts(config, vocab), boundaries,
+    return Replay(rank, config.parallel.ranks, layer_counts, boundaries,
                   seed=config.training.seed)
 
 

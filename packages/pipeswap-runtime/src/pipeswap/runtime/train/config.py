@@ -18,7 +18,6 @@ MODELS = ("gpt", "llama")
 DTYPES = ("fp32", "bf16")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 POLICIES = ("cost", "gap", "peak")
-GRANULARITIES = ("auto", "chunk", "layer")
 
 
 @dataclass(frozen=True)
@@ -118,6 +117,8 @@ _SECTIONS = {"model": ModelConfig, "parallel": ParallelConfig, "swap": SwapConfi
 # each section field's name is unique across sections, so a flat keyword names one field
 _SECTION_OF = {f.name: section for section, kind in _SECTIONS.items()
                for f in dataclasses.fields(kind)}
+assert len(_SECTION_OF) == sum(len(dataclasses.fields(kind)) for kind in _SECTIONS.values()), \
+    "two config sections share a field name: TrainConfig.of/but could not tell them apart"
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,7 @@ time, and returns this rank's figures.
 
 from __future__ import annotations
 
+import gc
 import itertools
 import logging
 import os
@@ -99,8 +100,8 @@ class Trainer:
         self.replay = None
         if self.replaying:
             first, _ = next(self.batches(0))
-            self.replay = replay_of(config, self.vocab, self.placement, first,
-                                    self.platform.device)
+            self.replay = replay_of(config, self.vocab, self.placement, self.layer_counts,
+                                    first, self.platform.device)
 
     def batches(self, done: int) -> Iterator[Batch]:
         """This replica's part of every batch after the first ``done`` steps, each made and
@@ -133,6 +134,10 @@ class Trainer:
         from pipeswap.runtime.tied import TiedGradients
 
         config = self.config
+        # What an earlier run in this process left as garbage (the mode before, its cycles
+        # of stages, hooks and executor) is freed now, not inside the measurement below,
+        # where its frees would count against this mode's parameters.
+        gc.collect()
         measuring: AbstractContextManager[AllocationPeak | None] = (
             self.platform.measure_allocations() if config.job.measure_allocator
             else nullcontext())
@@ -193,8 +198,9 @@ class Trainer:
                                    or (every is not None and number % every == 0)):
             save_checkpoint(os.path.join(saving, mode), step=number, stages=stages,
                             optimizer=optimizer, data_position=number)
-        result.record(report, measured=measured,
-                      timed=not measured or config.training.steps == 1)
+        # a run of one step (a resumed one too) times the step it measured
+        only = result.first_step == config.training.steps
+        result.record(report, measured=measured, timed=not measured or only)
         if config.job.metrics is not None:
             write_metrics(config, mode, number,
                           {**result.per_step[-1], "losses": list(report.losses)}, self.rank)
