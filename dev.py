@@ -298,8 +298,9 @@ def check_wheels() -> None:
     run([WHEEL_CHECK_VENV / "bin" / "pipeswap-train", "--help"])
     # One short multi-process run from the installed wheels (the suite itself ran in phase b,
     # against the editable packages): the bundled corpus, spawn and the entry point.
-    train = [WHEEL_CHECK_VENV / "bin" / "pipeswap-train", "--ranks", "2", "--microbatches", "2",
-             "--batch-size", "4", "--seq-len", "16", "--width", "32", "--steps", "1", "--json"]
+    train: list[str | Path] = [
+        WHEEL_CHECK_VENV / "bin" / "pipeswap-train", "--ranks", "2", "--microbatches", "2",
+        "--batch-size", "4", "--seq-len", "16", "--width", "32", "--steps", "1", "--json"]
     print(f"$ {shlex.join(map(str, train))}", flush=True)
     done = subprocess.run(train, capture_output=True, text=True, check=False)
     lines = done.stdout.strip().splitlines()

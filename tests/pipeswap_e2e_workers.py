@@ -9,6 +9,7 @@ import torch
 
 from pipeswap.runtime import PipelineExecutor, PipelineStage
 from pipeswap.runtime.model import lm_loss
+from pipeswap.runtime.train import ModeResult, TrainConfig, run_rank
 from pipeswap.schedule import MinGapPolicy
 
 
@@ -152,3 +153,11 @@ def fault_injection(rank: int, world_size: int, failing_rank: int, microbatches:
                     torch.equal(a, b) for a, b in zip(grads, reference[1])),
             })
     return {"cases": cases, "swapped": len(executor.swapped)}
+
+
+def replay_each(rank: int, world_size: int, configs: list[TrainConfig]
+                ) -> list[dict[str, ModeResult]]:
+    """Each config's ``replay_rank`` replayed alone, in this one process, one after another
+    (``pipeswap-train --replay-rank``: no process group is used)."""
+    return [run_rank(config.job.replay_rank, 1, config) for config in configs
+            if config.job.replay_rank is not None]

@@ -241,14 +241,17 @@ REPLAYED = ["gpipe P2 M4", "interleaved P2 V2 M4 overlap dxdw streamed", "zbv P2
 @pytest.mark.parametrize(
     "case", REPLAYED)
 def test_a_rank_replayed_alone_counts_the_full_runs_peak(case: str) -> None:
-    """Each rank replayed in this process alone (pipeswap-train --replay-rank: receives made
-    here, sends dropped, its stages built on the meta device and given fresh weights) holds
+    """Each rank replayed alone in one process (pipeswap-train --replay-rank: receives made
+    there, sends dropped, its stages built on the meta device and given fresh weights) holds
     exactly what it held in the full multi-process run: the same chunks swapped and streamed,
     each chunk's and layer's bytes, and the peak of saved activations, to the byte."""
+    from pipeswap_e2e_workers import replay_each
+
     config = CASES[case]
     per_rank = _trained(case)
-    for rank, full in enumerate(per_rank):
-        alone = run_rank(rank, 1, config.but(replay_rank=rank, keep_grads=False))
+    replays = [config.but(replay_rank=rank, keep_grads=False) for rank in range(len(per_rank))]
+    (each,) = POOL.run(replay_each, 1, replays, timeout_s=config.job.timeout_s)
+    for rank, (full, alone) in enumerate(zip(per_rank, each)):
         for mode in ("no-swap", "swap"):
             ran, replayed = full[mode], alone[mode]
             assert replayed.swapped_chunks == ran.swapped_chunks, (rank, mode)
