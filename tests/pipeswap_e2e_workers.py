@@ -4,6 +4,7 @@ each runs in a spawned process with the process group initialized."""
 from __future__ import annotations
 
 import os
+import warnings
 
 import torch
 
@@ -161,3 +162,12 @@ def replay_each(rank: int, world_size: int, configs: list[TrainConfig]
     (``pipeswap-train --replay-rank``: no process group is used)."""
     return [run_rank(config.job.replay_rank, 1, config) for config in configs
             if config.job.replay_rank is not None]
+
+
+def run_rank_recording_warnings(rank: int, world_size: int, config: TrainConfig
+                                ) -> tuple[dict[str, ModeResult], list[str]]:
+    """``run_rank``, and every warning the rank raised while it ran."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = run_rank(rank, world_size, config)
+    return result, [f"{w.category.__name__}: {w.message}" for w in caught]

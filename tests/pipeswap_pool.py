@@ -4,8 +4,9 @@ for starting a process and importing torch four times, not once per rank of ever
 
 Each case still gets a process group of its own (a fresh TCP store on a free port, torn
 down after it), the environment torchrun would give it, and every rank's error if one
-fails. A case that leaves a rank dead or still running gets the pool restarted, so the next
-case starts clean, and so does one that runs past ``CASE_LIMIT_S`` or is interrupted. What a
+fails (a rank that raised reports it and serves the next case). A case that leaves a rank
+dead or still running gets the pool restarted, so the next case starts clean, and so does one
+that runs past ``CASE_LIMIT_S`` or is interrupted. What a
 case changes in its process (torch's thread count, loggers, the random state) stays for the
 next one, as the environment does, set as :func:`~pipeswap.runtime.spawn` sets it; the ranks
 are daemons and start no processes of their own. Tests of launching itself (signals, a rank
@@ -124,7 +125,9 @@ class RankPool:
             self.close()
             raise
         if failures:
-            self.close()  # the next case starts with fresh ranks
+            if not all(process.is_alive() for process in self._processes) or any(
+                    "still running" in text for text in failures.values()):
+                self.close()  # a rank died or hangs: the next case starts with fresh ranks
             story = "\n".join(f"--- rank {rank} ---\n{text.rstrip()}"
                               for rank, text in sorted(failures.items()))
             raise RankFailedError(f"{len(failures)} of {world} ranks failed:\n{story}",

@@ -162,12 +162,13 @@ def test_the_defaults_stream_and_halve_rank_zeros_peak() -> None:
     """`pipeswap-train` as it comes (1F1B, 4 ranks, 8 microbatches), no swap flag: the
     default policy streams chunks layer by layer where that lowers a rank's peak more than
     whole-chunk swap, and rank 0 holds at most half the saved activations it holds without
-    swap, by its count and (lower with swap) by the allocator's. Nothing warns."""
-    done = subprocess.run([sys.executable, "-m", "pipeswap.runtime.train", "--steps", "2",
-                           "--json"], capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-4000:]
-    assert "warn" not in (done.stdout + done.stderr).lower(), done.stderr[-4000:]
-    summary = json.loads(done.stdout.strip().splitlines()[-1])
+    swap, by its count and (lower with swap) by the allocator's. No rank warns."""
+    from pipeswap_e2e_workers import run_rank_recording_warnings
+
+    config, _ = parse_args(["--steps", "2", "--json"])
+    ran = POOL.run(run_rank_recording_warnings, config.parallel.world, config, timeout_s=60)
+    assert [warning for _, caught in ran for warning in caught] == []
+    summary = summarize(config, [result for result, _ in ran])
     assert summary["losses"]["swap"] == summary["losses"]["no-swap"]
     ranks = summary["per_rank"]
     assert len(ranks) == 4 and any(entry["streamed_chunks"] > 0 for entry in ranks)
