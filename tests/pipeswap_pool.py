@@ -20,9 +20,6 @@ import datetime
 import gc
 import os
 import pickle
-import signal
-import socket
-import sys
 import time
 import traceback
 from collections.abc import Callable
@@ -32,30 +29,18 @@ from typing import Any
 import torch.multiprocessing as mp
 
 from pipeswap.runtime import RankFailedError
+from pipeswap.runtime.launch import _die_with_parent, _free_port  # as spawn does
 
 SIZE = 4  # the most ranks a pooled case runs
 CASE_LIMIT_S = 900.0  # a case still running after this is hung: its ranks are killed
 _context = mp.get_context("spawn")
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
 def _serve(rank: int, tasks: Any, results: Any, parent: int) -> None:
     """A pooled rank: run each task it is sent in a process group of the task's own."""
     import torch.distributed as dist
 
-    if sys.platform.startswith("linux"):  # die with the test session, however it ends
-        import ctypes
-
-        with suppress(OSError, AttributeError):
-            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    if os.getppid() != parent:
-        os._exit(1)
+    _die_with_parent(parent)  # with the test session, however it ends
     while (task := tasks.get()) is not None:
         job, fn, args, world, port, timeout_s = task
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
