@@ -18,8 +18,11 @@ On disk, a checkpoint directory given to :func:`save_checkpoint` holds::
     DIR/step-00000004/
     DIR/step-00000006.tmp/    a save in progress, or one a crash interrupted: never loaded
 
-``pipeswap.json`` holds the step, the data position and the layout (which stages each global
-rank held). A save writes into ``step-N.tmp`` and rank 0 renames it to ``step-N`` once every
+``pipeswap.json``, the manifest (``checkpoint_files.py``), holds the step, the data position,
+the layout (which stages each global rank held), the saving job's description, and every
+other file's size and SHA-256, taken as each rank wrote its files. :func:`load_checkpoint`
+loads the newest checkpoint whose files all verify, every rank checking a share of them, and
+says which newer ones it skipped and why. A save writes into ``step-N.tmp`` and rank 0 renames it to ``step-N`` once every
 rank's data and the manifest are written, so a crash mid-save leaves nothing that loads. The
 ``keep`` newest checkpoints up to the one just saved stay and older ones are removed; those of
 later steps (left by a run that was resumed from before them) stay too, and saving a step
@@ -31,16 +34,29 @@ dependency of this package for that reason).
 
 from __future__ import annotations
 
-import json
 import os
-import re
 import shutil
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
-from pipeswap.runtime.errors import PipelineError
+from pipeswap.runtime.checkpoint_files import (
+    LATEST,
+    MANIFEST,
+    Layout,
+    Manifest,
+    candidates,
+    checkpoint_path,
+    checkpoints,
+    file_problems,
+    file_sum,
+    latest_checkpoint,
+    no_checkpoint,
+    read_manifest,
+    some,
+)
+from pipeswap.runtime.errors import CheckpointError
 
 if TYPE_CHECKING:
     import torch
@@ -52,111 +68,34 @@ if TYPE_CHECKING:
 
     from pipeswap.runtime.stage import PipelineStage
 
-MANIFEST = "pipeswap.json"
-LATEST = "latest"
-_NAME = re.compile(r"step-(\d+)")
+__all__ = ["LATEST", "MANIFEST", "CheckpointError", "ResumePoint", "checkpoint_path", "latest_checkpoint",
+           "load_checkpoint", "save_checkpoint"]
 
 T = TypeVar("T")
-
-
-class CheckpointError(PipelineError):
-    """A checkpoint could not be saved, is missing, or does not fit this job; raised on every
-    rank alike."""
 
 
 @dataclass(frozen=True)
 class ResumePoint:
     """Where a loaded run stands: ``step`` steps done (the next is ``step + 1``), and
-    ``data_position`` batches consumed (skip that many)."""
+    ``data_position`` batches consumed (skip that many); ``skipped``: newer checkpoints that
+    did not verify, each with why (the caller says so: this function prints nothing)."""
 
     step: int
     data_position: int
     path: Path  # the checkpoint loaded
-
-
-@dataclass(frozen=True)
-class _Layout:
-    """Which stages each global rank holds: a checkpoint fits only the layout it was saved
-    with, as every key and shard belongs to one rank."""
-
-    num_stages: int
-    stages: tuple[tuple[int, ...], ...]  # per global rank, its stage indices
-
-    def describe(self) -> str:
-        ranks = [f"rank {rank}: stage{'s' * (len(s) > 1)} {', '.join(map(str, s))}"
-                 for rank, s in enumerate(self.stages)]
-        return f"{len(self.stages)} ranks and {self.num_stages} stages ({_some(ranks, 8, '; ')})"
-
-
-@dataclass(frozen=True)
-class _Manifest:
-    step: int
-    data_position: int
-    layout: _Layout
-
-    def dumps(self) -> str:
-        return json.dumps({"step": self.step, "data_position": self.data_position,
-                           "num_stages": self.layout.num_stages,
-                           "stages": [list(s) for s in self.layout.stages]}, indent=1)
-
-    @staticmethod
-    def read(path: Path) -> _Manifest:
-        data = json.loads((path / MANIFEST).read_text("utf-8"))
-        return _Manifest(data["step"], data["data_position"],
-                         _Layout(data["num_stages"], tuple(tuple(s) for s in data["stages"])))
+    job: Mapping[str, object] = field(default_factory=dict)  # as given to save_checkpoint
+    skipped: tuple[tuple[Path, str], ...] = ()
 
 
 @dataclass(frozen=True)
 class _Found:
-    """The checkpoint to load, as rank 0 read it: its manifest, and each saved key's global
-    shape (None for a key that is not a tensor)."""
+    """The checkpoint to load: its manifest, each saved key's global shape (None for a key
+    that is not a tensor), and the newer checkpoints that did not verify."""
 
     path: Path
-    manifest: _Manifest
+    manifest: Manifest
     shapes: dict[str, tuple[int, ...] | None]
-
-
-# -- finding checkpoints --------------------------------------------------------------------
-
-
-def checkpoint_path(directory: str | os.PathLike[str], step: int) -> Path:
-    """Where :func:`save_checkpoint` puts the checkpoint of ``step`` in ``directory``."""
-    return Path(directory) / f"step-{step:08d}"
-
-
-def latest_checkpoint(directory: str | os.PathLike[str]) -> Path | None:
-    """The checkpoint to resume from: ``directory`` itself if it is one, else the one its
-    ``latest`` file names, else its complete checkpoint of the highest step; None if none."""
-    root = Path(directory)
-    if _complete(root):
-        return root
-    pointer = root / LATEST
-    if pointer.is_file():
-        named = root / pointer.read_text("utf-8").strip()
-        if _complete(named):
-            return named
-    done = _checkpoints(root)
-    return done[-1][1] if done else None
-
-
-def saved_step(directory: str | os.PathLike[str]) -> int | None:
-    """The step of the checkpoint :func:`latest_checkpoint` finds; None if there is none."""
-    path = latest_checkpoint(directory)
-    return None if path is None else _Manifest.read(path).step
-
-
-def _complete(path: Path) -> bool:
-    """Whether ``path`` is a whole checkpoint: the manifest is written last, before the
-    rename that gives it its name."""
-    return _NAME.fullmatch(path.name) is not None and (path / MANIFEST).is_file()
-
-
-def _checkpoints(root: Path) -> list[tuple[int, Path]]:
-    """The complete checkpoints in ``root``, by step."""
-    if not root.is_dir():
-        return []
-    return sorted((int(match.group(1)), path) for path in root.iterdir()
-                  if (match := _NAME.fullmatch(path.name)) and _complete(path))
+    skipped: tuple[tuple[Path, str], ...]
 
 
 # -- saving ---------------------------------------------------------------------------------
@@ -164,12 +103,18 @@ def _checkpoints(root: Path) -> list[tuple[int, Path]]:
 
 def save_checkpoint(directory: str | os.PathLike[str], *, step: int,
                     stages: Sequence[PipelineStage], optimizer: torch.optim.Optimizer,
-                    data_position: int, keep: int = 2) -> Path:
+                    data_position: int, keep: int = 2,
+                    job: Mapping[str, object] | None = None) -> Path:
     """Save this job's state after ``step`` steps, having consumed ``data_position`` batches,
     into ``directory``; every rank calls it, with its own stages and optimizer (over those
     stages' parameters). Returns the checkpoint's path. ``keep``: how many checkpoints up to
-    this one stay in ``directory``."""
+    this one stay in ``directory``. ``job``: a JSON-able description of the run (its model's
+    options, say), kept in the manifest so that a resuming job can be checked against it
+    before it starts."""
+    import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict_saver import save
+
+    from pipeswap.runtime.checkpoint_writer import digesting_writer
 
     if keep < 1:
         raise ValueError(f"keep must be at least 1 (the checkpoint just saved), got {keep}")
@@ -188,8 +133,12 @@ def save_checkpoint(directory: str | os.PathLike[str], *, step: int,
     final = checkpoint_path(root, step)
     staging = final.with_name(final.name + ".tmp")
     _on_rank0(lambda: _prepare(root, staging), f"preparing {staging}")
-    save(_state(stages, optimizer).flat(), checkpoint_id=staging)
-    manifest = _Manifest(step, data_position, layout)
+    writer, sums = digesting_writer(staging)
+    save(_state(stages, optimizer).flat(), storage_writer=writer)
+    every: list[Any] = [None] * dist.get_world_size()  # Any: each rank's pickled sums
+    dist.all_gather_object(every, sums)
+    files = {name: value for rank_sums in every for name, value in rank_sums.items()}
+    manifest = Manifest(step, data_position, layout, files, dict(job or {}))
     _on_rank0(lambda: _commit(root, staging, final, manifest, keep), f"committing {final}")
     return final
 
@@ -202,8 +151,17 @@ def _prepare(root: Path, staging: Path) -> None:
     staging.mkdir()
 
 
-def _commit(root: Path, staging: Path, final: Path, manifest: _Manifest, keep: int) -> None:
+def _commit(root: Path, staging: Path, final: Path, manifest: Manifest, keep: int) -> None:
     """Make the staged checkpoint the latest: manifest, rename, pointer, then pruning."""
+    written = {entry.name: entry.stat().st_size for entry in staging.iterdir()}
+    sums = dict(manifest.files)
+    for name, size in written.items():
+        if name not in sums or sums[name].size != size:
+            # a file this torch's DCP wrote other than through its file system's streams:
+            # its sum comes from the disk instead
+            sums[name] = file_sum(staging / name)
+    manifest = Manifest(manifest.step, manifest.data_position, manifest.layout,
+                        {name: sums[name] for name in written}, manifest.job)
     _write_synced(staging / MANIFEST, manifest.dumps())
     if final.exists():  # the same step saved again (a run resumed from before it)
         displaced = final.with_name(final.name + ".replaced.tmp")
@@ -215,7 +173,7 @@ def _commit(root: Path, staging: Path, final: Path, manifest: _Manifest, keep: i
     pointer = root / (LATEST + ".tmp")
     _write_synced(pointer, final.name + "\n")
     pointer.replace(root / LATEST)
-    older = [path for step, path in _checkpoints(root) if step <= manifest.step]
+    older = [path for step, path in checkpoints(root) if step <= manifest.step]
     for path in older[:-keep]:
         shutil.rmtree(path)
 
@@ -232,13 +190,13 @@ def _write_synced(path: Path, text: str) -> None:
 
 def load_checkpoint(directory: str | os.PathLike[str], *, stages: Sequence[PipelineStage],
                     optimizer: torch.optim.Optimizer) -> ResumePoint:
-    """Restore the model, the optimizer and this rank's random generators from the latest
-    checkpoint in ``directory`` (or from ``directory``, a checkpoint itself); every rank calls
-    it. Raises :class:`CheckpointError` on every rank when there is none or it was saved by
-    a job laid out otherwise."""
+    """Restore the model, the optimizer and this rank's random generators from the newest
+    checkpoint in ``directory`` that verifies (or from ``directory``, a checkpoint itself);
+    every rank calls it. Raises :class:`CheckpointError` on every rank when none verifies or
+    it was saved by a job laid out otherwise."""
     from torch.distributed.checkpoint.state_dict_loader import load
 
-    found = _on_rank0(lambda: _find(Path(directory)), f"reading a checkpoint from {directory}")
+    found = _find(Path(directory))
     layout, _ = _gather_layout(stages, None)
     if layout != found.manifest.layout:
         raise CheckpointError(
@@ -251,25 +209,45 @@ def load_checkpoint(directory: str | os.PathLike[str], *, stages: Sequence[Pipel
     _check_keys(found, flat, [stage.stage_index for stage in stages])
     load(flat, checkpoint_id=found.path)
     state.restore(flat, optimizer)
-    return ResumePoint(found.manifest.step, found.manifest.data_position, found.path)
+    manifest = found.manifest
+    return ResumePoint(manifest.step, manifest.data_position, found.path, manifest.job,
+                       found.skipped)
 
 
 def _find(root: Path) -> _Found:
-    """The checkpoint to load, read on rank 0."""
+    """The newest checkpoint in ``root`` that verifies: every rank reads its manifest and
+    checks its share of the files, and all agree on the verdict."""
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    paths = _on_rank0(lambda: candidates(root), f"listing the checkpoints in {root}")
+    skipped: list[tuple[Path, str]] = []
+    for path in paths:
+        manifest: Manifest | None = None
+        try:
+            manifest = read_manifest(path)
+            problems = file_problems(path, manifest, lambda index: index % world == rank)
+        except (CheckpointError, OSError) as exc:
+            problems = [str(exc)]
+        every: list[Any] = [None] * world  # Any: each rank's pickled list of problems
+        dist.all_gather_object(every, problems)
+        found = sorted({line for lines in every for line in lines})
+        if found or manifest is None:
+            skipped.append((path, "; ".join(found)))
+            continue
+        shapes = _on_rank0(lambda: _shapes(path), f"reading {path}")
+        return _Found(path, manifest, shapes, tuple(skipped))
+    raise no_checkpoint(root, skipped)
+
+
+def _shapes(path: Path) -> dict[str, tuple[int, ...] | None]:
+    """Each key DCP saved in ``path``, with its global shape (None for a non-tensor)."""
     from torch.distributed.checkpoint.filesystem import FileSystemReader
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    path = latest_checkpoint(root)
-    if path is None:
-        where = "does not exist" if not root.exists() else "holds no complete checkpoint"
-        raise CheckpointError(
-            f"no checkpoint to resume from: {root} {where} (a save cut short leaves only a "
-            "step-N.tmp directory, which never loads); give the directory an earlier run "
-            "saved its checkpoints into, or one of its step-N directories, or start afresh")
     metadata = FileSystemReader(path).read_metadata().state_dict_metadata
-    shapes = {key: tuple(md.size) if isinstance(md, TensorStorageMetadata) else None
-              for key, md in metadata.items()}
-    return _Found(path, _Manifest.read(path), shapes)
+    return {key: tuple(md.size) if isinstance(md, TensorStorageMetadata) else None
+            for key, md in metadata.items()}
 
 
 def _check_keys(found: _Found, mine: Mapping[str, object], indices: Sequence[int]) -> None:
@@ -301,15 +279,9 @@ def _key_problems(saved: Mapping[str, tuple[int, ...] | None], mine: Mapping[str
               for key, value in sorted(mine.items())
               if isinstance(value, torch.Tensor) and (shape := saved.get(key)) is not None
               and shape != tuple(value.shape)]
-    return [f"{what}: {_some(keys)}" for what, keys in
+    return [f"{what}: {some(keys)}" for what, keys in
             (("not in the checkpoint", missing), ("saved but not in this model", extra),
              ("shapes differ", shapes)) if keys]
-
-
-def _some(items: Sequence[str], shown: int = 3, separator: str = ", ") -> str:
-    """The first ``shown`` of ``items``, and how many more there are."""
-    more = len(items) - shown
-    return separator.join(items[:shown]) + (f" and {more} more" if more > 0 else "")
 
 
 # -- what a checkpoint holds ----------------------------------------------------------------
@@ -392,7 +364,7 @@ def _unprefixed(prefix: str, values: Mapping[str, T]) -> dict[str, T]:
 
 
 def _gather_layout(stages: Sequence[PipelineStage], extra: T
-                   ) -> tuple[_Layout, list[T]]:
+                   ) -> tuple[Layout, list[T]]:
     """The job's layout, and every rank's ``extra``, the same on every rank."""
     import torch.distributed as dist
 
@@ -404,7 +376,7 @@ def _gather_layout(stages: Sequence[PipelineStage], extra: T
     if empty:
         raise CheckpointError(f"rank{'s' * (len(empty) > 1)} {', '.join(map(str, empty))} "
                               "gave no stages: give every rank its PipelineStage objects")
-    layout = _Layout(max(num for num, _, _ in gathered), tuple(s for _, s, _ in gathered))
+    layout = Layout(max(num for num, _, _ in gathered), tuple(s for _, s, _ in gathered))
     return layout, [e for _, _, e in gathered]
 
 

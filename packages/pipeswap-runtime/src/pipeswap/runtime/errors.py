@@ -24,3 +24,8 @@ class PeerFailedError(PipelineCommError):
     def __init__(self, message: str, failed_rank: int) -> None:
         super().__init__(message)
         self.failed_rank = failed_rank
+
+
+class CheckpointError(PipelineError):
+    """A checkpoint could not be saved, is missing, does not verify, or does not fit this job;
+    raised on every rank alike."""

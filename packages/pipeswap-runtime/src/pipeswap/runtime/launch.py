@@ -3,9 +3,14 @@
 :func:`spawn` runs ``fn(rank, world_size, *args)`` in ``world_size`` fresh processes with a
 process group already initialized, and returns each rank's result. A rank that raises or dies
 makes :func:`spawn` raise :class:`RankFailedError` with every rank's story. No rank outlives
-the job: ranks still running ``timeout_s`` after another failed are killed, and when the
+the job: ranks still running a few seconds after another failed are killed, and when the
 launching process is interrupted (Ctrl-C), terminated (SIGTERM, as ``timeout``, Slurm and
 Docker send) or killed, its ranks go with it.
+
+The failure protocol tells a failed rank's peers at once, and a rank waiting on a hung peer
+fails at its timeout; so a hung rank ends the job within its peers' timeout plus those few
+seconds. Each rank's ending is a :class:`~pipeswap.runtime.rank_failure.RankFailure`, with the
+step it had begun (:func:`mark_step`).
 """
 
 from __future__ import annotations
@@ -19,30 +24,60 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, suppress
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, TypeVar, cast
+
+from pipeswap.runtime.rank_failure import Ending, RankFailure, cause, describe, exit_summary
 
 if TYPE_CHECKING:
     from multiprocessing.process import BaseProcess
     from multiprocessing.queues import SimpleQueue
+
+    from torch.distributed.device_mesh import DeviceMesh
     from types import FrameType
 
-    # what a rank reports: its rank, and its pickled result or the story of its failure
-    Results = SimpleQueue[tuple[int, bytes | str]]
+    # what a rank reports: its rank, and its pickled result or its failure
+    Results = SimpleQueue[tuple[int, bytes | RankFailure]]
 
 T = TypeVar("T")
 
 DEFAULT_TIMEOUT_S = 60.0
 _GRACE_S = 5.0  # how long a rank asked to stop may take before it is killed
+_REPORT_S = 5.0  # how long the other ranks may take to report once one has failed
 
 
 class RankFailedError(RuntimeError):
-    """One or more spawned ranks raised or died; the message holds each rank's error."""
+    """One or more spawned ranks raised or died; the message holds each rank's error,
+    ``failures`` each rank's story and ``reports`` each rank's :class:`RankFailure`."""
 
-    def __init__(self, message: str, failures: dict[int, str]) -> None:
+    def __init__(self, message: str, failures: dict[int, str],
+                 reports: dict[int, RankFailure] | None = None) -> None:
         super().__init__(message)
         self.failures = failures
+        self.reports = reports or {}
+
+    @property
+    def cause(self) -> RankFailure | None:
+        """The failure that explains the others (None when the ranks gave no reports)."""
+        return cause(self.reports) if self.reports else None
+
+
+class _Progress:
+    """Each rank's current step, in memory the launcher shares with its ranks."""
+
+    def __init__(self, steps: Sequence[int], rank: int) -> None:
+        self.steps, self.rank = steps, rank
+
+
+_progress: _Progress | None = None  # set in a spawned rank's process by _rank_main
+
+
+def mark_step(step: int) -> None:
+    """Tell the launcher this rank has begun ``step``, so that a failure report names it; a
+    no-op outside a rank :func:`spawn` started."""
+    if _progress is not None:
+        cast("list[int]", _progress.steps)[_progress.rank] = step
 
 
 def launched_by_torchrun() -> bool:
@@ -56,6 +91,30 @@ def init_from_env(backend: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> tuple[i
     _select_device(backend)
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
     return dist.get_rank(), dist.get_world_size()
+
+
+def pipeline_mesh(device_type: str, ranks: int, dp: int, timeout_s: float) -> DeviceMesh:
+    """The world as a (``pp``, ``dp``) device mesh, ``ranks`` pipeline ranks by ``dp``
+    replicas (pipeline-rank major), whose groups fail after ``timeout_s`` as the world group
+    does: ``init_device_mesh`` gives the groups it makes torch's default (30 minutes), so a
+    hung rank would hang FSDP's collectives that long. Every rank calls it."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+
+    layout = torch.arange(ranks * dp).reshape(ranks, dp)
+    timeout = datetime.timedelta(seconds=timeout_s)
+    me = dist.get_rank()
+    mine: dict[str, dist.ProcessGroup] = {}
+    # every rank creates every group, in the same order, as new_group requires
+    for name, lines in (("pp", layout.t().tolist()), ("dp", layout.tolist())):
+        for line in lines:
+            group = dist.new_group(line, timeout=timeout)
+            if me in line:
+                assert group is not None
+                mine[name] = group
+    return DeviceMesh.from_group([mine["pp"], mine["dp"]], device_type, mesh=layout,
+                                 mesh_dim_names=("pp", "dp"))
 
 
 def backend_for(device: str) -> str:
@@ -93,10 +152,12 @@ def _die_with_parent(parent: int) -> None:
 
 def _rank_main(rank: int, world_size: int, port: int, backend: str, timeout_s: float,
                fn: Callable[..., object], args: tuple[object, ...], results: Results,
-               parent: int) -> None:
+               parent: int, steps: Sequence[int]) -> None:
     import torch.distributed as dist
 
+    global _progress
     _die_with_parent(parent)
+    _progress = _Progress(steps, rank)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(world_size))  # as torchrun: all on this host
@@ -108,8 +169,8 @@ def _rank_main(rank: int, world_size: int, port: int, backend: str, timeout_s: f
             value = fn(rank, world_size, *args)
         finally:
             dist.destroy_process_group()
-    except BaseException:  # noqa: BLE001 - reported to the parent, which raises
-        results.put((rank, traceback.format_exc()))
+    except BaseException as exc:  # noqa: BLE001 - reported to the parent, which raises
+        results.put((rank, describe(exc, traceback.format_exc(), rank, _step(steps, rank))))
         return
     # Pickled here, by value: torch's queue would share tensors through file descriptors
     # that vanish when this process exits.
@@ -121,38 +182,45 @@ def spawn(fn: Callable[..., T], world_size: int, *args: object, backend: str = "
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` local processes; their results.
 
     ``fn`` and ``args`` must be picklable (a module-level function). ``timeout_s`` bounds
-    every collective and transfer, and how long the other ranks may run on once one failed;
-    the whole run may take longer. Interrupting or terminating this process stops every rank
+    every collective and transfer; the whole run may take longer. Interrupting or terminating this process stops every rank
     before the exception (``KeyboardInterrupt``, or ``SystemExit`` for SIGTERM) goes on.
     """
     import torch.multiprocessing as mp
 
     context = mp.get_context("spawn")
     results: Results = context.SimpleQueue()
+    steps = context.Array("q", [-1] * world_size, lock=False)  # each rank's step, -1: none
     port = _free_port()
     processes: list[BaseProcess] = [
         context.Process(target=_rank_main, name=f"pipeswap-rank{rank}",
                         args=(rank, world_size, port, backend, timeout_s, fn, args, results,
-                              os.getpid()))
+                              os.getpid(), steps))
         for rank in range(world_size)]
     values: dict[int, T] = {}
-    failures: dict[int, str] = {}
+    failures: dict[int, RankFailure] = {}
     with _stopping_on_signals(), _stopped_at_exit(processes):
         for process in processes:
             process.start()
-        _collect(processes, results, values, failures, timeout_s)
+        _collect(processes, results, values, failures, steps)
     if failures:
-        story = "\n".join(f"--- rank {rank} ---\n{text.rstrip()}"
-                          for rank, text in sorted(failures.items()))
+        story = "\n".join(f"--- rank {rank} ---\n{failure.story.rstrip()}"
+                          for rank, failure in sorted(failures.items()))
         raise RankFailedError(f"{len(failures)} of {world_size} ranks failed:\n{story}",
+                              {rank: failure.story for rank, failure in failures.items()},
                               failures)
     return [values[rank] for rank in range(world_size)]
 
 
+def _step(steps: Sequence[int], rank: int) -> int | None:
+    step = steps[rank]
+    return None if step < 0 else step
+
+
 def _collect(processes: list[BaseProcess], results: Results, values: dict[int, T],
-             failures: dict[int, str], timeout_s: float) -> None:
-    """Read every rank's result as it comes; once one rank failed, the others get
-    ``timeout_s`` (plus a grace period) to finish before they are killed."""
+             failures: dict[int, RankFailure], steps: Sequence[int]) -> None:
+    """Read every rank's result as it comes; once one rank failed, the others get a few
+    seconds to report before they are killed (each is told at once, or fails at its timeout
+    waiting for a hung peer, which is the one left running)."""
     reported: set[int] = set()
     deadline: float | None = None
     while len(reported) < len(processes):
@@ -168,14 +236,19 @@ def _collect(processes: list[BaseProcess], results: Results, values: dict[int, T
                 process.join(timeout=0.05)
                 if not process.is_alive() and rank not in reported and results.empty():
                     reported.add(rank)
-                    failures[rank] = f"rank {rank} died with exit code {process.exitcode}"
+                    summary = exit_summary(process.exitcode)
+                    failures[rank] = RankFailure(rank, Ending.DIED, summary,
+                                                 f"rank {rank} {summary}", _step(steps, rank))
         if failures and deadline is None:
-            deadline = time.monotonic() + timeout_s + _GRACE_S
+            deadline = time.monotonic() + _REPORT_S
         if deadline is not None and time.monotonic() > deadline:
-            first = min(failures)
+            first = next(iter(failures))
             for rank in sorted(set(range(len(processes))) - reported):
-                failures[rank] = (f"rank {rank} was killed: still running {timeout_s:.0f} s "
-                                  f"after rank {first} failed")
+                story = (f"rank {rank} was killed: still running {_REPORT_S:.0f} s after rank "
+                         f"{first} failed")
+                failures[rank] = RankFailure(rank, Ending.KILLED, "was killed", story,
+                                             _step(steps, rank))
+                processes[rank].kill()  # it had its chance: no SIGTERM grace for a hung rank
             return
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from pipeswap.runtime.comm import group_timeout
 from pipeswap.runtime.errors import PipelineSetupError
 from pipeswap.runtime.llama import TiedParameter
 
@@ -48,7 +49,8 @@ class TiedGradients:
                             for r in ranks]
             if alone and dist.get_rank() not in global_ranks:
                 continue
-            pair_group = dist.new_group(global_ranks, use_local_synchronization=alone)
+            pair_group = dist.new_group(global_ranks, timeout=group_timeout(group),
+                                         use_local_synchronization=alone)
             for index, name in ((pair.stage, pair.name), (pair.other_stage, pair.other_name)):
                 if index in mine:
                     parameters = dict(mine[index].module.named_parameters())

@@ -32,7 +32,14 @@ from pipeswap.runtime.train.config import (
     TrainConfig,
     TrainingConfig,
 )
+from pipeswap.runtime.errors import CheckpointError
 from pipeswap.runtime.train.metrics import ModeResult
+from pipeswap.runtime.train.preflight import (
+    directory_problem,
+    expected_layout,
+    file_problem,
+    plan_resume,
+)
 from pipeswap.runtime.train.report import render, summarize
 from pipeswap.runtime.train.trainer import run_rank
 from pipeswap.schedule import GRANULARITIES, ScheduleKind, parse_bytes
@@ -51,10 +58,18 @@ _MAX_SCHEDULE_PAIRS = 100_000
 _MAX_TIMEOUT_S = 86_400.0
 
 
+class _Parser(argparse.ArgumentParser):
+    """Errors in two lines: argparse's default puts the whole usage, a screenful with this
+    many options, above the one line that matters."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}\n{self.prog}: see {self.prog} --help\n")
+
+
 def parse_args(argv: list[str] | None) -> tuple[TrainConfig, argparse.Namespace]:
     """The config of ``argv`` (and the parsed arguments, for how to report); a bad value
     exits here with one line, before any rank starts."""
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="pipeswap-train",
         description=(
             "Train a small GPT on a bundled text across pipeline ranks, once without and once "
@@ -235,7 +250,7 @@ def parse_args(argv: list[str] | None) -> tuple[TrainConfig, argparse.Namespace]
                       log_level=args.log_level or ("warning" if args.json else "info"),
                       metrics=args.metrics, timeout_s=args.timeout,
                       replay_rank=args.replay_rank))
-    _check_checkpoints(parser, config)
+    _check_files(parser, config)
     _check_replay(parser, config, torchrun)
     if args.swap_granularity != "auto" and args.policy != "peak":
         parser.error(f"--swap-granularity applies to the peak policy, not --policy "
@@ -247,7 +262,7 @@ def parse_args(argv: list[str] | None) -> tuple[TrainConfig, argparse.Namespace]
     if args.budget is not None and modes != MODES:
         parser.error("--budget plans on the chunk sizes the run without swap measures: drop "
                      "--swap-only / --no-swap")
-    _check_schedule(parser, config)
+    stage_ranks = _check_schedule(parser, config)
     parts = args.microbatches * args.dp
     if args.batch_size % parts:
         replicas = f" in each of {args.dp} replicas" if args.dp > 1 else ""
@@ -260,7 +275,7 @@ def parse_args(argv: list[str] | None) -> tuple[TrainConfig, argparse.Namespace]
         local_ranks = 1
     _check_device(parser, config.training.device, local_ranks)
     _check_memory(parser, config, local_ranks)
-    return config, args
+    return _check_resume(parser, config, stage_ranks, torchrun), args
 
 
 def _check_replay(parser: argparse.ArgumentParser, config: TrainConfig, torchrun: bool
@@ -287,11 +302,17 @@ def _check_replay(parser: argparse.ArgumentParser, config: TrainConfig, torchrun
 
 
 def _bytes(text: str) -> int:
-    """``--budget``'s value: a byte count such as 3MiB."""
+    """``--budget``'s value: a byte count such as 3MiB, above 0 (no budget leaves a stage
+    room for even the activations it is computing with)."""
     try:
-        return parse_bytes(text)
+        value = parse_bytes(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} leaves no room for activations: give a budget above 0 bytes (e.g. "
+            "512MiB), or no --budget to keep the peak as low as hidden copies allow")
+    return value
 
 
 def _check_numbers(parser: argparse.ArgumentParser, args: argparse.Namespace, ranks: int,
@@ -338,35 +359,44 @@ def _check_numbers(parser: argparse.ArgumentParser, args: argparse.Namespace, ra
                      f"{_MAX_TIMEOUT_S:.0f} (how long a rank waits for a peer), got {args.timeout}")
 
 
-def _check_checkpoints(parser: argparse.ArgumentParser, config: TrainConfig) -> None:
-    """Checkpoint options that fit together, and a checkpoint to resume each mode from that
-    leaves steps to run."""
-    from pipeswap.runtime.checkpoint import saved_step
-
-    if config.checkpoint.every is not None:
-        if config.checkpoint.save_dir is None:
+def _check_files(parser: argparse.ArgumentParser, config: TrainConfig) -> None:
+    """Options that fit together, and the files the run writes, writable before it starts."""
+    checkpoint = config.checkpoint
+    if checkpoint.every is not None:
+        if checkpoint.save_dir is None:
             parser.error("--checkpoint-every needs --checkpoint-dir (where to save)")
-        if config.checkpoint.every < 1:
-            parser.error(f"--checkpoint-every must be at least 1, got {config.checkpoint.every}")
+        if checkpoint.every < 1:
+            parser.error(f"--checkpoint-every must be at least 1, got {checkpoint.every}")
+    if checkpoint.save_dir is not None:
+        problem = directory_problem(checkpoint.save_dir)
+        if problem is not None:
+            parser.error(f"--checkpoint-dir {checkpoint.save_dir!r} {problem}")
+    if config.job.metrics is not None:
+        problem = file_problem(config.job.metrics)
+        if problem is not None:
+            parser.error(f"--metrics {config.job.metrics!r} {problem}")
+
+
+def _check_resume(parser: argparse.ArgumentParser, config: TrainConfig,
+                  stage_ranks: tuple[int, ...], torchrun: bool) -> TrainConfig:
+    """The checkpoint each mode resumes from: the newest that verifies and fits this job
+    (under torchrun every process checks the manifests, and the ranks the files as they
+    load them); a warning line names the newer ones skipped."""
     if config.checkpoint.resume is None:
-        return
-    resume, steps = config.checkpoint.resume, config.training.steps
-    for mode in config.swap.modes:
-        where = os.path.join(resume, mode)
-        step = saved_step(where)
-        if step is None:
-            parser.error(f"--resume {resume}: no checkpoint of the {mode} run in {where}; "
-                         "resume from a directory that --checkpoint-dir filled, with the same "
-                         "choice of --no-swap / --swap-only")
-        if step >= steps:
-            parser.error(f"--resume {resume}: the {mode} run's checkpoint is of step {step}, "
-                         f"and --steps {steps} counts from the run's start: give more than "
-                         f"{step} steps")
+        return config
+    try:
+        plan = plan_resume(config, expected_layout(config, stage_ranks), verify=not torchrun)
+    except CheckpointError as exc:
+        parser.error(" ".join(str(exc).split()))
+    if os.environ.get("RANK", "0") == "0":
+        for warning in plan.warnings:
+            print(f"pipeswap-train: warning: {warning}", file=sys.stderr, flush=True)
+    return config.but(resume_from=plan.paths if not torchrun else ())
 
 
-def _check_schedule(parser: argparse.ArgumentParser, config: TrainConfig) -> None:
-    """Build the schedule as every rank will, so that its errors show here; refuse one too big
-    to build first."""
+def _check_schedule(parser: argparse.ArgumentParser, config: TrainConfig) -> tuple[int, ...]:
+    """Build the schedule as every rank will, so that its errors show here (refusing one too
+    big to build first); each stage's rank."""
     from pipeswap.schedule import ScheduleError, ScheduleSpec, build_schedule
 
     try:
@@ -383,7 +413,8 @@ def _check_schedule(parser: argparse.ArgumentParser, config: TrainConfig) -> Non
                 f"{spec.microbatches} microbatches make a schedule of {pairs} (stage, "
                 f"microbatch) pairs; at most {_MAX_SCHEDULE_PAIRS}, as every rank builds and "
                 "runs all of it: use fewer --microbatches, --ranks or --stages-per-rank")
-        build_schedule(spec)  # the generator's own checks, e.g. dualpipev's microbatches
+        # the generator's own checks, e.g. dualpipev's microbatches
+        return build_schedule(spec).stage_ranks
     except ScheduleError as exc:
         parser.error(" ".join(str(exc).split()))
 
@@ -455,8 +486,7 @@ def main(argv: list[str] | None = None) -> int:
                          backend=backend_for(config.training.device),
                          timeout_s=config.job.timeout_s)
     except RankFailedError as exc:
-        print(f"pipeswap-train: {exc}", file=sys.stderr)
-        return 1
+        return _failed(config, exc)
     except KeyboardInterrupt:
         print("pipeswap-train: interrupted; every rank was stopped", file=sys.stderr)
         return 130
@@ -465,6 +495,24 @@ def main(argv: list[str] | None = None) -> int:
         return exc.code if isinstance(exc.code, int) else 1
     _report(config, args, per_rank)
     return 0
+
+
+def _failed(config: TrainConfig, failure: RankFailedError) -> int:
+    """Say in one line which rank failed, how and at which step, and where every rank's
+    story went; 2 when the cause is the job's input, 1 for a failure of the run."""
+    import tempfile
+
+    cause = failure.cause
+    descriptor, log = tempfile.mkstemp(prefix="pipeswap-train-", suffix=".log", text=True)
+    with os.fdopen(descriptor, "w", encoding="utf-8") as file:
+        file.write(f"{failure}\n")
+    if config.job.log_level == "debug":
+        print(failure, file=sys.stderr)
+    headline = (cause.headline(config.job.timeout_s) if cause is not None
+                else str(failure).splitlines()[0])
+    print(f"pipeswap-train: error: {headline}", file=sys.stderr)
+    print(f"pipeswap-train: every rank's traceback is in {log}", file=sys.stderr)
+    return 2 if cause is not None and cause.user_error else 1
 
 
 def _main_torchrun(config: TrainConfig, args: argparse.Namespace) -> NoReturn:

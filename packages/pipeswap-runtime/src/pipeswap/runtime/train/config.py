@@ -8,6 +8,7 @@ line (``cli.py``) is the only place that turns arguments into one.
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -87,11 +88,18 @@ class TrainingConfig:
 @dataclass(frozen=True)
 class CheckpointConfig:
     """Save each mode's run into ``save_dir/<mode>`` after every ``every`` steps and at its
-    end; resume each from ``resume/<mode>`` (steps counted from the run's start)."""
+    end; resume each from ``resume/<mode>`` (steps counted from the run's start): from the
+    checkpoint ``resume_from`` names for the mode (the launcher verified it), else from the
+    newest there that verifies."""
 
     save_dir: str | None = None
     every: int | None = None
     resume: str | None = None
+    resume_from: tuple[tuple[str, str], ...] = ()  # (mode, checkpoint directory)
+
+    def resume_path(self, mode: str) -> str:
+        assert self.resume is not None
+        return dict(self.resume_from).get(mode, os.path.join(self.resume, mode))
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,7 @@ time, and returns this rank's figures.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import itertools
 import logging
@@ -16,6 +17,8 @@ from collections.abc import Iterator
 from contextlib import AbstractContextManager, nullcontext
 from typing import TYPE_CHECKING
 
+from pipeswap.runtime.checkpoint_files import describe_skipped
+from pipeswap.runtime.launch import mark_step, pipeline_mesh
 from pipeswap.runtime.train.components import (
     build_stages,
     replay_of,
@@ -78,10 +81,8 @@ class Trainer:
                                      else f"{device}:{local_rank % max(1, _device_count(device))}")
         self.mesh = None
         if parallel.meshed:
-            from torch.distributed.device_mesh import init_device_mesh
-
-            self.mesh = init_device_mesh(self.platform.device.type, (parallel.ranks, parallel.dp),
-                                         mesh_dim_names=("pp", "dp"))
+            self.mesh = pipeline_mesh(self.platform.device.type, parallel.ranks, parallel.dp,
+                                      config.job.timeout_s)
         self.pp_rank, self.dp_rank = divmod(rank, parallel.dp)  # the mesh: pp outer, dp inner
         corpus = Corpus.bundled()
         self.vocab = len(corpus.vocab)
@@ -155,8 +156,12 @@ class Trainer:
             None if self.mesh is None else self.mesh.get_group("pp"))
         done = 0  # steps taken before this run: a resumed one goes on after them
         if config.checkpoint.resume is not None:
-            done = load_checkpoint(os.path.join(config.checkpoint.resume, mode), stages=stages,
-                                   optimizer=optimizer).data_position
+            point = load_checkpoint(config.checkpoint.resume_path(mode), stages=stages,
+                                    optimizer=optimizer)
+            if point.skipped and self.rank == 0:
+                log.warning("[%7s] resumed from %s; skipped, as they do not verify: %s", mode,
+                            point.path, describe_skipped(point.skipped))
+            done = point.data_position
         # Both modes account every chunk's saved activations, to compare their peaks.
         policy = swap_policy(config.swap.policy, self.layer_counts, config.swap.granularity)
         if mode == "swap" and config.swap.budget is not None:
@@ -182,6 +187,7 @@ class Trainer:
         from pipeswap.runtime.checkpoint import save_checkpoint
 
         config = self.config
+        mark_step(number)
         measured = config.job.measure_allocator and number % 2 == 1
         executor.measure_allocator = measured
         optimizer.zero_grad(set_to_none=True)
@@ -197,7 +203,8 @@ class Trainer:
         if saving is not None and (number == config.training.steps
                                    or (every is not None and number % every == 0)):
             save_checkpoint(os.path.join(saving, mode), step=number, stages=stages,
-                            optimizer=optimizer, data_position=number)
+                            optimizer=optimizer, data_position=number,
+                            job={"model": dataclasses.asdict(config.model)})
         # a run of one step (a resumed one too) times the step it measured
         only = result.first_step == config.training.steps
         result.record(report, measured=measured, timed=not measured or only)

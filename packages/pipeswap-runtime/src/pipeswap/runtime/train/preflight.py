@@ -1,0 +1,147 @@
+"""What ``pipeswap-train`` checks on disk before any rank starts: that the files it will write
+can be written, and that the checkpoints it resumes from verify and fit the job. Each check
+returns or raises one line for the user; the command line turns it into its error."""
+
+from __future__ import annotations
+
+import dataclasses
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from pipeswap.runtime.checkpoint_files import (
+    Layout,
+    Manifest,
+    candidates,
+    describe_skipped,
+    newest_verified,
+    no_checkpoint,
+    read_manifest,
+)
+from pipeswap.runtime.errors import CheckpointError
+from pipeswap.runtime.train.config import TrainConfig
+
+#: The model options a checkpoint's weights depend on, and how the command line names them.
+_MODEL_OPTIONS = {"family": "--model", "tie_embeddings": "--tie-embeddings", "width": "--width",
+                  "layers": "--layers", "heads": "--heads", "seq_len": "--seq-len"}
+
+
+def directory_problem(path: str) -> str | None:
+    """Why a run could not write into directory ``path`` (made if it does not exist), or
+    None if it can."""
+    if not path.strip():
+        return "is empty: name a directory"
+    target = Path(path)
+    if target.exists() and not target.is_dir():
+        return "is a file, not a directory"
+    probe = target
+    while not probe.exists():
+        probe = probe.parent
+    if not probe.is_dir():
+        return f"cannot be made: {probe} is a file"
+    try:
+        with tempfile.TemporaryDirectory(dir=probe, prefix=".pipeswap-probe-"):
+            pass
+    except OSError as exc:
+        return f"cannot be written: {exc.strerror or exc} in {probe}"
+    return None
+
+
+def file_problem(path: str) -> str | None:
+    """Why a run could not write file ``path``, or None if it can (an existing file is left
+    as it is)."""
+    if not path.strip():
+        return "is empty: name a file"
+    target = Path(path)
+    if target.is_dir():
+        return "is a directory: name a file in it"
+    if not target.parent.is_dir():
+        return f"cannot be made: {target.parent} is not a directory"
+    try:
+        if target.exists():
+            with target.open("a", encoding="utf-8"):
+                pass
+        else:
+            with target.open("x", encoding="utf-8"):
+                pass
+            target.unlink()
+    except OSError as exc:
+        return f"cannot be written: {exc.strerror or exc}"
+    return None
+
+
+@dataclass(frozen=True)
+class ResumePlan:
+    """Each mode's checkpoint to resume from, and a warning line per mode whose newer
+    checkpoints did not verify."""
+
+    paths: tuple[tuple[str, str], ...]
+    warnings: tuple[str, ...]
+
+
+def plan_resume(config: TrainConfig, layout: Layout, verify: bool) -> ResumePlan:
+    """The checkpoint of each mode ``config`` resumes, checked against the job: its layout
+    (``layout``: which stages each global rank will hold), model, step and data position.
+    ``verify``: check every file's checksum here (else only the manifest's, and the ranks
+    check the files as they load). Raises :class:`CheckpointError` with one line."""
+    resume = config.checkpoint.resume
+    assert resume is not None
+    paths, warnings = [], []
+    for mode in config.swap.modes:
+        where = Path(resume) / mode
+        if verify:
+            found = newest_verified(where)
+            path, manifest, skipped = found.path, found.manifest, found.skipped
+        else:
+            path, manifest, skipped = _first_readable(where)
+        if skipped:
+            warnings.append(f"--resume {resume}: the {mode} run resumes from {path.name}; "
+                            f"skipped, as they do not verify: {describe_skipped(skipped)}")
+        _check_fits(config, mode, path, manifest, layout)
+        paths.append((mode, str(path)))
+    return ResumePlan(tuple(paths), tuple(warnings))
+
+
+def _first_readable(where: Path) -> tuple[Path, Manifest, tuple[tuple[Path, str], ...]]:
+    skipped: list[tuple[Path, str]] = []
+    for path in candidates(where):
+        try:
+            return path, read_manifest(path), tuple(skipped)
+        except CheckpointError as exc:
+            skipped.append((path, str(exc)))
+    raise no_checkpoint(where, skipped)
+
+
+def _check_fits(config: TrainConfig, mode: str, path: Path, manifest: Manifest,
+                layout: Layout) -> None:
+    resume, steps = config.checkpoint.resume, config.training.steps
+    name = f"--resume {resume}: {path}"
+    if manifest.layout != layout:
+        raise CheckpointError(
+            f"{name} was saved by a job of {manifest.layout.describe()}, but this job has "
+            f"{layout.describe()}: resume with the layout it was saved with (the same --ranks, "
+            "--dp, --stages-per-rank and --schedule), or start afresh")
+    saved = manifest.job.get("model")
+    if isinstance(saved, dict):
+        mine = dataclasses.asdict(config.model)
+        differ = [f"{option} {saved.get(key)!r} saved, {mine[key]!r} here"
+                  for key, option in _MODEL_OPTIONS.items() if saved.get(key) != mine[key]]
+        if differ:
+            raise CheckpointError(f"{name} holds another model ({'; '.join(differ)}): give "
+                                  "the model options it was saved with, or start afresh")
+    if manifest.step >= steps:
+        raise CheckpointError(f"{name}: the {mode} run's checkpoint is of step "
+                              f"{manifest.step}, and --steps {steps} counts from the run's "
+                              f"start: give more than {manifest.step} steps")
+    if manifest.data_position >= steps:
+        raise CheckpointError(f"{name}: its data position {manifest.data_position} is past "
+                              f"the {steps} batches of --steps {steps}: give more steps")
+
+
+def expected_layout(config: TrainConfig, stage_ranks: tuple[int, ...]) -> Layout:
+    """Which stages each global rank of ``config``'s job holds (pipeline rank major, as the
+    device mesh lays out replicas), ``stage_ranks`` being the schedule's rank of each stage."""
+    dp = config.parallel.dp
+    return Layout(len(stage_ranks), tuple(
+        tuple(stage for stage, rank in enumerate(stage_ranks) if rank == world_rank // dp)
+        for world_rank in range(config.parallel.world)))
