@@ -4,6 +4,7 @@ Ctrl-C (SIGINT to the launcher alone) and SIGKILL. No rank may outlive the launc
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -69,6 +70,50 @@ def test_stopping_the_launcher_stops_every_rank(signum: int) -> None:
             assert code == 128 + signal.SIGTERM and "terminated" in stderr
         elif signum == signal.SIGINT:
             assert code == 130 and "interrupted" in stderr
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait()
+
+
+FAULTS = {
+    # a rank killed outright: its peers' transfers break at once
+    "killed": (signal.SIGKILL, COMMAND, 20.0, r"rank 1 died \(SIGKILL\) at step \d+; the other "
+                                              r"ranks stopped"),
+    # a rank stopped (hung) in a pipeline of FSDP replicas: the device mesh's groups too
+    # must give up at --timeout
+    "hung": (signal.SIGSTOP, [*COMMAND, "--dp", "2", "--fsdp", "--batch-size", "4",
+                              "--timeout", "10"], 10.0 + 10.0,
+             r"rank 1 hung at step \d+: the other ranks waited --timeout 10 s for it"),
+}
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+@pytest.mark.parametrize("fault", sorted(FAULTS))
+def test_a_rank_that_dies_or_hangs_ends_the_job_with_one_line(fault: str) -> None:
+    signum, command, bound_s, headline = FAULTS[fault]
+    launcher = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True)
+    try:
+        assert launcher.stdout is not None
+        for line in launcher.stdout:
+            if "step 2/" in line:
+                break
+        ranks = sorted(pid for pid in _children(launcher.pid)
+                       if "spawn" in (Path("/proc") / str(pid) / "cmdline").read_text())
+        started = time.monotonic()
+        os.kill(ranks[1], signum)  # ranks start in order: the second is rank 1
+        code = launcher.wait(timeout=bound_s + 60)
+        took = time.monotonic() - started
+        stderr = launcher.stderr.read() if launcher.stderr else ""
+        assert code == 1 and took < bound_s, (code, took, stderr)
+        assert _alive(set(ranks)) == set()
+        lines = stderr.strip().splitlines()
+        assert len(lines) <= 3 and "Traceback" not in stderr, stderr
+        assert re.fullmatch(f"pipeswap-train: error: {headline}.*", lines[0]), stderr
+        log = re.search(r"every rank's traceback is in (\S+)", stderr)
+        assert log is not None and Path(log.group(1)).is_file()
+        Path(log.group(1)).unlink()
     finally:
         if launcher.poll() is None:
             launcher.kill()

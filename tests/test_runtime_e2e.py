@@ -284,6 +284,10 @@ def test_a_failing_rank_makes_the_others_fail_promptly(how: str) -> None:
         assert "boom: a stage failed on purpose" in failures[0]
     else:
         assert "died with exit code 3" in failures[0]
+        explained = caught.value.cause  # the dead rank, not its peer's broken receive
+        assert explained is not None and explained.rank == 0
+        assert explained.headline(20) == ("rank 0 died with exit code 3 at step 1; the other "
+                                          "ranks stopped")
     # Rank 1 fails waiting for micro 1, or for micro 0 when rank 0 died before its send of
     # micro 0 left the socket; a rank that raised first also says where and why.
     if how == "raise":

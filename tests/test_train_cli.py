@@ -137,11 +137,13 @@ def test_llama_in_bf16_swaps_without_changing_a_bit() -> None:
         assert 0 < entry["peak_allocated_bytes_swap"] < entry["peak_allocated_bytes_no_swap"]
 
 
-def test_a_resumed_run_goes_on_exactly(tmp_path: Path) -> None:
+def test_a_resumed_run_goes_on_exactly(tmp_path: Path,
+                                       capsys: pytest.CaptureFixture[str]) -> None:
     """Steps 1-2 saved at their end, then --resume with --steps 3: step 3 loses what the
     uninterrupted run's step 3 loses, bit for bit (the run with swap; the checkpoint API's
     own tests cover more), and the resumed run's one step, which measures the allocator, is
-    also timed; --metrics goes on in the same file."""
+    also timed; --metrics goes on in the same file. A byte flipped in the saved shard then
+    refuses the checkpoint."""
     def losses(*extra: str) -> dict[str, Any]:
         return _pooled(["--ranks", "2", *SMALL, "--swap-only", *extra])
 
@@ -156,6 +158,16 @@ def test_a_resumed_run_goes_on_exactly(tmp_path: Path) -> None:
     assert first["losses"]["swap"] == whole["losses"]["swap"][:2]
     assert resumed["losses"]["swap"] == whole["losses"]["swap"][2:]
     assert (tmp_path / "swap" / "latest").is_file()
+    # One byte of a saved shard changed: the launcher refuses before any rank starts.
+    shard = next((tmp_path / "swap" / "step-00000002").glob("*.distcp"))
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 1
+    shard.write_bytes(bytes(data))
+    with pytest.raises(SystemExit) as refused:
+        parse_args(["--ranks", "2", *SMALL, "--swap-only", "--steps", "3", "--resume",
+                    str(tmp_path)])
+    assert refused.value.code == 2
+    assert f"{shard.name}: its checksum differs" in capsys.readouterr().err
 
 
 def test_the_defaults_stream_and_halve_rank_zeros_peak() -> None:

@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+import json
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
+from pipeswap.runtime.checkpoint import MANIFEST, checkpoint_path
+from pipeswap.runtime.checkpoint_files import Layout, Manifest, file_sum
 from pipeswap.runtime.train import cli
 from pipeswap.runtime.data import Corpus
 from pipeswap.runtime.train import TrainConfig, main, parse_args
@@ -78,7 +85,22 @@ BAD = [
     (["--checkpoint-every", "2"], ["--checkpoint-every needs --checkpoint-dir"]),
     (["--checkpoint-dir", "x", "--checkpoint-every", "0"],
      ["--checkpoint-every must be at least 1, got 0"]),
-    (["--resume", "/nonexistent"], ["no checkpoint of the no-swap run in /nonexistent/no-swap"]),
+    (["--resume", "/nonexistent"], ["no checkpoint to resume from: /nonexistent/no-swap does "
+                                    "not exist"]),
+    (["--budget", "0"], ["--budget", "'0' leaves no room for activations", "above 0 bytes"]),
+    (["--budget", "0.4B"], ["--budget", "leaves no room for activations"]),
+    (["--budget=-1GiB"], ["--budget", "not a size: '-1GiB'"]),
+    (["--metrics", ""], ["--metrics '' is empty: name a file"]),
+    (["--metrics", "/"], ["--metrics '/' is a directory"]),
+    (["--metrics", "/proc/pipeswap-metrics"], ["--metrics '/proc/pipeswap-metrics' cannot be "
+                                               "written"]),
+    (["--metrics", "/nonexistent/m.jsonl"], ["cannot be made: /nonexistent is not a "
+                                             "directory"]),
+    (["--checkpoint-dir", ""], ["--checkpoint-dir '' is empty: name a directory"]),
+    (["--checkpoint-dir", "/proc/pipeswap"], ["--checkpoint-dir '/proc/pipeswap' cannot be "
+                                              "written"]),
+    (["--checkpoint-dir", "/proc/self/status/x"], ["cannot be made: /proc/self/status is a "
+                                                   "file"]),
     (["--tie-embeddings"], ["--tie-embeddings applies to --model llama"]),
     (["--model", "llama", "--width", "12"], ["heads of 3 dimensions", "multiple of 8"]),
 ]
@@ -106,7 +128,7 @@ def _refused(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
     assert "Traceback" not in captured.err
     errors = [line for line in captured.err.splitlines() if "error:" in line]
     assert len(errors) == 1 and errors[0].startswith("pipeswap-train: error: "), captured.err
-    assert captured.err.rstrip().endswith(errors[0])  # the last line, after the usage
+    assert len(captured.err.splitlines()) <= 3, captured.err  # no screenful of usage
     return errors[0]
 
 
@@ -169,3 +191,114 @@ def test_under_torchrun_dp_splits_the_world_into_replicas(
     assert (config.parallel.ranks, config.parallel.dp, config.parallel.world) == (3, 2, 6)
     line = _refused(["--dp", "4", "--fsdp"], capsys)
     assert "world size 6 does not split into --dp 4 replicas" in line
+
+
+# -- resuming: every checkpoint problem that can be seen before the ranks start ---------------
+
+JOB = ["--ranks", "2", "--microbatches", "2", "--batch-size", "2", "--no-swap", "--steps", "4"]
+
+
+def _checkpoint(root: Path, step: int = 2, data_position: int = 2,
+                stages: tuple[tuple[int, ...], ...] = ((0,), (1,)),
+                model: dict[str, object] | None = None) -> Path:
+    """A checkpoint of ``JOB``'s layout and model as far as the launcher reads one: files with
+    their sums in a checksummed manifest (the ranks' DCP data is never opened before they
+    start)."""
+    path = checkpoint_path(root / "no-swap", step)
+    path.mkdir(parents=True)
+    for name in (".metadata", "__0_0.distcp", "__1_0.distcp"):
+        (path / name).write_bytes(name.encode() * 100)
+    if model is None:
+        model = dataclasses.asdict(parse_args(JOB)[0].model)
+    manifest = Manifest(step, data_position, Layout(2, stages),
+                        {entry.name: file_sum(entry) for entry in path.iterdir()},
+                        {"model": model})
+    (path / MANIFEST).write_text(manifest.dumps())
+    return path
+
+
+def _damaged(root: Path, how: str) -> None:
+    path = _checkpoint(root)
+    if how == "flip":
+        data = bytearray((path / "__1_0.distcp").read_bytes())
+        data[7] ^= 1
+        (path / "__1_0.distcp").write_bytes(bytes(data))
+    elif how == "truncate":
+        (path / "__0_0.distcp").write_bytes(b"__0_0")
+    elif how == "empty":
+        (path / ".metadata").write_bytes(b"")
+    elif how == "remove":
+        (path / "__1_0.distcp").unlink()
+    elif how == "manifest-json":
+        (path / MANIFEST).write_text("{not json")
+    elif how == "manifest-type":  # a checksummed manifest of the wrong shape
+        body = {"format": 2, "step": "two", "data_position": 2, "num_stages": 2,
+                "stages": [[0], [1]], "files": {}, "job": {}}
+        text = json.dumps(body, sort_keys=True, separators=(",", ":"))
+        body["checksum"] = hashlib.sha256(text.encode()).hexdigest()
+        (path / MANIFEST).write_text(json.dumps(body))
+    elif how == "manifest-old":  # a manifest without checksums
+        (path / MANIFEST).write_text(json.dumps({"step": 2, "data_position": 2,
+                                                 "num_stages": 2, "stages": [[0], [1]]}))
+
+
+RESUME_BAD = [
+    (lambda root: _checkpoint(root, stages=((0, 1), ())), [],
+     ["was saved by a job of 2 ranks", "the same --ranks, --dp"]),
+    (lambda root: _checkpoint(root), ["--ranks", "4", "--batch-size", "4"],
+     ["saved by a job of 2 ranks and 2 stages", "this job has 4 ranks"]),
+    (lambda root: _checkpoint(root), ["--width", "32"],
+     ["holds another model", "--width 64 saved, 32 here"]),
+    (lambda root: _checkpoint(root), ["--model", "llama"],
+     ["holds another model", "--model 'gpt' saved, 'llama' here"]),
+    (lambda root: _checkpoint(root, step=4, data_position=4), [],
+     ["checkpoint is of step 4", "give more than 4 steps"]),
+    (lambda root: _checkpoint(root, step=1, data_position=9), [],
+     ["data position 9 is past the 4 batches"]),
+    (lambda root: _damaged(root, "flip"), [],
+     ["no checkpoint in", "verifies", "__1_0.distcp: its checksum differs"]),
+    (lambda root: _damaged(root, "truncate"), [], ["__0_0.distcp: 5 bytes, 1200 saved"]),
+    (lambda root: _damaged(root, "empty"), [], [".metadata: 0 bytes, 900 saved"]),
+    (lambda root: _damaged(root, "remove"), [], ["__1_0.distcp: missing"]),
+    (lambda root: _damaged(root, "manifest-json"), [], ["cannot be read as JSON"]),
+    (lambda root: _damaged(root, "manifest-type"), [], ["does not hold a manifest of format 2"]),
+    (lambda root: _damaged(root, "manifest-old"), [], ["not a pipeswap manifest with checksums"]),
+    (lambda root: (root / "no-swap" / "step-00000002.tmp").mkdir(parents=True), [],
+     ["holds no complete checkpoint", "step-N.tmp"]),
+    (lambda root: (root / "no-swap").write_text("a file"), [],
+     ["holds no complete checkpoint"]),
+]
+
+
+@pytest.mark.parametrize(("make", "argv", "words"), RESUME_BAD)
+def test_a_checkpoint_that_cannot_resume_this_job_is_refused_before_any_rank(
+        make: Callable[[Path], object], argv: list[str], words: list[str], tmp_path: Path,
+        no_ranks: None, capsys: pytest.CaptureFixture[str]) -> None:
+    make(tmp_path)
+    line = _refused([*JOB, *argv, "--resume", str(tmp_path)], capsys)
+    for word in words:
+        assert word in line
+
+
+def test_resume_skips_a_newer_checkpoint_that_does_not_verify_and_says_so(
+        tmp_path: Path, no_ranks: None, capsys: pytest.CaptureFixture[str]) -> None:
+    older = _checkpoint(tmp_path, step=1, data_position=1)
+    newer = _checkpoint(tmp_path, step=2, data_position=2)
+    (newer / "__0_0.distcp").write_bytes(b"")
+    config, _ = parse_args([*JOB, "--resume", str(tmp_path)])
+    assert config.checkpoint.resume_path("no-swap") == str(older)
+    warning = capsys.readouterr().err.strip()
+    assert "\n" not in warning and warning.startswith("pipeswap-train: warning: ")
+    assert "resumes from step-00000001" in warning and "step-00000002" in warning
+    assert "__0_0.distcp: 0 bytes" in warning
+
+
+def test_paths_refused_are_left_as_they_were(tmp_path: Path, no_ranks: None,
+                                             capsys: pytest.CaptureFixture[str]) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("mine")
+    _refused(["--checkpoint-dir", str(blocker / "sub")], capsys)
+    _refused(["--metrics", str(tmp_path / "m.jsonl"), "--budget", "0"], capsys)
+    _refused(["--metrics", str(tmp_path / "m.jsonl"), "--checkpoint-dir", str(blocker)], capsys)
+    assert sorted(entry.name for entry in tmp_path.iterdir()) == ["a-file"]
+    assert blocker.read_text() == "mine"

@@ -1,0 +1,126 @@
+"""Checkpoints verify before they load: every file's SHA-256, taken as DCP wrote it, is in a
+manifest that checksums itself, and a byte changed anywhere, a file cut short, emptied,
+removed or added refuses that checkpoint, naming the file, without touching the model. A
+job resumes from the newest checkpoint that verifies and says which it skipped."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from pipeswap.runtime import CheckpointError, PipelineStage, load_checkpoint, save_checkpoint
+from pipeswap.runtime.checkpoint import MANIFEST, checkpoint_path
+from pipeswap.runtime.checkpoint_files import file_sum, newest_verified, read_manifest
+
+
+def _stage_and_optimizer(seed: int) -> tuple[PipelineStage, torch.optim.Optimizer]:
+    torch.manual_seed(seed)
+    module = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
+    optimizer = torch.optim.AdamW(module.parameters(), lr=0.1)
+    module(torch.randn(3, 8)).sum().backward()
+    optimizer.step()
+    return PipelineStage(module, 0, 1), optimizer
+
+
+def _save(directory: Path, step: int, seed: int) -> Path:
+    stage, optimizer = _stage_and_optimizer(seed)
+    return save_checkpoint(directory, step=step, stages=[stage], optimizer=optimizer,
+                           data_position=step, job={"model": {"width": 8}})
+
+
+def _weights(stage: PipelineStage) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in stage.module.parameters()]
+
+
+def test_the_manifest_holds_every_file_as_written(group: None, tmp_path: Path) -> None:
+    path = _save(tmp_path, step=1, seed=0)
+    manifest = read_manifest(path)
+    files = {entry.name for entry in path.iterdir()} - {MANIFEST}
+    assert set(manifest.files) == files and ".metadata" in files
+    for name, saved in manifest.files.items():
+        assert file_sum(path / name) == saved  # the sums taken while writing match the disk
+    assert manifest.job == {"model": {"width": 8}}
+    assert (manifest.step, manifest.data_position) == (1, 1)
+
+
+def _flip(file: Path, offset: int) -> None:
+    data = bytearray(file.read_bytes())
+    data[offset % len(data)] ^= 0x20
+    file.write_bytes(bytes(data))
+
+
+def _kinds(path: Path) -> list[str]:
+    return sorted(entry.name for entry in path.iterdir())
+
+
+@pytest.mark.parametrize("where", [0, 1, 0.5, -1])  # first, second, middle and last byte
+def test_a_byte_flipped_in_any_file_refuses_the_checkpoint_and_names_it(
+        group: None, tmp_path: Path, where: float) -> None:
+    saved = _save(tmp_path / "saved", step=1, seed=0)
+    names = _kinds(saved)
+    assert len(names) == 3  # .metadata, the rank's data file, the manifest
+    for name in names:
+        copy = tmp_path / name.strip(".") / saved.name
+        shutil.copytree(saved, copy)
+        size = (copy / name).stat().st_size
+        _flip(copy / name, int(where * size) if isinstance(where, float) else where)
+        stage, optimizer = _stage_and_optimizer(seed=99)
+        before = _weights(stage)
+        with pytest.raises(CheckpointError) as caught:
+            load_checkpoint(copy, stages=[stage], optimizer=optimizer)
+        assert name in str(caught.value) and "verifies" in str(caught.value)
+        assert all(torch.equal(a, b) for a, b in zip(before, _weights(stage)))  # untouched
+
+
+@pytest.mark.parametrize("damage", ["truncate", "empty", "remove", "add"])
+def test_a_file_cut_short_emptied_removed_or_added_refuses_it(
+        group: None, tmp_path: Path, damage: str) -> None:
+    path = _save(tmp_path, step=1, seed=0)
+    data = next(entry for entry in path.iterdir() if entry.suffix == ".distcp")
+    if damage == "truncate":
+        data.write_bytes(data.read_bytes()[:-7])
+        expected = f"{data.name}: {data.stat().st_size} bytes"
+    elif damage == "empty":
+        data.write_bytes(b"")
+        expected = f"{data.name}: 0 bytes"
+    elif damage == "remove":
+        data.unlink()
+        expected = f"{data.name}: missing"
+    else:
+        (path / "stray.bin").write_bytes(b"x")
+        expected = "stray.bin: not one of the files saved"
+    with pytest.raises(CheckpointError, match=expected):
+        newest_verified(tmp_path)
+    stage, optimizer = _stage_and_optimizer(seed=99)
+    with pytest.raises(CheckpointError, match=expected):
+        load_checkpoint(tmp_path, stages=[stage], optimizer=optimizer)
+
+
+def test_a_changed_manifest_value_is_refused(group: None, tmp_path: Path) -> None:
+    path = _save(tmp_path, step=1, seed=0)
+    manifest = json.loads((path / MANIFEST).read_text())
+    manifest["step"] = 7  # valid JSON, another step: the manifest's own checksum tells
+    (path / MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(CheckpointError, match="changed after it was written"):
+        newest_verified(tmp_path)
+    (path / MANIFEST).write_text("[1, 2")
+    with pytest.raises(CheckpointError, match="cannot be read as JSON"):
+        newest_verified(tmp_path)
+
+
+def test_resume_takes_the_newest_that_verifies_and_names_those_skipped(
+        group: None, tmp_path: Path) -> None:
+    _save(tmp_path, step=1, seed=1)
+    newest = _save(tmp_path, step=2, seed=2)
+    wanted, _ = _stage_and_optimizer(seed=1)
+    _flip(next(newest.glob("*.distcp")), 100)
+    stage, optimizer = _stage_and_optimizer(seed=99)
+    point = load_checkpoint(tmp_path, stages=[stage], optimizer=optimizer)
+    assert point.path == checkpoint_path(tmp_path, 1) and point.step == 1
+    assert [path for path, _ in point.skipped] == [newest]
+    assert "checksum differs" in point.skipped[0][1]
+    assert all(torch.equal(a, b) for a, b in zip(_weights(wanted), _weights(stage)))
