@@ -13,7 +13,7 @@ from pipeswap.runtime.errors import (
 )
 from pipeswap.runtime.executor import PipelineExecutor
 from pipeswap.runtime.fsdp import shard_stage
-from pipeswap.runtime.launch import RankFailedError, spawn
+from pipeswap.runtime.launch import RankFailedError, mark_step, pipeline_mesh, spawn
 from pipeswap.runtime.replay import Replay
 from pipeswap.runtime.report import StepReport
 from pipeswap.runtime.stage import PipelineStage
@@ -31,6 +31,8 @@ __all__ = [
     "StepReport",
     "__version__",
     "load_checkpoint",
+    "mark_step",
+    "pipeline_mesh",
     "save_checkpoint",
     "shard_stage",
     "spawn",

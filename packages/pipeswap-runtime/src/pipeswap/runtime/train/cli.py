@@ -198,7 +198,8 @@ def parse_args(argv: list[str] | None) -> tuple[TrainConfig, argparse.Namespace]
                         help="with --checkpoint-dir: also after every N steps (the two newest "
                              "are kept)")
     saving.add_argument("--resume", metavar="DIR",
-                        help="go on from the newest checkpoint in DIR/<mode>; --steps counts "
+                        help="go on from the newest checkpoint in DIR/<mode> whose files "
+                             "verify against their checksums; --steps counts "
                              "from the run's start, so a checkpoint of step 2 and --steps 4 "
                              "run steps 3 and 4, as the uninterrupted run would")
     parser.add_argument("--replay-rank", type=int, metavar="R",
@@ -211,8 +212,10 @@ def parse_args(argv: list[str] | None) -> tuple[TrainConfig, argparse.Namespace]
                              "of a larger pipeline fits")
     parser.add_argument("--seed", type=int, default=training.seed, help="weights and data seed")
     parser.add_argument("--timeout", type=float, default=defaults.job.timeout_s,
-                        help="seconds a rank waits for a peer before failing (default "
-                        f"{defaults.job.timeout_s:.0f})")
+                        help="seconds a rank waits for a peer before failing, in every "
+                        "group the job makes (default "
+                        f"{defaults.job.timeout_s:.0f}); a hung rank ends the job about this "
+                        "long, plus 5 s, after it stops")
     args = parser.parse_args(argv)
     # Every check below runs before any rank starts, and a bad value ends here with one line.
     modes = ("no-swap",) if args.no_swap else ("swap",) if args.swap_only else MODES
