@@ -223,11 +223,20 @@ def test_gradients_through_the_aliases_are_bit_identical(protect: bool) -> None:
 Keep = Callable[[torch.Tensor], object]
 
 
+def _typed_storage(y: torch.Tensor) -> object:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # TypedStorage is deprecated
+        return y.storage()  # type: ignore[no-untyped-call]
+
+
 @pytest.mark.parametrize(
     ("keep", "released"),
     [
         (lambda y: None, True),
-        (lambda y: y.untyped_storage(), True),  # a storage handle reads no freed memory
+        (lambda y: y.untyped_storage().nbytes(), True),  # a storage object made and dropped
+        (lambda y: weakref.ref(y.untyped_storage()), True),  # a weak one is no reference
+        (lambda y: y.untyped_storage(), False),  # a tensor can be built over it any time
+        (_typed_storage, False),
         (lambda y: y, False),
         (lambda y: y[1:], False),
         (lambda y: y.t(), False),
@@ -236,26 +245,28 @@ Keep = Callable[[torch.Tensor], object]
         (lambda y: [y.view(-1)], False),
         (lambda y: y.grad_fn._saved_result, False),
     ],
-    ids=["nothing", "storage", "output", "slice", "transpose", "detached", "data",
-         "view-in-a-list", "unpacked-saved-tensor"],
+    ids=["nothing", "storage-dropped", "storage-weakly", "storage", "typed-storage", "output",
+         "slice", "transpose", "detached", "data", "view-in-a-list", "unpacked-saved-tensor"],
 )
 def test_only_storages_nothing_but_autograd_reaches_are_released(
     mgr: SwapManager, keep: Keep, released: bool
 ) -> None:
     """exp saves its output: the entry's alias alone must not keep the storage, and any
-    tensor the program still holds over it must."""
+    tensor or storage object the program still holds over it must."""
     x = torch.randn(16, 16, requires_grad=True)
     with mgr.group_context("g"):
         y = x.exp()
         loss = (y * 1).sum()  # mul saves nothing it needs: only exp saves y
     kept = keep(y)
-    storage = y.untyped_storage()
+    storage = weakref.ref(y.untyped_storage())  # held, the storage object would keep it
     del y
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         mgr.launch_offload("g")
         mgr.wait_offload("g")
-    assert storage.nbytes() == (0 if released else 16 * 16 * 4)
+    alive = storage()
+    assert alive is not None and alive.nbytes() == (0 if released else 16 * 16 * 4)
+    del alive
     assert mgr.stats().bytes_kept_referenced == (0 if released else 16 * 16 * 4)
     assert bool(caught) is not released
     mgr.launch_load("g")

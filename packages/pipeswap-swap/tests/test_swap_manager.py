@@ -109,23 +109,37 @@ def test_gradients_are_bit_identical_with_swap(make: Callable[[], torch.nn.Modul
         assert torch.equal(want, got)
 
 
-def _storages(*tensors: torch.Tensor) -> list[torch.UntypedStorage]:
-    """Handles on the tensors' storages, to read their sizes once only autograd holds the
-    tensors: a storage handle is no tensor (it cannot read freed memory), so the manager may
-    still release the storage, and reading its size is safe then."""
-    return [t.untyped_storage() for t in tensors]
+class _Watch:
+    """A weak handle on a tensor's storage, to read its size once only autograd holds the
+    tensor. Not the storage object itself: a tensor can be built over it at any time, so swap
+    keeps on the device a storage whose object the program holds."""
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self._ref = weakref.ref(tensor.untyped_storage())
+
+    def storage(self) -> torch.UntypedStorage:
+        storage = self._ref()
+        assert storage is not None, "the storage died: nothing saved holds it any more"
+        return storage
+
+    def nbytes(self) -> int:
+        return self.storage().nbytes()
 
 
-def _on(storage: torch.UntypedStorage) -> torch.Tensor:
-    """A new float32 tensor over ``storage`` (how a program could reach a released one)."""
-    return torch.empty(0).set_(storage)
+def _storages(*tensors: torch.Tensor) -> list[_Watch]:
+    return [_Watch(t) for t in tensors]
+
+
+def _on(watch: _Watch) -> torch.Tensor:
+    """A new float32 tensor over the storage (how a program could reach a released one)."""
+    return torch.empty(0).set_(watch.storage())
 
 
 def test_device_memory_is_released_and_accounted_exactly(mgr: SwapManager) -> None:
     x = torch.randn(64, 64, requires_grad=True)
     w = torch.randn(64, 64, requires_grad=True)
 
-    def forward() -> tuple[torch.Tensor, list[torch.UntypedStorage]]:
+    def forward() -> tuple[torch.Tensor, list[_Watch]]:
         a, b = x * 0.1, w * 0.1
         y = (a @ b).exp()  # saves a, b and exp's output: nothing else holds them
         return y.sum(), _storages(a, b, y)
@@ -266,11 +280,11 @@ def test_saving_a_storage_another_group_offloaded_is_refused(mgr: SwapManager) -
 def test_protection_counts_until_wait_offload_and_is_refused_after(mgr: SwapManager) -> None:
     x = torch.randn(32, 32, requires_grad=True)
 
-    def forward(name: str) -> tuple[torch.Tensor, torch.UntypedStorage]:
+    def forward(name: str) -> tuple[torch.Tensor, _Watch]:
         with mgr.group_context(name):
             h = x.exp()
             loss = (h * h).sum()  # saves h
-        return loss, h.untyped_storage()
+        return loss, _Watch(h)
 
     a, h_storage = forward("late")
     mgr.launch_offload("late")

@@ -83,15 +83,12 @@ class Group:
     # copy is waited for, even if autograd frees the saved tensors before (an unread layer)
     targets: list[torch.Tensor] = field(default_factory=list)
 
-    def swappable(self) -> list[tuple[StorageEntry, torch.UntypedStorage]]:
-        """(entry, storage) for every storage of the group that moves: not protected, with a
-        saved view alive."""
-        moving = []
-        for entry in self.storages.values():
-            storage = None if entry.protected else entry.storage()
-            if storage is not None:
-                moving.append((entry, storage))
-        return moving
+    def swappable(self) -> list[StorageEntry]:
+        """The entries of the storages of the group that move: not protected, with a saved
+        view alive. Entries, not storages: the release check must run while nothing of ours
+        holds a storage object (see :mod:`pipeswap.swap.references`)."""
+        return [entry for entry in self.storages.values()
+                if not entry.protected and entry.alive()]
 
 
 def expect(group: Group, call: str, *states: GroupState) -> None:

@@ -4,9 +4,9 @@ A group collects what autograd saves while its :meth:`SwapManager.group_context`
 Activations are handled per *storage*: every view of one storage is copied once (the whole
 storage, byte for byte) and restored together. The device storage is released only after its
 copy is known complete, and only when nothing but autograd's saved tensors can reach it (see
-:mod:`pipeswap.swap.references`), so no tensor a program still holds ever points to freed
-memory. Backward refuses to read a storage that is not resident, and a saved tensor written in
-place after it was saved fails backward exactly as it does without swap.
+:mod:`pipeswap.swap.references`), so no tensor or storage object a program still holds ever
+points to freed memory. Backward refuses to read a storage that is not resident, and a saved
+tensor written in place after it was saved fails backward exactly as it does without swap.
 
 This module holds the facade: the groups by name, autograd's pack and unpack hooks,
 protection, chains of per-layer groups and the backward's loads ahead. The records it keeps
@@ -436,7 +436,7 @@ class SwapManager:
         """Device bytes the group holds now, and how many of them an offload would move."""
         group = self._group(name, "group_bytes")
         held = movable = 0
-        with self._lock:  # one pass; movable as Group.swappable counts it, without storages
+        with self._lock:  # one pass; movable as Group.swappable counts it
             self._ledger.bury()
             for entry in group.storages.values():
                 if entry.counted:

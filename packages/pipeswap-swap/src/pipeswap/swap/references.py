@@ -11,19 +11,26 @@ no view base). Holding the tensor would close a reference cycle through C++ for 
 saves its own output (node -> saved variable -> entry -> tensor -> ``grad_fn`` == node), which
 Python's collector cannot see: a graph dropped without a backward would never be freed. The
 alias also means the saved entries reach nothing but the storage, so everything else that can
-still use it shows up in three reference counts, exact in CPython and torch:
+still use it shows up in four reference counts, exact in CPython and torch:
 
 - the storage's use count: one per tensor viewing it, plus one for its Python object; one
   more than the entries' aliases is any other tensor (the tensor autograd saved, still held by
   the program or by an autograd node that saved it outside the hooks, a view, a ``.data`` or
   ``.detach()`` alias, an unpacked saved tensor);
+- the storage's Python object's reference count: torch keeps one such object per storage,
+  alive while a tensor uses the storage whether or not anything holds it, and counts it once
+  in the use count either way, so a handle the program keeps (``untyped_storage()``, a typed
+  ``storage()`` wrapping it, kept in a forward or from an earlier step) shows only here; one
+  more than a fresh storage's is such a handle;
 - each alias's use count: one for its Python object; one more is a C++ holder (a view of it);
 - each alias's Python reference count: one per saved entry holding it; one more is a variable
   or container.
 
 Each count is compared with that of a fresh alias taken the same way, so the check does not
 depend on interpreter details; anything unexpected (or a torch without these counters) keeps
-the storage on the device: the cost of a doubt is memory, never a crash.
+the storage on the device: the cost of a doubt is memory, never wrong numbers. The caller
+must hold no storage object while it checks (only saved entries): its own reference would
+read as the program's, and keep every storage.
 """
 
 from __future__ import annotations
@@ -65,6 +72,8 @@ def referenced_elsewhere(holders: Sequence[HoldsTensor]) -> bool:
     storage = next(iter(known.values())).untyped_storage()
     if _storage_uses(storage) - fresh.storage != len(known):
         return True  # another tensor views the storage (a view base counts here too)
+    if _storage_refs(storage) != fresh.storage_python:
+        return True  # the program holds the storage object itself, or a typed storage over it
     if any(_use_count(t) - fresh.impl != 0 for t in known.values()):
         return True  # a C++ holder besides the Python object: a view of the alias
     python = _python_refs(known)
@@ -74,7 +83,8 @@ def referenced_elsewhere(holders: Sequence[HoldsTensor]) -> bool:
 def _counters_available() -> bool:
     import torch
 
-    return hasattr(torch.Tensor, "_use_count") and hasattr(torch._C, "_storage_Use_Count")
+    return (hasattr(torch.Tensor, "_use_count") and hasattr(torch._C, "_storage_Use_Count")
+            and hasattr(sys, "getrefcount"))
 
 
 def _known_tensors(holders: Sequence[HoldsTensor]
@@ -97,8 +107,9 @@ def _use_count(tensor: torch.Tensor) -> int:
 class _Counts:
     """A fresh alias's counts, taken exactly as :func:`referenced_elsewhere` takes them."""
 
-    def __init__(self, storage: int, impl: int, python: int) -> None:
-        self.storage, self.impl, self.python = storage, impl, python
+    def __init__(self, storage: int, storage_python: int, impl: int, python: int) -> None:
+        self.storage, self.storage_python = storage, storage_python
+        self.impl, self.python = impl, python
 
 
 def _fresh_counts() -> _Counts:
@@ -107,9 +118,11 @@ def _fresh_counts() -> _Counts:
     # An alias as the pack hook makes it, of a tensor nothing holds any more: what one saved
     # entry's alias counts when it alone reaches its storage, less the entry's own reference.
     known = {0: saved_alias(torch.empty(1, device="cpu"))}
-    storage = _storage_uses(known[0].untyped_storage()) - 1
+    storage = known[0].untyped_storage()
+    uses = _storage_uses(storage) - 1
+    storage_python = _storage_refs(storage)
     impl = _use_count(known[0])
-    return _Counts(storage, impl, _python_refs(known)[0])
+    return _Counts(uses, storage_python, impl, _python_refs(known)[0])
 
 
 def _storage_uses(storage: torch.UntypedStorage) -> int:
@@ -117,6 +130,11 @@ def _storage_uses(storage: torch.UntypedStorage) -> int:
 
     uses: int = torch._C._storage_Use_Count(storage._cdata)
     return uses
+
+
+def _storage_refs(storage: torch.UntypedStorage) -> int:
+    """Python references to the storage object; the caller holds one, in a variable."""
+    return sys.getrefcount(storage)
 
 
 def _python_refs(known: dict[int, torch.Tensor]) -> dict[int, int]:

@@ -3,8 +3,9 @@
 Apart from the manager (which owns the groups and autograd's hooks) so that the ordering rules
 of every copy read in one place: a copy starts after an event from compute; a device storage
 is freed only once its copy is waited for, and only when nothing but autograd's saved tensors
-references it (:mod:`pipeswap.swap.references`); a host buffer goes back to the pool with the
-event of its last copy. Each method is called with the manager's lock held, after the manager
+references it (:mod:`pipeswap.swap.references`, which needs the checks made on entries while
+no storage object of ours is held); a host buffer goes back to the pool with the event of its
+last copy. Each method is called with the manager's lock held, after the manager
 checked that the group's state allows the call (:func:`~pipeswap.swap.groups.expect`), and
 moves the group to its next state.
 """
@@ -25,8 +26,6 @@ from pipeswap.swap.values import GroupState
 if TYPE_CHECKING:
     import torch
 
-    Moving = list[tuple[StorageEntry, torch.UntypedStorage]]
-
 
 class Transfers:
     """Offloads on a D2H stream and loads on an H2D stream of ``platform``, into and out of
@@ -46,26 +45,28 @@ class Transfers:
         """The copy streams, for :func:`drain`."""
         return (self.d2h, self.h2d)
 
-    def releasable(self, candidates: Moving, *, launch: bool = False) -> Moving:
+    def releasable(self, candidates: list[StorageEntry], *, launch: bool = False
+                   ) -> list[StorageEntry]:
         """The candidates nothing outside the saved activations references; the rest stay on
         the device, counted in the stats (with a warning: that memory is not saved). At a
         ``launch``, one whose earlier copy is still queued passes unchecked: that copy may
         hold it (the CPU platform's does), so :meth:`wait_offload` checks it after."""
         moving, kept = [], []
-        for entry, storage in candidates:
+        for entry in candidates:
             queued = launch and entry.copying is not None and not entry.copying.query()
             if not queued and referenced_elsewhere(entry.holders()):
                 kept.append(entry)
             else:
-                moving.append((entry, storage))
+                moving.append(entry)
         if kept:
             self.ledger.skipped["referenced outside saved activations"] += len(kept)
             self.ledger.kept += sum(entry.nbytes for entry in kept)
             warnings.warn(  # stacklevel: the caller of the manager's method
-                "swap keeps an activation storage on the device: a tensor outside autograd's "
-                "saved activations still references it, and freeing it would leave that "
-                "tensor pointing at freed memory; drop such references before launch_offload "
-                "(or protect them with protect_alias_tensors) to save that memory",
+                "swap keeps an activation storage on the device: a tensor (or the storage "
+                "object) outside autograd's saved activations still references it, and "
+                "freeing it would leave that reference pointing at freed memory; drop such "
+                "references before launch_offload (or protect them with "
+                "protect_alias_tensors) to save that memory",
                 stacklevel=4)
         return moving
 
@@ -79,9 +80,13 @@ class Transfers:
         try:
             ready.wait(self.d2h)
             candidates = group.swappable()
+            if not copy_referenced:
+                candidates = self.releasable(candidates, launch=True)
             with self.platform.stream(self.d2h):
-                for entry, storage in (candidates if copy_referenced
-                                       else self.releasable(candidates, launch=True)):
+                for entry in candidates:
+                    storage = entry.storage()
+                    if storage is None:  # its saved views died since: nothing to copy
+                        continue
                     entry.host = self.pool.acquire(entry.nbytes)
                     taken.append(entry)
                     self.platform.copy_(entry.host.view, entry.bytes_tensor(storage))
@@ -99,13 +104,13 @@ class Transfers:
         :meth:`SwapManager.wait_offload <pipeswap.swap.SwapManager.wait_offload>`)."""
         assert group.event is not None
         group.event.wait()
-        copied = [(e, s) for e, s in group.swappable() if e.host is not None]
+        copied = [entry for entry in group.swappable() if entry.host is not None]
         if defer_referenced:
-            group.deferred = [e for e, _ in copied if referenced_elsewhere(e.holders())]
-            moving = [(e, s) for e, s in copied if all(e is not d for d in group.deferred)]
+            group.deferred = [e for e in copied if referenced_elsewhere(e.holders())]
+            moving = [e for e in copied if all(e is not d for d in group.deferred)]
         else:
             moving = self.releasable(copied)
-        kept = [*(entry for entry, _ in moving), *group.deferred]
+        kept = [*moving, *group.deferred]
         for entry in group.storages.values():  # protected, referenced, gone, not copied
             if all(entry is not other for other in kept):
                 self.return_host(entry, group.event)
@@ -115,18 +120,19 @@ class Transfers:
     def release_deferred(self, group: Group) -> None:
         """Release what :meth:`wait_offload` deferred, if nothing else references it now."""
         waiting, group.deferred = group.deferred, []
-        alive = [(e, s) for e in waiting
-                 if not e.protected and (s := e.storage()) is not None]
+        alive = [entry for entry in waiting if not entry.protected and entry.alive()]
         moving = self.releasable(alive)
         for entry in waiting:
-            if all(entry is not other for other, _ in moving):
+            if all(entry is not other for other in moving):
                 self.return_host(entry, None)  # its copy was waited for
         self.release(moving)
 
-    def release(self, moving: Moving) -> None:
+    def release(self, moving: list[StorageEntry]) -> None:
         """Free copied storages' device memory: their host copies are complete."""
-        for entry, storage in moving:
-            storage.resize_(0)
+        for entry in moving:
+            storage = entry.storage()
+            if storage is not None:  # else its saved views died since, and freed it
+                storage.resize_(0)
             entry.resident = False
             self.ledger.uncount(entry)
             self.ledger.offloaded += entry.nbytes
@@ -136,7 +142,8 @@ class Transfers:
         for entry in group.deferred:  # never released: they stayed on the device
             self.return_host(entry, None)
         group.deferred = []
-        moving = [(e, s) for e, s in group.swappable() if not e.resident]
+        moving = [(e, s) for e in group.swappable()
+                  if not e.resident and (s := e.storage()) is not None]
         for entry, storage in moving:
             storage.resize_(entry.nbytes)
         ready = self.platform.new_event()

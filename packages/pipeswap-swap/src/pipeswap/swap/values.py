@@ -48,8 +48,9 @@ class SwapStats:
     host_buffers_allocated: int
     host_bytes_allocated: int
     skipped: dict[str, int]  # reason -> saved tensors (or storages) left alone
-    # device bytes an offload left in place because a tensor outside autograd's saved
-    # activations still referenced their storage (freeing them would break that tensor)
+    # device bytes an offload left in place because a tensor or storage object outside
+    # autograd's saved activations still referenced their storage (freeing them would break
+    # that reference)
     bytes_kept_referenced: int
 
 
