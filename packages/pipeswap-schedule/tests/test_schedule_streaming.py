@@ -161,7 +161,7 @@ class _RandomPlacements:
             off = self.rng.randint(0, c.gap - 1)
             load = self.rng.randint(0, c.gap - 1 - off)
             lag = 0 if way == "whole" else self.rng.randint(
-                1, len(self.costs.layer_bytes(c.key)) + 1)
+                1, len(self.costs.layer_bytes(c.key)))  # a longer lag is refused
             chosen[c.key] = SwapPlacement(off, load, lag)
         return chosen
 

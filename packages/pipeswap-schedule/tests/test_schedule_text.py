@@ -152,6 +152,33 @@ def test_bad_json_schedules_are_refused_clearly(data: object, message: str) -> N
         from_json(data)
 
 
+@pytest.mark.parametrize(("text", "message"), [
+    ('{"orders": {"0": ["0F0", "0B0"], "1": ["1F0", "1B0"], "0": ["0F0", "0B0"]}}',
+     "rank 0 appears twice in the JSON: a schedule has one order per rank"),
+    ('{"orders": {"0": ["0F0", "0B0"]}, "orders": {"0": ["0F0", "0B0"]}}',
+     "the JSON names 'orders' twice in one object"),
+    ("rank 0: 0F0 0B0\n# again\nrank 0: 0F1 0B1\n",
+     r"line 3: rank 0 appears twice \(first on line 1\): a schedule has one order per rank"),
+])
+def test_a_rank_given_twice_is_refused_in_both_forms(text: str, message: str) -> None:
+    # json.loads alone would keep the last order of a repeated key and drop the first unseen.
+    with pytest.raises(ParseError, match=message):
+        loads(text)
+
+
+def test_a_byte_order_mark_and_a_json_array_are_read_as_json() -> None:
+    plain = '{"orders": {"0": ["0F0", "0B0"]}}'
+    assert loads("\ufeff" + plain) == loads(plain)
+    with pytest.raises(ParseError, match="expected a JSON object"):
+        loads('[["0F0", "0B0"]]')
+
+
+@pytest.mark.parametrize("text", ["", "  \n\n", "# only a comment\n"])
+def test_an_empty_text_says_it_is_empty(text: str) -> None:
+    with pytest.raises(ParseError, match="no schedule: the text is empty or only comments"):
+        loads(text)
+
+
 def test_absurdly_nested_json_is_a_parse_error() -> None:
     with pytest.raises(ParseError, match="nested too deeply"):
         loads('{"orders": ' + "[" * 100_000 + "]" * 100_000 + "}")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 from collections.abc import Sequence
 
@@ -25,6 +26,9 @@ from pipeswap.schedule.p2p import coalesce_p2p
 from pipeswap.schedule.policies import MinGapPolicy, SwapPolicy
 from pipeswap.schedule.schedule import Schedule
 from pipeswap.schedule.simulate_cli import (
+    LAYERS,
+    MAX_LAYERS,
+    Parser,
     choose_policy,
     cost_arguments,
     costs_from,
@@ -69,8 +73,30 @@ Run '{PROG} COMMAND --help' for the options of each command.
 """
 
 
-def _spec_arguments() -> argparse.ArgumentParser:
-    parent = argparse.ArgumentParser(add_help=False)
+#: A token that starts with '-' and a digit ('-1GiB', '-.5', '-1e9'): a value, never one of
+#: this command line's options; and those argparse takes as values already ('-3', '-.5').
+_DASHED_VALUE = re.compile(r"-\.?[0-9]")
+_PLAIN_NEGATIVE = re.compile(r"-[0-9]+|-[0-9]*\.[0-9]+")
+
+
+def _attach_dashed_values(argv: Sequence[str]) -> list[str]:
+    """Write ``--budget -1GiB`` as ``--budget=-1GiB``, so that the option refuses the value
+    for what it is instead of argparse saying the option lacks one. argparse would refuse
+    such a token anyway (no option looks like it), so nothing that parsed before changes."""
+    out: list[str] = []
+    for token in argv:
+        before = out[-1] if out else ""
+        if (_DASHED_VALUE.match(token) and not _PLAIN_NEGATIVE.fullmatch(token)
+                and before.startswith("-") and before != "--" and "=" not in before
+                and not _DASHED_VALUE.match(before)):
+            out[-1] = f"{before}={token}"
+        else:
+            out.append(token)
+    return out
+
+
+def _spec_arguments() -> Parser:
+    parent = Parser(add_help=False)
     group = parent.add_argument_group("what to build")
     group.add_argument(
         "--schedule", required=True, choices=[k.value for k in ScheduleKind],
@@ -137,10 +163,10 @@ def _build(args: argparse.Namespace, policy: SwapPolicy | None = None) -> Schedu
     return build_schedule(spec, policy or (gap if args.swap else None))
 
 
-def _parser() -> argparse.ArgumentParser:
+def _parser() -> Parser:
     spec = _spec_arguments()
     costs, policies = cost_arguments(), policy_arguments()
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog=PROG, description=DESCRIPTION, epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
@@ -174,6 +200,12 @@ def _parser() -> argparse.ArgumentParser:
                             "between two ranks pair in order, as NCCL; tagged: sends never "
                             "wait and messages match by tag, as gloo (only schedules built "
                             "with --lowering deferred need it)")
+    check.add_argument("--layers-per-stage", type=LAYERS, metavar="L",
+                       help=f"layers in one chunk of every stage (1 to {MAX_LAYERS}): a "
+                            "streamed swap's layer lag (0SO3:2 is lag 2) must then be 1 to L. "
+                            "A schedule file holds no layer counts, so without this option a "
+                            "lag is only checked to be at least 1; give the model's count to "
+                            "catch a schedule made for another model")
 
     convert = commands.add_parser(
         "convert", parents=[policies, costs],
@@ -261,7 +293,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _run(argv: Sequence[str] | None) -> int:
     parser = _parser()
-    args = parser.parse_args(argv)
+    args = parser.parse_args(_attach_dashed_values(sys.argv[1:] if argv is None else argv))
     try:
         if args.command == "validate":
             return _validate(args)
@@ -299,7 +331,8 @@ def _convert(args: argparse.Namespace) -> int:
     if args.swap:
         schedule = inject_swap(schedule, policy or MinGapPolicy(
             4 if args.swap_min_gap is None else args.swap_min_gap))
-    validate(schedule, transport=args.transport)
+    # with the model dimensions a chunk's layer count is known: check streamed lags against it
+    validate(schedule, transport=args.transport, layers=args.layers_per_stage)
     text = {"json": lambda: dumps_json(schedule), "grid": lambda: dumps_lines(schedule),
             "csv": lambda: dumps_csv(schedule),
             "csv-compute": lambda: dumps_csv(schedule, compute_only=True)}[args.to]()
@@ -316,7 +349,8 @@ def _validate(args: argparse.Namespace) -> int:
     text = read_text(args.file)
     try:
         schedule = loads(text)
-        validate(schedule, transport=args.transport, microbatches=args.microbatches)
+        validate(schedule, transport=args.transport, microbatches=args.microbatches,
+                 layers=args.layers_per_stage)
     except ScheduleError as exc:
         print(f"invalid: {exc}", file=sys.stderr)
         return 1

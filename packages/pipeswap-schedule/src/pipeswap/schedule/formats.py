@@ -99,22 +99,42 @@ def loads_csv(text: str) -> Schedule:
 def loads(text: str) -> Schedule:
     """Read a schedule from JSON, from ``rank N: <steps>`` lines or from PyTorch's CSV,
     whichever ``text`` is (judged by its first line that is neither blank nor a comment)."""
+    text = text.removeprefix("\ufeff")  # the byte order mark some editors put first
     first = next((stripped for line in text.splitlines()
                   if (stripped := line.strip()) and not stripped.startswith("#")), "")
-    if first.startswith("{"):
+    if not first:
+        raise ParseError("no schedule: the text is empty or only comments; expected JSON "
+                         "{\"orders\": ...}, 'rank N: <steps>' lines or PyTorch's CSV")
+    if first.startswith(("{", "[")):
         try:
-            data = json.loads(text)
+            data = json.loads(text, object_pairs_hook=_unique_keys)
         except json.JSONDecodeError as exc:
             raise ParseError(f"not valid JSON: {exc}") from None
+        except ParseError:
+            raise
         except ValueError:  # int() refuses numbers of over 4300 digits
             raise ParseError('not a schedule: the JSON holds a number thousands of digits '
                              'long; steps are strings such as "0F3"') from None
         except RecursionError:
             raise ParseError("not a schedule: the JSON is nested too deeply") from None
         return from_json(data)
-    if first and not first.startswith("rank"):
+    if not first.startswith("rank"):
         return loads_csv(text)
     return _schedule(parse_rank_lines(text))
+
+
+def _unique_keys(pairs: list[tuple[str, object]]) -> dict[str, object]:
+    """A JSON object as a dict, refusing a repeated key, which ``json`` would silently let
+    the last one win: a rank given twice would lose one of its orders unseen."""
+    found: dict[str, object] = {}
+    for key, value in pairs:
+        if key in found:
+            if _RANK_KEY.fullmatch(key):
+                raise ParseError(f"rank {key} appears twice in the JSON: a schedule has one "
+                                 "order per rank; keep one of them, or renumber the other")
+            raise ParseError(f"the JSON names {quoted(key)} twice in one object; keep one")
+        found[key] = value
+    return found
 
 
 def _schedule(orders: tuple[tuple[Step | None, ...], ...]) -> Schedule:

@@ -21,6 +21,7 @@ and frees them. SL allocates the last layer and starts its H2D copy, WL waits fo
 the backward, layer by layer from the last, waits for the layer's load, allocates the layer
 below and starts its load, then frees the layer it computed; a split backward's I keeps
 every layer until it ends (it keeps the graph for W) and then frees all but what W needs.
+A lag beyond the chunk's layers is refused: it counts layers the chunk does not have.
 
 FSDP steps take no time here, but the parameters they gather count in memory: UNSHARD adds
 the stage's ``CostModel.gathered_bytes`` to the rank's gathered bytes, RESHARD takes the
@@ -43,7 +44,7 @@ from pipeswap.schedule._gc import gc_paused
 from pipeswap.schedule.costs import ChunkBytes, CostModel, Link
 from pipeswap.schedule.schedule import Schedule
 from pipeswap.schedule.steps import COMPUTE, OVERLAPS, ChunkKey, Order, Step, StepType
-from pipeswap.schedule.validation import validate
+from pipeswap.schedule.validation import check_layer_lags, validate
 
 _F, _B, _I, _W = StepType.FWD, StepType.BWD, StepType.BWD_INPUT, StepType.BWD_WEIGHT
 _SEND_F, _SEND_B = StepType.FWD_SEND, StepType.BWD_SEND
@@ -183,6 +184,10 @@ def simulate(schedule: Schedule, costs: CostModel) -> SimulationResult:
     runnable = list(range(len(ranks)))
     transfer = costs.p2p_time()
     bytes_of = _ChunkBytesCache(costs)
+    check_layer_lags(schedule, lambda key: len(bytes_of.layers(key)),
+                     "the cost model gives a chunk of stage {stage} {layers} layer(s) "
+                     "(--layers-per-stage; CostModel.layers, StageCosts.layers or the "
+                     "chunk's measured ChunkBytes.layers)")
     times: dict[tuple[StepType, int, int], float] = {}
 
     def duration_of(kind: StepType, stage: int, rank: int) -> float:

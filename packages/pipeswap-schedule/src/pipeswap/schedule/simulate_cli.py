@@ -1,7 +1,8 @@
 """``pipeswap-schedule simulate``: cost options, the policy choice, and running it.
 
 Also the argparse types of every number the command line takes: each refuses a value out of
-its range with a message that names the range.
+its range with a message that names the range; and the parser whose usage errors are one
+line.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ import argparse
 import json
 from collections.abc import Callable
 from dataclasses import replace
-from typing import TypeVar
+from typing import NoReturn, TypeVar
 
 from pipeswap.schedule.costs import (
     CostModel,
@@ -40,6 +41,14 @@ from pipeswap.schedule.units import MAX_BYTES, parse_bytes, parse_size, parse_ti
 
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 _Value = TypeVar("_Value")
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line that points at --help (argparse prints the
+    whole usage first: a screenful for the commands with cost options)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see '{self.prog} --help')\n")
 
 
 def _argument(parse: Callable[[str], _Value]) -> Callable[[str], _Value]:
@@ -91,12 +100,31 @@ BANDWIDTH = in_range(parse_size, 1, MAX_BYTES, "give 1 to 2**60 bytes per second
 FLOPS = in_range(parse_size, 1, 1e21, "give 1 to 1e21 FLOP/s")
 SECONDS = in_range(parse_time, 0, MAX_SECONDS, "give 0 to 1e6 s (about 11.6 days)")
 DIMENSION = count(2**24)
+#: The most layers one stage's chunk may have: far beyond any model, and the peak policy
+#: weighs every layer lag of every chunk, so a million layers would never finish.
+MAX_LAYERS = 1024
+LAYERS = count(MAX_LAYERS)
 
 
-def cost_arguments(param_bytes: bool = False) -> argparse.ArgumentParser:
+def budget_bytes(text: str) -> int:
+    """``--budget``: a byte count of at least 1; a budget of 0 (or less) keeps nothing."""
+    if not text.strip().startswith("-"):
+        value = parse_bytes(text)
+        if value > 0:
+            return value
+    raise ValueError(
+        f"a budget of {text!r} bytes keeps nothing on the device, not even the chunk being "
+        "computed: give the activation bytes one rank may hold (e.g. 40GiB), or drop "
+        "--budget to swap only chunks whose copies hide")
+
+
+BUDGET = _argument(budget_bytes)
+
+
+def cost_arguments(param_bytes: bool = False) -> Parser:
     """The cost options; with ``param_bytes``, also ``--param-bytes`` (for simulate, the one
     command that counts parameters)."""
-    parent = argparse.ArgumentParser(add_help=False)
+    parent = Parser(add_help=False)
     machine = parent.add_argument_group("machine")
     machine.add_argument("--preset", help="a machine's host link, P2P and FLOP/s: "
                          "h100-pcie5, h200-pcie5, gh200-nvlink-c2c")
@@ -116,7 +144,8 @@ def cost_arguments(param_bytes: bool = False) -> argparse.ArgumentParser:
     model = parent.add_argument_group("model (one stage's chunk)")
     model.add_argument("--hidden", type=DIMENSION, help="hidden size")
     model.add_argument("--seq-len", type=DIMENSION, help="tokens per sequence")
-    model.add_argument("--layers-per-stage", type=DIMENSION, help="transformer layers per stage")
+    model.add_argument("--layers-per-stage", type=LAYERS,
+                       help=f"transformer layers per stage (1 to {MAX_LAYERS})")
     model.add_argument("--micro-batch-size", type=DIMENSION, default=1,
                        help="sequences per microbatch (default 1)")
     model.add_argument("--dtype", choices=sorted(DTYPE_BYTES), default="bf16",
@@ -184,8 +213,8 @@ DEFAULT_POLICY = "peak"
 POLICIES = ("peak", "gap", "cost", "budget")
 
 
-def policy_arguments() -> argparse.ArgumentParser:
-    parent = argparse.ArgumentParser(add_help=False)
+def policy_arguments() -> Parser:
+    parent = Parser(add_help=False)
     group = parent.add_argument_group("which chunks to swap")
     group.add_argument(
         "--policy", choices=POLICIES, default=None,
@@ -195,10 +224,11 @@ def policy_arguments() -> argparse.ArgumentParser:
              "hyper-parallel's rule (--swap-min-gap); cost: every chunk whose copies hide; "
              "budget: the fewest exposed copies that bring each rank under --budget")
     group.add_argument(
-        "--budget", type=BYTES, metavar="BYTES",
-        help="per-rank activation budget (implies --swap): the peak policy then also takes "
-             "chunks whose copies stall compute, least stall first, until the budget is met "
-             "(simulate reports the exposed copy time); also for --policy budget")
+        "--budget", type=BUDGET, metavar="BYTES",
+        help="per-rank activation budget, 1 byte or more (implies --swap): the peak policy "
+             "then also takes chunks whose copies stall compute, least stall first, until the "
+             "budget is met (simulate reports the exposed copy time); also for --policy "
+             "budget")
     group.add_argument(
         "--swap-granularity", choices=GRANULARITIES, default=None,
         help="how the peak policy swaps a chunk (implies --swap; default auto). chunk: whole: "

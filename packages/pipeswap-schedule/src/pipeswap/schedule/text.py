@@ -112,6 +112,7 @@ def format_order(order: Iterable[Step | None]) -> str:
 def parse_rank_lines(text: str) -> tuple[tuple[Step | None, ...], ...]:
     """Parse ``rank N: <order>`` lines (blank lines and ``#`` comments are skipped)."""
     orders: dict[int, tuple[Step | None, ...]] = {}
+    first_line: dict[int, int] = {}
     for number, line in enumerate(text.splitlines(), start=1):
         if not line.strip() or line.lstrip().startswith("#"):
             continue
@@ -124,7 +125,10 @@ def parse_rank_lines(text: str) -> tuple[tuple[Step | None, ...], ...]:
         except ParseError as exc:
             raise ParseError(f"line {number}: {exc}") from None
         if rank in orders:
-            raise ParseError(f"line {number}: rank {rank} appears twice")
+            raise ParseError(f"line {number}: rank {rank} appears twice (first on line "
+                             f"{first_line[rank]}): a schedule has one order per rank; keep "
+                             "one of them, or renumber the other")
+        first_line[rank] = number
         try:
             orders[rank] = parse_order(match.group(2))
         except ParseError as exc:

@@ -9,11 +9,18 @@ names the rank, the step and what to change. The checks of one order are in
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from typing import NoReturn
 
 from pipeswap.schedule._gc import gc_paused
 from pipeswap.schedule._numbering import SHOWN, gaps
-from pipeswap.schedule.errors import ChunkOrderError, DeadlockError, P2PError, ValidationError
+from pipeswap.schedule.errors import (
+    ChunkOrderError,
+    DeadlockError,
+    P2PError,
+    SwapLifecycleError,
+    ValidationError,
+)
 from pipeswap.schedule.order_checks import check_rank
 from pipeswap.schedule.schedule import Schedule
 from pipeswap.schedule.steps import ChunkKey, StepType
@@ -29,20 +36,27 @@ TRANSPORTS = ("ordered", "tagged")
 
 @gc_paused
 def validate(
-    schedule: Schedule, *, transport: str = "ordered", microbatches: int | None = None
+    schedule: Schedule, *, transport: str = "ordered", microbatches: int | None = None,
+    layers: int | Mapping[int, int] | None = None,
 ) -> None:
     """Check every rank's order, that every stage computes every microbatch (``microbatches``
-    of them, when given), then run all ranks' P2P together under ``transport``."""
+    of them, when given), then run all ranks' P2P together under ``transport``.
+
+    ``layers`` is the layer count of one chunk of every stage (an int) or of some stages (a
+    mapping by stage): a streamed swap's layer lag must not exceed it. A schedule does not
+    carry layer counts, so without them a lag is only checked to be at least 1."""
     if transport not in TRANSPORTS:
         raise ValidationError(f"unknown transport {transport!r}; use one of {TRANSPORTS}")
-    if microbatches is not None and (
-        isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1
-    ):
+    if microbatches is not None and not _is_count(microbatches):
         raise ValidationError(f"microbatches must be an integer >= 1, got {microbatches!r}")
+    per_stage = _layer_counts(layers)
     if schedule.num_stages == 0:
         raise ValidationError("the schedule has no steps: every rank's order is empty or idle")
     forwards = [check_rank(schedule, rank)[StepType.FWD] for rank in range(schedule.num_ranks)]
     _check_complete(schedule, forwards, microbatches)
+    if per_stage is not None:
+        check_layer_lags(schedule, lambda key: per_stage(key[0]),
+                         "one chunk of stage {stage} has {layers} layer(s)")
     if transport == "tagged":
         simulate_tagged(schedule)
         return
@@ -59,6 +73,54 @@ def validate(
         if isinstance(exc, DeadlockError):
             raise DeadlockError(str(exc) + hint, exc.cycle) from None
         raise P2PError(str(exc) + hint, rank=exc.rank) from None
+
+
+def _is_count(value: object) -> bool:
+    return type(value) is int and value >= 1
+
+
+def _layer_counts(layers: int | Mapping[int, int] | None) -> Callable[[int], int | None] | None:
+    """``validate``'s ``layers`` as a stage's count (None where a mapping has none)."""
+    if layers is None:
+        return None
+    if isinstance(layers, int) and _is_count(layers):
+        every = layers
+        return lambda stage: every
+    if isinstance(layers, Mapping):
+        bad = next(((stage, count) for stage, count in layers.items()
+                    if type(stage) is not int or not _is_count(count)), None)
+        if bad is None:
+            return layers.get
+        shown = f"{{{bad[0]!r}: {bad[1]!r}, ...}}"
+    else:
+        shown = repr(layers)
+    raise ValidationError(f"layers must be an integer >= 1 or a mapping of stage to an "
+                          f"integer >= 1 (the layers of one chunk), got {shown}")
+
+
+def check_layer_lags(schedule: Schedule, layers: Callable[[ChunkKey], int | None],
+                     counted: str) -> None:
+    """Refuse a streamed swap (SO) whose layer lag exceeds its chunk's ``layers`` (None: not
+    known). A lag counts layers of the chunk (layer k leaves when the forward ends layer
+    k + lag, the last lag at WO), so one past the chunk's count is a schedule made for
+    another model. ``counted`` says where the count comes from, with ``{stage}`` and
+    ``{layers}`` in it. One look at each step."""
+    stream = StepType.SWAP_STREAM_OFFLOAD
+    for rank, order in enumerate(schedule.orders):
+        for position, step in enumerate(order):
+            if step is None or step.type is not stream:
+                continue
+            count = layers(step.key)
+            lag = step.lag
+            assert lag is not None  # Step gives every SO a lag >= 1
+            if count is not None and lag > count:
+                stage, micro = step.key
+                raise SwapLifecycleError(
+                    f"rank {rank}: {step} (position {position}) streams (stage {stage}, micro "
+                    f"{micro}) with a layer lag of {lag}, but "
+                    + counted.format(stage=stage, layers=count)
+                    + f"; give a lag from 1 to {count} ({stage}SO{micro}:{count}), or swap the "
+                    f"chunk whole ({stage}LO{micro} ... {stage}LL{micro})", rank=rank)
 
 
 def _check_complete(schedule: Schedule, forwards: list[dict[ChunkKey, int]],
