@@ -5,6 +5,7 @@ that cannot fit fail on every rank at once with the reason."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 from typing import Any
@@ -93,9 +94,14 @@ def test_saves_keep_the_latest_and_drop_unfinished_ones(pipeline: tuple[Runs, Pa
     # saved after steps 1 and 2 with keep=1; the unfinished save was cleared away
     assert sorted(p.name for p in directory.iterdir()) == [LATEST, final.name]
     assert (directory / LATEST).read_text() == f"{final.name}\n"
-    assert json.loads((final / MANIFEST).read_text()) == {
-        "step": SAVED_AT, "data_position": SAVED_AT, "num_stages": 2, "stages": [[0], [1]]}
-    assert (final / ".metadata").is_file()  # DCP's
+    manifest = json.loads((final / MANIFEST).read_text())
+    assert {key: manifest[key] for key in ("step", "data_position", "num_stages", "stages")} \
+        == {"step": SAVED_AT, "data_position": SAVED_AT, "num_stages": 2, "stages": [[0], [1]]}
+    # DCP's metadata and each rank's file, each with the checksum taken as it was written
+    files = sorted(entry.name for entry in final.iterdir() if entry.name != MANIFEST)
+    assert sorted(manifest["files"]) == files == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+    assert all(manifest["files"][name]["sha256"]
+               == hashlib.sha256((final / name).read_bytes()).hexdigest() for name in files)
     assert all(run["path"] == final for run in resumed)
 
 

@@ -84,7 +84,7 @@ FAULTS = {
     # must give up at --timeout
     "hung": (signal.SIGSTOP, [*COMMAND, "--dp", "2", "--fsdp", "--batch-size", "4",
                               "--timeout", "10"], 10.0 + 10.0,
-             r"rank 1 hung at step \d+: the other ranks waited --timeout 10 s for it"),
+             r"rank 1 hung at step \d+: the other ranks waited their timeout \(10 s\) for it"),
 }
 
 

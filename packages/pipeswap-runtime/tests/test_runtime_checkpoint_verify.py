@@ -124,3 +124,15 @@ def test_resume_takes_the_newest_that_verifies_and_names_those_skipped(
     assert [path for path, _ in point.skipped] == [newest]
     assert "checksum differs" in point.skipped[0][1]
     assert all(torch.equal(a, b) for a, b in zip(_weights(wanted), _weights(stage)))
+
+
+def test_each_file_is_hashed_as_it_is_written(group: None, tmp_path: Path) -> None:
+    """The sums come from the writer's streams, not from reading the files back."""
+    from torch.distributed.checkpoint.state_dict_saver import save
+
+    from pipeswap.runtime.checkpoint_writer import digesting_writer
+
+    writer, sums = digesting_writer(tmp_path)
+    save({"w": torch.arange(1000.0), "n": 3}, storage_writer=writer)
+    assert set(sums) == {entry.name for entry in tmp_path.iterdir()}  # .metadata as renamed
+    assert all(file_sum(tmp_path / name) == value for name, value in sums.items())

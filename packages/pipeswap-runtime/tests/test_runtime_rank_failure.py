@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import signal
 
-from pipeswap.runtime import CheckpointError, PeerFailedError
+from pipeswap.runtime import CheckpointError, PeerFailedError, PipelineCommError
+from pipeswap.runtime.errors import CheckpointIOError
 from pipeswap.runtime.rank_failure import Ending, RankFailure, cause, describe, exit_summary
 
 
@@ -27,8 +28,8 @@ def test_a_hung_rank_explains_its_peers_timeouts() -> None:
                                         "out waiting 10000ms for recv operation to complete"))
     assert timed_out.secondary
     assert cause({0: timed_out, 1: hung}) is hung
-    assert hung.headline(10) == ("rank 1 hung at step 4: the other ranks waited --timeout 10 s "
-                                 "for it and stopped, and it was killed")
+    assert hung.headline(10) == ("rank 1 hung at step 4: the other ranks waited their timeout "
+                                 "(10 s) for it and stopped, and it was killed")
 
 
 def test_the_first_own_error_comes_before_later_ones_and_a_hung_rank() -> None:
@@ -58,3 +59,35 @@ def test_a_message_carrying_tracebacks_is_told_by_its_last_line() -> None:
 def test_exit_codes_read_as_signals_or_codes() -> None:
     assert exit_summary(-signal.SIGSEGV) == "died (SIGSEGV)"
     assert exit_summary(3) == "died with exit code 3"
+
+
+def test_of_several_ranks_killed_the_one_its_peers_waited_on_hung() -> None:
+    """pp x dp: rank 3 hangs; rank 1's receive from it times out, rank 2 waits in a
+    collective with it and is killed too, as is rank 3."""
+    waited = _raised(1, PipelineCommError("rank 1: 1RECV_F0 (receiving from rank 3) failed: "
+                                          "Timed out waiting 10000ms"))
+    assert waited.blames == 3 and waited.secondary
+    failures = {1: waited, 0: _raised(0, PeerFailedError("rank 0 stopped at 0SEND_F1 "
+                                                         "(sending to rank 1): rank 1 failed", 1)),
+                2: RankFailure(2, Ending.KILLED, "was killed", "", 4),
+                3: RankFailure(3, Ending.KILLED, "was killed", "", 4)}
+    assert failures[0].blames is None  # a peer's report names who told it, not who hung
+    assert cause(failures).rank == 3
+    unnamed = {2: RankFailure(2, Ending.KILLED, "was killed", "", 5),
+               3: RankFailure(3, Ending.KILLED, "was killed", "", 4)}
+    assert cause(unnamed).rank == 3  # else the one at the earliest step
+
+
+def test_a_rank_aborted_after_a_timeout_does_not_hide_the_hung_one() -> None:
+    """NCCL's watchdog ends a rank whose operation timed out with SIGABRT."""
+    aborted = RankFailure(0, Ending.DIED, exit_summary(-signal.SIGABRT), "", 4)
+    hung = RankFailure(1, Ending.KILLED, "was killed", "", 4)
+    assert cause({0: aborted, 1: hung}) is hung
+    assert cause({0: aborted, 1: _raised(1, PeerFailedError("rank 0 failed", 0))}) is aborted
+
+
+def test_a_checkpoint_that_could_not_be_written_is_a_failure_not_a_user_error() -> None:
+    full = _raised(0, CheckpointIOError("committing ck failed on rank 0: OSError: [Errno 28] "
+                                        "No space left on device"))
+    assert not full.user_error
+    assert full.headline(60).startswith("rank 0 failed at step 3: CheckpointIOError: ")

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 from collections.abc import Callable
@@ -15,6 +14,7 @@ import torch
 from pipeswap.runtime.checkpoint import MANIFEST, checkpoint_path
 from pipeswap.runtime.checkpoint_files import Layout, Manifest, file_sum
 from pipeswap.runtime.train import cli
+from pipeswap.runtime.train.preflight import saved_model
 from pipeswap.runtime.data import Corpus
 from pipeswap.runtime.train import TrainConfig, main, parse_args
 
@@ -209,7 +209,7 @@ def _checkpoint(root: Path, step: int = 2, data_position: int = 2,
     for name in (".metadata", "__0_0.distcp", "__1_0.distcp"):
         (path / name).write_bytes(name.encode() * 100)
     if model is None:
-        model = dataclasses.asdict(parse_args(JOB)[0].model)
+        model = saved_model(parse_args(JOB)[0])
     manifest = Manifest(step, data_position, Layout(2, stages),
                         {entry.name: file_sum(entry) for entry in path.iterdir()},
                         {"model": model})
@@ -278,6 +278,13 @@ def test_a_checkpoint_that_cannot_resume_this_job_is_refused_before_any_rank(
     line = _refused([*JOB, *argv, "--resume", str(tmp_path)], capsys)
     for word in words:
         assert word in line
+
+
+def test_a_model_spelled_another_way_resumes(tmp_path: Path, no_ranks: None) -> None:
+    """Saved without --layers (two blocks a stage), resumed with the same count given."""
+    saved = _checkpoint(tmp_path)
+    config, _ = parse_args([*JOB, "--layers", "4", "--resume", str(tmp_path)])
+    assert config.checkpoint.resume_path("no-swap") == str(saved)
 
 
 def test_resume_skips_a_newer_checkpoint_that_does_not_verify_and_says_so(

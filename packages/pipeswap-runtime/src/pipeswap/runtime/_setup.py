@@ -83,8 +83,8 @@ def data_parallel_group(mesh: DeviceMesh | None, dp_group: dist.ProcessGroup | N
     if mesh.ndim != 2 or set(names) != {"pp", "dp"}:
         raise PipelineSetupError(
             f"mesh has dimensions {names or mesh.ndim}; the executor needs a 2-D mesh "
-            "named ('pp', 'dp'), e.g. init_device_mesh(device, (ranks, dp), "
-            "mesh_dim_names=('pp', 'dp'))")
+            "named ('pp', 'dp'), e.g. pipeswap.runtime.pipeline_mesh(device, ranks, dp, "
+            "timeout_s)")
     pipeline = dist.get_process_group_ranks(mesh.get_group("pp"))
     ours = (list(range(dist.get_world_size())) if group is None
             else dist.get_process_group_ranks(group))

@@ -18,15 +18,16 @@ On disk, a checkpoint directory given to :func:`save_checkpoint` holds::
     DIR/step-00000004/
     DIR/step-00000006.tmp/    a save in progress, or one a crash interrupted: never loaded
 
-``pipeswap.json``, the manifest (``checkpoint_files.py``), holds the step, the data position,
-the layout (which stages each global rank held), the saving job's description, and every
-other file's size and SHA-256, taken as each rank wrote its files. :func:`load_checkpoint`
-loads the newest checkpoint whose files all verify, every rank checking a share of them, and
-says which newer ones it skipped and why. A save writes into ``step-N.tmp`` and rank 0 renames it to ``step-N`` once every
-rank's data and the manifest are written, so a crash mid-save leaves nothing that loads. The
-``keep`` newest checkpoints up to the one just saved stay and older ones are removed; those of
-later steps (left by a run that was resumed from before them) stay too, and saving a step
-that has a checkpoint replaces it.
+``pipeswap.json``, the manifest (``checkpoint_files.py``), holds the step, the data
+position, the layout (which stages each global rank held), the saving job's description, and
+every other file's size and SHA-256, taken as each rank wrote its files.
+:func:`load_checkpoint` loads the newest checkpoint whose files all verify, every rank
+checking a share of them, and says which newer ones it skipped and why. A save writes into
+``step-N.tmp`` and rank 0 renames it to ``step-N`` once every rank's data and the manifest
+are written, so a crash mid-save leaves nothing that loads. The ``keep`` newest checkpoints
+up to the one just saved stay and older ones are removed; those of later steps (left by a
+run that was resumed from before them) stay too, and saving a step that has a checkpoint
+replaces it.
 
 DCP exchanges its save and load plans with torch's object collectives, which need numpy (a
 dependency of this package for that reason).
@@ -34,6 +35,7 @@ dependency of this package for that reason).
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from collections.abc import Callable, Mapping, Sequence
@@ -56,7 +58,7 @@ from pipeswap.runtime.checkpoint_files import (
     read_manifest,
     some,
 )
-from pipeswap.runtime.errors import CheckpointError
+from pipeswap.runtime.errors import CheckpointError, CheckpointIOError
 
 if TYPE_CHECKING:
     import torch
@@ -68,8 +70,8 @@ if TYPE_CHECKING:
 
     from pipeswap.runtime.stage import PipelineStage
 
-__all__ = ["LATEST", "MANIFEST", "CheckpointError", "ResumePoint", "checkpoint_path", "latest_checkpoint",
-           "load_checkpoint", "save_checkpoint"]
+__all__ = ["LATEST", "MANIFEST", "CheckpointError", "ResumePoint", "checkpoint_path",
+           "latest_checkpoint", "load_checkpoint", "save_checkpoint"]
 
 T = TypeVar("T")
 
@@ -130,6 +132,11 @@ def save_checkpoint(directory: str | os.PathLike[str], *, step: int,
         # torch's state-dict API would create the state with a step of its own, which
         # changes how the run goes on
         raise CheckpointError("the optimizer holds no state yet: save after its first step")
+    try:
+        json.dumps(dict(job or {}))
+    except (TypeError, ValueError) as exc:
+        raise CheckpointError(f"job= must be JSON-able (it goes into the manifest): {exc}") \
+            from None
     final = checkpoint_path(root, step)
     staging = final.with_name(final.name + ".tmp")
     _on_rank0(lambda: _prepare(root, staging), f"preparing {staging}")
@@ -233,7 +240,7 @@ def _find(root: Path) -> _Found:
         dist.all_gather_object(every, problems)
         found = sorted({line for lines in every for line in lines})
         if found or manifest is None:
-            skipped.append((path, "; ".join(found)))
+            skipped.append((path, some(found, separator="; ")))
             continue
         shapes = _on_rank0(lambda: _shapes(path), f"reading {path}")
         return _Found(path, manifest, shapes, tuple(skipped))
@@ -382,20 +389,22 @@ def _gather_layout(stages: Sequence[PipelineStage], extra: T
 
 def _on_rank0(action: Callable[[], T], what: str) -> T:
     """Run ``action`` on rank 0 alone and give its result to every rank; if it fails, every
-    rank raises its error rather than waiting for rank 0 in the next collective."""
+    rank raises its error rather than waiting for rank 0 in the next collective (a
+    :class:`CheckpointIOError` for anything but a :class:`CheckpointError`)."""
     import torch.distributed as dist
 
-    outcome: list[Any] = [None]  # Any: rank 0's pickled (ok, result or message)
+    outcome: list[Any] = [None]  # Any: rank 0's pickled (ok, result or message, on disk)
     if dist.get_rank() == 0:
         try:
-            outcome[0] = (True, action())
+            outcome[0] = (True, action(), False)
         except Exception as exc:  # noqa: BLE001 - raised on every rank below
-            message = str(exc) if isinstance(exc, CheckpointError) else (
+            ours = isinstance(exc, CheckpointError)
+            message = str(exc) if ours else (
                 f"{what} failed on rank 0: {type(exc).__name__}: {exc}")
-            outcome[0] = (False, message)
+            outcome[0] = (False, message, not ours)
     dist.broadcast_object_list(outcome, src=0)
-    ok, value = outcome[0]
+    ok, value, on_disk = outcome[0]
     if not ok:
-        raise CheckpointError(value)
+        raise (CheckpointIOError if on_disk else CheckpointError)(value)
     result: T = value
     return result

@@ -26,6 +26,7 @@ LATEST = "latest"
 FORMAT = 2  # the manifest's format: 2 added the files' checksums and the job's description
 _NAME = re.compile(r"step-(\d+)")
 _BLOCK = 1 << 20  # bytes hashed at a time
+_NFS_LEFTOVER = ".nfs"  # what NFS names a file deleted while open: not part of a checkpoint
 
 
 @dataclass(frozen=True)
@@ -146,9 +147,11 @@ def file_problems(path: Path, manifest: Manifest, share: Callable[[int], bool] |
     a file missing or not listed, or whose size or checksum differs. ``share`` picks the
     listed files (by their index in name order) this caller verifies; the presence of every
     file is always checked."""
-    present = {entry.name for entry in path.iterdir() if entry.name != MANIFEST}
-    problems = [f"{name}: missing" for name in sorted(set(manifest.files) - present)]
-    problems += [f"{name}: not one of the files saved" for name in sorted(present - set(manifest.files))]
+    present = {entry.name for entry in path.iterdir()
+               if entry.name != MANIFEST and not entry.name.startswith(_NFS_LEFTOVER)}
+    listed = set(manifest.files)
+    problems = [f"{name}: missing" for name in sorted(listed - present)]
+    problems += [f"{name}: not one of the files saved" for name in sorted(present - listed)]
     for index, (name, saved) in enumerate(sorted(manifest.files.items())):
         if name not in present or (share is not None and not share(index)):
             continue
@@ -180,11 +183,15 @@ def complete(path: Path) -> bool:
 
 
 def checkpoints(root: Path) -> list[tuple[int, Path]]:
-    """The complete checkpoints in ``root``, by step."""
-    if not root.is_dir():
-        return []
-    return sorted((int(match.group(1)), path) for path in root.iterdir()
-                  if (match := _NAME.fullmatch(path.name)) and complete(path))
+    """The complete checkpoints in ``root``, by step; :class:`CheckpointError` if ``root``
+    cannot be listed."""
+    try:
+        if not root.is_dir():
+            return []
+        return sorted((int(match.group(1)), path) for path in root.iterdir()
+                      if (match := _NAME.fullmatch(path.name)) and complete(path))
+    except OSError as exc:
+        raise CheckpointError(f"{root} cannot be read ({_reason(exc)})") from None
 
 
 def candidates(directory: str | os.PathLike[str]) -> list[Path]:
@@ -192,8 +199,11 @@ def candidates(directory: str | os.PathLike[str]) -> list[Path]:
     else the one its ``latest`` file names (the last saved), then the others, newest step
     first."""
     root = Path(directory)
-    if complete(root):
-        return [root]
+    try:
+        if complete(root):
+            return [root]
+    except OSError as exc:
+        raise CheckpointError(f"{root} cannot be read ({_reason(exc)})") from None
     found = [path for _, path in reversed(checkpoints(root))]
     pointer = root / LATEST
     if pointer.is_file():
@@ -230,13 +240,16 @@ def newest_verified(directory: str | os.PathLike[str]) -> Verified:
     for path in candidates(directory):
         try:
             manifest = read_manifest(path)
+            problems = file_problems(path, manifest)
         except CheckpointError as exc:
             skipped.append((path, str(exc)))
             continue
-        problems = file_problems(path, manifest)
+        except OSError as exc:
+            skipped.append((path, f"unreadable ({_reason(exc)})"))
+            continue
         if not problems:
             return Verified(path, manifest, tuple(skipped))
-        skipped.append((path, "; ".join(problems)))
+        skipped.append((path, some(problems, separator="; ")))
     raise no_checkpoint(Path(directory), skipped)
 
 
@@ -255,7 +268,7 @@ def no_checkpoint(root: Path, skipped: Sequence[tuple[Path, str]]) -> Checkpoint
 
 def describe_skipped(skipped: Sequence[tuple[Path, str]]) -> str:
     """``skipped`` in a line: each checkpoint's name and why."""
-    return "; ".join(f"{path.name} ({why})" for path, why in skipped)
+    return some([f"{path.name} ({why})" for path, why in skipped], separator="; ")
 
 
 def some(items: Sequence[str], shown: int = 3, separator: str = ", ") -> str:

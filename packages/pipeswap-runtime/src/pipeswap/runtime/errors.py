@@ -29,3 +29,8 @@ class PeerFailedError(PipelineCommError):
 class CheckpointError(PipelineError):
     """A checkpoint could not be saved, is missing, does not verify, or does not fit this job;
     raised on every rank alike."""
+
+
+class CheckpointIOError(CheckpointError):
+    """Reading or writing a checkpoint failed on disk (full, unwritable, gone): a failure of
+    the run, not of the job's input."""

@@ -28,6 +28,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, suppress
 from typing import TYPE_CHECKING, TypeVar, cast
 
+from pipeswap.runtime.errors import PipelineSetupError
 from pipeswap.runtime.rank_failure import Ending, RankFailure, cause, describe, exit_summary
 
 if TYPE_CHECKING:
@@ -73,6 +74,11 @@ class _Progress:
 _progress: _Progress | None = None  # set in a spawned rank's process by _rank_main
 
 
+def current_step() -> int | None:
+    """The step this rank last began (:func:`mark_step`), None before the first."""
+    return None if _progress is None else _step(_progress.steps, _progress.rank)
+
+
 def mark_step(step: int) -> None:
     """Tell the launcher this rank has begun ``step``, so that a failure report names it; a
     no-op outside a rank :func:`spawn` started."""
@@ -88,8 +94,10 @@ def init_from_env(backend: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> tuple[i
     """Join the process group torchrun describes in the environment; (rank, world size)."""
     import torch.distributed as dist
 
+    global _progress
     _select_device(backend)
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+    _progress = _Progress([-1], 0)  # no launcher to tell: kept for this rank's own report
     return dist.get_rank(), dist.get_world_size()
 
 
@@ -102,6 +110,10 @@ def pipeline_mesh(device_type: str, ranks: int, dp: int, timeout_s: float) -> De
     import torch.distributed as dist
     from torch.distributed.device_mesh import DeviceMesh
 
+    if ranks * dp != dist.get_world_size():
+        raise PipelineSetupError(f"a mesh of {ranks} pipeline ranks x {dp} replicas needs "
+                                 f"{ranks * dp} ranks, but the world has "
+                                 f"{dist.get_world_size()}: start ranks x dp processes")
     layout = torch.arange(ranks * dp).reshape(ranks, dp)
     timeout = datetime.timedelta(seconds=timeout_s)
     me = dist.get_rank()
@@ -165,12 +177,14 @@ def _rank_main(rank: int, world_size: int, port: int, backend: str, timeout_s: f
         _select_device(backend)
         dist.init_process_group(backend, rank=rank, world_size=world_size,
                                 timeout=datetime.timedelta(seconds=timeout_s))
-        try:
-            value = fn(rank, world_size, *args)
-        finally:
-            dist.destroy_process_group()
+        value = fn(rank, world_size, *args)
+        dist.destroy_process_group()
     except BaseException as exc:  # noqa: BLE001 - reported to the parent, which raises
+        # reported before the teardown, which may block on work a failed peer never ends
         results.put((rank, describe(exc, traceback.format_exc(), rank, _step(steps, rank))))
+        if dist.is_initialized():
+            with suppress(Exception):
+                dist.destroy_process_group()
         return
     # Pickled here, by value: torch's queue would share tensors through file descriptors
     # that vanish when this process exits.
@@ -182,8 +196,9 @@ def spawn(fn: Callable[..., T], world_size: int, *args: object, backend: str = "
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` local processes; their results.
 
     ``fn`` and ``args`` must be picklable (a module-level function). ``timeout_s`` bounds
-    every collective and transfer; the whole run may take longer. Interrupting or terminating this process stops every rank
-    before the exception (``KeyboardInterrupt``, or ``SystemExit`` for SIGTERM) goes on.
+    every collective and transfer; the whole run may take longer. Interrupting or
+    terminating this process stops every rank before the exception (``KeyboardInterrupt``,
+    or ``SystemExit`` for SIGTERM) goes on.
     """
     import torch.multiprocessing as mp
 
@@ -223,14 +238,18 @@ def _collect(processes: list[BaseProcess], results: Results, values: dict[int, T
     waiting for a hung peer, which is the one left running)."""
     reported: set[int] = set()
     deadline: float | None = None
+
+    def read() -> None:
+        rank, value = results.get()
+        reported.add(rank)
+        if isinstance(value, bytes):
+            values[rank] = pickle.loads(value)
+        else:
+            failures[rank] = value
+
     while len(reported) < len(processes):
         if not results.empty():
-            rank, value = results.get()
-            reported.add(rank)
-            if isinstance(value, bytes):
-                values[rank] = pickle.loads(value)
-            else:
-                failures[rank] = value
+            read()
         else:
             for rank, process in enumerate(processes):
                 process.join(timeout=0.05)
@@ -242,6 +261,8 @@ def _collect(processes: list[BaseProcess], results: Results, values: dict[int, T
         if failures and deadline is None:
             deadline = time.monotonic() + _REPORT_S
         if deadline is not None and time.monotonic() > deadline:
+            while not results.empty():  # what came in while the ranks were polled
+                read()
             first = next(iter(failures))
             for rank in sorted(set(range(len(processes))) - reported):
                 story = (f"rank {rank} was killed: still running {_REPORT_S:.0f} s after rank "
@@ -249,6 +270,8 @@ def _collect(processes: list[BaseProcess], results: Results, values: dict[int, T
                 failures[rank] = RankFailure(rank, Ending.KILLED, "was killed", story,
                                              _step(steps, rank))
                 processes[rank].kill()  # it had its chance: no SIGTERM grace for a hung rank
+            while not results.empty():  # a report sent just before the kill stands
+                read()
             return
 
 

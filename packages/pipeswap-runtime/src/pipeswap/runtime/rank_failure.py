@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import re
 import signal
+from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import Enum
@@ -23,6 +24,8 @@ _BROKEN_TRANSFER = re.compile(r"timed out waiting|connection closed by peer|conn
                               r"by peer|broken pipe|nccl (error|watchdog)", re.IGNORECASE)
 
 
+#: How the runtime's transport names the peer a failed transfer waited on.
+_PEER = re.compile(r"(?:receiving from|sending to) rank (\d+)")
 _LONGEST = 400  # characters of an error message in a headline
 
 
@@ -47,6 +50,8 @@ class RankFailure:
     #: the rank stopped because another failed: told by the failure protocol, or a
     #: transfer with a failed peer broke or timed out
     secondary: bool = False
+    #: the peer a failed transfer of this rank waited on, where its error names one
+    blames: int | None = None
 
     def headline(self, timeout_s: float) -> str:
         """One line for the user: which rank, what happened, at which step."""
@@ -54,8 +59,8 @@ class RankFailure:
         if self.ending is Ending.DIED:
             return f"rank {self.rank} {self.summary} {at}; the other ranks stopped"
         if self.ending is Ending.KILLED:
-            return (f"rank {self.rank} hung {at}: the other ranks waited --timeout "
-                    f"{timeout_s:g} s for it and stopped, and it was killed")
+            return (f"rank {self.rank} hung {at}: the other ranks waited their timeout "
+                    f"({timeout_s:g} s) for it and stopped, and it was killed")
         if self.user_error:  # the message says what to fix; its type adds nothing
             return f"rank {self.rank}: {self.summary.partition(': ')[2]}"
         return f"rank {self.rank} failed {at}: {self.summary}"
@@ -75,13 +80,22 @@ def exit_summary(exitcode: int | None) -> str:
 def cause(failures: Mapping[int, RankFailure]) -> RankFailure:
     """The failure that explains the others (``failures`` in the order the launcher learned
     of them): a rank that died by itself comes first (its peers' transfers broke), then the
-    first rank's own error (not a peer's, not a broken transfer), then a rank that hung."""
-    order = {Ending.DIED: 0, Ending.RAISED: 1, Ending.KILLED: 2}
+    first rank's own error (not a peer's, not a broken transfer), then a rank that hung (the
+    one its peers' failed transfers name most, else the one at the earliest step), then a
+    rank aborted (NCCL's watchdog ends a rank whose operation timed out with SIGABRT)."""
+    blamed = Counter(f.blames for f in failures.values() if f.blames is not None)
 
-    def weight(item: tuple[int, RankFailure]) -> tuple[int, int]:
+    def weight(item: tuple[int, RankFailure]) -> tuple[int, int, int, int]:
         arrival, failure = item
-        kind = order[failure.ending] + (2 if failure.secondary else 0)
-        return kind, arrival
+        aborted = failure.summary == exit_summary(-signal.SIGABRT)
+        if failure.ending is Ending.DIED:
+            kind = 3 if aborted else 0
+        elif failure.ending is Ending.RAISED:
+            kind = 4 if failure.secondary else 1
+        else:
+            kind = 2
+        step = (-1 if failure.step is None else failure.step) if kind == 2 else 0
+        return kind, -blamed[failure.rank], step, arrival
 
     return min(enumerate(failures.values()), key=weight)[1]
 
@@ -98,8 +112,13 @@ def _one_line(message: str) -> str:
 
 def describe(error: BaseException, story: str, rank: int, step: int | None) -> RankFailure:
     """A rank's report of the exception that ended it."""
-    from pipeswap.runtime.checkpoint import CheckpointError
-    from pipeswap.runtime.errors import PipelineCommError, PipelineSetupError
+    from pipeswap.runtime.errors import (
+        CheckpointError,
+        CheckpointIOError,
+        PeerFailedError,
+        PipelineCommError,
+        PipelineSetupError,
+    )
 
     message = _one_line(str(error))
     secondary = isinstance(error, PipelineCommError) or (
@@ -110,6 +129,10 @@ def describe(error: BaseException, story: str, rank: int, step: int | None) -> R
         secondary = secondary or isinstance(error, DistError)
     except ImportError:  # a torch without these types: judge by the message
         pass
+    peer = _PEER.search(message)
+    blames = (int(peer.group(1)) if peer is not None and isinstance(error, PipelineCommError)
+              and not isinstance(error, PeerFailedError) else None)
+    user_error = (isinstance(error, (PipelineSetupError, CheckpointError))
+                  and not isinstance(error, CheckpointIOError))
     return RankFailure(rank, Ending.RAISED, f"{type(error).__name__}: {message}", story, step,
-                       user_error=isinstance(error, (PipelineSetupError, CheckpointError)),
-                       secondary=secondary)
+                       user_error=user_error, secondary=secondary, blames=blames)

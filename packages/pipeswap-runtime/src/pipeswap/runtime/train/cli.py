@@ -1,6 +1,6 @@
 """The ``pipeswap-train`` command line: the parser, every check of its values (each bad
-value refused with one line before any rank starts), the config it makes, and ``main``,
-which spawns the ranks or joins torchrun's and prints the report.
+value refused with one line, and a pointer to --help, before any rank starts), the config it
+makes, and ``main``, which spawns the ranks or joins torchrun's and prints the report.
 """
 
 from __future__ import annotations
@@ -9,15 +9,19 @@ import argparse
 import json
 import os
 import sys
+import traceback
 from typing import NoReturn
 
+from pipeswap.runtime.errors import CheckpointError
 from pipeswap.runtime.launch import (
     RankFailedError,
     backend_for,
+    current_step,
     init_from_env,
     launched_by_torchrun,
     spawn,
 )
+from pipeswap.runtime.rank_failure import describe
 from pipeswap.runtime.train.config import (
     DTYPES,
     LOG_LEVELS,
@@ -32,7 +36,6 @@ from pipeswap.runtime.train.config import (
     TrainConfig,
     TrainingConfig,
 )
-from pipeswap.runtime.errors import CheckpointError
 from pipeswap.runtime.train.metrics import ModeResult
 from pipeswap.runtime.train.preflight import (
     directory_problem,
@@ -524,11 +527,18 @@ def _main_torchrun(config: TrainConfig, args: argparse.Namespace) -> NoReturn:
     from pipeswap.runtime.comm import gather_object
 
     rank, world = init_from_env(backend_for(config.training.device), config.job.timeout_s)
+    code = 0
     try:
         gathered = gather_object(run_rank(rank, world, config))
         dist.barrier()  # nobody tears the group down while another rank still uses it
-    finally:
         dist.destroy_process_group()
+    except Exception as exc:  # noqa: BLE001 - one line; torchrun sees the exit code
+        failure = describe(exc, traceback.format_exc(), rank, current_step())
+        if config.job.log_level == "debug":
+            print(failure.story, file=sys.stderr)
+        print(f"pipeswap-train: error: {failure.headline(config.job.timeout_s)}",
+              file=sys.stderr, flush=True)
+        gathered, code = None, 2 if failure.user_error else 1
     if gathered is not None:
         _report(config, args, [_results(entry) for entry in gathered])
     # Leave without the interpreter's teardown, as the spawned ranks do (multiprocessing ends
@@ -537,7 +547,7 @@ def _main_torchrun(config: TrainConfig, args: argparse.Namespace) -> NoReturn:
     # was done and printed.
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)
+    os._exit(code)
 
 
 def _results(entry: object) -> dict[str, ModeResult]:

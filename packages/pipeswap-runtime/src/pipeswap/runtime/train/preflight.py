@@ -32,18 +32,18 @@ def directory_problem(path: str) -> str | None:
     if not path.strip():
         return "is empty: name a directory"
     target = Path(path)
-    if target.exists() and not target.is_dir():
-        return "is a file, not a directory"
-    probe = target
-    while not probe.exists():
-        probe = probe.parent
-    if not probe.is_dir():
-        return f"cannot be made: {probe} is a file"
     try:
+        if target.exists() and not target.is_dir():
+            return "is a file, not a directory"
+        probe = target
+        while not probe.exists():
+            probe = probe.parent
+        if not probe.is_dir():
+            return f"cannot be made: {probe} is a file"
         with tempfile.TemporaryDirectory(dir=probe, prefix=".pipeswap-probe-"):
             pass
     except OSError as exc:
-        return f"cannot be written: {exc.strerror or exc} in {probe}"
+        return f"cannot be written: {exc.strerror or exc}"
     return None
 
 
@@ -53,18 +53,17 @@ def file_problem(path: str) -> str | None:
     if not path.strip():
         return "is empty: name a file"
     target = Path(path)
-    if target.is_dir():
-        return "is a directory: name a file in it"
-    if not target.parent.is_dir():
-        return f"cannot be made: {target.parent} is not a directory"
     try:
+        if target.is_dir():
+            return "is a directory: name a file in it"
+        if not target.parent.is_dir():
+            return f"cannot be made: {target.parent} is not a directory"
         if target.exists():
             with target.open("a", encoding="utf-8"):
                 pass
-        else:
-            with target.open("x", encoding="utf-8"):
+        else:  # a name of its own: under torchrun every process checks at once
+            with tempfile.NamedTemporaryFile(dir=target.parent, prefix=".pipeswap-probe-"):
                 pass
-            target.unlink()
     except OSError as exc:
         return f"cannot be written: {exc.strerror or exc}"
     return None
@@ -89,11 +88,17 @@ def plan_resume(config: TrainConfig, layout: Layout, verify: bool) -> ResumePlan
     paths, warnings = [], []
     for mode in config.swap.modes:
         where = Path(resume) / mode
-        if verify:
-            found = newest_verified(where)
-            path, manifest, skipped = found.path, found.manifest, found.skipped
-        else:
-            path, manifest, skipped = _first_readable(where)
+        try:
+            if verify:
+                found = newest_verified(where)
+                path, manifest, skipped = found.path, found.manifest, found.skipped
+            else:
+                path, manifest, skipped = _first_readable(where)
+        except CheckpointError as exc:
+            raise CheckpointError(
+                f"--resume {resume}: nothing to resume the {mode} run from: {exc} (resume "
+                "from a directory --checkpoint-dir filled, with the same choice of "
+                "--no-swap / --swap-only)") from None
         if skipped:
             warnings.append(f"--resume {resume}: the {mode} run resumes from {path.name}; "
                             f"skipped, as they do not verify: {describe_skipped(skipped)}")
@@ -123,7 +128,7 @@ def _check_fits(config: TrainConfig, mode: str, path: Path, manifest: Manifest,
             "--dp, --stages-per-rank and --schedule), or start afresh")
     saved = manifest.job.get("model")
     if isinstance(saved, dict):
-        mine = dataclasses.asdict(config.model)
+        mine = saved_model(config)
         differ = [f"{option} {saved.get(key)!r} saved, {mine[key]!r} here"
                   for key, option in _MODEL_OPTIONS.items() if saved.get(key) != mine[key]]
         if differ:
@@ -136,6 +141,12 @@ def _check_fits(config: TrainConfig, mode: str, path: Path, manifest: Manifest,
     if manifest.data_position >= steps:
         raise CheckpointError(f"{name}: its data position {manifest.data_position} is past "
                               f"the {steps} batches of --steps {steps}: give more steps")
+
+
+def saved_model(config: TrainConfig) -> dict[str, object]:
+    """The model options a checkpoint records: as given, with the layer count resolved (no
+    ``--layers`` means two blocks a stage), so that spellings of one model compare equal."""
+    return {**dataclasses.asdict(config.model), "layers": config.num_layers}
 
 
 def expected_layout(config: TrainConfig, stage_ranks: tuple[int, ...]) -> Layout:

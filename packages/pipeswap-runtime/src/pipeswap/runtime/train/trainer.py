@@ -7,7 +7,6 @@ time, and returns this rank's figures.
 
 from __future__ import annotations
 
-import dataclasses
 import gc
 import itertools
 import logging
@@ -29,6 +28,7 @@ from pipeswap.runtime.train.components import (
 from pipeswap.runtime.train.config import TrainConfig
 from pipeswap.runtime.train.metrics import ModeResult, write_metrics
 from pipeswap.runtime.train.policy import budget_policy, swap_policy
+from pipeswap.runtime.train.preflight import saved_model
 from pipeswap.runtime.train.report import mib
 
 if TYPE_CHECKING:
@@ -135,6 +135,7 @@ class Trainer:
         from pipeswap.runtime.tied import TiedGradients
 
         config = self.config
+        mark_step(-1)  # no step of this mode begun yet: a failure in its set-up says so
         # What an earlier run in this process left as garbage (the mode before, its cycles
         # of stages, hooks and executor) is freed now, not inside the measurement below,
         # where its frees would count against this mode's parameters.
@@ -204,7 +205,7 @@ class Trainer:
                                    or (every is not None and number % every == 0)):
             save_checkpoint(os.path.join(saving, mode), step=number, stages=stages,
                             optimizer=optimizer, data_position=number,
-                            job={"model": dataclasses.asdict(config.model)})
+                            job={"model": saved_model(config)})
         # a run of one step (a resumed one too) times the step it measured
         only = result.first_step == config.training.steps
         result.record(report, measured=measured, timed=not measured or only)
