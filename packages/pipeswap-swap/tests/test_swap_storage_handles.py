@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from pipeswap.platform import get_platform
-from pipeswap.swap import LayerOffload, SwapManager
+from pipeswap.swap import LayerOffload, SwapManager, SwapStats
 from pipeswap.swap.groups import SavedEntry
 from pipeswap.swap.references import referenced_elsewhere
 
@@ -300,6 +300,23 @@ def assert_kept_once(messages: list[str]) -> None:
     assert len(messages) == 1 and "still references it" in messages[0], messages
 
 
+def step_both_ways(model: torch.nn.Module, swapped: torch.nn.Module, offload: LayerOffload,
+                   number: int) -> SwapStats:
+    """One step of ``model`` without and of ``swapped`` with ``offload``: bit-identical, the
+    handle's storage kept (once, with a warning) and the rest moved; the stats after it."""
+    x = torch.randn(BATCH, WIDTH)
+    want, _ = offload_step(model, x, None)
+    before = offload.manager.stats()
+    got, messages = offload_step(swapped, x, offload)
+    assert_bit_identical(want, got)
+    assert_kept_once(messages)
+    stats = offload.manager.stats()
+    kept = stats.bytes_kept_referenced - before.bytes_kept_referenced
+    assert kept == nbytes(), f"step {number}"
+    assert stats.bytes_offloaded > before.bytes_offloaded, f"step {number}: nothing moved"
+    return stats
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_a_handle_later_layers_and_backward_read_is_kept_per_layer(kind: str) -> None:
     torch.manual_seed(0)
@@ -307,16 +324,7 @@ def test_a_handle_later_layers_and_backward_read_is_kept_per_layer(kind: str) ->
     swapped = copy.deepcopy(model)
     offload = LayerOffload(list(swapped), platform=get_platform(DEVICE))
     for number in range(2):
-        x = torch.randn(BATCH, WIDTH)
-        want, _ = offload_step(model, x, None)
-        before = offload.manager.stats()
-        got, messages = offload_step(swapped, x, offload)
-        assert_bit_identical(want, got)
-        assert_kept_once(messages)
-        stats = offload.manager.stats()
-        kept = stats.bytes_kept_referenced - before.bytes_kept_referenced
-        assert kept == nbytes(), f"step {number}"
-        assert stats.bytes_offloaded > before.bytes_offloaded, f"step {number}: nothing moved"
+        stats = step_both_ways(model, swapped, offload, number)
         assert offload.manager.active_group_count() == 0
         assert stats.device_bytes_held == 0 and stats.host_bytes_in_use == 0
     offload.close()
@@ -351,16 +359,7 @@ def test_a_storage_kept_across_steps_stays_on_the_device() -> None:
     swapped = copy.deepcopy(model)
     offload = LayerOffload(list(swapped), platform=get_platform(DEVICE))
     for number in range(3):
-        x = torch.randn(BATCH, WIDTH)
-        want, _ = offload_step(model, x, None)
-        before = offload.manager.stats()
-        got, messages = offload_step(swapped, x, offload)
-        assert_bit_identical(want, got)
-        assert_kept_once(messages)
-        stats = offload.manager.stats()
-        assert stats.bytes_kept_referenced - before.bytes_kept_referenced == nbytes(), (
-            f"step {number}")
-        assert stats.bytes_offloaded > before.bytes_offloaded
+        step_both_ways(model, swapped, offload, number)
     offload.close()
 
 

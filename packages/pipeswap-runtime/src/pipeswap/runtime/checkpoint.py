@@ -51,11 +51,10 @@ from pipeswap.runtime.checkpoint_files import (
     candidates,
     checkpoint_path,
     checkpoints,
-    file_problems,
+    examine,
     file_sum,
     latest_checkpoint,
     no_checkpoint,
-    read_manifest,
     some,
 )
 from pipeswap.runtime.errors import CheckpointError, CheckpointIOError
@@ -230,12 +229,7 @@ def _find(root: Path) -> _Found:
     paths = _on_rank0(lambda: candidates(root), f"listing the checkpoints in {root}")
     skipped: list[tuple[Path, str]] = []
     for path in paths:
-        manifest: Manifest | None = None
-        try:
-            manifest = read_manifest(path)
-            problems = file_problems(path, manifest, lambda index: index % world == rank)
-        except (CheckpointError, OSError) as exc:
-            problems = [str(exc)]
+        manifest, problems = examine(path, lambda index: index % world == rank)
         every: list[Any] = [None] * world  # Any: each rank's pickled list of problems
         dist.all_gather_object(every, problems)
         found = sorted({line for lines in every for line in lines})

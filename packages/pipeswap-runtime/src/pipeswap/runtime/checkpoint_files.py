@@ -233,21 +233,27 @@ class Verified:
     skipped: tuple[tuple[Path, str], ...]
 
 
-def newest_verified(directory: str | os.PathLike[str]) -> Verified:
-    """The first of :func:`candidates` whose manifest and files verify, in this process;
-    :class:`CheckpointError` saying why each failed when none does."""
+def examine(path: Path, share: Callable[[int], bool] | None = None, files: bool = True
+            ) -> tuple[Manifest | None, list[str]]:
+    """Checkpoint ``path``'s manifest (None when it does not read) and what is wrong with it,
+    one line each: the manifest, and with ``files`` its files (``share``: as for
+    :func:`file_problems`)."""
+    try:
+        manifest = read_manifest(path)
+        return manifest, file_problems(path, manifest, share) if files else []
+    except CheckpointError as exc:
+        return None, [str(exc)]
+    except OSError as exc:
+        return None, [f"unreadable ({_reason(exc)})"]
+
+
+def newest_verified(directory: str | os.PathLike[str], files: bool = True) -> Verified:
+    """The first of :func:`candidates` whose manifest (and with ``files`` its files) verify,
+    in this process; :class:`CheckpointError` saying why each failed when none does."""
     skipped: list[tuple[Path, str]] = []
     for path in candidates(directory):
-        try:
-            manifest = read_manifest(path)
-            problems = file_problems(path, manifest)
-        except CheckpointError as exc:
-            skipped.append((path, str(exc)))
-            continue
-        except OSError as exc:
-            skipped.append((path, f"unreadable ({_reason(exc)})"))
-            continue
-        if not problems:
+        manifest, problems = examine(path, files=files)
+        if manifest is not None and not problems:
             return Verified(path, manifest, tuple(skipped))
         skipped.append((path, some(problems, separator="; ")))
     raise no_checkpoint(Path(directory), skipped)

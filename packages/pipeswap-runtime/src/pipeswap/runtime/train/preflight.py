@@ -12,11 +12,8 @@ from pathlib import Path
 from pipeswap.runtime.checkpoint_files import (
     Layout,
     Manifest,
-    candidates,
     describe_skipped,
     newest_verified,
-    no_checkpoint,
-    read_manifest,
 )
 from pipeswap.runtime.errors import CheckpointError
 from pipeswap.runtime.train.config import TrainConfig
@@ -89,32 +86,19 @@ def plan_resume(config: TrainConfig, layout: Layout, verify: bool) -> ResumePlan
     for mode in config.swap.modes:
         where = Path(resume) / mode
         try:
-            if verify:
-                found = newest_verified(where)
-                path, manifest, skipped = found.path, found.manifest, found.skipped
-            else:
-                path, manifest, skipped = _first_readable(where)
+            found = newest_verified(where, files=verify)
         except CheckpointError as exc:
             raise CheckpointError(
                 f"--resume {resume}: nothing to resume the {mode} run from: {exc} (resume "
                 "from a directory --checkpoint-dir filled, with the same choice of "
                 "--no-swap / --swap-only)") from None
-        if skipped:
-            warnings.append(f"--resume {resume}: the {mode} run resumes from {path.name}; "
-                            f"skipped, as they do not verify: {describe_skipped(skipped)}")
-        _check_fits(config, mode, path, manifest, layout)
-        paths.append((mode, str(path)))
+        if found.skipped:
+            warnings.append(f"--resume {resume}: the {mode} run resumes from "
+                            f"{found.path.name}; skipped, as they do not verify: "
+                            f"{describe_skipped(found.skipped)}")
+        _check_fits(config, mode, found.path, found.manifest, layout)
+        paths.append((mode, str(found.path)))
     return ResumePlan(tuple(paths), tuple(warnings))
-
-
-def _first_readable(where: Path) -> tuple[Path, Manifest, tuple[tuple[Path, str], ...]]:
-    skipped: list[tuple[Path, str]] = []
-    for path in candidates(where):
-        try:
-            return path, read_manifest(path), tuple(skipped)
-        except CheckpointError as exc:
-            skipped.append((path, str(exc)))
-    raise no_checkpoint(where, skipped)
 
 
 def _check_fits(config: TrainConfig, mode: str, path: Path, manifest: Manifest,
