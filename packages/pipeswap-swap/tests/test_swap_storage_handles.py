@@ -300,8 +300,8 @@ def assert_kept_once(messages: list[str]) -> None:
     assert len(messages) == 1 and "still references it" in messages[0], messages
 
 
-def step_both_ways(model: torch.nn.Module, swapped: torch.nn.Module, offload: LayerOffload,
-                   number: int) -> SwapStats:
+def step_both_ways(model: torch.nn.Sequential, swapped: torch.nn.Sequential,
+                   offload: LayerOffload, number: int) -> SwapStats:
     """One step of ``model`` without and of ``swapped`` with ``offload``: bit-identical, the
     handle's storage kept (once, with a warning) and the rest moved; the stats after it."""
     x = torch.randn(BATCH, WIDTH)
