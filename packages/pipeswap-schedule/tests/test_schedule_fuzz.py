@@ -147,7 +147,8 @@ def mutated(draw: st.DrawFn) -> tuple[list[list[str]], Schedule]:
 
 
 @PROPERTY_SETTINGS
-@given(mutated(), st.sampled_from(["lines", "json", "csv"]), st.sampled_from(["ordered", "tagged"]),
+@given(mutated(), st.sampled_from(["lines", "json", "csv"]),
+       st.sampled_from(["ordered", "nccl", "tagged"]),
        st.none() | st.integers(1, 7))
 def test_mutated_schedules_are_refused_or_valid(
         case: tuple[list[list[str]], Schedule], form: str, transport: str,

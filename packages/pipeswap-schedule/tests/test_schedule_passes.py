@@ -36,12 +36,31 @@ def _flat_p2p(order: tuple[Step | None, ...]) -> list[Step]:
     return [leaf for s in order if s is not None for leaf in s.p2p_leaves]
 
 
-def test_coalesce_batches_runs_of_two_or_more_and_keeps_singletons() -> None:
-    before = "0F0 0SEND_F0 0F1 0RECV_B0 0SEND_F1 0F2 0SEND_F2 _ 0RECV_B1 0SEND_F3 0B0"
-    after = coalesce_p2p(_rank0(before))
-    assert format_order(after.orders[0]) == (
-        "0F0 0SEND_F0 0F1 (0RECV_B0;0SEND_F1)BATCH_P2P 0F2 0SEND_F2 _ "
-        "(0RECV_B1;0SEND_F3)BATCH_P2P 0B0")
+def test_coalesce_batches_runs_of_two_or_more_alike_on_both_ends() -> None:
+    after = coalesce_p2p(one_f_one_b(2, 4))
+    assert [format_order(order) for order in after.orders] == [
+        "0F0 0SEND_F0 0F1 (0RECV_B0;0SEND_F1)BATCH_P2P 0B0 0F2 (0RECV_B1;0SEND_F2)BATCH_P2P 0B1 "
+        "0F3 (0RECV_B2;0SEND_F3)BATCH_P2P 0B2 0RECV_B3 0B3",
+        "1RECV_F0 1F0 1B0 (1SEND_B0;1RECV_F1)BATCH_P2P 1F1 1B1 (1SEND_B1;1RECV_F2)BATCH_P2P 1F2 "
+        "1B2 (1SEND_B2;1RECV_F3)BATCH_P2P 1F3 1B3 1SEND_B3"]
+    validate(after, transport="nccl")
+
+
+def test_coalesce_leaves_a_leaf_alone_when_its_counterpart_is_and_splits_its_run() -> None:
+    # Rank 1 receives micro 2 alone, so rank 0 sends it alone too, which splits rank 0's run
+    # of five sends into a batch, a lone send and a batch.
+    before = Schedule.from_orders([
+        parse_order("0F0 0F1 0F2 0F3 0F4 0SEND_F0 0SEND_F1 0SEND_F2 0SEND_F3 0SEND_F4 "
+                    "0RECV_B0 0B0 0RECV_B1 0B1 0RECV_B2 0B2 0RECV_B3 0B3 0RECV_B4 0B4"),
+        parse_order("1RECV_F0 1RECV_F1 1F0 1RECV_F2 1F1 1RECV_F3 1RECV_F4 1F2 1F3 1F4 "
+                    "1B0 1SEND_B0 1B1 1SEND_B1 1B2 1SEND_B2 1B3 1SEND_B3 1B4 1SEND_B4")])
+    after = coalesce_p2p(before)
+    assert format_order(after.orders[0]).startswith(
+        "0F0 0F1 0F2 0F3 0F4 (0SEND_F0;0SEND_F1)BATCH_P2P 0SEND_F2 "
+        "(0SEND_F3;0SEND_F4)BATCH_P2P 0RECV_B0 0B0")
+    assert format_order(after.orders[1]).startswith(
+        "(1RECV_F0;1RECV_F1)BATCH_P2P 1F0 1RECV_F2 1F1 (1RECV_F3;1RECV_F4)BATCH_P2P 1F2")
+    validate(after, transport="nccl")
 
 
 def test_coalesce_never_changes_the_p2p_sequence() -> None:

@@ -124,7 +124,9 @@ def test_load_is_launched_one_compute_ahead_of_the_backward() -> None:
 
 def test_coalesced_batches_are_never_split() -> None:
     order = parse_order("0F0 0SEND_F0 0F1 0RECV_B0 0SEND_F1 0F2 0SEND_F2 0F3 0SEND_F3 0B0")
-    batched = coalesce_p2p(Schedule((order, ()), (0, 1)))
+    # rank 1 posts the counterparts of 0RECV_B0 and 0SEND_F1 together: both ends are batched
+    peer = parse_order("1RECV_F0 1F0 1B0 1SEND_B0 1RECV_F1 1F1 1RECV_F2 1F2 1RECV_F3 1F3")
+    batched = coalesce_p2p(Schedule((order, peer), (0, 1)))
     done = inject_swap(batched, GAP).orders[0]
     assert format_order(done) == ("0F0 0LO0 0SEND_F0 0F1 (0RECV_B0;0SEND_F1)BATCH_P2P 0WO0 "
                                   "0F2 0SEND_F2 0LL0 0F3 0SEND_F3 0WL0 0B0")

@@ -49,7 +49,7 @@ from pipeswap.schedule.simulate import RankResult, SimulationResult, simulate
 from pipeswap.schedule.steps import ChunkKey, Order, Step, StepType
 from pipeswap.schedule.swap import inject_swap, swap_candidates, swapped_chunks
 from pipeswap.schedule.text import format_order, parse_order, parse_step
-from pipeswap.schedule.transports import simulate_p2p
+from pipeswap.schedule.transports import check_batches_alike, simulate_p2p
 from pipeswap.schedule.units import parse_bytes
 from pipeswap.schedule.validation import validate
 
@@ -91,6 +91,7 @@ __all__ = [
     "__version__",
     "add_fsdp_steps",
     "build_schedule",
+    "check_batches_alike",
     "coalesce_p2p",
     "default_swap_policy",
     "dumps_lines",

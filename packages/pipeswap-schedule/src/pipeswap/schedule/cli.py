@@ -133,7 +133,8 @@ def _spec_arguments() -> Parser:
                        help="every stage is FSDP-managed: add UNSHARD/RESHARD/REDUCE_GRAD "
                             "(simulate then counts the gathered parameters, --param-bytes)")
     group.add_argument("--batch-p2p", action="store_true",
-                       help="coalesce adjacent sends/receives into BATCH_P2P steps")
+                       help="coalesce adjacent sends/receives into BATCH_P2P steps, both "
+                            "ends of each message alike (what --transport nccl checks)")
     group.add_argument("--swap", action="store_true",
                        help="inject activation swap steps (LO, WO, LL, WL; SO, SL for chunks "
                             "streamed layer by layer) as the last pass, for the chunks --policy "
@@ -197,9 +198,14 @@ def _parser() -> Parser:
                             "micro + 1); every stage must compute micro 0..M-1 either way")
     check.add_argument("--transport", choices=TRANSPORTS, default="ordered",
                        help="ordered (default): a send waits for its receive and messages "
-                            "between two ranks pair in order, as NCCL; tagged: sends never "
-                            "wait and messages match by tag, as gloo (only schedules built "
-                            "with --lowering deferred need it)")
+                            "between two ranks pair in order, as on NCCL when every send and "
+                            "receive goes through batch_isend_irecv (the pipeswap runtime "
+                            "posts them so). nccl: ordered, and both ends of each message "
+                            "posted alike, both in a BATCH_P2P or both alone, as an executor "
+                            "that posts a lone send or receive with plain isend/irecv needs "
+                            "(NCCL pairs the two kinds on different communicators). tagged: "
+                            "sends never wait and messages match by tag, as on gloo (only "
+                            "schedules built with --lowering deferred need it)")
     check.add_argument("--layers-per-stage", type=LAYERS, metavar="L",
                        help=f"layers in one chunk of every stage (1 to {MAX_LAYERS}): a "
                             "streamed swap's layer lag (0SO3:2 is lag 2) must then be 1 to L. "
@@ -231,14 +237,17 @@ def _parser() -> Parser:
                               "on NCCL) or deferred (receives right before their consumers; "
                               "needs --transport tagged)")
     convert.add_argument("--batch-p2p", action="store_true",
-                         help="coalesce adjacent sends/receives into BATCH_P2P steps")
+                         help="coalesce adjacent sends/receives into BATCH_P2P steps, both "
+                              "ends of each message alike (what --transport nccl checks)")
     convert.add_argument("--swap", action="store_true",
                          help="inject swap steps for the chunks --policy picks (default peak)")
     convert.add_argument("--swap-min-gap", type=int, default=None, metavar="N",
                          help="the gap policy's threshold (implies it and --swap; 4 is "
                               "MindSpore hyper-parallel's rule)")
     convert.add_argument("--transport", choices=TRANSPORTS, default="ordered",
-                         help="P2P model for the final validation (see 'validate --help')")
+                         help="P2P model for the final validation: ordered (default), nccl "
+                              "(also both ends of each message batched alike) or tagged (see "
+                              "'validate --help')")
     convert.add_argument("--output", "-o", metavar="FILE", help="write here, not to stdout")
 
     show = commands.add_parser(

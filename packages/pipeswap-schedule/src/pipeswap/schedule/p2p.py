@@ -8,9 +8,11 @@ from pipeswap.schedule.lockstep import Visibility, Waiting, lockstep
 from pipeswap.schedule.schedule import Message, Schedule
 from pipeswap.schedule.steps import (
     ACTIVATION_CONSUMERS,
+    COMM,
     COMPUTE,
     OVERLAPS,
     P2P,
+    SENDS,
     Order,
     Step,
     StepType,
@@ -71,34 +73,118 @@ def insert_send_recv(schedule: Schedule) -> Schedule:
 
 @gc_paused
 def coalesce_p2p(schedule: Schedule) -> Schedule:
-    """Replace each run of two or more adjacent P2P leaves by one ``BATCH_P2P`` step.
+    """Batch adjacent P2P leaves into ``BATCH_P2P`` steps, both ends of each message alike.
 
-    Flattening the batches gives back the input exactly, so the P2P order (and with it
-    deadlock freedom) is unchanged.
+    NCCL pairs an op posted in a batch on the group's communicator and one posted alone on
+    the two ranks' own, so a message batched on one end only never arrives. Each rank's runs
+    of adjacent P2P leaves are candidates; a leaf stays batched only while its counterpart
+    (paired first in, first out per rank pair) is batched and a neighbour in its run is, so
+    runs split where a leaf leaves them, until nothing changes. Batches already in the input
+    stay as they are (splitting one could deadlock) and count as batched. Flattening the
+    batches gives back the input exactly, so the P2P order (and with it deadlock freedom) is
+    unchanged.
     """
-    return schedule.map_orders(lambda _rank, order: _coalesce(order))
+    run, partner = _runs(schedule)
+    return _rebuild(schedule, _batched_alike(run, partner))
 
 
-def _coalesce(order: Order) -> list[Step | None]:
-    out: list[Step | None] = []
-    run: list[Step] = []
-    for step in order:
-        if step is not None and step.type in P2P:
-            run.append(step)
+def _runs(schedule: Schedule) -> tuple[list[int], list[int]]:
+    """Every P2P leaf, numbered rank by rank in order: the run of adjacent loose leaves it is
+    in (numbered by its first leaf; -1 for a leaf of an input batch), and its counterpart."""
+    run: list[int] = []
+    routes: dict[tuple[StepType, int | None], list[int] | None] = {}
+    ends: dict[tuple[int, int, bool], list[int]] = {}
+    for order in schedule.orders:
+        previous: Step | None = None
+        for step in order:
+            if step is not None and step.type in COMM:
+                for leaf in step.sub_steps or (step,):
+                    key = (leaf.type, leaf.stage)
+                    if key not in routes:
+                        routes[key] = _channel_end(schedule, leaf, ends)
+                    end = routes[key]
+                    if end is not None:
+                        end.append(len(run))
+                    if step is leaf:
+                        loose = previous is not None and previous.type in P2P
+                        run.append(run[-1] if loose else len(run))
+                    else:
+                        run.append(-1)
+            previous = step
+    return run, _partners(ends, len(run))
+
+
+def _rebuild(schedule: Schedule, batched: list[bool]) -> Schedule:
+    """``schedule`` with each maximal span of adjacent ``batched`` leaves in one batch."""
+    orders: list[tuple[Step | None, ...]] = []
+    at = 0  # the number of the next P2P leaf
+    for order in schedule.orders:
+        out: list[Step | None] = []
+        batch: list[Step] = []
+        for step in order:
+            if step is not None and step.type in COMM:
+                if step.type in P2P and batched[at]:
+                    batch.append(step)
+                    at += 1
+                    continue
+                at += len(step.sub_steps) or 1
+            if batch:
+                _flush(batch, out)
+            out.append(step)
+        _flush(batch, out)
+        orders.append(tuple(out))
+    return Schedule(tuple(orders), schedule.stage_ranks)
+
+
+def _channel_end(schedule: Schedule, leaf: Step,
+                 ends: dict[tuple[int, int, bool], list[int]]) -> list[int] | None:
+    """The list of ``leaf``'s kind of end (sends or receives) on its channel, or None for a
+    leaf that talks to no other rank."""
+    assert leaf.stage is not None  # a P2P leaf
+    channel = schedule.channel(leaf.type, leaf.stage)
+    return None if channel is None else ends.setdefault((*channel, leaf.type in SENDS), [])
+
+
+def _partners(ends: dict[tuple[int, int, bool], list[int]], count: int) -> list[int]:
+    """Each leaf's counterpart (-1 when it has none): the k-th send on a channel with the k-th
+    receive, as an in-order transport pairs them."""
+    partner = [-1] * count
+    for (sender, receiver, is_send), sends in ends.items():
+        if is_send:
+            for send, recv in zip(sends, ends.get((sender, receiver, False), ())):
+                partner[send], partner[recv] = recv, send
+    return partner
+
+
+def _batched_alike(run: list[int], partner: list[int]) -> list[bool]:
+    """Which leaves to batch: the largest set in which each loose leaf has its counterpart
+    and a neighbour in its run batched (leaves of input batches always are). Removing a leaf
+    re-checks only its counterpart and neighbours, so the work is linear in the leaves."""
+    count = len(run)
+    batched = [r < 0 or (i > 0 and run[i - 1] == r) or (i + 1 < count and run[i + 1] == r)
+               for i, r in enumerate(run)]
+    work = [i for i in range(count) if batched[i] and run[i] >= 0]
+    while work:
+        i = work.pop()
+        r = run[i]
+        if r < 0 or not batched[i]:
             continue
-        if run:
-            _flush(run, out)
-        out.append(step)
-    _flush(run, out)
-    return out
+        j = partner[i]
+        left = i > 0 and run[i - 1] == r and batched[i - 1]
+        right = i + 1 < count and run[i + 1] == r and batched[i + 1]
+        if j >= 0 and batched[j] and (left or right):
+            continue
+        batched[i] = False
+        work += [k for k in (j, i - 1, i + 1) if 0 <= k < count]
+    return batched
 
 
-def _flush(run: list[Step], out: list[Step | None]) -> None:
-    if len(run) >= 2:
-        out.append(Step(StepType.BATCH_SEND_RECV, sub_steps=tuple(run)))
+def _flush(batch: list[Step], out: list[Step | None]) -> None:
+    if len(batch) >= 2:
+        out.append(Step(StepType.BATCH_SEND_RECV, sub_steps=tuple(batch)))
     else:
-        out += run
-    run.clear()
+        out += batch
+    batch.clear()
 
 
 @gc_paused

@@ -10,7 +10,14 @@ from typing import NamedTuple
 
 from pipeswap.schedule._numbering import gaps, listing
 from pipeswap.schedule.errors import ScheduleError
-from pipeswap.schedule.steps import ACTIVATION_CONSUMERS, Order, Step, StepType
+from pipeswap.schedule.steps import (
+    ACTIVATION_CONSUMERS,
+    SENDS,
+    Order,
+    Step,
+    StepType,
+    peer_stage,
+)
 
 
 class Message(NamedTuple):
@@ -127,6 +134,16 @@ class Schedule:
                 self.stage_ranks[stage - 1] != self.stage_ranks[stage]):
             return Message(False, stage, micro)
         return None
+
+    def channel(self, kind: StepType, stage: int) -> tuple[int, int] | None:
+        """The (sending rank, receiving rank) pair a P2P leaf of ``kind`` on ``stage`` moves
+        its message between, or None where the peer stage does not exist or shares the rank
+        (such a leaf is needless). Both ends of a channel pair first in, first out."""
+        ranks, other = self.stage_ranks, peer_stage(kind, stage)
+        if not (0 <= stage < len(ranks) and 0 <= other < len(ranks)) or (
+                ranks[stage] == ranks[other]):
+            return None
+        return (ranks[stage], ranks[other]) if kind in SENDS else (ranks[other], ranks[stage])
 
     def map_orders(self, rewrite: Callable[[int, Order], Iterable[Step | None]]) -> Schedule:
         """A new schedule whose order for rank r is ``rewrite(r, order)``."""

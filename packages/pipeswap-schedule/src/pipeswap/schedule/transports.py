@@ -9,7 +9,8 @@ which is what one ``torch.distributed.batch_isend_irecv`` call over all of them 
 executor must issue a batch that way (not one batch per peer, one after the other) for a
 schedule this module accepts to be deadlock-free. ``tagged`` (:func:`simulate_tagged`) lets
 a send never wait and a message meet the receive with its tag; only a compute waits, for the
-data it receives.
+data it receives. ``nccl`` adds :func:`check_batches_alike` to ``ordered``: both ends of a
+message posted inside a batch, or both alone.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from pipeswap.schedule.errors import DeadlockError, P2PError
 from pipeswap.schedule.lockstep import Visibility, lockstep
 from pipeswap.schedule.order_checks import needless_p2p
 from pipeswap.schedule.schedule import Message, Schedule
-from pipeswap.schedule.steps import COMM, COMPUTE, P2P, SENDS, Step, StepType, peer_stage
+from pipeswap.schedule.steps import COMM, COMPUTE, P2P, SENDS, Step, StepType
 
 
 @gc_paused
@@ -172,22 +173,72 @@ def _routes(schedule: Schedule) -> dict[tuple[StepType, int | None], _Route]:
 
     A channel is an ordered rank pair (sender, receiver); both ends match first in, first out.
     """
-    ranks = schedule.stage_ranks
     sent: dict[tuple[int, int], list[Step]] = {}
     received: dict[tuple[int, int], list[Step]] = {}
     routes: dict[tuple[StepType, int | None], _Route] = {}
-    for stage, rank in enumerate(ranks):
+    for stage in range(schedule.num_stages):
         for kind in P2P:
-            other = peer_stage(kind, stage)
-            if not 0 <= other < len(ranks) or ranks[other] == rank:
+            channel = schedule.channel(kind, stage)
+            if channel is None:
                 continue  # no P2P here: such a leaf is reported as needless
-            peer = ranks[other]
             is_send = kind in SENDS
-            channel = (rank, peer) if is_send else (peer, rank)
             mine, theirs = (sent, received) if is_send else (received, sent)
             routes[kind, stage] = (mine.setdefault(channel, []), theirs.setdefault(channel, []),
-                                   peer, is_send)
+                                   channel[1] if is_send else channel[0], is_send)
     return routes
+
+
+# One end of a message as posted: (the P2P leaf, the step that posts it, the rank).
+_End = tuple[Step, Step, int]
+
+
+@gc_paused
+def check_batches_alike(schedule: Schedule) -> None:
+    """Raise unless both ends of every message are posted alike: both inside a ``BATCH_P2P``
+    step or both as steps of their own.
+
+    NCCL pairs an op posted inside ``batch_isend_irecv`` on the group's communicator and one
+    posted alone (plain ``isend``/``irecv``) on the two ranks' own, so two ends posted
+    differently never meet. Ends pair first in, first out per rank pair, as in
+    :func:`simulate_p2p`, which should pass first. Work is linear in the number of steps.
+    """
+    ends: dict[tuple[int, int, bool], list[_End]] = {}
+    routes: dict[tuple[StepType, int | None], tuple[list[_End], list[_End]]] = {}
+    for stage in range(schedule.num_stages):
+        for kind in P2P:
+            channel = schedule.channel(kind, stage)
+            if channel is not None:
+                is_send = kind in SENDS
+                routes[kind, stage] = (ends.setdefault((*channel, is_send), []),
+                                       ends.setdefault((*channel, not is_send), []))
+    for rank, order in enumerate(schedule.orders):
+        for step in order:
+            if step is None or step.type not in COMM:
+                continue
+            for leaf in step.sub_steps or (step,):
+                route = routes.get((leaf.type, leaf.stage))
+                if route is None:
+                    needless_p2p(schedule, rank, leaf)
+                mine, theirs = route
+                mine.append((leaf, step, rank))
+                if len(mine) <= len(theirs):
+                    other = theirs[len(mine) - 1]
+                    if (other[1].type is StepType.BATCH_SEND_RECV) != (
+                            step.type is StepType.BATCH_SEND_RECV):
+                        _one_sided((leaf, step, rank), other)
+
+
+def _one_sided(end: _End, other: _End) -> NoReturn:
+    send, recv = (end, other) if end[0].type in SENDS else (other, end)
+
+    def posted(leaf: Step, step: Step) -> str:
+        return f"inside a batch ({step})" if step is not leaf else f"alone ({leaf})"
+
+    raise P2PError(
+        f"rank {send[2]} sends the {_describe(send[0])} {posted(*send[:2])} but rank {recv[2]} "
+        f"receives it {posted(*recv[:2])}; NCCL pairs an op in a batch only with one in a "
+        "batch, so the message never arrives and both ranks hang: batch both ends "
+        "(coalesce_p2p batches pairs alike) or neither", rank=recv[2])
 
 
 def _describe(step: Step) -> str:

@@ -24,14 +24,18 @@ from pipeswap.schedule.errors import (
 from pipeswap.schedule.order_checks import check_rank
 from pipeswap.schedule.schedule import Schedule
 from pipeswap.schedule.steps import ChunkKey, StepType
-from pipeswap.schedule.transports import simulate_p2p, simulate_tagged
+from pipeswap.schedule.transports import check_batches_alike, simulate_p2p, simulate_tagged
 
 
 #: How sends and receives meet. ``ordered``: a send waits for its receive and the messages
-#: between two ranks pair first in, first out (NCCL, HCCL; MindSpore hyper-parallel's model).
-#: ``tagged``: a send never waits and a message meets the receive with its tag (gloo, as the
-#: pipeswap runtime tags every message); only a compute waits, for the data it receives.
-TRANSPORTS = ("ordered", "tagged")
+#: between two ranks pair first in, first out (HCCL; MindSpore hyper-parallel's model; NCCL
+#: when every op goes through ``batch_isend_irecv``, as the pipeswap runtime posts them).
+#: ``nccl``: ``ordered``, and both ends of every message posted alike, inside a batch or
+#: alone, for an executor that posts a lone op with plain ``isend``/``irecv``: NCCL pairs
+#: the two kinds on different communicators. ``tagged``: a send never waits and a message
+#: meets the receive with its tag (gloo, as the pipeswap runtime tags every message); only a
+#: compute waits, for the data it receives.
+TRANSPORTS = ("ordered", "nccl", "tagged")
 
 
 @gc_paused
@@ -60,6 +64,13 @@ def validate(
     if transport == "tagged":
         simulate_tagged(schedule)
         return
+    _run_ordered(schedule)
+    if transport == "nccl":
+        check_batches_alike(schedule)
+
+
+def _run_ordered(schedule: Schedule) -> None:
+    """:func:`simulate_p2p`, its error saying so when tagged transfers would run it."""
     try:
         simulate_p2p(schedule)
     except (DeadlockError, P2PError) as exc:
