@@ -53,9 +53,12 @@ commands:
                      on Linux x86-64; --torch-index picks another index, e.g.
                      https://download.pytorch.org/whl/cu128), or with --use-installed-torch
                      into the environment of the Python running dev.py, keeping its torch
-                     (a container's, a conda env's). Then, with that env's python:
+                     (a container's, a conda env's). Last, it checks that this torch sees
+                     the GPUs and runs a kernel; if not, it fails with one line saying why
+                     (CPU build, CUDA_VISIBLE_DEVICES, driver, torch's CUDA version) and what
+                     to do. Then, with that env's python:
                        python -m pipeswap.runtime.train --device cuda --replay-rank 0
-                       python benchmarks/gpu_check.py --write
+                       python benchmarks/gpu_check.py --write   (--nccl: with 2+ GPUs)
 """
 
 from __future__ import annotations
@@ -64,12 +67,14 @@ import argparse
 import hashlib
 import json
 import os
+import re
 import shlex
 import shutil
 import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from xml.etree import ElementTree
 
@@ -406,14 +411,153 @@ def gpu_setup(options: list[str]) -> None:
     run([python, "-m", "pip", "install", "-q", "-c", constraints,
          *(f"--editable={directory}" for directory in package_dirs()),
          PYTEST, "hypothesis~=6.170"])
-    probe = ("import torch; cuda = torch.cuda.is_available(); "
-             "print(torch.__version__, torch.version.cuda, "
-             "torch.cuda.get_device_name() if cuda else 'no CUDA device visible', sep=', ')")
-    facts = subprocess.run([python, "-c", probe], capture_output=True, text=True, check=True)
-    say(f"ready: torch, CUDA, device: {facts.stdout.strip()}")
+    facts = cuda_facts(python)
     shown = python if args.use_installed_torch else python.relative_to(ROOT)
+    problem = cuda_problem(facts, driver_facts(), os.environ.get("CUDA_VISIBLE_DEVICES"),
+                           f"torch {facts.torch} in {where}")
+    if problem is not None:
+        raise Failure(problem)
+    say(f"ready: torch {facts.torch}, CUDA {facts.cuda}, {facts.count} GPU(s): {facts.device}")
     say(f"next: {shown} -m pipeswap.runtime.train --device cuda --replay-rank 0   and   "
-        f"{shown} benchmarks/gpu_check.py --write")
+        f"{shown} benchmarks/gpu_check.py --write"
+        + (f"   (with --nccl for the multi-process cases on the {facts.count} GPUs)"
+           if facts.count > 1 else ""))
+
+
+@dataclass(frozen=True)
+class CudaFacts:
+    """What torch in the set-up environment says about CUDA."""
+
+    torch: str
+    cuda: str | None  # the CUDA version torch was built for; None: a CPU build
+    available: bool
+    count: int
+    device: str  # the first GPU's name, "" when none
+    problem: str  # no GPU: torch's warning on initializing CUDA; else a first kernel's error
+
+
+@dataclass(frozen=True)
+class DriverFacts:
+    """What nvidia-smi says: the driver, and the highest CUDA version it supports."""
+
+    found: bool  # nvidia-smi is on PATH
+    error: str  # its first line of output when it failed, "" when it ran
+    gpus: int
+    driver: str  # "" when unknown
+    cuda: str  # "" when unknown
+
+
+# Run by the set-up env's python: torch's CUDA facts as JSON, one kernel run on the first GPU
+# (a build without kernels for this GPU fails only then), and torch's warnings on the way.
+CUDA_PROBE = """
+import json, warnings
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    import torch
+    available = torch.cuda.is_available()
+    count = torch.cuda.device_count() if available else 0
+    device, problem = "", ""
+    if available:
+        try:
+            device = torch.cuda.get_device_name(0)
+            (torch.ones(2, device="cuda") * 2).sum().item()
+        except Exception as exc:
+            problem = f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0]}"
+if not available:  # why not, in torch's words (a warning, when it gave one)
+    problem = next((str(w.message).strip().splitlines()[0] for w in caught
+                    if "cuda" in str(w.message).lower()), "")
+print(json.dumps({"torch": torch.__version__, "cuda": torch.version.cuda,
+                  "available": available, "count": count, "device": device,
+                  "problem": problem}))
+"""
+
+
+def cuda_facts(python: Path) -> CudaFacts:
+    """Ask ``python`` (the set-up environment's) what torch sees of CUDA."""
+    try:
+        done = subprocess.run([python, "-c", CUDA_PROBE], capture_output=True, text=True,
+                              check=False, timeout=300)
+    except subprocess.TimeoutExpired:
+        raise Failure(f"{python} took over 300 s to import torch and look for GPUs; check "
+                      "`nvidia-smi` (a hung driver?) and run `python3 dev.py gpu-setup` "
+                      "again") from None
+    lines = done.stdout.strip().splitlines()
+    if done.returncode != 0 or not lines:
+        errors = done.stderr.strip().splitlines()
+        raise Failure(f"torch does not import in {python}: "
+                      f"{errors[-1] if errors else f'exit {done.returncode}'}; run "
+                      "`python3 dev.py gpu-setup` again to reinstall it")
+    return CudaFacts(**json.loads(lines[-1]))
+
+
+def driver_facts() -> DriverFacts:
+    """nvidia-smi's GPU count, driver version and highest CUDA version."""
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return DriverFacts(False, "", 0, "", "")
+    try:
+        done = subprocess.run([smi], capture_output=True, text=True, check=False, timeout=60)
+        listed = subprocess.run([smi, "-L"], capture_output=True, text=True, check=False,
+                                timeout=60)
+    except subprocess.TimeoutExpired:
+        return DriverFacts(True, "it did not answer within 60 s", 0, "", "")
+    if done.returncode != 0:
+        lines = (done.stdout + done.stderr).strip().splitlines()
+        return DriverFacts(True, lines[0] if lines else f"exit {done.returncode}", 0, "", "")
+    driver = re.search(r"Driver Version:\s*([\d.]+)", done.stdout)
+    cuda = re.search(r"CUDA Version:\s*([\d.]+)", done.stdout)
+    gpus = sum(line.startswith("GPU ") for line in listed.stdout.splitlines())
+    return DriverFacts(True, "", gpus, driver.group(1) if driver else "",
+                       cuda.group(1) if cuda else "")
+
+
+def _version(text: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in re.findall(r"\d+", text)[:2])
+
+
+def cuda_problem(facts: CudaFacts, driver: DriverFacts, visible: str | None,
+                 what: str) -> str | None:
+    """None when torch sees a GPU and runs a kernel on it; else one line: what is wrong and
+    what to do. ``visible``: CUDA_VISIBLE_DEVICES (None: unset); ``what``: which torch."""
+    again = "then run `python3 dev.py gpu-setup` again"
+    if facts.cuda is None:
+        return (f"{what} is a CPU-only build (torch.version.cuda is None): install a CUDA "
+                "build, e.g. `python3 dev.py gpu-setup --torch-index "
+                "https://download.pytorch.org/whl/cu128` (without --use-installed-torch)")
+    if facts.available and facts.count > 0:
+        if facts.problem:
+            return (f"{what} (CUDA {facts.cuda}) sees {facts.device} but cannot run on it "
+                    f"({facts.problem}): install a torch build for this GPU, e.g. with "
+                    "--torch-index https://download.pytorch.org/whl/cu128")
+        return None
+    said = f" (torch says: {facts.problem})" if facts.problem else ""
+    if visible is not None and visible.strip() in ("", "-1", "none", "NoDevFiles"):
+        return (f"{what} sees no GPU: CUDA_VISIBLE_DEVICES={visible!r} hides them all; unset "
+                f"it or list the GPUs to use, {again}")
+    if not driver.found:
+        return (f"{what} (CUDA {facts.cuda}) sees no GPU and nvidia-smi is not on PATH: no "
+                "NVIDIA driver here; install it (in a container: start it with the GPUs, e.g. "
+                f"`docker run --gpus all`), {again}{said}")
+    if driver.error:
+        return (f"{what} (CUDA {facts.cuda}) sees no GPU and nvidia-smi fails ({driver.error}): "
+                f"fix the NVIDIA driver (after a driver update: reboot), {again}")
+    if driver.gpus == 0:
+        return (f"{what} (CUDA {facts.cuda}) sees no GPU and nvidia-smi lists none: check the "
+                f"machine has an NVIDIA GPU and its driver sees it, {again}")
+    if driver.cuda and _version(driver.cuda) < _version(facts.cuda):
+        return (f"{what} is built for CUDA {facts.cuda}, but the NVIDIA driver "
+                f"{driver.driver or '(version unknown)'} supports CUDA up to {driver.cuda}: "
+                f"update the driver, or install a torch built for CUDA {driver.cuda} or older "
+                "from PyTorch's index for it (--torch-index "
+                f"https://download.pytorch.org/whl/cuNNN){said}")
+    if visible is not None:
+        return (f"{what} (CUDA {facts.cuda}) sees none of the {driver.gpus} GPU(s) nvidia-smi "
+                f"lists: CUDA_VISIBLE_DEVICES={visible!r} matches none (it takes indices from "
+                f"0 to {driver.gpus - 1} or GPU UUIDs); fix or unset it, {again}{said}")
+    return (f"{what} (CUDA {facts.cuda}) sees none of the {driver.gpus} GPU(s) nvidia-smi "
+            f"lists{said}: check this process may open /dev/nvidia* (in a container: the GPUs "
+            f"passed in) and that the driver {driver.driver} matches its kernel module, "
+            f"{again}")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -3,8 +3,12 @@
     python benchmarks/gpu_check.py                        # this machine's GPU (<= 8 min, H200)
     python benchmarks/gpu_check.py --write                # also record it in BENCHMARKS.md
     python benchmarks/gpu_check.py --device cpu --quick   # every part, tiny, on the CPU platform
+    python benchmarks/gpu_check.py --nccl                 # also the NCCL cases (2+ GPUs)
+    python benchmarks/gpu_check.py --only nccl            # the NCCL cases alone
+    python benchmarks/gpu_check.py --list                 # the NCCL cases and their commands
 
-Parts, in this order (``--skip PART`` leaves one out; each prints as it goes):
+Parts, in this order (``--skip PART`` leaves one out, ``--only PART`` runs only the parts
+named; each prints as it goes):
 
 tests    the platform and swap-manager test suites on the device (``PIPESWAP_TEST_DEVICE``):
          property tests, and the stress tests that reuse freed device memory right after each
@@ -21,9 +25,20 @@ replay   rank 0 of 1F1B P=8 M=16, Llama layers of hidden 4096 (32 heads, 16 key/
          heads) on sequences of 4096 tokens in bf16 (4 layers a stage), replayed alone (``pipeswap-train --replay-rank 0``): peaks
          (counted and the allocator's) and step time without swap, swapping whole chunks, and
          streaming layer by layer. Goal: activation peak down >= 60% at <= 1.05x step time.
+nccl     only with ``--nccl`` (or ``--only nccl``), on two or more CUDA GPUs (one GPU: a line
+         says so and the rest runs): the multi-process cases over NCCL, one GPU a rank, each
+         a command of its own in its own process group, stopped with it after
+         ``--nccl-timeout`` seconds (``_nccl.py`` lists them; ``--case NAME`` picks some):
+         batch-p2p (pipeswap-train, 1F1B, ``--batch-p2p``), pytree (stage boundaries of
+         several tensors), recover (a rank raises mid-step, its peers get PeerFailedError
+         naming it, recover(), the next step), fsdp-dp (``--ranks 2 --dp 2 --fsdp``, 4 GPUs;
+         skipped with fewer) and torchrun (plain ``init_process_group("nccl")``, then the
+         executor). Each prints one line: ok, FAILED with the first error line, TIMED OUT,
+         or skipped and why.
 
-The exit status is 1 when the tests fail or a replay run fails, else 0 (a goal missed is
-reported, not an error).
+The exit status is 1 when the tests fail, a replay run fails or an NCCL case fails or times
+out, else 0 (a goal missed is reported, not an error); 2 for a check this machine cannot run
+(no accelerator; ``--nccl`` without CUDA).
 """
 
 from __future__ import annotations
@@ -34,9 +49,11 @@ import json
 import math
 import os
 import re
+import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -49,11 +66,12 @@ from pipeswap.schedule.costs import preset
 from pipeswap.swap import SwapManager
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _nccl  # noqa: E402
 from _report import machine, publish, write_section  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 SECTION = "## GPU check (`benchmarks/gpu_check.py`)"
-PARTS = ("tests", "copies", "overlap", "preset", "replay")
+PARTS = ("tests", "copies", "overlap", "preset", "replay", "nccl")
 PRESET = "h200-pcie5"
 TOLERANCE = 0.10  # a preset figure further than this from the measured one is flagged
 #: the replayed pipeline: P=8 M=16, one sequence a microbatch, Llama layers, 4 a stage
@@ -322,6 +340,37 @@ def replay(device: str, quick: bool) -> dict[str, Any]:
             + results["layer_seconds"]}
 
 
+# -- the NCCL cases -------------------------------------------------------------------------
+
+
+def cuda_gpus() -> int:
+    """CUDA devices torch sees here (0 without CUDA)."""
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def nccl(names: list[str], gpus: int, timeout_s: float) -> dict[str, Any]:
+    """The NCCL cases ``names`` (all when empty) on ``gpus`` GPUs, one line each as they end;
+    each case's output stays in a folder, named when a case did not pass."""
+    if gpus < 2:
+        return {"ok": True, "gpus": gpus, "cases": [],
+                "skipped": f"{gpus} CUDA GPU here; the NCCL cases need two or more"}
+    logs = Path(tempfile.mkdtemp(prefix="pipeswap-nccl-"))
+    say(f"NCCL cases on {gpus} GPUs, each stopped after {timeout_s:.0f} s ...")
+    results = []
+    for case in _nccl.CASES:
+        if names and case.name not in names:
+            continue
+        result = _nccl.run_case(case, gpus, timeout_s, logs)
+        say(f"  {case.name}: {result['line']}")
+        results.append(result)
+    ok = all(result["status"] in ("ok", "skipped") for result in results)
+    if ok:
+        shutil.rmtree(logs, ignore_errors=True)
+    else:
+        say(f"  each case's output: {logs}/")
+    return {"ok": ok, "gpus": gpus, "timeout_s": timeout_s, "cases": results}
+
+
 # -- the report -----------------------------------------------------------------------------
 
 
@@ -392,6 +441,16 @@ def report(figures: dict[str, Any], args: argparse.Namespace, platform: Platform
                 goal = "-" if plain else ("met" if row["goal_met"] else "not met")
                 lines.append(f"| {label} | {row['swapped']} ({row['streamed']}) | {counted} | "
                              f"{allocated} | {step} | {goal} |")
+    if "nccl" in figures:
+        n = figures["nccl"]
+        if "skipped" in n:
+            lines += ["", f"**NCCL cases** (`--nccl`): skipped, {n['skipped']}."]
+        else:
+            lines += ["", f"**NCCL cases** on {n['gpus']} GPUs (`--nccl`; each a command in "
+                      f"its own process group, stopped after {n['timeout_s']:.0f} s; "
+                      "`--list` shows the commands):", "", "| case | result |", "|---|---|"]
+            lines += ["| {} | {} |".format(r["case"], r["line"].replace("|", "\\|"))
+                      for r in n["cases"]]
     if platform.device.type == "cpu":
         lines += ["", "This is the CPU platform (worker-thread streams on the same cores as "
                   "the matmuls), not a GPU: `python benchmarks/gpu_check.py --write` on a CUDA "
@@ -409,6 +468,21 @@ def main(argv: list[str] | None = None) -> int:
                              "with --device cpu)")
     parser.add_argument("--skip", action="append", choices=PARTS, default=[],
                         help="leave a part out (repeatable)")
+    parser.add_argument("--only", action="append", choices=PARTS, default=[], metavar="PART",
+                        help="run only this part (repeatable; --only nccl implies --nccl)")
+    parser.add_argument("--nccl", action="store_true",
+                        help="also run the multi-process cases over NCCL, one GPU a rank "
+                             "(two or more CUDA GPUs; --list shows them)")
+    parser.add_argument("--case", dest="cases", action="append", choices=_nccl.NAMES,
+                        default=[], metavar="NAME",
+                        help=f"with --nccl: only this case (repeatable): "
+                             f"{', '.join(_nccl.NAMES)}")
+    parser.add_argument("--nccl-timeout", type=float, default=_nccl.TIMEOUT_S, metavar="S",
+                        help="seconds an NCCL case may run before it is stopped with its "
+                             f"process group (default {_nccl.TIMEOUT_S:.0f})")
+    parser.add_argument("--list", action="store_true",
+                        help="print the NCCL cases and their commands for this machine, "
+                             "and exit")
     parser.add_argument("--mib", type=int, default=None,
                         help="bytes per copy, in MiB (default 1024; 1 with --quick)")
     parser.add_argument("--matmul", type=int, default=None,
@@ -419,10 +493,33 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--write", action="store_true", help="record results in BENCHMARKS.md")
     args = parser.parse_args(argv)
+    gpus = cuda_gpus()
+    if args.list:
+        shown = gpus if gpus >= 2 else _nccl.MAX_RANKS
+        print(f"the NCCL cases of --nccl, as they run on {shown} GPUs"
+              f"{'' if shown == gpus else f' (this machine has {gpus})'}:")
+        print("\n".join(_nccl.describe(shown)))
+        return 0
+    if args.nccl_timeout <= 0:
+        parser.error(f"--nccl-timeout must be above 0 seconds, got {args.nccl_timeout}")
+    args.nccl = args.nccl or "nccl" in args.only or bool(args.cases)
+    skip = set(args.skip) | (set(PARTS) - set(args.only) if args.only else set())
+    if not args.nccl:
+        skip.add("nccl")
+    args.skip = sorted(skip)
     device = args.device or available_platforms()[0]
+    if "nccl" not in skip and (gpus == 0 or not device.startswith("cuda")):
+        where = ("this machine has no CUDA GPU" if gpus == 0 else
+                 f"--device {device} is not a CUDA device")
+        say(f"gpu_check.py: error: --nccl runs its cases over NCCL on two or more CUDA GPUs, "
+            f"one rank a GPU; {where}")
+        return 2
     if device == "cpu" and args.device is None:
         parser.error("no accelerator on this machine; pass --device cpu to run the check on "
                      "the CPU platform's worker-thread streams instead")
+    if "nccl" not in skip and gpus < 2:
+        say("nccl: one CUDA GPU here; the NCCL cases need two or more (one rank a GPU): "
+            "skipped, the rest of the check runs")
     args.device = device
     platform = get_platform(device)
     on_cpu = platform.device.type == "cpu"
@@ -455,6 +552,9 @@ def main(argv: list[str] | None = None) -> int:
         say("replay of rank 0 (pipeswap-train --replay-rank 0) ...")
         figures["replay"] = replay(device, args.quick)
         status |= not figures["replay"]["ok"]
+    if "nccl" not in args.skip:
+        figures["nccl"] = nccl(args.cases, gpus, args.nccl_timeout)
+        status |= not figures["nccl"]["ok"]
     figures["seconds"] = time.perf_counter() - started
     say(f"done in {figures['seconds']:.0f} s")
     text = report(figures, args, platform, name)

@@ -1,0 +1,259 @@
+"""The multi-process NCCL cases of ``gpu_check.py --nccl``: what each runs, and running one.
+
+Each case is one command through a public entry point (``pipeswap-train``, torchrun, or
+``benchmarks/nccl_job.py``, which uses :func:`pipeswap.runtime.launch.spawn`), started in a
+session of its own. A case that outlives its timeout is stopped with its whole process group
+(SIGTERM, then SIGKILL a few seconds later); a case that exits but leaves processes of its
+group running fails, and they are killed. Each gives one result line: ``ok``, ``FAILED`` with
+the first error line of its output, ``TIMED OUT after N s``, or ``skipped: why``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, suppress
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+JOB = "benchmarks/nccl_job.py"
+MAX_RANKS = 4  # the cases use at most this many GPUs (pipeline ranks, or ranks x replicas)
+TIMEOUT_S = 180.0  # a case's default limit; its ranks wait RANK_TIMEOUT_S for a peer
+RANK_TIMEOUT_S = 60
+GRACE_S = 5.0  # SIGTERM to SIGKILL
+STRAY_WAIT_S = 3.0  # how long processes of a case that exited may take to end by themselves
+LOSS_TOLERANCE = 1e-3  # swap may change a loss only by the noise of nondeterministic kernels
+#: the first line of the output that says what went wrong
+ERROR_LINE = re.compile(r"FAILED|error:|^\s*[\w.]*(Error|Exception)\b")
+#: training job sizes: small, so a case is start-up (CUDA, NCCL) plus seconds
+TRAIN_SIZES = ["--seq-len", "64", "--width", "128", "--heads", "4", "--steps", "3",
+               "--timeout", str(RANK_TIMEOUT_S), "--json"]
+
+
+class CaseFailed(Exception):
+    """The case ran to its end but what it printed shows a failure."""
+
+
+@dataclass(frozen=True)
+class Case:
+    """One NCCL case: ``gpus`` it needs at least, the command for this machine's GPU count,
+    and how to read its output when it exits 0 (a detail for the ok line, or CaseFailed)."""
+
+    name: str
+    what: str
+    gpus: int
+    command: Callable[[int], list[str]]
+    read: Callable[[str], str]
+
+
+def ranks_for(gpus: int) -> int:
+    return max(2, min(gpus, MAX_RANKS))
+
+
+def python() -> list[str]:
+    return [sys.executable]
+
+
+def read_train(output: str) -> str:
+    """pipeswap-train --json: every loss finite, and with swap equal to those without."""
+    lines = [line for line in output.splitlines() if line.startswith("{")]
+    if not lines:
+        raise CaseFailed("pipeswap-train printed no JSON summary")
+    summary = json.loads(lines[-1])
+    losses = [loss for mode in summary["losses"].values() for loss in mode]
+    if not losses or not all(math.isfinite(loss) for loss in losses):
+        raise CaseFailed(f"losses {summary['losses']}")
+    diff = summary["max_abs_loss_diff"]
+    if diff is not None and diff > LOSS_TOLERANCE:
+        raise CaseFailed(f"losses with swap differ from those without by {diff:.2e}")
+    swapped = sum(entry["swapped_chunks"] for entry in summary["per_rank"])
+    same = "bit-identical" if summary["losses_match"] else f"within {diff:.1e}"
+    return (f"{len(summary['per_rank'])} ranks, losses {same} with and without swap "
+            f"({swapped} chunks swapped)")
+
+
+def read_job(output: str) -> str:
+    """nccl_job.py: its ok line (under torchrun, the one of the rank with the losses)."""
+    lines = [line.split(":", 2)[2].strip() for line in output.splitlines()
+             if line.startswith("nccl_job: ok:")]
+    if not lines:
+        raise CaseFailed("nccl_job.py printed no ok line")
+    return max(lines, key=len)
+
+
+def _train(gpus: int, *options: str) -> list[str]:
+    return [*python(), "-m", "pipeswap.runtime.train", "--device", "cuda", *options,
+            *TRAIN_SIZES]
+
+
+CASES = (
+    Case("batch-p2p", "pipeswap-train, 1F1B with --batch-p2p (neighbouring sends and "
+         "receives in one batch_isend_irecv), without and with swap", 2,
+         lambda gpus: _train(gpus, "--schedule", "1f1b", "--batch-p2p", "--ranks",
+                             str(ranks_for(gpus)), "--microbatches", str(2 * ranks_for(gpus)),
+                             "--batch-size", str(4 * ranks_for(gpus))),
+         read_train),
+    Case("pytree", "stage boundaries of several tensors (a dict, then tuples: two with "
+         "gradients, int64 ids, a float mask), interleaved 1F1B with swap, against the "
+         "unsplit model", 2,
+         lambda gpus: [*python(), JOB, "pytree", "--ranks", str(ranks_for(gpus)),
+                       "--timeout", str(RANK_TIMEOUT_S)],
+         read_job),
+    Case("recover", "a rank raises mid-step (forward, then backward): its peers get "
+         "PeerFailedError naming it, recover(), the next step matches a clean one", 2,
+         lambda gpus: [*python(), JOB, "recover", "--ranks", str(ranks_for(gpus)),
+                       "--timeout", str(RANK_TIMEOUT_S)],
+         read_job),
+    Case("fsdp-dp", "pipeswap-train --ranks 2 --dp 2 --fsdp: 2 pipelines x 2 FSDP2 shards, "
+         "without and with swap", 4,
+         lambda gpus: _train(gpus, "--schedule", "1f1b", "--ranks", "2", "--dp", "2",
+                             "--fsdp", "--microbatches", "4", "--batch-size", "16"),
+         read_train),
+    Case("torchrun", "torchrun; the script calls plain init_process_group(\"nccl\") and "
+         "builds the executor on that group: 1F1B with swap", 2,
+         lambda gpus: [*python(), "-m", "torch.distributed.run", "--standalone",
+                       "--nproc-per-node", str(ranks_for(gpus)), JOB, "torchrun"],
+         read_job),
+)
+NAMES = tuple(case.name for case in CASES)
+
+
+def describe(gpus: int) -> list[str]:
+    """Each case's name, what it checks and its command on ``gpus`` GPUs (or why it would be
+    skipped), for ``gpu_check.py --list``."""
+    lines = []
+    for case in CASES:
+        lines.append(f"{case.name}: {case.what}")
+        if gpus < case.gpus:
+            lines.append(f"    skipped on {gpus} GPUs: needs {case.gpus}")
+        else:
+            lines.append(f"    $ {shown(case.command(gpus))}")
+    return lines
+
+
+def shown(command: list[str]) -> str:
+    return " ".join(["python", *command[1:]] if command[0] == sys.executable else command)
+
+
+def error_line(output: str) -> str | None:
+    """The first line of ``output`` that says what failed, if one does."""
+    lines = (line.strip() for line in output.splitlines())
+    found = next((line for line in lines if ERROR_LINE.search(line)), None)
+    return None if found is None else _short(found)
+
+
+def first_error(output: str) -> str:
+    """The first line of ``output`` that says what failed, else its last line."""
+    lines = [line.strip() for line in output.splitlines() if line.strip()]
+    return error_line(output) or _short(lines[-1] if lines else "no output")
+
+
+def _short(line: str) -> str:
+    return line if len(line) <= 240 else line[:237] + "..."
+
+
+@contextmanager
+def _own_group(command: list[str], log: Path) -> Iterator[subprocess.Popen[bytes]]:
+    """``command`` in a new session (its own process group), output to ``log``; however the
+    block ends (Ctrl-C included), nothing of that group is left running."""
+    with log.open("wb") as out:
+        process = subprocess.Popen(command, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
+                                   stdin=subprocess.DEVNULL, start_new_session=True,
+                                   env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        try:
+            yield process
+        finally:
+            if process.poll() is None or group_members(process.pid):
+                stop_group(process)
+
+
+def stop_group(process: subprocess.Popen[bytes]) -> None:
+    """SIGTERM to the process group ``process`` leads, SIGKILL to what is left of it after
+    GRACE_S; ``process`` is reaped."""
+    with suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGTERM)
+    deadline = time.monotonic() + GRACE_S
+    while time.monotonic() < deadline and (process.poll() is None
+                                           or group_members(process.pid)):
+        time.sleep(0.05)
+    with suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGKILL)
+    process.wait()
+
+
+def group_members(pgid: int) -> list[int]:
+    """The live processes (not zombies) of process group ``pgid``: read from /proc on Linux;
+    elsewhere [pgid] while a signal can reach the group."""
+    proc = Path("/proc")
+    if not (proc / "self" / "stat").exists():
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return []
+        except PermissionError:
+            pass
+        return [pgid]
+    members = []
+    for stat in proc.glob("[0-9]*/stat"):
+        try:
+            # pid (comm) state ppid pgrp ...; comm may hold spaces and parentheses
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue  # it ended while we looked
+        if len(fields) > 2 and int(fields[2]) == pgid and fields[0] not in ("Z", "X"):
+            members.append(int(stat.parent.name))
+    return members
+
+
+def run_case(case: Case, gpus: int, timeout_s: float, logs: Path) -> dict[str, Any]:
+    """Run ``case`` on ``gpus`` GPUs: its result, with one ``line`` to print."""
+    result: dict[str, Any] = {"case": case.name, "gpus": case.gpus}
+    if gpus < case.gpus:
+        result.update(status="skipped", line=f"skipped: needs {case.gpus} GPUs, this machine "
+                      f"has {gpus}", seconds=0.0)
+        return result
+    command = case.command(gpus)
+    log = logs / f"{case.name}.log"
+    result["command"] = shown(command)
+    start = time.perf_counter()
+    code: int | None = None
+    stray: list[int] = []
+    with _own_group(command, log) as process:
+        try:
+            code = process.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            stop_group(process)
+        else:  # a process of the group that is just ending gets a moment, then it is stray
+            deadline = time.monotonic() + STRAY_WAIT_S
+            while (stray := group_members(process.pid)) and time.monotonic() < deadline:
+                time.sleep(0.05)
+        # leaving the block stops whatever is left of the group
+    result["seconds"] = time.perf_counter() - start
+    output = log.read_text(errors="replace")
+    result["log"] = str(log)
+    if code is None:
+        error = error_line(output)
+        result.update(status="timed out", line=f"TIMED OUT after {timeout_s:.0f} s, stopped "
+                      f"with its process group{f' (first error: {error})' if error else ''}")
+    elif code != 0:
+        result.update(status="failed", line=f"FAILED (exit {code}): {first_error(output)}")
+    elif stray:
+        result.update(status="failed", line=f"FAILED: it exited 0 but left {len(stray)} "
+                      "process(es) of its group running (killed)")
+    else:
+        try:
+            detail = case.read(output)
+        except (CaseFailed, ValueError, KeyError, TypeError) as exc:
+            result.update(status="failed", line=f"FAILED: {exc}")
+        else:
+            result.update(status="ok", line=f"ok in {result['seconds']:.0f} s: {detail}")
+    return result
