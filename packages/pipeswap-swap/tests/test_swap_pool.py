@@ -82,3 +82,32 @@ def test_the_default_cap_shares_half_the_host_among_its_local_ranks(
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "100000")
     assert default_pool_bytes() == 1 << 30  # never below 1 GiB
     assert SwapManager(get_platform(DEVICE))._transfers.pool.max_bytes == 1 << 30
+
+
+def test_a_reservation_pins_the_missing_blocks_of_each_class_ahead() -> None:
+    platform = get_platform("cpu")
+    pool = HostBufferPool(platform, max_bytes=1 << 20)
+    assert pool.reserve([5000, 6000, 100]) == 2 * 8192 + 4096
+    assert pool.allocated_blocks == 3 and pool.reserved_bytes == pool.allocated_bytes
+    taken = [pool.acquire(n) for n in (8000, 5000, 4096)]  # the reserved blocks: no new one
+    assert pool.allocated_blocks == 3 and len({id(b.block) for b in taken}) == 3
+    assert pool.reserve([5000, 5000]) == 0  # the pool has both: in use counts
+    assert pool.reserve([5000, 5000, 5000, 20_000]) == 8192 + 32768  # only what it lacks
+    assert pool.allocated_blocks == 5 and pool.reserved_bytes == 3 * 8192 + 4096 + 32768
+    for buffer in taken:
+        pool.release(buffer)
+    again = [pool.acquire(5000) for _ in range(3)]
+    assert pool.allocated_blocks == 5 and len({id(b.block) for b in again}) == 3
+
+
+def test_a_reservation_over_the_cap_says_by_how_much_and_pins_nothing() -> None:
+    pool = HostBufferPool(get_platform("cpu"), max_bytes=5 * 4096)
+    pool.acquire(4096)
+    with pytest.raises(PoolExhaustedError, match=(
+            r"reserving host buffers for 3 storages needs 20480 bytes more than the pool "
+            r"holds \(4096 allocated\), 4096 over its cap of 20480: raise max_bytes "
+            r"\(SwapManager's pool_bytes\) to at least 24576")):
+        pool.reserve([4096, 4096, 16384])  # the block in use counts for one
+    assert pool.allocated_blocks == 1 and pool.reserved_bytes == 0
+    with pytest.raises(ValueError, match="sizes are positive byte counts"):
+        pool.reserve([4096, 0])

@@ -1,4 +1,11 @@
-"""Torch accelerators (CUDA first) through torch's device-generic stream, event and memory APIs."""
+"""Torch accelerators (CUDA first) through torch's device-generic stream, event and memory APIs.
+
+Everything names the platform's device explicitly. torch's defaults follow the *current*
+device instead: ``torch.Event.record()`` records on the current device's stream (and refuses
+an event of another device), ``Event.wait()`` makes the current device's stream wait, and
+``torch.accelerator.set_stream`` makes the stream's device current. A rank whose device is not
+the current one (``cuda:1`` while ``cuda:0`` is current) would then order the wrong stream.
+"""
 
 from __future__ import annotations
 
@@ -18,6 +25,12 @@ class AcceleratorPlatform(ModuleIntrospection):
     caching allocator's statistics from ``torch.accelerator``."""
 
     def __init__(self, device: torch.device) -> None:
+        import torch
+
+        # An index-less device means the current one: pin it now, so that the platform's
+        # device equals its tensors' (``cuda`` != ``cuda:0``) and never follows a later change.
+        if device.index is None:
+            device = torch.device(device.type, torch.accelerator.current_device_index())
         self._device = device
 
     @property
@@ -44,14 +57,17 @@ class AcceleratorPlatform(ModuleIntrospection):
 
     @contextmanager
     def stream(self, stream: Stream) -> Iterator[None]:
+        """Make ``stream`` (one of this platform's) current on the platform's device; the
+        caller's current device is restored after, which ``set_stream`` alone would change."""
         import torch
 
-        previous = torch.accelerator.current_stream(self._device)
-        torch.accelerator.set_stream(cast("torch.Stream", stream))  # one of this platform's
-        try:
-            yield
-        finally:
-            torch.accelerator.set_stream(previous)
+        with torch.accelerator.device_index(self._device.index):
+            previous = torch.accelerator.current_stream(self._device)
+            torch.accelerator.set_stream(cast("torch.Stream", stream))
+            try:
+                yield
+            finally:
+                torch.accelerator.set_stream(previous)
 
     def new_event(self) -> Event:
         return _TorchEvent(self._device)
@@ -63,10 +79,14 @@ class AcceleratorPlatform(ModuleIntrospection):
             dst.copy_(src, non_blocking=True)
 
     def host_buffer(self, nbytes: int) -> torch.Tensor:
+        """Pinned host memory, pinned with the platform's device current: torch pins through
+        a device that has a context, the current one first, and creates one on the current
+        device where none has, which on another device costs that device memory."""
         import torch
 
-        # on the CPU whatever torch.set_default_device says: pinned host memory
-        return torch.empty(nbytes, dtype=torch.uint8, device="cpu", pin_memory=True)
+        with torch.accelerator.device_index(self._device.index):
+            # on the CPU whatever torch.set_default_device says
+            return torch.empty(nbytes, dtype=torch.uint8, device="cpu", pin_memory=True)
 
     def memory_stats(self) -> MemoryStats | None:
         import torch
@@ -101,18 +121,27 @@ class AcceleratorPlatform(ModuleIntrospection):
 
 
 class _TorchEvent:
-    """``torch.Event`` behind the protocol's signatures (streams are this platform's)."""
+    """``torch.Event`` behind the protocol's signatures (streams are this platform's); with no
+    stream, the platform device's current stream, never the current device's."""
 
     def __init__(self, device: torch.device) -> None:
         import torch
 
+        self._device = device
         self._event = torch.Event(device=device)
 
     def record(self, stream: Stream | None = None) -> None:
-        self._event.record(cast("torch.Stream | None", stream))
+        self._event.record(self._stream(stream))
 
     def wait(self, stream: Stream | None = None) -> None:
-        self._event.wait(cast("torch.Stream | None", stream))
+        self._event.wait(self._stream(stream))
+
+    def _stream(self, stream: Stream | None) -> torch.Stream:
+        import torch
+
+        if stream is None:
+            return torch.accelerator.current_stream(self._device)
+        return cast("torch.Stream", stream)
 
     def query(self) -> bool:
         return bool(self._event.query())

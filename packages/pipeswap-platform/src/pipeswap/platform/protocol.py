@@ -26,10 +26,11 @@ class Event(Protocol):
     """A point in a stream. An event never recorded counts as complete."""
 
     def record(self, stream: Stream | None = None) -> None:
-        """Mark the current end of ``stream`` (default: the current stream)."""
+        """Mark the current end of ``stream`` (default: the platform's current stream, on its
+        device, whichever device is current)."""
 
     def wait(self, stream: Stream | None = None) -> None:
-        """Make ``stream`` (default: the current stream) wait for the recorded point."""
+        """Make ``stream`` (default: the platform's current stream) wait for the recorded point."""
 
     def query(self) -> bool:
         """True when the work before the recorded point has finished."""
@@ -82,7 +83,8 @@ class Platform(Protocol):
     def pins_host_memory(self) -> bool:
         """Whether :meth:`host_buffer` returns page-locked memory (fast asynchronous copies)."""
 
-    def current_stream(self) -> Stream: ...
+    def current_stream(self) -> Stream:
+        """The stream compute is queued on now, on the platform's device."""
 
     def new_stream(self) -> Stream: ...
 

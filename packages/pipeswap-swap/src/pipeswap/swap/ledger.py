@@ -61,6 +61,7 @@ class Ledger:
             host_bytes_in_use=pool.in_use_bytes,
             host_buffers_allocated=pool.allocated_blocks,
             host_bytes_allocated=pool.allocated_bytes,
+            host_bytes_reserved=pool.reserved_bytes,
             skipped=dict(self.skipped),
             bytes_kept_referenced=self.kept,
         )

@@ -445,6 +445,21 @@ class SwapManager:
                         movable += entry.nbytes
         return GroupBytes(held, movable)
 
+    def movable_sizes(self, name: str) -> tuple[int, ...]:
+        """The byte size of each storage of the group an offload would copy now (not
+        protected, a saved view alive), in the order the group saved them: one host buffer
+        each, what :meth:`launch_offload` with ``copy_referenced`` takes from the pool."""
+        group = self._group(name, "movable_sizes")
+        with self._lock:
+            return tuple(entry.nbytes for entry in group.swappable())
+
+    def reserve_host(self, sizes: Sequence[int]) -> int:
+        """Pin now the host buffers for storages of ``sizes`` bytes held off the device at
+        once (an executor works them out from its schedule), so that the first step's
+        offloads take them instead of pinning; see
+        :meth:`~pipeswap.swap.pool.HostBufferPool.reserve`. Returns the bytes pinned now."""
+        return self._transfers.pool.reserve(sizes)
+
     def reset_peak(self) -> None:
         """Start the peak of device bytes held over from what is held now (e.g. per step)."""
         with self._lock:

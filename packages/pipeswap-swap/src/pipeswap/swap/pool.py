@@ -1,10 +1,12 @@
 """A host buffer pool: size classes, a byte cap, and reuse only after the copy that used a
-buffer is known complete (each release carries the event of that copy)."""
+buffer is complete or ordered before any later copy into it (each release carries the event of
+that copy, or none once compute has waited for it: see :mod:`pipeswap.swap.transfers`)."""
 
 from __future__ import annotations
 
 import threading
-from collections import deque
+from collections import Counter, deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -55,7 +57,8 @@ def size_class(nbytes: int) -> int:
 
 
 class HostBufferPool:
-    """Pinned (where the platform pins) host blocks, reused across steps."""
+    """Pinned (where the platform pins) host blocks, reused across steps; :meth:`reserve`
+    pins them ahead of the steps that take them."""
 
     def __init__(self, platform: Platform, max_bytes: int) -> None:
         if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes <= 0:
@@ -68,6 +71,36 @@ class HostBufferPool:
         self.allocated_bytes = 0
         self.allocated_blocks = 0
         self.in_use_bytes = 0
+        self.reserved_bytes = 0  # of allocated_bytes: the blocks reserve() allocated
+        self._owned: Counter[int] = Counter()  # size class -> blocks allocated (never freed)
+
+    def reserve(self, sizes: Sequence[int]) -> int:
+        """Allocate now the blocks that buffers of ``sizes`` (bytes), all held at once, need,
+        so that the steps that take them pin nothing: pinning is slow, a page-locking call
+        per block. Per size class only the blocks the pool lacks are allocated (those it
+        has count, free or not), so reserving again for the same sizes allocates nothing.
+        All or nothing: a reservation over the cap raises and allocates no block. Returns
+        the bytes allocated."""
+        if any(isinstance(n, bool) or not isinstance(n, int) or n <= 0 for n in sizes):
+            raise ValueError(f"sizes are positive byte counts, got {list(sizes)!r}")
+        needed = Counter(size_class(n) for n in sizes)
+        with self._lock:
+            missing = {size: count - self._owned[size] for size, count in needed.items()
+                       if count > self._owned[size]}
+            extra = sum(size * count for size, count in missing.items())
+            if self.allocated_bytes + extra > self.max_bytes:
+                over = self.allocated_bytes + extra - self.max_bytes
+                raise PoolExhaustedError(
+                    f"reserving host buffers for {len(sizes)} storages needs {extra} bytes "
+                    f"more than the pool holds ({self.allocated_bytes} allocated), {over} "
+                    f"over its cap of {self.max_bytes}: raise max_bytes (SwapManager's "
+                    f"pool_bytes) to at least {self.allocated_bytes + extra}, or swap fewer "
+                    "activations at a time")
+            for size, count in sorted(missing.items()):
+                for _ in range(count):
+                    self._free.setdefault(size, []).append(self._allocate(size))
+            self.reserved_bytes += extra
+        return extra
 
     def acquire(self, nbytes: int) -> HostBuffer:
         """A buffer of at least ``nbytes``; waits for a pending block only when at the cap."""
@@ -76,9 +109,7 @@ class HostBufferPool:
             self._reclaim()
             block = self._take_free(size)
             if block is None and self.allocated_bytes + size <= self.max_bytes:
-                self.allocated_bytes += size
-                self.allocated_blocks += 1
-                block = self._platform.host_buffer(size)
+                block = self._allocate(size)
             if block is None:  # at the cap: a larger free block, else wait for a pending one
                 block = self._take_larger_free(size) or self._wait_for_pending(size)
             self.in_use_bytes += block.numel()
@@ -92,6 +123,26 @@ class HostBufferPool:
                 self._free.setdefault(buffer.block.numel(), []).append(buffer.block)
             else:
                 self._pending.append((buffer.block, after))
+
+    def waited(self, event: Event) -> None:
+        """Compute has waited for ``event``: the blocks released pending on it are free for
+        the next offload, whose copy the device orders after that wait (see
+        :mod:`pipeswap.swap.transfers`), whether or not the host has seen the event yet."""
+        with self._lock:
+            still: deque[tuple[torch.Tensor, Event]] = deque()
+            for block, after in self._pending:
+                if after is event:
+                    self._free.setdefault(block.numel(), []).append(block)
+                else:
+                    still.append((block, after))
+            self._pending = still
+
+    def _allocate(self, size: int) -> torch.Tensor:
+        block = self._platform.host_buffer(size)
+        self.allocated_bytes += size
+        self.allocated_blocks += 1
+        self._owned[size] += 1
+        return block
 
     def _reclaim(self) -> None:
         still: deque[tuple[torch.Tensor, Event]] = deque()

@@ -5,9 +5,12 @@ of every copy read in one place: a copy starts after an event from compute; a de
 is freed only once its copy is waited for, and only when nothing but autograd's saved tensors
 references it (:mod:`pipeswap.swap.references`, which needs the checks made on entries while
 no storage object of ours is held); a host buffer goes back to the pool with the event of its
-last copy. Each method is called with the manager's lock held, after the manager
-checked that the group's state allows the call (:func:`~pipeswap.swap.groups.expect`), and
-moves the group to its next state.
+last copy, or with none once compute has waited for that copy: every copy into a pooled buffer
+is queued after an event that its offload's launch records on compute, so the device orders
+the reuse, and the next offload takes the buffer even while the host has yet to see the copy
+end, instead of pinning another. Each method is called with the manager's lock held, after the
+manager checked that the group's state allows the call (:func:`~pipeswap.swap.groups.expect`),
+and moves the group to its next state.
 """
 
 from __future__ import annotations
@@ -104,6 +107,7 @@ class Transfers:
         :meth:`SwapManager.wait_offload <pipeswap.swap.SwapManager.wait_offload>`)."""
         assert group.event is not None
         group.event.wait()
+        self.pool.waited(group.event)  # buffers of storages the next layer took over
         copied = [entry for entry in group.swappable() if entry.host is not None]
         if defer_referenced:
             group.deferred = [e for e in copied if referenced_elsewhere(e.holders())]
@@ -113,7 +117,7 @@ class Transfers:
         kept = [*moving, *group.deferred]
         for entry in group.storages.values():  # protected, referenced, gone, not copied
             if all(entry is not other for other in kept):
-                self.return_host(entry, group.event)
+                self.return_host(entry, None)  # compute waited for its copy
         self.release(moving)
         group.event, group.state = None, GroupState.OFFLOADED
 
@@ -171,7 +175,7 @@ class Transfers:
             entry.resident = True
             self.ledger.reloaded += entry.nbytes
         for entry in group.storages.values():
-            self.return_host(entry, group.event)
+            self.return_host(entry, None)  # compute waited for the load
         group.loading, group.targets = [], []
         group.event, group.state = None, GroupState.RESIDENT
 
@@ -182,8 +186,9 @@ class Transfers:
         before autograd may free them."""
         assert group.event is not None
         group.event.wait()
+        self.pool.waited(group.event)
         for entry in group.storages.values():
-            self.return_host(entry, group.event)
+            self.return_host(entry, None)  # compute waited for the copies
         group.event, group.state = None, GroupState.RESIDENT
 
     def load_now(self, group: Group, entry: StorageEntry) -> None:
@@ -238,7 +243,8 @@ class Transfers:
         self.return_host(entry, None)
 
     def return_host(self, entry: StorageEntry, after: Event | None) -> None:
-        """Give the entry's host buffer back, reusable once ``after`` (its last copy) ends."""
+        """Give the entry's host buffer back, reusable once ``after`` (its last copy) ends;
+        None: at once (no copy, or one compute has waited for: see the module's docstring)."""
         if entry.host is not None:
             self.pool.release(entry.host, after)
             entry.host = None

@@ -47,6 +47,8 @@ class SwapStats:
     host_bytes_in_use: int
     host_buffers_allocated: int
     host_bytes_allocated: int
+    # of host_bytes_allocated: what SwapManager.reserve_host pinned ahead of the steps
+    host_bytes_reserved: int
     skipped: dict[str, int]  # reason -> saved tensors (or storages) left alone
     # device bytes an offload left in place because a tensor or storage object outside
     # autograd's saved activations still referenced their storage (freeing them would break
