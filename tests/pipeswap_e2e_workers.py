@@ -173,3 +173,83 @@ def run_rank_recording_warnings(rank: int, world_size: int, config: TrainConfig
         warnings.simplefilter("always")
         result = run_rank(rank, world_size, config)
     return result, [f"{w.category.__name__}: {w.message}" for w in caught]
+
+
+def without_cpu_backend(rank: int, world_size: int) -> dict[str, object]:
+    """In a world whose group has no CPU backend (``cuda:gloo``, standing in for plain
+    ``init_process_group("nccl")``): the groups pipeswap makes, and one step of a
+    two-stage pipeline with and without swap."""
+    import torch.distributed as dist
+
+    from pipeswap.runtime.groups import has_cpu_backend, with_cpu_backend
+
+    losses = []
+    for swap in (False, True):
+        torch.manual_seed(0)
+        stage = PipelineStage(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh()),
+                              rank, world_size)
+        executor = PipelineExecutor([stage], "1f1b", 4, _mse, swap=swap)
+        generator = torch.Generator().manual_seed(1)
+        report = executor.step(torch.randn(8, 8, generator=generator),
+                               torch.randn(8, 8, generator=generator))
+        losses.append(report.losses)
+    return {"world_has_cpu": has_cpu_backend(None), "asked": with_cpu_backend(None),
+            "transport": dist.get_backend_config(executor.transport.group),
+            "control": dist.get_backend_config(executor._control), "losses": losses}
+
+
+class Stops(torch.nn.Module):
+    """A stage whose forward stops its own process (SIGSTOP) once ``stop`` is set, until a
+    peer sends SIGCONT."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(8, 8)
+        self.stop = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        import signal
+
+        if self.stop:
+            self.stop = False
+            os.kill(os.getpid(), signal.SIGSTOP)
+        out: torch.Tensor = self.linear(x)
+        return out
+
+
+def watched_stop(rank: int, world_size: int, timeout_s: float) -> dict[str, object]:
+    """Two ranks watched with ``failure_timeout_s=timeout_s``: a step, then one in which
+    rank 1 stops. Rank 0 sends it SIGCONT once its own step failed."""
+    import signal
+    import time
+
+    import torch.distributed as dist
+
+    from pipeswap.runtime import PeerFailedError, PipelineCommError
+
+    pids: list[int | None] = [None] * world_size
+    dist.all_gather_object(pids, os.getpid())
+    torch.manual_seed(0)
+    module = Stops() if rank == 1 else torch.nn.Linear(8, 8)
+    executor = PipelineExecutor([PipelineStage(module, rank, world_size)], "gpipe", 2, _mse,
+                                failure_timeout_s=timeout_s)
+    batch = (torch.randn(4, 8), torch.randn(4, 8))
+    result: dict[str, object] = {"operation_timeout": executor._operation_timeout}
+    executor.step(*batch)
+    if isinstance(module, Stops):
+        module.stop = True
+    start = time.monotonic()
+    try:
+        executor.step(*batch)
+    except PeerFailedError as exc:
+        result.update(error=str(exc), failed_rank=exc.failed_rank,
+                      seconds=time.monotonic() - start)
+    except PipelineCommError as exc:
+        result.update(error=str(exc), failed_rank=None)
+    finally:
+        if rank == 0:
+            pid = pids[1]
+            assert pid is not None
+            os.kill(pid, signal.SIGCONT)
+    executor.close()
+    return result

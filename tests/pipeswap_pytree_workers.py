@@ -92,7 +92,8 @@ def reference() -> tuple[float, dict[str, torch.Tensor]]:
 
 def train(rank: int, world_size: int, schedule: str, swap: bool) -> dict[str, Any]:
     """One step of ``schedule`` over 2 ranks x 2 stages; losses, gradients, and how many
-    batched point-to-point calls it made against its sends and receives of several tensors.
+    batched point-to-point calls it made against its sends and receives (and those of
+    several tensors).
     (Only the batch call is counted: torch checks that a P2POp's function is its own.)"""
     torch.set_num_threads(1)
     spec = ScheduleSpec(ScheduleKind(schedule), ranks=2, microbatches=MICRO, stages_per_rank=2)
@@ -133,6 +134,7 @@ def train(rank: int, world_size: int, schedule: str, swap: bool) -> dict[str, An
                   if p.grad is not None},
         "swapped": report.swapped_chunks,
         "batch_calls": calls["batch_isend_irecv"],
+        "p2p_steps": len(sizes),
         "batched_steps": sum(1 for size in sizes if size > 1),
         "groups_alive": executor.manager.active_group_count(),
     }

@@ -176,7 +176,7 @@ def test_schedules_are_checked_on_the_in_order_transport_unless_asked(group: Non
         PipelineExecutor(stages, deferred, 4, lm_loss)
     with pytest.raises(PipelineSetupError, match="for 2 ranks but the process group has 1"):
         PipelineExecutor(stages, deferred, 4, lm_loss, check_transport="tagged")
-    with pytest.raises(PipelineSetupError, match="check_transport='fast': use 'ordered'"):
+    with pytest.raises(PipelineSetupError, match="check_transport='fast': use 'nccl'"):
         PipelineExecutor(stages, deferred, 4, lm_loss, check_transport="fast")
 
 

@@ -1,12 +1,15 @@
 """How a failed step stops every rank at once, and how :meth:`recover` makes the executor
 usable again.
 
-The rank that fails first posts why on the transport's failure board and breaks its
-connections, in the pipeline's communication group and in the data-parallel group, so that
-every peer, in this replica or another, stops at its next transfer or collective with a
+The rank that fails first posts why on the transport's failure board and stops its groups,
+the pipeline's communication group and the data-parallel ones (gloo's connections broken,
+NCCL's communicators aborted: :func:`~pipeswap.runtime.watch.stop_groups`), so that every
+peer, in this replica or another, stops at its next transfer or collective with a
 :class:`~pipeswap.runtime.errors.PeerFailedError` naming that rank instead of waiting until
-its timeout. The step's collectives go through :func:`collective` and
-:meth:`FailureProtocol.all_gather`, which turn the broken connection into that error.
+its timeout. On NCCL, where a peer's operations do not fail by themselves, each rank's
+:class:`~pipeswap.runtime.watch.PeerWatch` reads the post and stops its own groups. The
+step's collectives go through :func:`collective` and :meth:`FailureProtocol.all_gather`,
+which turn the broken connection into that error.
 """
 
 from __future__ import annotations
@@ -15,8 +18,9 @@ from collections.abc import Callable, Iterable
 from contextlib import suppress
 from typing import TYPE_CHECKING, TypeVar
 
-from pipeswap.runtime.comm import all_gather_ints, break_links
+from pipeswap.runtime.comm import all_gather_ints
 from pipeswap.runtime.errors import PeerFailedError, PipelineCommError, PipelineError
+from pipeswap.runtime.watch import stop_groups
 
 if TYPE_CHECKING:
     import torch.distributed as dist
@@ -34,12 +38,15 @@ class FailureProtocol:
 
     ``rank``: this rank in the pipeline; ``dp_group`` and ``dp_size``: its data-parallel
     group; ``replayed``: a replayed rank, which has nobody to tell or agree with;
-    ``spans_world``: whether the pipeline's groups span the world (see :meth:`recover`).
+    ``spans_world``: whether the pipeline's groups span the world (see :meth:`recover`);
+    ``stopped``: the groups a failure stops (:func:`~pipeswap.runtime.watch.stop_groups`).
     """
 
     def __init__(self, rank: int, dp_group: dist.ProcessGroup | None, dp_size: int, *,
-                 replayed: bool, spans_world: bool) -> None:
+                 replayed: bool, spans_world: bool,
+                 stopped: list[dist.ProcessGroup | None]) -> None:
         self.rank = rank
+        self.stopped = stopped  # the groups a failure stops (the executor keeps it current)
         self.dp_group = dp_group
         self.dp_size = dp_size
         self.replayed = replayed
@@ -56,8 +63,8 @@ class FailureProtocol:
     def fail(self, exc: BaseException, where: str, transport: Transport) -> None:
         """Tell the peers the step failed here, at ``where``: post the reason (this rank's
         failure, or the failure that stopped it) to the pipeline and the data-parallel
-        group, and break the connections in both, so that no peer, in this replica or
-        another, waits for this rank until its timeout."""
+        group, and stop both, so that no peer, in this replica or another, waits for this
+        rank until its timeout."""
         import torch.distributed as dist
 
         first_line = (str(exc).strip().splitlines() or [""])[0][:300]
@@ -77,11 +84,7 @@ class FailureProtocol:
         elif not isinstance(exc, PipelineCommError):
             transport.board.post(reason)
         self.reason = reason
-        assert transport.group is not None
-        break_links(transport.group)
-        if self.dp_size > 1:
-            assert self.dp_group is not None
-            break_links(self.dp_group)
+        stop_groups(self.stopped)
 
     def all_gather(self, transport: Transport, value: int, what: str,
                    group: dist.ProcessGroup | None) -> list[int]:

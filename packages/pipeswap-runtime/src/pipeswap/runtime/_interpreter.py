@@ -248,11 +248,25 @@ class Interpreter:
                 pairs.append((step, [grad.contiguous() for grad in grads]))
             else:
                 pairs.append((step, state.transport.receive_buffers(step)))
+        self._release_sent(state)
         for transfer in state.transport.post(state.number, pairs, batched):
             if transfer.step.type in SENDS:
                 state.sends.append(transfer)
             else:
                 state.receives[(transfer.step.type, transfer.step.key)] = transfer
+
+    @staticmethod
+    def _release_sent(state: StepState) -> None:
+        """Let go of the sends that completed (a gradient sent is held by nothing else), so
+        that they do not stay until the step ends. NCCL says when a send completed; gloo
+        only once it is waited for, at the end of the step."""
+        pending = []
+        for transfer in state.sends:
+            if all(work.is_completed() for work in transfer.works):
+                state.transport.wait(transfer)  # returns at once; raises a send's error
+            else:
+                pending.append(transfer)
+        state.sends = pending
 
     def _gradients(self, state: StepState, boundary: int,
                    grads: list[torch.Tensor | None] | None, at: object) -> list[torch.Tensor]:

@@ -11,10 +11,11 @@ that carries it.
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import hashlib
 from collections.abc import Callable, Mapping, Sequence
-from contextlib import AbstractContextManager
-from typing import TYPE_CHECKING
+from contextlib import AbstractContextManager, nullcontext
+from typing import TYPE_CHECKING, Any
 
 from pipeswap.runtime.comm import (
     BoundaryMeta,
@@ -22,10 +23,10 @@ from pipeswap.runtime.comm import (
     PyTree,
     Transport,
     all_gather_ints,
-    group_timeout,
 )
 from pipeswap.runtime.errors import PipelineSetupError
 from pipeswap.runtime.fsdp import ShardedStage, fsdp_modules
+from pipeswap.runtime.groups import control_group, transport_group
 from pipeswap.runtime.stage import PipelineStage, output_meta
 from pipeswap.schedule import (
     Schedule,
@@ -46,6 +47,7 @@ if TYPE_CHECKING:
     import torch.distributed as dist
     from torch.distributed.device_mesh import DeviceMesh
 
+    from pipeswap.runtime.host_reserve import SavedRecorder
     from pipeswap.runtime.replay import Replay
 
 
@@ -126,13 +128,13 @@ def check_transport(transport: str, group: dist.ProcessGroup | None,
 
     if transport not in TRANSPORTS:
         raise PipelineSetupError(
-            f"check_transport={transport!r}: use 'ordered' (NCCL's model, the default) or "
-            "'tagged' (gloo's)")
+            f"check_transport={transport!r}: use 'nccl' (the default: NCCL's model, ends "
+            "of a message posted alike), 'ordered' (in order only) or 'tagged' (gloo's)")
     if transport == "tagged" and replay is None and dist.get_backend(group) != "gloo":
         raise PipelineSetupError(
             f"check_transport='tagged' matches gloo's tagged messages, but this group "
             f"runs {dist.get_backend(group)}, which pairs sends and receives in "
-            "order: keep 'ordered' and build the schedule with the early lowering")
+            "order: keep 'nccl' and build the schedule with the early lowering")
 
 
 def resolve_schedule(schedule: Schedule | ScheduleSpec | str, *, swap: bool,
@@ -170,8 +172,8 @@ def resolve_schedule(schedule: Schedule | ScheduleSpec | str, *, swap: bool,
             elif swap and not schedule.swap:
                 schedule = dataclasses.replace(schedule, swap=True)
             built = build_schedule(schedule, swap_policy)
-        # Ordered unless asked: NCCL pairs sends and receives in order, and a schedule that
-        # passes on CPU then passes there. (Every micro below the count: see _check_stages.)
+        # NCCL's model unless asked: NCCL pairs sends and receives in order and by
+        # communicator, and a schedule that passes on CPU then passes there. (Every micro below the count: see _check_stages.)
         validate(built, transport=transport)
     except ScheduleError as exc:
         raise PipelineSetupError(f"the schedule cannot run: {exc}") from exc
@@ -271,31 +273,59 @@ def agree(schedule: Schedule | None, problem: PipelineSetupError | None, *,
             "every rank")
 
 
-def new_transport(schedule: Schedule, *, microbatches: int, device: torch.device,
-                  group: dist.ProcessGroup | None, world: int,
-                  dp_group: dist.ProcessGroup | None, dp_size: int, spans_world: bool,
-                  replay: Replay | None, boundary: dict[int, BoundaryMeta] | None) -> Transport:
-    """A transport over a communication group of its own (created by the pipeline's ranks
-    alone), so that a failed step can break it without touching the caller's process group;
-    ``boundary``: the stage boundaries' meta a previous transport learned."""
+def control_groups(group: dist.ProcessGroup | None, dp_group: dist.ProcessGroup | None,
+                   dp_size: int, *, spans_world: bool, replay: Replay | None
+                   ) -> tuple[dist.ProcessGroup | None, dist.ProcessGroup | None]:
+    """The groups of the pipeline's and the data-parallel replicas' control traffic (CPU
+    tensors): the caller's own, or gloo groups over their ranks where they have no CPU
+    backend (plain NCCL); see :mod:`pipeswap.runtime.groups`."""
+    if replay is not None:
+        return group, dp_group
+    control = control_group(group, local=not spans_world)
+    if dp_size == 1:
+        return control, dp_group
+    return control, control_group(dp_group, local=True)
+
+
+def neighbours(schedule: Schedule, rank: int, group: dist.ProcessGroup | None,
+               dp_group: dist.ProcessGroup | None) -> list[int]:
+    """The global ranks this rank waits on in a step: those running the stages next to
+    its own, and its data-parallel peers (FSDP's collectives)."""
     import torch.distributed as dist
 
+    ranks = schedule.stage_ranks
+    near = {ranks[other] for stage, owner in enumerate(ranks) if owner == rank
+            for other in (stage - 1, stage + 1) if 0 <= other < len(ranks)}
+    mine = {r if group is None else dist.get_global_rank(group, r) for r in near}
+    if dp_group is not None:
+        mine |= set(dist.get_process_group_ranks(dp_group))
+    return sorted(mine)
+
+
+def new_transport(schedule: Schedule, *, microbatches: int, device: torch.device,
+                  group: dist.ProcessGroup | None, dp_group: dist.ProcessGroup | None,
+                  dp_size: int, spans_world: bool, replay: Replay | None,
+                  boundary: dict[int, BoundaryMeta] | None,
+                  timeout: datetime.timedelta | None) -> Transport:
+    """A transport over a communication group of its own (created by the pipeline's ranks
+    alone), so that a failed step can break it without touching the caller's process group;
+    ``boundary``: the stage boundaries' meta a previous transport learned. ``dp_group``: the
+    data-parallel group of the control traffic. ``timeout``: the group's per-operation
+    timeout, where not ``group``'s."""
     if replay is not None:
         from pipeswap.runtime.replay import ReplayTransport
 
         return ReplayTransport(replay, schedule.stage_ranks, microbatches, device)
-    ranks = [r if group is None else dist.get_global_rank(group, r) for r in range(world)]
     # A pipeline that spans the world: every rank creates the group, and torch names it
     # from a count all ranks share. Otherwise (one replica of several) only the
     # pipeline's ranks do, and torch names it from its ranks and the number of groups
     # this rank has, which the pipeline's ranks share (same executors, same recoveries)
     # but which a destroyed group would lower and so repeat a live group's name: such a
     # pipeline keeps its broken groups (see FailureProtocol.recover).
-    comm = dist.new_group(ranks, timeout=group_timeout(group),
-                          use_local_synchronization=not spans_world)
+    comm = transport_group(group, device, local=not spans_world, timeout=timeout)
     groups = [comm] if dp_size == 1 else [comm, dp_group]
     transport = Transport(comm, schedule.stage_ranks, microbatches, device,
-                          FailureBoard(*groups))
+                          FailureBoard.of(*groups))
     if boundary is not None:
         transport.boundary = boundary
     return transport
@@ -304,11 +334,16 @@ def new_transport(schedule: Schedule, *, microbatches: int, device: torch.device
 def exchange_shapes(example: PyTree | None, transport: Transport, *, schedule: Schedule,
                     rank: int, stages: Mapping[int, PipelineStage],
                     sharded: Mapping[int, ShardedStage], device: torch.device,
-                    autocast: Callable[[], AbstractContextManager[object]]) -> None:
+                    autocast: Callable[[], AbstractContextManager[object]],
+                    recorder: SavedRecorder | None = None, target: PyTree | None = None,
+                    loss_fn: Callable[[Any, Any], torch.Tensor] | None = None) -> None:
     """Run each stage of this rank once on zeros, in stage order, passing what its output
     holds (the structure, shapes, dtypes, and which tensors carry a gradient) down the
     chain into ``transport.boundary`` (see :func:`pipeswap.runtime.stage.output_meta`);
-    ``example``: a microbatch of the inputs, on the rank of the first stage."""
+    ``example``: a microbatch of the inputs, on the rank of the first stage. ``recorder``:
+    also record what each stage's forward saves (the last stage's with its loss on
+    ``target``, a microbatch of the targets, by ``loss_fn``), for the host buffers to
+    reserve."""
     ranks = schedule.stage_ranks
     for index in range(schedule.num_stages):
         if ranks[index] != rank:
@@ -322,14 +357,19 @@ def exchange_shapes(example: PyTree | None, transport: Transport, *, schedule: S
         else:
             meta = transport.boundary[index - 1] = transport.recv_meta(index)
         stage = stages[index]
-        if stage.is_last:
+        if stage.is_last and recorder is None:
             break
         gathered = sharded.get(index)
         if gathered is not None:  # gathered for the dry run alone, and freed again
             gathered.unshard()
             gathered.ready("the exchange of stage boundary shapes")
         try:
-            boundary = output_meta(stage, meta, device, autocast)
+            if stage.is_last:
+                assert recorder is not None and loss_fn is not None and target is not None
+                recorder.last_stage(stage, meta, target, loss_fn, device, autocast)
+                break
+            with recorder.stage(stage) if recorder is not None else nullcontext():
+                boundary = output_meta(stage, meta, device, autocast)
         finally:
             if gathered is not None:
                 gathered.reshard()

@@ -6,15 +6,24 @@ that carry one) in one batched transfer. Every message carries a tag naming its 
 direction, sending stage, microbatch and tensor. With gloo a message can then only land in the
 receive posted for it (and a receive left over from a failed run can never take a later run's
 data); NCCL ignores tags and matches in order, which the validated schedule keeps consistent.
+
+Every point-to-point operation, the set-up's included, goes through ``batch_isend_irecv``, a
+step's alone or a batch step's together. NCCL posts an operation inside a batch on the
+group's communicator and one posted alone on a communicator of the two ranks, so a message
+whose two ends were posted differently would never match; posted all alike, both ends of
+every message meet on one communicator, in the order the ``ordered`` model checks. (PyTorch's
+pipelining posts the same way.) On accelerators the group's communicator is created eagerly
+(``device_id``), so a first batch need not involve every rank of the group.
+
 The structure, shapes and dtypes at each boundary are exchanged once, before the first step,
-by a chain over the stages in order (CPU tensors: on CUDA the process group needs a CPU
-backend too, as ``backend_for`` sets up).
+by a chain over the stages in order, as CPU tensors over the transport's group, which has a
+CPU backend (gloo) whatever the caller's group has (see :func:`with_cpu_backend`).
 """
 
 from __future__ import annotations
 
 import datetime
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import suppress
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeAlias, Union
@@ -25,6 +34,7 @@ from pipeswap.schedule import Step, StepType
 if TYPE_CHECKING:
     import torch
     import torch.distributed as dist
+    from torch.distributed.distributed_c10d import Store
     from torch.utils._pytree import TreeSpec
 
 #: What crosses a stage boundary, and a batch's inputs and targets: a tensor, or tuples,
@@ -162,12 +172,17 @@ class FailureBoard:
     communication group. A board spans several groups (a pipeline's and its data-parallel
     one): a failure is posted in each, so it reaches every rank of every group."""
 
-    def __init__(self, *groups: dist.ProcessGroup) -> None:
+    def __init__(self, stores: Sequence[Store]) -> None:
+        self._stores = list(stores)
+
+    @staticmethod
+    def of(*groups: dist.ProcessGroup) -> FailureBoard:
+        """The board of ``groups``, in the rendezvous store."""
         import torch.distributed as dist
 
         store = dist.distributed_c10d._get_default_store()
-        self._stores = [dist.distributed_c10d.PrefixStore(f"pipeswap/{group.group_name}/", store)
-                        for group in groups]
+        return FailureBoard([dist.distributed_c10d.PrefixStore(f"pipeswap/{group.group_name}/",
+                                                               store) for group in groups])
 
     def post(self, text: str) -> None:
         """Record ``text`` in each group unless another rank's failure came first there."""
@@ -200,19 +215,6 @@ def break_links(group: dist.ProcessGroup) -> None:
                                   group=group, tag=_BREAK_TAG)
                 if work is not None:
                     work.wait(datetime.timedelta(milliseconds=1))
-
-
-def group_timeout(group: dist.ProcessGroup | None) -> datetime.timedelta:
-    """The timeout ``group`` was created with (torch's default where it does not say)."""
-    import torch
-    import torch.distributed as dist
-
-    try:
-        pg = group if group is not None else dist.distributed_c10d._get_default_group()
-        timeout: datetime.timedelta = pg._get_backend(torch.device("cpu")).options._timeout
-        return timeout
-    except (AttributeError, RuntimeError):
-        return dist.default_pg_timeout
 
 
 class Transport:
@@ -277,7 +279,7 @@ class Transport:
              ) -> list[Transfer]:
         """Post the sends and receives of ``steps`` (each with the tensors it sends or
         fills): each step's tensors in one ``batch_isend_irecv``, or with ``batched`` all of
-        them in one."""
+        them in one; never an operation alone (see the module's docstring)."""
         import torch.distributed as dist
 
         per_step = []
@@ -291,12 +293,8 @@ class Transport:
             groups = [[op for ops in per_step for op in ops]] if batched else per_step
             works: list[dist.Work] = []
             for ops in groups:
-                if len(ops) == 1:
-                    op = ops[0]
-                    works.append(op.op(op.tensor, op.peer, op.group, op.tag))
-                else:
-                    batch = dist.batch_isend_irecv(ops)
-                    works += batch if len(batch) == len(ops) else [batch[0]] * len(ops)
+                batch = dist.batch_isend_irecv(ops)
+                works += batch if len(batch) == len(ops) else [batch[0]] * len(ops)
         except RuntimeError as exc:
             raise self._error(steps[0][0], exc) from exc
         transfers, first = [], 0
@@ -345,9 +343,9 @@ class Transport:
         peer = self._global(self.stage_ranks[stage - 1])
         try:
             size = torch.zeros(1, dtype=torch.int64)
-            dist.recv(size, peer, self.group, tag=stage)
+            self._blocking(dist.irecv, size, peer, stage)
             data = torch.zeros(int(size.item()), dtype=torch.int64)
-            dist.recv(data, peer, self.group, tag=len(self.stage_ranks) + stage)
+            self._blocking(dist.irecv, data, peer, len(self.stage_ranks) + stage)
         except RuntimeError as exc:
             raise self.failure(f"receiving the shape of stage {stage - 1}'s output from rank "
                                f"{peer}", exc) from exc
@@ -360,12 +358,20 @@ class Transport:
         peer = self._global(self.stage_ranks[stage + 1])
         data = meta.encode()
         try:
-            dist.send(torch.tensor([data.numel()], dtype=torch.int64), peer, self.group,
-                      tag=stage + 1)
-            dist.send(data, peer, self.group, tag=len(self.stage_ranks) + stage + 1)
+            self._blocking(dist.isend, torch.tensor([data.numel()], dtype=torch.int64), peer,
+                           stage + 1)
+            self._blocking(dist.isend, data, peer, len(self.stage_ranks) + stage + 1)
         except RuntimeError as exc:
             raise self.failure(f"sending the shape of stage {stage}'s output to rank "
                                f"{peer}", exc) from exc
+
+    def _blocking(self, op: Callable[..., object], tensor: torch.Tensor, peer: int,
+                  tag: int) -> None:
+        """One send or receive, posted as every other one is (a batch), and waited for."""
+        import torch.distributed as dist
+
+        for work in dist.batch_isend_irecv([dist.P2POp(op, tensor, peer, self.group, tag)]):
+            work.wait()
 
 
 def all_gather_ints(value: int, group: dist.ProcessGroup | None) -> list[int]:

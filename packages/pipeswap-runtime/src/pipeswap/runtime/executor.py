@@ -28,6 +28,7 @@ and agreed on by every rank; the transport; the boundary shapes),
 
 from __future__ import annotations
 
+import datetime
 import time
 import warnings
 import weakref
@@ -43,10 +44,13 @@ from pipeswap.runtime._interpreter import Interpreter, LossFn, StepState
 from pipeswap.runtime.comm import BoundaryMeta, PyTree, Transport
 from pipeswap.runtime.errors import PipelineError, PipelineSetupError
 from pipeswap.runtime.fsdp import ShardedStage
+from pipeswap.runtime.groups import group_timeout, only_gloo, operation_timeout, with_cpu_backend
+from pipeswap.runtime.host_reserve import SavedRecorder, host_reservation
 from pipeswap.runtime.replay import Replay
 from pipeswap.runtime.report import MemoryAccount, StepReport
 from pipeswap.runtime.session import SwapSession
 from pipeswap.runtime.stage import PipelineStage
+from pipeswap.runtime.watch import PeerWatch, stop_groups
 from pipeswap.schedule import (
     Schedule,
     ScheduleSpec,
@@ -81,9 +85,12 @@ class PipelineExecutor:
     that :class:`StepReport` gives the peak of saved activations and each chunk's bytes
     (default: only with ``swap``; a run without swap then costs nothing over plain autograd,
     and only swapped chunks go through the manager's hooks). ``check_transport``: the
-    transport model the schedule must run under before anything runs: ``"ordered"`` (NCCL's,
-    the default on every device, so a CPU run proves what NCCL needs) or ``"tagged"`` (gloo
-    only, for schedules built with the deferred lowering).
+    transport model the schedule must run under before anything runs: ``"nccl"`` (the
+    default on every device, so a CPU run proves what NCCL needs: sends and receives paired
+    in order, and each message posted alike on its two ends, in a batch on both or alone on
+    both), ``"ordered"`` (in order only; the executor itself posts every operation through
+    ``batch_isend_irecv``, so it runs such a schedule on NCCL too, but another runtime
+    might not) or ``"tagged"`` (gloo only, for schedules built with the deferred lowering).
 
     ``measure_allocator``: also measure, in each step, the peak of the device allocator above
     what it held when the step began (:attr:`StepReport.peak_allocated_bytes`), a check of
@@ -108,6 +115,15 @@ class PipelineExecutor:
     torch.distributed (:mod:`pipeswap.runtime.replay`): ``stages`` are that rank's, what it
     would receive is made here and what it would send is dropped; everything else runs as
     in the full pipeline. Not with data parallel or FSDP.
+
+    ``failure_timeout_s``: how long a rank this one exchanges data with may show no sign of
+    life before the step fails naming it (:mod:`pipeswap.runtime.watch`). A watch runs
+    wherever the group is not gloo alone (NCCL: operations there do not fail when a peer
+    does), by default with the group's timeout, or wherever this is given. On NCCL the
+    executor's own group then gets a long per-operation timeout, so that a long step is
+    never killed for being long; on gloo, whose blocked waits only its own timeout ends,
+    half again ``failure_timeout_s``, the error then naming the rank that went silent.
+    Without it, on gloo, a transfer fails after the group's timeout.
     """
 
     def __init__(
@@ -122,13 +138,14 @@ class PipelineExecutor:
         platform: Platform | None = None,
         manager: SwapManager | None = None,
         account_activations: bool | None = None,
-        check_transport: str = "ordered",
+        check_transport: str = "nccl",
         measure_allocator: bool = False,
         mesh: DeviceMesh | None = None,
         dp_group: dist.ProcessGroup | None = None,
         autocast_dtype: torch.dtype | None = None,
         swap_granularity: str = "auto",
         replay: Replay | None = None,
+        failure_timeout_s: float | None = None,
     ) -> None:
         import torch.distributed as dist
 
@@ -155,10 +172,15 @@ class PipelineExecutor:
         self.dp_group = _setup.data_parallel_group(mesh, dp_group, self.group)
         self.dp_size = 1 if self.dp_group is None else dist.get_world_size(self.dp_group)
         self._spans_world = replay is not None or self.world == dist.get_world_size()
+        # the groups of the control traffic (CPU tensors): the caller's or gloo ones
+        self._control, self._dp_control = _setup.control_groups(
+            self.group, self.dp_group, self.dp_size, spans_world=self._spans_world,
+            replay=replay)
         self._sharded: dict[int, ShardedStage] = {}
         built: Schedule | None = None
         problem: PipelineSetupError | None = None
-        layer_counts = _setup.gather_layer_counts(self.stages, self.group, self.world, replay)
+        layer_counts = _setup.gather_layer_counts(self.stages, self._control, self.world,
+                                                  replay)
         try:
             _setup.check_transport(check_transport, self.group, replay)
             self._sharded = _setup.find_sharded(self.stages, self.dp_group, self.dp_size, replay)
@@ -169,17 +191,34 @@ class PipelineExecutor:
                 sharded=self._sharded)
         except PipelineSetupError as exc:
             problem = exc
-        _setup.agree(built, problem, microbatches=microbatches, group=self.group,
-                     dp_group=self.dp_group, dp_size=self.dp_size, replay=replay)
+        _setup.agree(built, problem, microbatches=microbatches, group=self._control,
+                     dp_group=self._dp_control, dp_size=self.dp_size, replay=replay)
         assert built is not None
         self.schedule = built
         self.manager = manager or SwapManager(self.platform)
         for stage in self.stages:
             self.manager.protect_module(stage.module)
+        self._watch: PeerWatch | None = None
+        self._operation_timeout: datetime.timedelta | None = None
+        # what a failure stops on this rank: the transport's group, the data-parallel ones
+        self._stopped: list[dist.ProcessGroup | None] = [None]
+        if self.dp_size > 1:
+            self._stopped += list(dict.fromkeys([self._dp_control, self.dp_group]))
+        gloo = replay is None and only_gloo(with_cpu_backend(self.group))
+        if replay is None and (failure_timeout_s is not None or not gloo):
+            detection = (group_timeout(self.group) if failure_timeout_s is None
+                         else datetime.timedelta(seconds=failure_timeout_s))
+            self._operation_timeout = operation_timeout(detection, gloo=gloo)
+            self._watch = PeerWatch(
+                dist.get_rank(), _setup.neighbours(built, self.rank, self.group,
+                                                   self.dp_group),
+                detection.total_seconds(), partial(stop_groups, self._stopped))
+            weakref.finalize(self, self._watch.close)
         self.transport: Transport = self._new_transport(None)
-        self._failure = FailureProtocol(self.rank, self.dp_group, self.dp_size,
+        self._failure = FailureProtocol(self.rank, self._dp_control, self.dp_size,
                                         replayed=replay is not None,
-                                        spans_world=self._spans_world)
+                                        spans_world=self._spans_world,
+                                        stopped=self._stopped)
         self._input_meta: BoundaryMeta | None = None
         self._shapes_known = False
         self._runs = 0
@@ -203,6 +242,8 @@ class PipelineExecutor:
         """Remove the layer hooks this executor put on its stages (the stages may then serve
         another executor); the executor cannot step after this."""
         self._hooks_finalizer()
+        if self._watch is not None:
+            self._watch.close()
         self._closed = True
 
     @property
@@ -230,10 +271,13 @@ class PipelineExecutor:
         self._interpreter.autocast_dtype = dtype
 
     def _new_transport(self, boundary: dict[int, BoundaryMeta] | None) -> Transport:
-        return _setup.new_transport(
+        transport = _setup.new_transport(
             self.schedule, microbatches=self.microbatches, device=self.platform.device,
-            group=self.group, world=self.world, dp_group=self.dp_group, dp_size=self.dp_size,
-            spans_world=self._spans_world, replay=self.replay, boundary=boundary)
+            group=self.group, dp_group=self._dp_control, dp_size=self.dp_size,
+            spans_world=self._spans_world, replay=self.replay, boundary=boundary,
+            timeout=self._operation_timeout)
+        self._stopped[0] = transport.group
+        return transport
 
     def recover(self) -> None:
         """After a failed step, on every rank: replace the broken communication group with a
@@ -282,17 +326,29 @@ class PipelineExecutor:
         state = StepState(self._runs, self.transport, session,
                           MemoryAccount.begin(self.manager, self.account))
         at: Step | str | None = "its batch check"
+        if self._watch is not None:
+            assert self.transport.board is not None
+            self._watch.arm(self.transport.board)
         try:
             # No collective first: a rank refusing its batch fails the step like any other
             # failure, and its peers stop at their first transfer with it.
             self._interpreter.take_batch(state, inputs, targets, self._input_meta)
             if not self._shapes_known:
                 at = "the exchange of stage boundary shapes"
+                # what the swapped stages' forwards save, to reserve the host buffers for
+                recorder = (SavedRecorder(self.manager, {key[0] for key in self.swapped})
+                            if self.swapped else None)
                 _setup.exchange_shapes(
                     state.micro_inputs[0] if state.micro_inputs else None, self.transport,
                     schedule=self.schedule, rank=self.rank, stages=self._interpreter.stages,
                     sharded=self._sharded, device=self.platform.device,
-                    autocast=self._interpreter.autocast)
+                    autocast=self._interpreter.autocast, recorder=recorder,
+                    target=state.micro_targets[0] if state.micro_targets else None,
+                    loss_fn=self._interpreter.loss_fn)
+                if recorder is not None:
+                    at = "the reservation of host buffers"
+                    self.manager.reserve_host(
+                        host_reservation(self.schedule, self.rank, recorder.sizes))
                 self._shapes_known = True
                 if state.micro_inputs:
                     self._input_meta = BoundaryMeta.of(state.micro_inputs[0], "the inputs")[0]
@@ -302,13 +358,17 @@ class PipelineExecutor:
             at = None
             self._interpreter.finish(state)
             state.memory.flush()
+            if self._watch is not None and self._watch.reason is not None:
+                raise self.transport.failure("the end of the step", RuntimeError("stopped"))
             self._failure.all_gather(self.transport, 0, "the end-of-step agreement",
                                      self.transport.group)
             if self.dp_size > 1:
                 self._failure.all_gather(
                     self.transport, 0, "the end-of-step agreement of the data-parallel group",
-                    self.dp_group)
+                    self._dp_control)
         except BaseException as exc:
+            if self._watch is not None:
+                self._watch.disarm()
             where = f"{at if at is not None else 'the end'} of step {self._runs}"
             self._failure.fail(exc, where, self.transport)
             try:
@@ -317,6 +377,8 @@ class PipelineExecutor:
                 warnings.warn(f"closing the swap session after a failed step also failed: "
                               f"{close_exc}", stacklevel=2)
             raise
+        if self._watch is not None:
+            self._watch.disarm()
         state.session.close()
         return state
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from pipeswap.runtime.comm import group_timeout
+from pipeswap.runtime.groups import group_timeout
 from pipeswap.runtime.errors import PipelineSetupError
 from pipeswap.runtime.llama import TiedParameter
 

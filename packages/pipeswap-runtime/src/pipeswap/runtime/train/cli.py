@@ -490,7 +490,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         per_rank = spawn(run_rank, parallel.world, config,
                          backend=backend_for(config.training.device),
-                         timeout_s=config.job.timeout_s)
+                         timeout_s=config.group_timeout_s)
     except RankFailedError as exc:
         return _failed(config, exc)
     except KeyboardInterrupt:
@@ -526,7 +526,7 @@ def _main_torchrun(config: TrainConfig, args: argparse.Namespace) -> NoReturn:
 
     from pipeswap.runtime.comm import gather_object
 
-    rank, world = init_from_env(backend_for(config.training.device), config.job.timeout_s)
+    rank, world = init_from_env(backend_for(config.training.device), config.group_timeout_s)
     code = 0
     try:
         gathered = gather_object(run_rank(rank, world, config))

@@ -8,10 +8,12 @@ line (``cli.py``) is the only place that turns arguments into one.
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import os
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from pipeswap.runtime.groups import operation_timeout
 from pipeswap.runtime.launch import DEFAULT_TIMEOUT_S
 
 MODES = ("no-swap", "swap")
@@ -139,6 +141,16 @@ class TrainConfig:
     training: TrainingConfig = field(default_factory=TrainingConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     job: JobConfig = field(default_factory=JobConfig)
+
+    @property
+    def group_timeout_s(self) -> float:
+        """The process groups' per-operation timeout. On CPU ``--timeout``: gloo fails a
+        wait after it. On an accelerator much longer (NCCL's watchdog would kill a rank for
+        a long step), the executor's watch finding a failed peer within ``--timeout``."""
+        if self.training.device == "cpu":
+            return self.job.timeout_s
+        detection = datetime.timedelta(seconds=self.job.timeout_s)
+        return operation_timeout(detection, gloo=False).total_seconds()
 
     # Field values below are typed Any: each keyword is a field of a different section, and
     # no one type describes them all.

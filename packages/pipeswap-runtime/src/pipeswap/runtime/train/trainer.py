@@ -82,7 +82,7 @@ class Trainer:
         self.mesh = None
         if parallel.meshed:
             self.mesh = pipeline_mesh(self.platform.device.type, parallel.ranks, parallel.dp,
-                                      config.job.timeout_s)
+                                      config.group_timeout_s)
         self.pp_rank, self.dp_rank = divmod(rank, parallel.dp)  # the mesh: pp outer, dp inner
         corpus = Corpus.bundled()
         self.vocab = len(corpus.vocab)
@@ -171,7 +171,9 @@ class Trainer:
             stages, self.spec, config.parallel.microbatches, lm_loss, swap=mode == "swap",
             platform=self.platform, swap_policy=policy, account_activations=True,
             mesh=self.mesh, replay=self.replay,
-            autocast_dtype=torch.bfloat16 if config.model.dtype == "bf16" else None)
+            autocast_dtype=torch.bfloat16 if config.model.dtype == "bf16" else None,
+            failure_timeout_s=None if self.platform.device.type == "cpu" or self.replay
+            else config.job.timeout_s)
         result = ModeResult(first_step=done + 1, swapped_chunks=len(executor.swapped),
                             streamed_chunks=len(executor.streamed),
                             parameter_bytes=None if built is None else built.held_bytes,

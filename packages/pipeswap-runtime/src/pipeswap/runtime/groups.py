@@ -1,0 +1,110 @@
+"""The process groups pipeswap makes next to the caller's, and what it reads of a group.
+
+pipeswap's control traffic (the set-up's agreements, the shape exchange, the end-of-step
+agreement, the failure protocol's broken links) is small CPU tensors. A group made by plain
+``init_process_group("nccl")``, as a torchrun script writes it, has no CPU backend; where the
+caller's group lacks one, pipeswap makes a gloo group over the same ranks for that traffic,
+and the transport's own group gets gloo for the CPU next to the caller's backend for the
+device (:func:`with_cpu_backend`).
+"""
+
+from __future__ import annotations
+
+import datetime
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+    import torch.distributed as dist
+
+
+def _group(group: dist.ProcessGroup | None) -> dist.ProcessGroup:
+    import torch.distributed as dist
+
+    return group if group is not None else dist.distributed_c10d._get_default_group()
+
+
+def device_types(group: dist.ProcessGroup | None) -> list[str]:
+    """The device types ``group`` has a backend for (``["cuda"]`` for plain NCCL)."""
+    return [device.type for device in _group(group)._device_types]
+
+
+def has_cpu_backend(group: dist.ProcessGroup | None) -> bool:
+    return "cpu" in device_types(group)
+
+
+def group_timeout(group: dist.ProcessGroup | None) -> datetime.timedelta:
+    """The timeout ``group`` was created with (torch's default where it does not say)."""
+    import torch
+    import torch.distributed as dist
+
+    pg = _group(group)
+    for kind in device_types(pg):
+        try:
+            timeout: datetime.timedelta = pg._get_backend(torch.device(kind)).options._timeout
+            return timeout
+        except (AttributeError, RuntimeError):
+            continue
+    return dist.default_pg_timeout
+
+
+def with_cpu_backend(group: dist.ProcessGroup | None) -> str:
+    """``group``'s backend configuration with gloo for CPU tensors where it has no CPU
+    backend: ``"cuda:nccl"`` (plain NCCL) gives ``"cuda:nccl,cpu:gloo"``."""
+    import torch.distributed as dist
+
+    config = str(dist.get_backend_config(_group(group)))
+    pairs = dict(item.split(":", 1) for item in config.split(",") if ":" in item)
+    if not pairs:  # a backend of one name for every device it has
+        pairs = dict.fromkeys(device_types(group), config)
+    pairs.setdefault("cpu", "gloo")
+    return ",".join(f"{kind}:{name}" for kind, name in pairs.items())
+
+
+def control_group(group: dist.ProcessGroup | None, *, local: bool
+                  ) -> dist.ProcessGroup | None:
+    """A group over ``group``'s ranks that takes CPU tensors: ``group`` itself when it
+    can, else a new gloo group with its timeout. ``local``: only ``group``'s ranks make it
+    (``use_local_synchronization``); otherwise every rank of the world must call this in the
+    same order, as every rank builds an executor over a group that spans the world."""
+    import torch.distributed as dist
+
+    if has_cpu_backend(group):
+        return group
+    ranks = dist.get_process_group_ranks(_group(group))
+    made: dist.ProcessGroup = dist.new_group(
+        ranks, timeout=group_timeout(group), backend="gloo", use_local_synchronization=local)
+    return made
+
+
+def only_gloo(config: str) -> bool:
+    """Whether a backend configuration (``"cpu:gloo,cuda:nccl"``) runs gloo alone, whose
+    operations fail by themselves when a peer breaks its connections."""
+    return {item.split(":", 1)[-1] for item in config.split(",")} == {"gloo"}
+
+
+def operation_timeout(detection: datetime.timedelta, *, gloo: bool) -> datetime.timedelta:
+    """The per-operation timeout of a group whose failed peers a watch finds in
+    ``detection`` (:mod:`pipeswap.runtime.watch`). NCCL: long, so that its watchdog never
+    kills a rank for a long step; a stopped peer is found by its silence and the group
+    aborted. gloo: a blocked wait there ends by gloo's own timeout alone, so half again the
+    detection time, by when the watch has posted which rank went silent."""
+    if gloo:
+        return detection * 1.5
+    return max(10 * detection, datetime.timedelta(minutes=30))
+
+
+def transport_group(group: dist.ProcessGroup | None, device: torch.device, *, local: bool,
+                    timeout: datetime.timedelta | None = None) -> dist.ProcessGroup:
+    """The transport's own group over ``group``'s ranks: ``group``'s backends and timeout
+    (or ``timeout``), gloo for CPU where ``group`` has none, and on an accelerator its
+    communicator created now (``device_id``), so that a first batch of point-to-point
+    operations need not involve every rank of the group."""
+    import torch.distributed as dist
+
+    ranks = dist.get_process_group_ranks(_group(group))
+    made: dist.ProcessGroup = dist.new_group(
+        ranks, timeout=timeout or group_timeout(group), backend=with_cpu_backend(group),
+        use_local_synchronization=local,
+        device_id=device if device.type != "cpu" else None)
+    return made

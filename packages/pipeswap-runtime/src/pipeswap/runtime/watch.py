@@ -1,0 +1,126 @@
+"""A thread that turns a peer's failure into this rank's, where operations would not fail by
+themselves.
+
+On gloo a rank that fails breaks its connections and every peer's blocked transfer raises.
+NCCL is not like that: a peer's ``work.wait()`` only makes a stream wait, the stream stays
+blocked behind receives that will never complete, and the next host sync blocks until NCCL's
+watchdog kills the process. And NCCL's per-operation timeout cannot tell a hung peer from a
+long step. So each rank runs a :class:`PeerWatch`: it beats (a counter of its own in the
+rendezvous store), follows the beats of the ranks it exchanges data with, and reads the
+failure board. When a failure is posted, or a neighbour's beat stops for the detection
+timeout (a stopped or hung process; a long step still beats), it posts that and stops this
+rank's groups (:func:`stop_groups`: gloo's connections broken, other backends' communicators
+aborted), so the operations blocked on them return and the step raises
+:class:`~pipeswap.runtime.errors.PeerFailedError` naming the rank that failed.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Sequence
+from contextlib import suppress
+from typing import TYPE_CHECKING
+
+from pipeswap.runtime.comm import FailureBoard, break_links
+from pipeswap.runtime.groups import device_types, only_gloo
+
+if TYPE_CHECKING:
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import Store
+
+
+def stop_groups(groups: Sequence[dist.ProcessGroup | None]) -> None:
+    """Make the peers' operations on this rank in ``groups`` fail now, and this rank's own
+    blocked operations return: gloo's connections are closed; a group with another backend
+    (NCCL) is aborted as well (``ProcessGroup.abort``), which ends its communicators'
+    operations on this rank."""
+    import torch.distributed as dist
+
+    for group in groups:
+        if group is None:
+            continue
+        if "cpu" in device_types(group):
+            break_links(group)
+        if not only_gloo(str(dist.get_backend_config(group))):
+            with suppress(Exception):  # already aborted, or gone with a failed peer
+                group.abort()
+
+
+class PeerWatch:
+    """This rank's beat, and the watch on its ``neighbours``' beats and the ``board``.
+
+    ``timeout_s``: how long a neighbour's beat may stop before it counts as failed; it
+    checks ``timeout_s / 10`` apart (at most a second). ``store``: where the beats are
+    (the rendezvous store by default). ``on_failure(text)`` runs once, in
+    the watch's thread, with the failure posted or the one it found (``"rank N ..."``),
+    while :meth:`arm` says a step runs; outside a step it only beats. A live rank's beat
+    never stops (its own thread beats, whatever its step does), so a silence means a
+    stopped, hung or vanished process.
+    """
+
+    def __init__(self, rank: int, neighbours: Sequence[int], timeout_s: float,
+                 on_failure: Callable[[str], None], store: Store | None = None) -> None:
+        import torch.distributed as dist
+
+        if store is None:
+            store = dist.distributed_c10d._get_default_store()
+        self._beats = dist.distributed_c10d.PrefixStore("pipeswap/beats/", store)
+        self.rank = rank
+        self.neighbours = sorted(set(neighbours) - {rank})
+        self.board: FailureBoard | None = None  # the current step's, while armed
+        self.timeout_s = timeout_s
+        self.interval_s = min(1.0, timeout_s / 10)
+        self.on_failure = on_failure
+        self.reason: str | None = None  # what stopped the current step, once found
+        self._armed = threading.Event()
+        self._closed = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"pipeswap-watch-{rank}",
+                                        daemon=True)
+        self._thread.start()
+
+    def arm(self, board: FailureBoard) -> None:
+        """A step begins, with the transport's ``board``."""
+        self.board = board
+        self.reason = None
+        self._armed.set()
+
+    def disarm(self) -> None:
+        self._armed.clear()
+
+    def close(self) -> None:
+        self._closed.set()
+        self._thread.join(timeout=5 * self.interval_s + 5)
+
+    def _beat(self, rank: int, by: int) -> int:
+        return int(self._beats.add(str(rank), by))
+
+    def _run(self) -> None:
+        seen = {rank: (-1, time.monotonic()) for rank in self.neighbours}
+        board: FailureBoard | None = None
+        while not self._closed.wait(self.interval_s):
+            now = time.monotonic()
+            try:
+                self._beat(self.rank, 1)
+                for rank in self.neighbours:
+                    count = self._beat(rank, 0)
+                    if count != seen[rank][0]:
+                        seen[rank] = (count, now)
+                board = self.board
+                found = board.read() if board is not None and self._armed.is_set() else None
+            except Exception:  # noqa: BLE001 - the store went with its host: the job ends
+                return
+            if board is None or not self._armed.is_set() or self.reason is not None:
+                continue
+            if found is None:
+                silent = [rank for rank, (_, at) in seen.items()
+                          if now - at > self.timeout_s]
+                if not silent:
+                    continue
+                found = (f"rank {silent[0]} stopped answering: no sign of life for "
+                         f"{self.timeout_s:g} s (a stopped, hung or unreachable process)")
+                board.post(found)
+                found = board.read() or found  # another rank's post may have come first
+            self.reason = found
+            with suppress(Exception):
+                self.on_failure(found)

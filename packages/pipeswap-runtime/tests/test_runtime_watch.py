@@ -1,0 +1,153 @@
+"""The peer watch that makes a failure visible where operations do not fail by themselves
+(NCCL): real threads over a real store, in one process; NCCL's group a test double that
+records its abort."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch.distributed as dist
+from torch.distributed.distributed_c10d import PrefixStore
+
+from pipeswap.runtime import watch
+from pipeswap.runtime.comm import FailureBoard
+from pipeswap.runtime.groups import only_gloo, operation_timeout
+from pipeswap.runtime.watch import PeerWatch
+
+TIMEOUT_S = 0.3
+LIMIT_S = 20.0  # what a watch that should act gets before the test gives up
+
+
+class Found:
+    """The failures a watch reported, and an event for the first."""
+
+    def __init__(self) -> None:
+        self.texts: list[str] = []
+        self.event = threading.Event()
+
+    def __call__(self, text: str) -> None:
+        self.texts.append(text)
+        self.event.set()
+
+
+def beats(store: dist.Store, rank: int) -> int:
+    return int(PrefixStore("pipeswap/beats/", store).add(str(rank), 0))
+
+
+def until(condition: Callable[[], bool]) -> None:
+    """Wait for ``condition`` (checked on the watch's own clock of beats)."""
+    deadline = time.monotonic() + LIMIT_S
+    while not condition():
+        assert time.monotonic() < deadline, "the condition never came"
+        threading.Event().wait(0.01)
+
+
+@pytest.fixture
+def store() -> dist.Store:
+    return dist.HashStore()
+
+
+def test_a_silent_neighbour_is_posted_and_reported(store: dist.Store) -> None:
+    board = FailureBoard([PrefixStore("pipeline/", store)])
+    found = Found()
+    start = time.monotonic()
+    me = PeerWatch(0, [1, 0], TIMEOUT_S, found, store=store)
+    me.arm(board)
+    assert found.event.wait(LIMIT_S)
+    me.close()
+    assert time.monotonic() - start >= TIMEOUT_S
+    assert found.texts == [board.read()] and found.texts[0].startswith(
+        "rank 1 stopped answering: no sign of life for 0.3 s")
+    assert me.reason == found.texts[0]
+
+
+def test_a_beating_neighbour_is_never_reported(store: dist.Store) -> None:
+    """A live rank's own thread beats whatever its step does, so however long the step,
+    its neighbour's watch stays quiet."""
+    board = FailureBoard([PrefixStore("pipeline/", store)])
+    found, other = Found(), Found()
+    me = PeerWatch(0, [1], TIMEOUT_S, found, store=store)
+    peer = PeerWatch(1, [0], TIMEOUT_S, other, store=store)
+    me.arm(board)
+    peer.arm(board)
+    until(lambda: beats(store, 0) >= 50)  # five timeouts of beats
+    me.close()
+    peer.close()
+    assert found.texts == other.texts == [] and board.read() is None
+
+
+def test_a_posted_failure_is_reported_to_every_watch(store: dist.Store) -> None:
+    board = FailureBoard([PrefixStore("pipeline/", store)])
+    found = Found()
+    me = PeerWatch(0, [], TIMEOUT_S, found, store=store)
+    me.arm(board)
+    board.post("rank 3 failed at F2 of step 1: ValueError: boom")
+    assert found.event.wait(LIMIT_S)
+    me.close()
+    assert found.texts == ["rank 3 failed at F2 of step 1: ValueError: boom"]
+
+
+def test_between_steps_it_only_beats(store: dist.Store) -> None:
+    """Disarmed (no step running), a silent neighbour and a posted failure wait for the
+    next step."""
+    board = FailureBoard([PrefixStore("pipeline/", store)])
+    found = Found()
+    me = PeerWatch(0, [1], TIMEOUT_S, found, store=store)
+    until(lambda: beats(store, 0) >= 20)  # twice the timeout, disarmed
+    assert found.texts == []
+    me.arm(board)
+    assert found.event.wait(LIMIT_S)
+    me.disarm()
+    me.close()
+    assert found.texts[0].startswith("rank 1 stopped answering")
+
+
+class FakeNcclGroup:
+    """Stands in for an NCCL group: its abort is what a failed peer's blocked operations
+    wait for."""
+
+    def __init__(self) -> None:
+        self.aborted = threading.Event()
+        self.group_name = "fake-nccl"
+
+    def abort(self) -> None:
+        self.aborted.set()
+
+
+def test_on_nccl_a_failure_aborts_the_group_and_its_blocked_wait_returns(
+        store: dist.Store, monkeypatch: pytest.MonkeyPatch) -> None:
+    """stop_groups aborts a group that is not gloo alone (and breaks no gloo links in a
+    group without a CPU backend); here the watch's abort ends a wait that only the abort
+    can end, as NCCL's blocked operations return once their communicator is aborted."""
+    group = FakeNcclGroup()
+    broken: list[Any] = []
+    monkeypatch.setattr(dist, "get_backend_config", lambda g: "cuda:nccl")
+    monkeypatch.setattr(watch, "device_types", lambda g: ["cuda"])
+    monkeypatch.setattr(watch, "break_links", broken.append)
+    board = FailureBoard([PrefixStore("pipeline/", store)])
+    me = PeerWatch(0, [1], TIMEOUT_S, lambda text: watch.stop_groups([group]),  # type: ignore[list-item]
+                   store=store)
+    me.arm(board)
+    assert group.aborted.wait(LIMIT_S)  # the blocked operation's release
+    me.close()
+    assert broken == [] and me.reason is not None
+
+
+def test_timeouts_of_a_watched_group() -> None:
+    minute = 60.0
+    nccl = operation_timeout(_seconds(minute), gloo=False)
+    assert nccl.total_seconds() == 30 * minute  # a long step is not killed
+    assert operation_timeout(_seconds(10 * minute), gloo=False).total_seconds() == 100 * minute
+    assert operation_timeout(_seconds(minute), gloo=True).total_seconds() == 1.5 * minute
+    assert only_gloo("cpu:gloo,cuda:gloo") and not only_gloo("cpu:gloo,cuda:nccl")
+    assert not only_gloo("cuda:nccl")
+
+
+def _seconds(value: float) -> Any:
+    import datetime
+
+    return datetime.timedelta(seconds=value)

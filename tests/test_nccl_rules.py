@@ -1,0 +1,103 @@
+"""Both ends of every message are posted alike: NCCL pairs an operation posted inside
+``batch_isend_irecv`` only with one posted the same way (the group's communicator), and one
+posted alone only with one posted alone (a communicator of the two ranks), so a message
+posted differently on its two ends hangs there. gloo, whose tags match anything, would not
+show it; these runs record every call each rank makes instead, over the built-in schedules
+and the options that change what crosses the ranks."""
+
+from __future__ import annotations
+
+from collections import Counter, defaultdict
+from typing import cast
+
+import pytest
+from pipeswap_p2p_record import Record, recorded, train
+from pipeswap_e2e_workers import watched_stop, without_cpu_backend
+from pipeswap_pool import POOL
+from pipeswap_pytree_workers import train as pytree_train
+
+from pipeswap.runtime import spawn
+from pipeswap.runtime.train import TrainConfig
+
+pytestmark = pytest.mark.multiprocess
+
+SMALL = dict(steps=1, batch_size=8, seq_len=16, width=32, verbose=False,
+             measure_allocator=False, microbatches=4)
+
+FOUR_RANKS = [
+    TrainConfig.of(schedule="gpipe", ranks=4, batch_p2p=True, **SMALL),
+    TrainConfig.of(schedule="1f1b", ranks=4, batch_p2p=True, modes=("swap",), **SMALL),
+    TrainConfig.of(schedule="interleaved-1f1b", ranks=2, dp=2, fsdp=True, stages_per_rank=2,
+                   batch_p2p=True, modes=("swap",), **SMALL),
+]
+TWO_RANKS = [
+    TrainConfig.of(schedule="interleaved-1f1b", ranks=2, stages_per_rank=2, overlap_b_f=True,
+                   dxdw_split=True, batch_p2p=True, modes=("swap",), **SMALL),
+    TrainConfig.of(schedule="looped-bfs", ranks=2, stages_per_rank=2, batch_p2p=True,
+                   modes=("swap",), **SMALL),
+    TrainConfig.of(schedule="interleaved-zb", ranks=2, stages_per_rank=2, batch_p2p=True,
+                   modes=("swap",), **SMALL),
+    TrainConfig.of(schedule="zbv", ranks=2, stages_per_rank=2, batch_p2p=True, modes=("swap",), **SMALL),
+    TrainConfig.of(schedule="dualpipev", ranks=2, stages_per_rank=2, batch_p2p=True, modes=("swap",), **SMALL),
+]
+
+
+def mismatches(ranks: list[list[Record]]) -> list[str]:
+    """Each message whose two ends were not posted alike, or that has one end only."""
+    ends: dict[tuple[str, int, int, int], list[Counter[str]]] = defaultdict(
+        lambda: [Counter(), Counter()])
+    for rank, records in enumerate(ranks):
+        for group, src, dst, tag, kind in records:
+            ends[group, src, dst, tag][rank == dst][kind] += 1
+    return [f"{src}->{dst} tag {tag} in {group}: sent {dict(sent)}, received {dict(got)}"
+            for (group, src, dst, tag), (sent, got) in sorted(ends.items()) if sent != got]
+
+
+@pytest.mark.parametrize(("world", "configs"), [(4, FOUR_RANKS), (2, TWO_RANKS)],
+                         ids=["4-ranks", "2-ranks"])
+def test_every_message_is_posted_alike_on_both_ends(world: int,
+                                                    configs: list[TrainConfig]) -> None:
+    ranks = POOL.run(recorded, world, train, configs, timeout_s=120)
+    assert not mismatches(ranks)
+    # set-up and steps moved messages, and every one of them through a batch
+    kinds = Counter(record[4] for records in ranks for record in records)
+    assert kinds["batched"] > 100 and kinds["alone"] == 0, kinds
+
+
+def test_multi_tensor_boundaries_post_alike() -> None:
+    ranks = POOL.run(recorded, 2, pytree_train, "interleaved-1f1b", True, timeout_s=120)
+    assert not mismatches(ranks)
+    assert {record[4] for records in ranks for record in records} == {"batched"}
+
+
+def test_the_check_sees_a_message_posted_differently() -> None:
+    """A message batched on one end and alone on the other, or with one end only."""
+    sent = ("g", 0, 1, 7, "batched")
+    assert mismatches([[sent], [("g", 0, 1, 7, "alone")]]) == [
+        "0->1 tag 7 in g: sent {'batched': 1}, received {'alone': 1}"]
+    assert mismatches([[sent], []]) == ["0->1 tag 7 in g: sent {'batched': 1}, received {}"]
+    assert mismatches([[sent], [sent]]) == []
+
+
+def test_a_world_without_a_cpu_backend_runs() -> None:
+    """Plain ``init_process_group("nccl")`` gives a group with no CPU backend, where
+    pipeswap's control traffic (CPU tensors) would fail; ``cuda:gloo`` is such a group on a
+    machine without a GPU. pipeswap makes gloo groups for that traffic itself."""
+    first, last = spawn(without_cpu_backend, 2, backend="cuda:gloo", timeout_s=60)
+    assert first["world_has_cpu"] is False
+    assert first["asked"] == first["transport"] == "cuda:gloo,cpu:gloo"
+    assert first["control"] == "cpu:gloo,cuda:gloo"  # gloo's own, for every device
+    plain, swapped = cast("list[tuple[float, ...]]", last["losses"])  # the last stage's
+    assert len(plain) == 4 and plain == swapped
+
+
+def test_a_watched_rank_names_the_peer_that_stopped() -> None:
+    """With ``failure_timeout_s``, a watch follows the peers' beats: a rank that stops
+    (SIGSTOP) mid-step is named by its peer's error within about the timeout. (On NCCL the
+    watch also aborts the communicators; see test_runtime_watch for that path.)"""
+    first, second = POOL.run(watched_stop, 2, 1.0, timeout_s=60)
+    assert str(first["operation_timeout"]) == "0:00:01.500000"  # gloo: 1.5 x the watch's
+    assert first["failed_rank"] == 1, first
+    assert "rank 1 stopped answering" in cast(str, first["error"])
+    assert 1.0 <= cast(float, first["seconds"]) < 10.0
+    assert "rank 1 stopped answering" in cast(str, second["error"])  # told once it went on
