@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 import torch.distributed as dist
-from torch.distributed.distributed_c10d import PrefixStore
+from torch.distributed.distributed_c10d import PrefixStore, Store
 
 from pipeswap.runtime import watch
 from pipeswap.runtime.comm import FailureBoard
@@ -34,7 +34,7 @@ class Found:
         self.event.set()
 
 
-def beats(store: dist.Store, rank: int) -> int:
+def beats(store: Store, rank: int) -> int:
     return int(PrefixStore("pipeswap/beats/", store).add(str(rank), 0))
 
 
@@ -47,11 +47,12 @@ def until(condition: Callable[[], bool]) -> None:
 
 
 @pytest.fixture
-def store() -> dist.Store:
-    return dist.HashStore()
+def store() -> Store:
+    made: Store = dist.HashStore()  # type: ignore[attr-defined]  # not in torch's __all__
+    return made
 
 
-def test_a_silent_neighbour_is_posted_and_reported(store: dist.Store) -> None:
+def test_a_silent_neighbour_is_posted_and_reported(store: Store) -> None:
     board = FailureBoard([PrefixStore("pipeline/", store)])
     found = Found()
     start = time.monotonic()
@@ -65,7 +66,7 @@ def test_a_silent_neighbour_is_posted_and_reported(store: dist.Store) -> None:
     assert me.reason == found.texts[0]
 
 
-def test_a_beating_neighbour_is_never_reported(store: dist.Store) -> None:
+def test_a_beating_neighbour_is_never_reported(store: Store) -> None:
     """A live rank's own thread beats whatever its step does, so however long the step,
     its neighbour's watch stays quiet."""
     board = FailureBoard([PrefixStore("pipeline/", store)])
@@ -80,7 +81,7 @@ def test_a_beating_neighbour_is_never_reported(store: dist.Store) -> None:
     assert found.texts == other.texts == [] and board.read() is None
 
 
-def test_a_posted_failure_is_reported_to_every_watch(store: dist.Store) -> None:
+def test_a_posted_failure_is_reported_to_every_watch(store: Store) -> None:
     board = FailureBoard([PrefixStore("pipeline/", store)])
     found = Found()
     me = PeerWatch(0, [], TIMEOUT_S, found, store=store)
@@ -91,7 +92,7 @@ def test_a_posted_failure_is_reported_to_every_watch(store: dist.Store) -> None:
     assert found.texts == ["rank 3 failed at F2 of step 1: ValueError: boom"]
 
 
-def test_between_steps_it_only_beats(store: dist.Store) -> None:
+def test_between_steps_it_only_beats(store: Store) -> None:
     """Disarmed (no step running), a silent neighbour and a posted failure wait for the
     next step."""
     board = FailureBoard([PrefixStore("pipeline/", store)])
@@ -119,7 +120,7 @@ class FakeNcclGroup:
 
 
 def test_on_nccl_a_failure_aborts_the_group_and_its_blocked_wait_returns(
-        store: dist.Store, monkeypatch: pytest.MonkeyPatch) -> None:
+        store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
     """stop_groups aborts a group that is not gloo alone (and breaks no gloo links in a
     group without a CPU backend); here the watch's abort ends a wait that only the abort
     can end, as NCCL's blocked operations return once their communicator is aborted."""
