@@ -53,8 +53,10 @@ def mismatches(ranks: list[list[Record]]) -> list[str]:
             for (group, src, dst, tag), (sent, got) in sorted(ends.items()) if sent != got]
 
 
-@pytest.mark.parametrize(("world", "configs"), [(4, FOUR_RANKS), (2, TWO_RANKS)],
-                         ids=["4-ranks", "2-ranks"])
+@pytest.mark.parametrize(("world", "configs"), [
+    pytest.param(4, FOUR_RANKS, id="4-ranks"),
+    pytest.param(2, TWO_RANKS, id="2-ranks", marks=pytest.mark.everyday),  # a few seconds
+])
 def test_every_message_is_posted_alike_on_both_ends(world: int,
                                                     configs: list[TrainConfig]) -> None:
     ranks = POOL.run(recorded, world, train, configs, timeout_s=120)
