@@ -99,7 +99,7 @@ def _batch() -> tuple[torch.Tensor, torch.Tensor]:
             torch.randint(0, 64, (8, 32), generator=generator))
 
 
-def _replayed(rank: int, granularity: str, reserve: bool
+def _replayed(rank: int, granularity: str, reserve: bool, manager: SwapManager | None = None
               ) -> tuple[PipelineExecutor, list[int], torch.nn.Module]:
     """Rank ``rank`` of a 2-rank GPipe pipeline, replayed, its chunks swapped whole (the gap
     rule takes every chunk it can) or streamed; with ``reserve``, its host buffers reserved
@@ -115,7 +115,7 @@ def _replayed(rank: int, granularity: str, reserve: bool
     executor = PipelineExecutor(
         [stages[rank]], SPEC, 4, lm_loss, swap=True,
         swap_policy=MinGapPolicy(3) if whole else None,
-        swap_granularity="auto" if whole else granularity, replay=replay)
+        swap_granularity="auto" if whole else granularity, replay=replay, manager=manager)
     streams = any(step is not None and step.type is StepType.SWAP_STREAM_OFFLOAD
                   for step in executor.schedule.orders[rank])
     assert len(executor.swapped) == 4 and streams is not whole
@@ -159,3 +159,36 @@ def test_a_reserved_rank_pins_no_host_block_in_its_first_step(rank: int,
     for got, want in zip(module.parameters(), plain_module.parameters()):
         assert got.grad is not None and want.grad is not None
         assert torch.equal(got.grad, want.grad)
+
+
+def test_the_executor_reserves_its_plan_before_the_first_step() -> None:
+    inputs, targets = _batch()
+    _, reservation, _ = _replayed(0, "chunk", reserve=True)
+    executor, _, _ = _replayed(0, "chunk", reserve=False)
+    assert executor.manager.stats().host_buffers_allocated == 0
+    executor.step(inputs, targets)
+    stats = executor.manager.stats()
+    assert stats.host_bytes_reserved == sum(reservation) > 0
+    assert (stats.host_buffers_allocated, stats.host_bytes_allocated) == (
+        len(reservation), sum(reservation))
+
+
+def test_a_reservation_the_pool_cannot_hold_is_a_warning_and_the_step_runs(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The reservation is a bound (streamed chunks counted whole, say): one over the
+    pool's cap warns, reserves nothing, and the step pins as it goes."""
+    from pipeswap.runtime import executor as executor_module
+
+    inputs, targets = _batch()
+    plain, reservation, _ = _replayed(0, "chunk", reserve=True)
+    want = plain.step(inputs, targets)
+    cap = 2 * sum(reservation)
+    monkeypatch.setattr(executor_module, "host_reservation",
+                        lambda *args: [*reservation, cap])  # an overestimate
+    manager = SwapManager(get_platform("cpu"), pool_bytes=cap)
+    executor, _, _ = _replayed(0, "chunk", reserve=False, manager=manager)
+    with pytest.warns(UserWarning, match="were not reserved before the first step"):
+        got = executor.step(inputs, targets)
+    stats = manager.stats()
+    assert stats.host_bytes_reserved == 0 and stats.host_bytes_allocated == sum(reservation)
+    assert got.losses == want.losses and got.bytes_offloaded == want.bytes_offloaded

@@ -166,6 +166,13 @@ class Transfer:
     peer: int
 
 
+def clone_store(store: Store) -> Store:
+    """A client of ``store`` with a connection of its own (``Store.clone``, which torch's
+    type stubs omit)."""
+    cloned: Store = store.clone()  # type: ignore[attr-defined]
+    return cloned
+
+
 class FailureBoard:
     """Where the first rank to fail posts what failed, so that its peers, which only see a
     broken connection, can name the rank and step: one key of the rendezvous store per
@@ -174,6 +181,11 @@ class FailureBoard:
 
     def __init__(self, stores: Sequence[Store]) -> None:
         self._stores = list(stores)
+
+    def cloned(self) -> FailureBoard:
+        """The same board over connections of its own (one per thread: a store client
+        holds its lock through a blocking call)."""
+        return FailureBoard([clone_store(store) for store in self._stores])
 
     @staticmethod
     def of(*groups: dist.ProcessGroup) -> FailureBoard:

@@ -59,7 +59,7 @@ from pipeswap.schedule import (
     SwapPolicy,
     swapped_chunks,
 )
-from pipeswap.swap import SwapManager
+from pipeswap.swap import PoolExhaustedError, SwapManager
 from pipeswap.swap.layers import layer_hooks
 
 if TYPE_CHECKING:
@@ -347,8 +347,7 @@ class PipelineExecutor:
                     loss_fn=self._interpreter.loss_fn)
                 if recorder is not None:
                     at = "the reservation of host buffers"
-                    self.manager.reserve_host(
-                        host_reservation(self.schedule, self.rank, recorder.sizes))
+                    self._reserve(host_reservation(self.schedule, self.rank, recorder.sizes))
                 self._shapes_known = True
                 if state.micro_inputs:
                     self._input_meta = BoundaryMeta.of(state.micro_inputs[0], "the inputs")[0]
@@ -379,8 +378,22 @@ class PipelineExecutor:
             raise
         if self._watch is not None:
             self._watch.disarm()
+            if self._watch.reason is not None:  # found as the step ended: groups stopped
+                self._failure.reason = f"after step {self._runs}: {self._watch.reason}"
         state.session.close()
         return state
+
+    def _reserve(self, sizes: list[int]) -> None:
+        """Pin the host buffers the plan needs before the first step of the order runs. A
+        bound (each microbatch saves what the dry run saved; streamed chunks counted whole):
+        where the pool's cap cannot hold it, the step pins as it goes instead, as it would
+        without a reservation."""
+        try:
+            self.manager.reserve_host(sizes)
+        except PoolExhaustedError as exc:
+            warnings.warn(f"rank {self.rank}: the host buffers of the swap plan were not "
+                          f"reserved before the first step ({exc}); they are pinned as the "
+                          "steps need them", stacklevel=3)
 
 
 def _remove_all(removers: list[Callable[[], None]]) -> None:

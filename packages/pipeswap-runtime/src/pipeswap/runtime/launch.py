@@ -35,7 +35,6 @@ if TYPE_CHECKING:
     from multiprocessing.process import BaseProcess
     from multiprocessing.queues import SimpleQueue
 
-    import torch
     from torch.distributed.device_mesh import DeviceMesh
     from types import FrameType
 
@@ -96,8 +95,8 @@ def init_from_env(backend: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> tuple[i
     import torch.distributed as dist
 
     global _progress
-    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s),
-                            device_id=_select_device(backend))
+    _select_device(backend)
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
     _progress = _Progress([-1], 0)  # no launcher to tell: kept for this rank's own report
     return dist.get_rank(), dist.get_world_size()
 
@@ -136,17 +135,15 @@ def backend_for(device: str) -> str:
     return "gloo" if device == "cpu" else "cpu:gloo,cuda:nccl"
 
 
-def _select_device(backend: str) -> torch.device | None:
-    """One GPU per local rank, before NCCL starts; the device whose communicator
-    ``init_process_group`` then creates at once (``device_id``), so that a first batch of
-    point-to-point operations need not involve every rank. None on CPU."""
-    if "nccl" not in backend:
-        return None
-    import torch
+def _select_device(backend: str) -> None:
+    """One GPU per local rank, before NCCL starts. (The world group is not bound to it with
+    ``device_id``: torch then makes every later NCCL group by splitting the world's
+    communicator, which every rank must join, and a pipeline replica's groups are made by its
+    own ranks alone. The executor's own group is created eagerly instead.)"""
+    if "nccl" in backend:
+        import torch
 
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-    torch.cuda.set_device(device)
-    return device
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
 
 
 def _free_port() -> int:
@@ -180,9 +177,9 @@ def _rank_main(rank: int, world_size: int, port: int, backend: str, timeout_s: f
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(world_size))  # as torchrun: all on this host
     try:
+        _select_device(backend)
         dist.init_process_group(backend, rank=rank, world_size=world_size,
-                                timeout=datetime.timedelta(seconds=timeout_s),
-                                device_id=_select_device(backend))
+                                timeout=datetime.timedelta(seconds=timeout_s))
         value = fn(rank, world_size, *args)
         dist.destroy_process_group()
     except BaseException as exc:  # noqa: BLE001 - reported to the parent, which raises

@@ -18,11 +18,12 @@ from __future__ import annotations
 
 import threading
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from contextlib import suppress
 from typing import TYPE_CHECKING
 
-from pipeswap.runtime.comm import FailureBoard, break_links
+from pipeswap.runtime.comm import FailureBoard, break_links, clone_store
 from pipeswap.runtime.groups import device_types, only_gloo
 
 if TYPE_CHECKING:
@@ -65,7 +66,11 @@ class PeerWatch:
 
         if store is None:
             store = dist.distributed_c10d._get_default_store()
-        self._beats = dist.distributed_c10d.PrefixStore("pipeswap/beats/", store)
+        # connections of the watch's own: a store client holds its lock through a blocking
+        # call, and the main thread's may block (a rendezvous) while peers wait for a beat
+        self._beats = dist.distributed_c10d.PrefixStore("pipeswap/beats/",
+                                                               clone_store(store))
+        self._given: FailureBoard | None = None
         self.rank = rank
         self.neighbours = sorted(set(neighbours) - {rank})
         self.board: FailureBoard | None = None  # the current step's, while armed
@@ -81,7 +86,8 @@ class PeerWatch:
 
     def arm(self, board: FailureBoard) -> None:
         """A step begins, with the transport's ``board``."""
-        self.board = board
+        if board is not self._given:  # a new transport's
+            self._given, self.board = board, board.cloned()
         self.reason = None
         self._armed.set()
 
@@ -98,6 +104,7 @@ class PeerWatch:
     def _run(self) -> None:
         seen = {rank: (-1, time.monotonic()) for rank in self.neighbours}
         board: FailureBoard | None = None
+        reached = time.monotonic()  # when the store last answered
         while not self._closed.wait(self.interval_s):
             now = time.monotonic()
             try:
@@ -108,8 +115,14 @@ class PeerWatch:
                         seen[rank] = (count, now)
                 board = self.board
                 found = board.read() if board is not None and self._armed.is_set() else None
-            except Exception:  # noqa: BLE001 - the store went with its host: the job ends
-                return
+                reached = now
+            except Exception as exc:  # noqa: BLE001 - a store that does not answer
+                if now - reached > self.timeout_s:  # gone with its host: the job ends
+                    warnings.warn(f"rank {self.rank}: the rendezvous store has not answered "
+                                  f"for {self.timeout_s:g} s ({exc}); this rank no longer "
+                                  "watches its peers", stacklevel=1)
+                    return
+                continue  # a moment's trouble: try again
             if board is None or not self._armed.is_set() or self.reason is not None:
                 continue
             if found is None:
