@@ -183,19 +183,24 @@ def without_cpu_backend(rank: int, world_size: int) -> dict[str, object]:
 
     from pipeswap.runtime.groups import has_cpu_backend, with_cpu_backend
 
-    losses = []
+    losses, groups = [], []
     for swap in (False, True):
         torch.manual_seed(0)
         stage = PipelineStage(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh()),
                               rank, world_size)
+        before = len(dist.distributed_c10d._world.pg_map)
         executor = PipelineExecutor([stage], "1f1b", 4, _mse, swap=swap)
         generator = torch.Generator().manual_seed(1)
         report = executor.step(torch.randn(8, 8, generator=generator),
                                torch.randn(8, 8, generator=generator))
         losses.append(report.losses)
+        made = {"transport": dist.get_backend_config(executor.transport.group),
+                "control": dist.get_backend_config(executor._control)}
+        during = len(dist.distributed_c10d._world.pg_map)
+        executor.close()
+        groups.append((before, during, len(dist.distributed_c10d._world.pg_map)))
     return {"world_has_cpu": has_cpu_backend(None), "asked": with_cpu_backend(None),
-            "transport": dist.get_backend_config(executor.transport.group),
-            "control": dist.get_backend_config(executor._control), "losses": losses}
+            **made, "losses": losses, "groups": groups}
 
 
 class Stops(torch.nn.Module):

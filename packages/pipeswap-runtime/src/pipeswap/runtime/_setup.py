@@ -14,7 +14,7 @@ import dataclasses
 import datetime
 import hashlib
 from collections.abc import Callable, Mapping, Sequence
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import AbstractContextManager, nullcontext, suppress
 from typing import TYPE_CHECKING, Any
 
 from pipeswap.runtime.comm import (
@@ -26,7 +26,7 @@ from pipeswap.runtime.comm import (
 )
 from pipeswap.runtime.errors import PipelineSetupError
 from pipeswap.runtime.fsdp import ShardedStage, fsdp_modules
-from pipeswap.runtime.groups import control_group, transport_group
+from pipeswap.runtime.groups import control_group, only_gloo, transport_group
 from pipeswap.runtime.stage import PipelineStage, output_meta
 from pipeswap.schedule import (
     Schedule,
@@ -300,6 +300,23 @@ def neighbours(schedule: Schedule, rank: int, group: dist.ProcessGroup | None,
     if dp_group is not None:
         mine |= set(dist.get_process_group_ranks(dp_group))
     return sorted(mine)
+
+
+def free_groups(groups: Sequence[dist.ProcessGroup | None], *, spans_world: bool) -> None:
+    """Free groups an executor made, once it is done with them: destroyed where they span
+    the world; otherwise only an accelerator backend's communicators are aborted (their
+    memory freed), the groups kept, as destroying them would let a new group repeat a live
+    group's name (see :func:`new_transport`)."""
+    import torch.distributed as dist
+
+    for group in groups:
+        if group is None:
+            continue
+        with suppress(Exception):  # already broken by a failure: nothing left to free
+            if spans_world:
+                dist.destroy_process_group(group)
+            elif not only_gloo(str(dist.get_backend_config(group))):
+                group.abort()
 
 
 def new_transport(schedule: Schedule, *, microbatches: int, device: torch.device,

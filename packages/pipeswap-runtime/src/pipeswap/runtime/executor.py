@@ -240,10 +240,17 @@ class PipelineExecutor:
 
     def close(self) -> None:
         """Remove the layer hooks this executor put on its stages (the stages may then serve
-        another executor); the executor cannot step after this."""
+        another executor), stop its watch and free the communication groups it made (on
+        NCCL each holds a communicator's device memory); the executor cannot step after
+        this. Close it on every rank after the same last step."""
         self._hooks_finalizer()
         if self._watch is not None:
             self._watch.close()
+        if not self._closed and self.replay is None:
+            made = [self.transport.group, *(mine for mine, theirs in (
+                (self._control, self.group), (self._dp_control, self.dp_group))
+                if mine is not theirs)]
+            _setup.free_groups(made, spans_world=self._spans_world)
         self._closed = True
 
     @property

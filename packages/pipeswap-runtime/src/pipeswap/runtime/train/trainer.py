@@ -180,6 +180,7 @@ class Trainer:
                             gathered_bytes=executor.gathered_bytes)
         for number, batch in enumerate(self.batches(done), done + 1):
             self.train_step(mode, number, batch, executor, stages, optimizer, tied, result)
+        executor.close()  # its groups, before the next mode makes its own
         return result
 
     def train_step(self, mode: str, number: int, batch: Batch, executor: PipelineExecutor,
