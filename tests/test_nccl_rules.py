@@ -89,8 +89,8 @@ def test_a_world_without_a_cpu_backend_runs() -> None:
     assert first["world_has_cpu"] is False
     assert first["asked"] == first["transport"] == "cuda:gloo,cpu:gloo"
     assert first["control"] == "cpu:gloo,cuda:gloo"  # gloo's own, for every device
-    # the executor's two groups (transport, CPU control) made, and freed by close()
-    assert first["groups"] == last["groups"] == [(1, 3, 1), (1, 3, 1)]
+    # the executor's two groups (transport, CPU control); close() frees accelerator groups
+    assert first["groups"] == last["groups"] == [(1, 3, 3), (3, 5, 5)]
     plain, swapped = cast("list[tuple[float, ...]]", last["losses"])  # the last stage's
     assert len(plain) == 4 and plain == swapped
 

@@ -303,19 +303,20 @@ def neighbours(schedule: Schedule, rank: int, group: dist.ProcessGroup | None,
 
 
 def free_groups(groups: Sequence[dist.ProcessGroup | None], *, spans_world: bool) -> None:
-    """Free groups an executor made, once it is done with them: destroyed where they span
-    the world; otherwise only an accelerator backend's communicators are aborted (their
-    memory freed), the groups kept, as destroying them would let a new group repeat a live
-    group's name (see :func:`new_transport`)."""
+    """Free the groups with an accelerator backend that an executor made, once it is done
+    with them (each NCCL communicator holds device memory): destroyed where they span the
+    world; otherwise aborted, the group kept, as destroying it would let a new group repeat
+    a live group's name (see :func:`new_transport`). gloo's are left: they hold no device
+    memory, and torch warns as it destroys one made with a backend per device."""
     import torch.distributed as dist
 
     for group in groups:
-        if group is None:
+        if group is None or only_gloo(str(dist.get_backend_config(group))):
             continue
         with suppress(Exception):  # already broken by a failure: nothing left to free
             if spans_world:
                 dist.destroy_process_group(group)
-            elif not only_gloo(str(dist.get_backend_config(group))):
+            else:
                 group.abort()
 
 
