@@ -35,6 +35,12 @@ from typing import Any
 
 import torch
 
+TESTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests")
+if TESTS not in sys.path:
+    sys.path.insert(0, TESTS)
+
+from pipeswap_e2e_workers import FailAt  # noqa: E402  (the suite's failing stage wrapper)
+
 PREFIX = "nccl_job:"
 VOCAB, WIDTH, SEQ = 11, 16, 8  # the pytree job's toy model
 GPT_SEQ, GPT_WIDTH = 32, 64  # the recover and torchrun jobs' GPT
@@ -182,30 +188,6 @@ def pytree(ranks: int, kind: str, timeout_s: float) -> str:
 
 
 # -- recover: a rank raises mid-step ---------------------------------------------------------
-
-
-class FailAt(torch.nn.Module):
-    """Wraps a stage: once armed, raises in its ``at``-th forward or backward call."""
-
-    def __init__(self, inner: torch.nn.Module) -> None:
-        super().__init__()
-        self.inner = inner
-        self.phase, self.at, self.calls = "", 0, {"forward": 0, "backward": 0}
-
-    def arm(self, phase: str, at: int) -> None:
-        self.phase, self.at, self.calls = phase, at, {"forward": 0, "backward": 0}
-
-    def _count(self, phase: str) -> None:
-        self.calls[phase] += 1
-        if self.phase == phase and self.calls[phase] == self.at:
-            raise RuntimeError(f"injected failure in {phase} call {self.at}")
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        self._count("forward")
-        out: torch.Tensor = self.inner(x)
-        if out.requires_grad:
-            out.register_hook(lambda grad: self._count("backward"))  # type: ignore[no-untyped-call]
-        return out
 
 
 def gpt_parts(world: int, device: torch.device
