@@ -5,14 +5,24 @@ A plan holds the chunks taken on one rank and what the rank holds in each comput
 them; it takes, one at a time, the chunk that best lowers the highest slot with copies that
 hide (or, for a budget, that stall least), then drops what lowers nothing. The layer
 resolution plan (:mod:`pipeswap.schedule.policies._layer_plan`) refines the same loop.
+
+Every step costs what it touches, not the rank's length, so that a rank of thousands of slots
+plans in milliseconds: the slots are kept in blocks that know their highest value
+(:class:`Profile`), the chunks that may cover a slot are found by bisection (candidates come
+in forward order), and a copy's effect on its stream is replayed only as far as it reaches
+(:class:`~pipeswap.schedule.policies._streams.Stream`).
 """
 
 from __future__ import annotations
 
+import math
+from bisect import bisect_left, bisect_right
+from itertools import accumulate, compress
 from collections.abc import Sequence
 
 from pipeswap.schedule.costs import CostModel
-from pipeswap.schedule.policies._slots import MAX_COPY_SLOTS, Timeline, copy_times
+from pipeswap.schedule.policies._slots import MAX_COPY_SLOTS, Timeline
+from pipeswap.schedule.policies._streams import AFTER, BEFORE, Copy, Stream
 from pipeswap.schedule.policies.base import SwapCandidate, SwapPlacement
 from pipeswap.schedule.steps import ChunkKey
 
@@ -21,6 +31,85 @@ from pipeswap.schedule.steps import ChunkKey
 _PLACEMENTS = tuple(SwapPlacement(off, load) for off, load in sorted(
     ((off, load) for off in range(MAX_COPY_SLOTS + 1) for load in range(MAX_COPY_SLOTS + 1)),
     key=lambda p: (sum(p), p)))
+_HIDING = tuple(p for p in _PLACEMENTS if min(p.offload_slots, p.load_slots) > 0)
+
+
+class Profile:
+    """Bytes held per slot, in blocks that know their highest value and carry an amount
+    added to all of their slots, so that adding over a span, its highest value and the
+    first highest slot cost a few list operations, not a step per slot."""
+
+    BLOCK = 64
+
+    def __init__(self, values: Sequence[int]) -> None:
+        size = self.BLOCK
+        self.raw = list(values)  # each slot's value, less its block's ``added``
+        self.highest = [max(self.raw[i:i + size]) for i in range(0, len(self.raw), size)]
+        self.added = [0] * len(self.highest)
+
+    def _parts(self, start: int, stop: int) -> tuple[list[int], int, int]:
+        """The blocks only partly in ``start:stop``, and the range of those wholly in it."""
+        size = self.BLOCK
+        head, tail = start // size, (stop - 1) // size
+        if head == tail:
+            return ([head], 0, 0) if stop - start < size else ([], head, head + 1)
+        inner = (head + (start % size != 0), tail + 1 - (stop % size != 0))
+        return [b for b in (head, tail) if not inner[0] <= b < inner[1]], *inner
+
+    def add(self, start: int, stop: int, amount: int) -> None:
+        if start >= stop:
+            return
+        size, raw, highest, added = self.BLOCK, self.raw, self.highest, self.added
+        partial, lo, hi = self._parts(start, stop)
+        for block in partial:
+            a, b = max(start, block * size), min(stop, (block + 1) * size)
+            raw[a:b] = [value + amount for value in raw[a:b]]
+            highest[block] = max(raw[block * size:(block + 1) * size]) + added[block]
+        if lo < hi:
+            added[lo:hi] = [value + amount for value in added[lo:hi]]
+            highest[lo:hi] = [value + amount for value in highest[lo:hi]]
+
+    def highest_in(self, start: int, stop: int) -> int:
+        size = self.BLOCK
+        partial, lo, hi = self._parts(start, stop)
+        found = [max(self.raw[max(start, b * size):min(stop, (b + 1) * size)]) + self.added[b]
+                 for b in partial]
+        if lo < hi:
+            found.append(max(self.highest[lo:hi]))
+        return max(found)
+
+    @property
+    def peak(self) -> int:
+        return max(self.highest, default=0)
+
+    @property
+    def values(self) -> list[int]:
+        size = self.BLOCK
+        return [value + self.added[at // size] for at, value in enumerate(self.raw)]
+
+    def first(self, value: int) -> int:
+        """The first slot holding ``value`` (which some slot must hold)."""
+        block = self.highest.index(value)
+        return self.raw.index(value - self.added[block], block * self.BLOCK)
+
+    def last(self, value: int, start: int, stop: int) -> int:
+        """The last slot from ``start`` to ``stop`` holding ``value`` (-1: none)."""
+        size = self.BLOCK
+        for block in range((stop - 1) // size, start // size - 1, -1):
+            if self.highest[block] >= value:
+                lo, hi = max(start, block * size), min(stop, (block + 1) * size)
+                part = self.raw[lo:hi]
+                if value - self.added[block] in part:
+                    return hi - 1 - part[::-1].index(value - self.added[block])
+        return -1
+
+    def count(self, value: int, start: int, stop: int) -> int:
+        size, total = self.BLOCK, 0
+        for block in range(start // size, (stop - 1) // size + 1):
+            if self.highest[block] >= value:
+                total += self.raw[max(start, block * size):min(stop, (block + 1) * size)
+                                  ].count(value - self.added[block])
+        return total
 
 
 class ChunkPlan:
@@ -30,36 +119,104 @@ class ChunkPlan:
     def __init__(self, costs: CostModel, rank: int, line: Timeline,
                  candidates: Sequence[SwapCandidate]) -> None:
         self.costs, self.rank, self.line = costs, rank, line
-        self.duplex = costs.rank_link(rank).duplex
+        link = costs.rank_link(rank)
         self.candidates = [c for c in candidates if c.gap >= 2]  # off the device a slot
+        self.position = {c.key: i for i, c in enumerate(self.candidates)}
+        self.forwards = [c.forward_slot for c in self.candidates]  # ascending
+        # each candidate's backward slot while it is not taken, -1 once it is
+        self.open = [c.backward_slot for c in self.candidates]
+        self.longest = max((c.gap for c in self.candidates), default=0)
+        by_stage: dict[int, int] = {}
+        self.movable = [self._movable(c.key, by_stage) for c in self.candidates]
+        self.d2h = [m / link.d2h_bandwidth for m in self.movable]
+        self.h2d = [m / link.h2d_bandwidth for m in self.movable]
+        self.offloads = Stream()
+        self.loads = Stream() if link.duplex else self.offloads
+        # over a link of no limit every copy ends as it starts: none is ever late
+        self.instant = math.inf == link.d2h_bandwidth == link.h2d_bandwidth
         self.chosen: dict[ChunkKey, SwapPlacement] = {}
-        self.by_key = {c.key: c for c in self.candidates}
-        self.held = line.held(candidates, costs)
+        self.profile = Profile(line.held(candidates, costs))
+        self.lateness = 0.0  # how long the chosen copies end past their deadlines
+
+    def _movable(self, key: ChunkKey, by_stage: dict[int, int]) -> int:
+        if key in self.costs.chunks or key[0] not in by_stage:
+            movable = self.costs.chunk_bytes(key).movable
+            if key in self.costs.chunks:
+                return movable
+            by_stage[key[0]] = movable
+        return by_stage[key[0]]
+
+    @property
+    def peak(self) -> int:
+        return self.profile.peak
 
     def off_slots(self, c: SwapCandidate, placement: SwapPlacement) -> range:
         """The slots during which ``c`` is off the device when placed so."""
         return range(c.forward_slot + placement.offload_slots + 1,
                      c.backward_slot - placement.load_slots)
 
-    def _shift(self, key: ChunkKey, placement: SwapPlacement, sign: int) -> None:
-        movable = self.costs.chunk_bytes(key).movable
-        for slot in self.off_slots(self.by_key[key], placement):
-            self.held[slot] -= sign * movable
+    def _copies(self, index: int, placement: SwapPlacement) -> tuple[Copy, Copy]:
+        """The offload and the load of candidate ``index`` placed so, each with the time
+        compute waits for it."""
+        c, line = self.candidates[index], self.line
+        f, b, key = c.forward_slot, c.backward_slot, c.key
+        done, at = line.ends[f], line.starts[b - placement.load_slots]
+        return (Copy((f, AFTER, done, f), done, self.d2h[index], key, 0, True,
+                     line.ends[f + placement.offload_slots]),
+                Copy((b - placement.load_slots, BEFORE, at, f), at, self.h2d[index], key, 0,
+                     False, line.starts[b]))
 
-    def copies(self, extra: tuple[ChunkKey, SwapPlacement] | None = None
-               ) -> list[tuple[float, float, float, str]]:
+    def _added(self, index: int, placement: SwapPlacement, strict: bool) -> float | None:
+        """How much later, in all, the copies end past their deadlines once candidate
+        ``index`` is placed so (None, with ``strict``, as soon as a copy would)."""
+        if self.instant:
+            return 0.0
+        key = self.candidates[index].key
+        offload, load = self._copies(index, placement)
+        streams = ((self.offloads, [offload, load]),) if self.loads is self.offloads else (
+            (self.offloads, [offload]), (self.loads, [load]))
+        added = 0.0
+        for stream, new in streams:
+            changed, ends = stream.replay(key, new)
+            for copy, end in zip(new, ends):
+                added += max(0.0, end - copy.deadline)
+            for at, end in changed.items():
+                copy = stream.copies[at]
+                added += max(0.0, end - copy.deadline) - max(0.0, stream.ends[at]
+                                                             - copy.deadline)
+            for at in stream.positions(key):
+                copy = stream.copies[at]
+                added -= max(0.0, stream.ends[at] - copy.deadline)
+            if strict and added > 0:
+                return None
+        return added
+
+    def _place(self, index: int, placement: SwapPlacement, added: float) -> None:
+        c = self.candidates[index]
+        now = self.chosen.get(c.key)
+        if now is not None:
+            span = self.off_slots(c, now)
+            self.profile.add(span.start, span.stop, self.movable[index])
+        if not self.instant:
+            offload, load = self._copies(index, placement)
+            if self.loads is self.offloads:
+                self.offloads.replace(c.key, [offload, load])
+            else:
+                self.offloads.replace(c.key, [offload])
+                self.loads.replace(c.key, [load])
+        span = self.off_slots(c, placement)
+        self.profile.add(span.start, span.stop, -self.movable[index])
+        self.chosen[c.key] = placement
+        self.open[index] = -1
+        self.lateness += added
+
+    def copies(self) -> list[tuple[float, float, float, str]]:
         """(earliest start, duration, deadline, stream) of every chosen copy."""
-        chosen = dict(self.chosen)
-        if extra is not None:
-            chosen[extra[0]] = extra[1]
-        line, out = self.line, []
-        for key, (off, load, _) in chosen.items():
-            c = self.by_key[key]
-            d2h, h2d = copy_times(self.costs, self.rank, key)
-            out.append((line.ends[c.forward_slot], d2h, line.ends[c.forward_slot + off],
-                        "d2h" if self.duplex else "copy"))
-            out.append((line.starts[c.backward_slot - load], h2d,
-                        line.starts[c.backward_slot], "h2d" if self.duplex else "copy"))
+        names = ("copy", "copy") if self.loads is self.offloads else ("d2h", "h2d")
+        out = []
+        for key, placement in self.chosen.items():
+            for copy, name in zip(self._copies(self.position[key], placement), names):
+                out.append((copy.release, copy.duration, copy.deadline, name))
         return out
 
     @staticmethod
@@ -78,50 +235,116 @@ class ChunkPlan:
         """Take chunks (or, with ``allow_stall``, widen a taken chunk's time off the device)
         while the peak can be lowered: without stalls as far as it goes, with them until it
         is within ``budget``."""
-        while self.held:
-            peak = max(self.held)
+        if self.instant and not allow_stall:
+            self._take_all()
+            return
+        while self.profile.raw:
+            peak = self.peak
             if allow_stall and budget is not None and peak <= budget:
                 return
-            top = [slot for slot, value in enumerate(self.held) if value == peak]
-            best: tuple[tuple[float, int, int, int], ChunkKey, SwapPlacement] | None = None
-            base = self.stall(self.copies())
-            for c in self.candidates:
-                if not c.forward_slot < top[0] < c.backward_slot:
-                    continue
-                now = self.chosen.get(c.key)
-                if now is not None and (not allow_stall or top[0] in self.off_slots(c, now)):
-                    continue
-                for placement in _PLACEMENTS:
-                    if not allow_stall and min(placement.offload_slots, placement.load_slots) == 0:
-                        continue
-                    span = self.off_slots(c, placement)
-                    if top[0] not in span or (now is not None and not (
-                            set(self.off_slots(c, now)) <= set(span))):
-                        continue
-                    added = self.stall(self.copies((c.key, placement))) - base
-                    if added > 0 and not allow_stall:
-                        continue
-                    covered = sum(slot in span for slot in top)
-                    order = (added, -covered, -self.costs.chunk_bytes(c.key).movable,
-                             sum(placement))
-                    if best is None or order < best[0]:
-                        best = (order, c.key, placement)
-                    if not allow_stall:
-                        break  # the tightest placement of this chunk that hides
+            first = self.profile.first(peak)
+            best = (self._stalling(first, peak) if allow_stall
+                    else self._hiding(first, peak))
             if best is None:
                 return
-            _, key, placement = best
-            if key in self.chosen:
-                self._shift(key, self.chosen[key], -1)
-            self.chosen[key] = placement
-            self._shift(key, placement, +1)
+            self._place(*best)
+
+    def _take_all(self) -> None:
+        """Over a link of no limit every copy hides, and the tightest placement keeps a
+        chunk on the device least at every slot, so every chunk placed so gives the lowest
+        peak hidden copies can reach, which is where the loop above ends too; the prune
+        step then drops what it does not need."""
+        tight = _HIDING[0]
+        spans = [0] * (len(self.profile.raw) + 1)  # a difference array over slots
+        for index, c in enumerate(self.candidates):
+            span = self.off_slots(c, tight)
+            if span and self.open[index] >= 0:
+                spans[span.start] -= self.movable[index]
+                spans[span.stop] += self.movable[index]
+                self.chosen[c.key] = tight
+                self.open[index] = -1
+        values = self.profile.values
+        self.profile = Profile([value + change for value, change in zip(
+            values, accumulate(spans))])
+
+    def _hiding(self, first: int, peak: int) -> tuple[int, SwapPlacement, float] | None:
+        """The chunk not yet taken that, with the tightest placement whose copies hide, off
+        the device at slot ``first``, leaves the fewest slots at ``peak``; among equals the
+        larger, then the tighter, then the earlier.
+
+        No slot before ``first`` is at the peak, so a chunk covers at most the peak slots
+        from ``first`` to its backward; those whose backward comes after the last of them
+        can cover them all, and are tried first, in order, until one does with the
+        tightest placement. The rest are tried only when none does."""
+        lo = bisect_left(self.forwards, first - self.longest)
+        hi = bisect_right(self.forwards, first - 2)  # a forward a slot before, at least
+        window = self.open[lo:hi]
+        top = max(window, default=-1)
+        if top < first + 2:
+            return None  # no chunk left can be off the device at ``first``
+        last = self.profile.last(peak, first, top - 1)
+        most, threshold = self.profile.count(peak, first, last + 1), last + 2
+        ideal = (-most, -max(self.movable[lo:hi]), 2)
+        best: tuple[tuple[int, int, int, int], int, SwapPlacement] | None = None
+        for index in compress(range(lo, hi), map(threshold.__le__, window)):
+            best = self._better(index, first, peak, best)
+            if best is not None and best[0][:3] == ideal:
+                return best[1], best[2], 0.0
+        for at, back in enumerate(window):
+            if first + 2 <= back < threshold and (best is None or self.profile.count(
+                    peak, first, back - 1) >= -best[0][0]):
+                best = self._better(lo + at, first, peak, best)
+        return None if best is None else (best[1], best[2], 0.0)
+
+    def _better(self, index: int, first: int, peak: int,
+                best: tuple[tuple[int, int, int, int], int, SwapPlacement] | None
+                ) -> tuple[tuple[int, int, int, int], int, SwapPlacement] | None:
+        """``best``, or candidate ``index`` with its tightest placement that hides and
+        covers slot ``first``, whichever is better."""
+        f, back = self.forwards[index], self.open[index]
+        for placement in _HIDING:
+            span = range(f + placement.offload_slots + 1, back - placement.load_slots)
+            if first not in span or self._added(index, placement, strict=True) is None:
+                continue
+            covered = self.profile.count(peak, span.start, span.stop)
+            order = (-covered, -self.movable[index], sum(placement), index)
+            return (order, index, placement) if best is None or order < best[0] else best
+        return best
+
+    def _stalling(self, first: int, peak: int) -> tuple[int, SwapPlacement, float] | None:
+        """Any chunk off the device at slot ``first`` (or taken, and then widened to be),
+        placed as stalls compute least, then as leaves the fewest slots at ``peak``."""
+        lo = bisect_left(self.forwards, first - self.longest)
+        hi = bisect_right(self.forwards, first - 1)
+        best: tuple[tuple[float, int, int, int], int, SwapPlacement, float] | None = None
+        for index in range(lo, hi):
+            c = self.candidates[index]
+            if not c.forward_slot < first < c.backward_slot:
+                continue
+            now = self.chosen.get(c.key)
+            if now is not None and first in self.off_slots(c, now):
+                continue
+            for placement in _PLACEMENTS:
+                span = self.off_slots(c, placement)
+                if first not in span or (now is not None and not (
+                        span.start <= c.forward_slot + now.offload_slots + 1
+                        and c.backward_slot - now.load_slots <= span.stop)):
+                    continue
+                added = self._added(index, placement, strict=False)
+                assert added is not None
+                covered = self.profile.count(peak, span.start, span.stop)
+                order = (added, -covered, -self.movable[index], sum(placement))
+                if best is None or order < best[0]:
+                    best = (order, index, placement, added)
+        return None if best is None else best[1:]
 
     def prune(self) -> None:
         """Drop, latest taken first, each chunk whose removal leaves the peak as it is."""
+        peak = self.peak
         for key in reversed(list(self.chosen)):
-            peak = max(self.held)
-            placement = self.chosen.pop(key)
-            self._shift(key, placement, -1)
-            if max(self.held) > peak:  # it was lowering the peak: keep it
-                self.chosen[key] = placement
-                self._shift(key, placement, +1)
+            index = self.position[key]
+            span = self.off_slots(self.candidates[index], self.chosen[key])
+            if span and self.profile.highest_in(span.start, span.stop) + self.movable[
+                    index] <= peak:
+                self.profile.add(span.start, span.stop, self.movable[index])
+                del self.chosen[key]

@@ -70,12 +70,12 @@ class LayerPlan:
         return max(self.held, default=0)
 
     def copy(self) -> LayerPlan:
-        """An independent copy (streams replace their lists on change, so they share)."""
+        """An independent copy."""
         other = copy.copy(self)
         other.held, other.taken, other.chosen = list(self.held), dict(self.taken), dict(
             self.chosen)
         other.current = dict(self.current)
-        other.streams = {name: copy.copy(stream) for name, stream in self.streams.items()}
+        other.streams = {name: stream.clone() for name, stream in self.streams.items()}
         return other
 
     def placements(self) -> dict[ChunkKey, SwapPlacement]:

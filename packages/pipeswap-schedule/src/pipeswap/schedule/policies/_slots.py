@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import accumulate
 
 from pipeswap.schedule.costs import CostModel
 from pipeswap.schedule.policies.base import SwapCandidate
@@ -36,31 +37,39 @@ class Timeline:
         starts: list[float] = []
         ends: list[float] = []
         last: dict[ChunkKey, int] = {}
+        times: dict[tuple[StepType, int], float] = {}  # a stage's costs, asked once
         now = 0.0
         for step in order:
             if step is None or not (step.type in COMPUTE or step.type in OVERLAPS):
                 continue
             leaves = step.sub_steps if step.type in OVERLAPS else (step,)
             starts.append(now)
-            now += sum(costs.compute_time(l.type, l.key[0], rank) for l in leaves)
-            ends.append(now)
             for leaf in leaves:
-                if leaf.type is not StepType.FWD:
-                    last[leaf.key] = max(last.get(leaf.key, -1), len(ends) - 1)
+                kind, key = leaf.type, leaf.key
+                took = times.get((kind, key[0]))
+                if took is None:
+                    took = times[kind, key[0]] = costs.compute_time(kind, key[0], rank)
+                now += took
+                if kind is not StepType.FWD:
+                    last[key] = len(starts) - 1
+            ends.append(now)
         return Timeline(tuple(starts), tuple(ends), last)
 
     def held(self, candidates: Sequence[SwapCandidate], costs: CostModel) -> list[int]:
         """Bytes of saved activations the rank holds in each slot without swap: a chunk from
         its forward's slot through the slot that frees it."""
         held = [0] * (len(self.ends) + 1)  # a difference array over slots, then prefix sums
+        per_stage: dict[int, int] = {}
         for c in candidates:
-            total = costs.chunk_bytes(c.key).total
+            key = c.key
+            total = per_stage.get(key[0]) if key not in costs.chunks else None
+            if total is None:
+                total = costs.chunk_bytes(key).total
+                if key not in costs.chunks:
+                    per_stage[key[0]] = total
             held[c.forward_slot] += total
-            held[self.last_slot.get(c.key, c.backward_slot) + 1] -= total
-        for slot in range(1, len(held)):
-            held[slot] += held[slot - 1]
-        held.pop()
-        return held
+            held[self.last_slot.get(key, c.backward_slot) + 1] -= total
+        return list(accumulate(held[:-1]))
 
 
 def copy_times(costs: CostModel, rank: int, key: ChunkKey) -> tuple[float, float]:

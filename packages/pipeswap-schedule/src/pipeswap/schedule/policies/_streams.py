@@ -1,9 +1,11 @@
-"""The copy streams of the layer-resolution plan: each a queue, first in first out, that
-says when every copy on it ends.
+"""The copy streams the cost-aware plans keep: each a queue, first in first out, that says
+when every copy on it ends.
 
-Which chunks are taken (and where their loads start) fixes when every copy ends, and so the
-smallest layer lag each streamed chunk can have; the plan asks a stream what would change if
-one chunk's copies were replaced, without changing it (:meth:`Stream.replay`).
+Which chunks are taken (and where their copies are issued) fixes when every copy ends; a plan
+asks a stream what would change if one chunk's copies were replaced, without changing it
+(:meth:`Stream.replay`), then makes the change (:meth:`Stream.replace`). Both walk only from
+the first copy that moves until the queue runs as it did, so a change costs what it disturbs,
+not the length of the queue: what keeps planning linear in a long timeline.
 """
 
 from __future__ import annotations
@@ -22,8 +24,8 @@ BEFORE, INSIDE, AFTER = 0, 1, 2
 
 class Copy(NamedTuple):
     """One copy on a stream: issued in ``order`` (slot, phase, time, then the order of the
-    forwards or of the layers), from ``release`` on. A load's ``deadline`` is when compute
-    needs it; an offload's follows from the lag and slots chosen for it."""
+    forwards or of the layers), from ``release`` on. ``deadline`` is when compute needs it
+    done (a plan may instead derive an offload's from the lag and slots it chooses)."""
 
     order: tuple[int, int, float, int]
     release: float
@@ -34,23 +36,32 @@ class Copy(NamedTuple):
     deadline: float = math.inf
 
 
-
 class Stream:
-    """One copy stream's queue on the rank's own timeline, first in first out, with the end
+    """One copy stream's queue on a rank's own timeline, first in first out, with the end
     of every copy."""
 
     def __init__(self) -> None:
         self.copies: list[Copy] = []
         self.ends: list[float] = []
-        self.index: dict[ChunkKey, list[int]] = {}  # owner -> its copies' indices
+        self.owned: dict[ChunkKey, list[Copy]] = {}  # owner -> its copies, in queue order
+
+    def clone(self) -> Stream:
+        other = Stream()
+        other.copies, other.ends = list(self.copies), list(self.ends)
+        other.owned = dict(self.owned)  # the lists are replaced, never changed in place
+        return other
+
+    def positions(self, owner: ChunkKey) -> list[int]:
+        """Where ``owner``'s copies sit in the queue."""
+        return [bisect_left(self.copies, c) for c in self.owned.get(owner, ())]
 
     def replay(self, owner: ChunkKey, new: Sequence[Copy]
                ) -> tuple[dict[int, float], list[float]]:
         """The ends that change when ``owner``'s copies are replaced by ``new`` (sorted):
-        existing copies' by index, and the new copies'. Stops once the queue is back where
+        other copies' by index, and the new copies'. Stops once the queue is back where
         it was."""
         copies, ends = self.copies, self.ends
-        old = self.index.get(owner, [])
+        old = self.positions(owner)
         starts = [*old, *(bisect_left(copies, c) for c in new[:1])]
         if not starts:
             return {}, []
@@ -76,17 +87,38 @@ class Stream:
         return changed, new_ends
 
     def replace(self, owner: ChunkKey, new: Sequence[Copy]) -> None:
-        self.copies = sorted([*(c for c in self.copies if c.owner != owner), *new])
-        self.ends, self.index, free = [], {}, 0.0
-        for index, queued in enumerate(self.copies):
-            free = max(queued.release, free) + queued.duration
-            self.ends.append(free)
-            self.index.setdefault(queued.owner, []).append(index)
+        """Put ``new`` (sorted) in the queue in place of ``owner``'s copies."""
+        copies, ends = self.copies, self.ends
+        for copy in self.owned.pop(owner, ()):
+            index = bisect_left(copies, copy)
+            del copies[index], ends[index]
+            if index < len(copies):
+                self._settle(index)
+        for copy in new:
+            index = bisect_left(copies, copy)
+            copies.insert(index, copy)
+            ends.insert(index, math.nan)
+            self._settle(index)
+        if new:
+            self.owned[owner] = list(new)
+
+    def _settle(self, index: int) -> None:
+        """Recompute the ends from ``index`` (always that one) until one is as it was."""
+        copies, ends = self.copies, self.ends
+        free = ends[index - 1] if index > 0 else 0.0
+        end = max(copies[index].release, free) + copies[index].duration
+        ends[index] = end
+        for index in range(index + 1, len(copies)):
+            queued = copies[index]
+            end = max(queued.release, end) + queued.duration
+            if end == ends[index]:
+                return
+            ends[index] = end
 
     def offload_ends(self, owner: ChunkKey) -> dict[int, float]:
         """When each of ``owner``'s offloads ends, by layer."""
-        return {self.copies[i].layer: self.ends[i] for i in self.index.get(owner, ())
-                if self.copies[i].offload}
+        return {copy.layer: self.ends[bisect_left(self.copies, copy)]
+                for copy in self.owned.get(owner, ()) if copy.offload}
 
     def with_replaced(self, owner: ChunkKey, new: Sequence[Copy]
                       ) -> list[tuple[Copy, float]]:
@@ -96,3 +128,7 @@ class Stream:
             free = max(queued.release, free) + queued.duration
             out.append((queued, free))
         return out
+
+    def lateness(self) -> float:
+        """How long, in all, the copies end past their deadlines."""
+        return sum(max(0.0, end - copy.deadline) for copy, end in zip(self.copies, self.ends))

@@ -98,12 +98,12 @@ class PeakPolicy:
         if self._by_layer(candidates):
             return self._select_layers(candidates, order, rank, budget)
         plan = ChunkPlan(self.costs, rank, Timeline.of(order, self.costs, rank), candidates)
-        peak_no_swap = max(plan.held, default=0)
+        peak_no_swap = plan.peak
         plan.lower(budget, allow_stall=False)
-        if budget is not None and max(plan.held, default=0) > budget:
+        if budget is not None and plan.peak > budget:
             plan.lower(budget, allow_stall=True)
         plan.prune()
-        self.outcomes[rank] = PeakOutcome(rank, max(plan.held, default=0), peak_no_swap,
+        self.outcomes[rank] = PeakOutcome(rank, plan.peak, peak_no_swap,
                                           plan.stall(plan.copies()), budget)
         return dict(plan.chosen)
 
@@ -151,7 +151,7 @@ class PeakPolicy:
         chunk_level = ChunkPlan(self.costs, rank, Timeline.of(order, self.costs, rank),
                                 candidates)
         chunk_level.lower(budget, allow_stall=False)
-        stalls = budget is not None and max(chunk_level.held, default=0) > budget
+        stalls = budget is not None and chunk_level.peak > budget
         if stalls:
             chunk_level.lower(budget, allow_stall=True)
         chunk_level.prune()
