@@ -8,7 +8,7 @@ resolution plan (:mod:`pipeswap.schedule.policies._layer_plan`) refines the same
 
 Every step costs what it touches, not the rank's length, so that a rank of thousands of slots
 plans in milliseconds: the slots are kept in blocks that know their highest value
-(:class:`Profile`), the chunks that may cover a slot are found by bisection (candidates come
+(:class:`~pipeswap.schedule.policies._profile.Profile`), the chunks that may cover a slot are found by bisection (candidates come
 in forward order), and a copy's effect on its stream is replayed only as far as it reaches
 (:class:`~pipeswap.schedule.policies._streams.Stream`).
 """
@@ -21,6 +21,7 @@ from itertools import accumulate, compress
 from collections.abc import Sequence
 
 from pipeswap.schedule.costs import CostModel
+from pipeswap.schedule.policies._profile import Profile
 from pipeswap.schedule.policies._slots import MAX_COPY_SLOTS, Timeline
 from pipeswap.schedule.policies._streams import AFTER, BEFORE, Copy, Stream
 from pipeswap.schedule.policies.base import SwapCandidate, SwapPlacement
@@ -32,84 +33,6 @@ _PLACEMENTS = tuple(SwapPlacement(off, load) for off, load in sorted(
     ((off, load) for off in range(MAX_COPY_SLOTS + 1) for load in range(MAX_COPY_SLOTS + 1)),
     key=lambda p: (sum(p), p)))
 _HIDING = tuple(p for p in _PLACEMENTS if min(p.offload_slots, p.load_slots) > 0)
-
-
-class Profile:
-    """Bytes held per slot, in blocks that know their highest value and carry an amount
-    added to all of their slots, so that adding over a span, its highest value and the
-    first highest slot cost a few list operations, not a step per slot."""
-
-    BLOCK = 64
-
-    def __init__(self, values: Sequence[int]) -> None:
-        size = self.BLOCK
-        self.raw = list(values)  # each slot's value, less its block's ``added``
-        self.highest = [max(self.raw[i:i + size]) for i in range(0, len(self.raw), size)]
-        self.added = [0] * len(self.highest)
-
-    def _parts(self, start: int, stop: int) -> tuple[list[int], int, int]:
-        """The blocks only partly in ``start:stop``, and the range of those wholly in it."""
-        size = self.BLOCK
-        head, tail = start // size, (stop - 1) // size
-        if head == tail:
-            return ([head], 0, 0) if stop - start < size else ([], head, head + 1)
-        inner = (head + (start % size != 0), tail + 1 - (stop % size != 0))
-        return [b for b in (head, tail) if not inner[0] <= b < inner[1]], *inner
-
-    def add(self, start: int, stop: int, amount: int) -> None:
-        if start >= stop:
-            return
-        size, raw, highest, added = self.BLOCK, self.raw, self.highest, self.added
-        partial, lo, hi = self._parts(start, stop)
-        for block in partial:
-            a, b = max(start, block * size), min(stop, (block + 1) * size)
-            raw[a:b] = [value + amount for value in raw[a:b]]
-            highest[block] = max(raw[block * size:(block + 1) * size]) + added[block]
-        if lo < hi:
-            added[lo:hi] = [value + amount for value in added[lo:hi]]
-            highest[lo:hi] = [value + amount for value in highest[lo:hi]]
-
-    def highest_in(self, start: int, stop: int) -> int:
-        size = self.BLOCK
-        partial, lo, hi = self._parts(start, stop)
-        found = [max(self.raw[max(start, b * size):min(stop, (b + 1) * size)]) + self.added[b]
-                 for b in partial]
-        if lo < hi:
-            found.append(max(self.highest[lo:hi]))
-        return max(found)
-
-    @property
-    def peak(self) -> int:
-        return max(self.highest, default=0)
-
-    @property
-    def values(self) -> list[int]:
-        size = self.BLOCK
-        return [value + self.added[at // size] for at, value in enumerate(self.raw)]
-
-    def first(self, value: int) -> int:
-        """The first slot holding ``value`` (which some slot must hold)."""
-        block = self.highest.index(value)
-        return self.raw.index(value - self.added[block], block * self.BLOCK)
-
-    def last(self, value: int, start: int, stop: int) -> int:
-        """The last slot from ``start`` to ``stop`` holding ``value`` (-1: none)."""
-        size = self.BLOCK
-        for block in range((stop - 1) // size, start // size - 1, -1):
-            if self.highest[block] >= value:
-                lo, hi = max(start, block * size), min(stop, (block + 1) * size)
-                part = self.raw[lo:hi]
-                if value - self.added[block] in part:
-                    return hi - 1 - part[::-1].index(value - self.added[block])
-        return -1
-
-    def count(self, value: int, start: int, stop: int) -> int:
-        size, total = self.BLOCK, 0
-        for block in range(start // size, (stop - 1) // size + 1):
-            if self.highest[block] >= value:
-                total += self.raw[max(start, block * size):min(stop, (block + 1) * size)
-                                  ].count(value - self.added[block])
-        return total
 
 
 class ChunkPlan:

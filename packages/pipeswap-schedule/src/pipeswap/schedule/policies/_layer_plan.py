@@ -13,11 +13,16 @@ The greedy loop and the prune step are the slot-resolution plan's
 from __future__ import annotations
 
 import copy
+import math
+from bisect import bisect_left, bisect_right
 from collections.abc import Sequence
+from itertools import accumulate
 from typing import NamedTuple
 
 from pipeswap.schedule.costs import CostModel
-from pipeswap.schedule.policies._points import Choice, LayerChunk, Points, profile
+from pipeswap.schedule.policies._points import Choice, LayerChunk, Points, Runs, runs
+from pipeswap.schedule.policies._points import changes as runs_changed
+from pipeswap.schedule.policies._profile import Profile
 from pipeswap.schedule.policies._slots import MAX_COPY_SLOTS
 from pipeswap.schedule.policies._streams import AFTER, BEFORE, INSIDE, Copy, Stream
 from pipeswap.schedule.policies.base import SwapCandidate, SwapPlacement
@@ -53,26 +58,35 @@ class LayerPlan:
         self.chosen: dict[ChunkKey, Choice] = {}
         self.streams = ({"d2h": Stream(), "h2d": Stream()} if self.duplex
                         else {"copy": Stream()})
-        self.held = [0] * len(points.times)
-        self.current: dict[ChunkKey, list[int]] = {}  # each chunk's profile as swapped now
+        self.keys = list(self.chunks)  # in forward order
+        self.place = {key: at for at, key in enumerate(self.keys)}
+        self.forwards = [c.forward_points for c in self.chunks.values()]
+        self.longest = max((c.end - c.forward_points for c in self.chunks.values()), default=0)
+        # over a link of no limit no copy delays another
+        self.instant = math.inf == self.d2h == self.h2d
+        self.current: dict[ChunkKey, Runs] = {}  # what each chunk holds as swapped now
+        held = [0] * (len(points.times) + 1)  # a difference array over points
         for c in candidates:
             chunk = self.chunks.get(c.key) or points.chunk(c)
-            values = profile(points, chunk, None)
+            values = runs(points, chunk, None)
             if c.key in self.chunks:
                 self.current[c.key] = values
-            for offset, value in enumerate(values):
-                self.held[chunk.forward_points + offset] += value
+            base = chunk.forward_points
+            for (offset, value), (after, _) in zip(values, [*values[1:], (chunk.end - base, 0)]):
+                held[base + offset] += value
+                held[base + after] -= value
+        self.profile = Profile(list(accumulate(held[:-1])))
         self.stall = 0.0
         self.initial_peak = self.peak
 
     @property
     def peak(self) -> int:
-        return max(self.held, default=0)
+        return self.profile.peak
 
     def copy(self) -> LayerPlan:
         """An independent copy."""
         other = copy.copy(self)
-        other.held, other.taken, other.chosen = list(self.held), dict(self.taken), dict(
+        other.profile, other.taken, other.chosen = self.profile.clone(), dict(self.taken), dict(
             self.chosen)
         other.current = dict(self.current)
         other.streams = {name: stream.clone() for name, stream in self.streams.items()}
@@ -148,6 +162,13 @@ class LayerPlan:
         """Every chunk whose choice changes when ``key`` is swapped as ``way`` says (None:
         not swapped), and the stall all copies then leave (None: some copy would not hide
         and no stall is allowed)."""
+        if self.instant:  # each copy ends as it starts: only this chunk's choice changes
+            c = self.chunks[key]
+            if way is None:
+                return {key: None}, 0.0
+            ends = ([self.points.times[c.forward_points + k] for k in range(len(c.layers))]
+                    if way.streamed else [self.points.ends[c.forward_slot]])
+            return {key: self._choice(c, way, ends, True)}, 0.0
         offloads, loads = self._copies(self.chunks[key], way)
         strict = not allow_stall and not self.stall  # every copy hides, and must
         moved: dict[ChunkKey, dict[int, float]] = {}  # offload ends that change, by owner
@@ -206,24 +227,37 @@ class LayerPlan:
                 total += max(0.0, end - deadline)
         return total
 
-    def deltas(self, changes: Changes) -> dict[int, int]:
-        """How the bytes held at each point change with ``changes``."""
-        out: dict[int, int] = {}
+    def deltas(self, changes: Changes) -> list[tuple[int, int, int]]:
+        """How the bytes held change with ``changes``: (start, stop, change) point spans,
+        apart and in order."""
+        steps: dict[int, int] = {}
         for key, choice in changes.items():
             c = self.chunks[key]
-            new = profile(self.points, c, choice)
-            for offset, (before, after) in enumerate(zip(self.current[key], new)):
-                if before != after:
-                    point = c.forward_points + offset
-                    out[point] = out.get(point, 0) + after - before
+            base = c.forward_points
+            for start, stop, change in runs_changed(self.current[key], runs(
+                    self.points, c, choice), c.end - base):
+                steps[base + start] = steps.get(base + start, 0) + change
+                steps[base + stop] = steps.get(base + stop, 0) - change
+        out: list[tuple[int, int, int]] = []
+        level, bounds = 0, sorted(steps)
+        for point, after in zip(bounds, bounds[1:]):
+            level += steps[point]
+            if level:
+                out.append((point, after, level))
         return out
 
+    def _within(self, spans: list[tuple[int, int, int]], peak: int) -> bool:
+        """Whether no point goes above ``peak`` with these changes."""
+        return all(change <= 0 or self.profile.highest_in(start, stop) + change <= peak
+                   for start, stop, change in spans)
+
     def apply(self, key: ChunkKey, way: Way | None, changes: Changes, stall: float) -> None:
-        for point, delta in self.deltas(changes).items():
-            self.held[point] += delta
-        offloads, loads = self._copies(self.chunks[key], way)
-        for name, stream in self.streams.items():
-            stream.replace(key, self._on(name, offloads, loads))
+        for start, stop, change in self.deltas(changes):
+            self.profile.add(start, stop, change)
+        if not self.instant:
+            offloads, loads = self._copies(self.chunks[key], way)
+            for name, stream in self.streams.items():
+                stream.replace(key, self._on(name, offloads, loads))
         if way is None:
             self.taken.pop(key, None)
         else:
@@ -233,7 +267,7 @@ class LayerPlan:
                 self.chosen.pop(owner, None)
             else:
                 self.chosen[owner] = choice
-            self.current[owner] = profile(self.points, self.chunks[owner], choice)
+            self.current[owner] = runs(self.points, self.chunks[owner], choice)
         self.stall = stall
 
     # -- the greedy loop and the prune step ------------------------------------------------
@@ -260,11 +294,11 @@ class LayerPlan:
         """Change one chunk at a time (take it, swap it another way, or drop it) while the
         peak can be lowered: with copies hidden as far as it goes, then, with
         ``allow_stall``, until it is within ``budget``."""
-        while self.held:
+        while self.profile.raw:
             peak = self.peak
             if allow_stall and budget is not None and peak <= budget:
                 return
-            first = self.held.index(peak)
+            first = self.profile.first(peak)
             best: tuple[tuple[float, int, int, int, int], ChunkKey, Way | None, Changes,
                         float] | None = None
             for key, ways in self._moves(first, allow_stall):
@@ -286,18 +320,38 @@ class LayerPlan:
 
     def _moves(self, first: int, allow_stall: bool) -> list[tuple[ChunkKey, list[Way | None]]]:
         """What may lower the bytes held at point ``first``: a chunk held there swapped
-        another way, or any chunk taken before it dropped (its copies then stop delaying
-        those after it)."""
+        another way, or a chunk taken before it dropped, where its copies delay those of a
+        chunk held there (on a stream that was busy from one to the other)."""
+        lo = bisect_left(self.forwards, first - self.longest + 1)
+        hi = bisect_right(self.forwards, first)
+        held = [at for at in range(lo, hi) if self.chunks[self.keys[at]].end > first]
+        drops = self._drops([self.keys[at] for at in held], first)
         moves: list[tuple[ChunkKey, list[Way | None]]] = []
-        for key, c in self.chunks.items():
+        for at in sorted({*held, *drops}):
+            key = self.keys[at]
             ways: list[Way | None] = []
-            if c.forward_points <= first < c.end:
+            if self.chunks[key].end > first and at < hi:
                 ways += self._ways(key, allow_stall)
-            if key in self.taken and c.forward_points <= first:
+            if at in drops:
                 ways.append(None)
             if ways:
                 moves.append((key, ways))
         return moves
+
+    def _drops(self, held: list[ChunkKey], first: int) -> set[int]:
+        """The taken chunks (their places in forward order) whose dropping may end a copy of
+        a chunk in ``held`` sooner: those with a copy from the start of the busy spell of
+        the first such copy on a stream to the last."""
+        if self.instant:
+            return set()  # no copy waits for another
+        owners: set[ChunkKey] = set()
+        for stream in self.streams.values():
+            at = [i for key in held if key in self.taken for i in stream.positions(key)]
+            if at:
+                owners.update(copy.owner for copy in stream.copies[
+                    stream.busy_from(min(at)):max(at) + 1])
+        return {self.place[key] for key in owners
+                if key in self.taken and self.chunks[key].forward_points <= first}
 
     def _ways(self, key: ChunkKey, allow_stall: bool, prefer_streamed: bool = False
               ) -> list[Way | None]:
@@ -329,19 +383,20 @@ class LayerPlan:
         if found is None:
             return None
         changes, stall = found
-        deltas = self.deltas(changes)
-        if deltas.get(first, 0) >= 0:
+        spans = self.deltas(changes)
+        if next((change for start, stop, change in spans if start <= first < stop), 0) >= 0:
             return None
         lowered = raised = reduction = 0
-        for point, delta in deltas.items():
-            value = self.held[point]
-            if value + delta > peak:
-                return None
-            if value == peak and delta < 0:
-                lowered += 1
-                reduction -= delta
-            elif value < peak <= value + delta:
-                raised += 1
+        profile = self.profile
+        for start, stop, change in spans:
+            if change > 0:
+                if profile.highest_in(start, stop) + change > peak:
+                    return None
+                raised += profile.count(peak - change, start, stop)
+            else:
+                count = profile.count(peak, start, stop)
+                lowered += count
+                reduction -= change * count
         added = stall - self.stall
         if raised >= lowered or (added > 0 and not allow_stall):
             return None  # fewer points at the peak each time, so that the loop ends
@@ -362,7 +417,7 @@ class LayerPlan:
                 if found is None or found[1] > self.stall:
                     continue
                 peak = self.peak
-                if all(self.held[p] + d <= peak for p, d in self.deltas(found[0]).items()):
+                if self._within(self.deltas(found[0]), peak):
                     self.apply(key, whole, *found)
                     break
 
@@ -381,5 +436,5 @@ class LayerPlan:
             found = self.option(key, None, allow_stall=self.stall > 0)
             assert found is not None  # dropping a chunk only frees its streams
             changes, stall = found
-            if all(self.held[p] + d <= peak for p, d in self.deltas(changes).items()):
+            if self._within(self.deltas(changes), peak):
                 self.apply(key, None, changes, stall)

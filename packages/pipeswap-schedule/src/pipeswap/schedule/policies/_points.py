@@ -107,14 +107,19 @@ class Points:
                       sum(x.pinned for x in layers), sum(x.held_after_input for x in layers))
 
 
-def profile(points: Points, c: LayerChunk, choice: Choice | None) -> list[int]:
+#: What a chunk holds over its points, as runs: (offset from its first point, bytes held
+#: from there to the next run's offset, or to its last point).
+Runs = list[tuple[int, int]]
+
+
+def runs(points: Points, c: LayerChunk, choice: Choice | None) -> Runs:
     """What ``c`` holds at each of its points, from its forward's first to its last, when
     swapped as ``choice`` says (None: not swapped), counted as the simulator counts."""
-    layers = c.layers
-    out = _forward_values(layers, choice)
-    start, stop = c.forward_points + len(layers), c.backward_points
+    layers, base = c.layers, c.forward_points
+    out = list(enumerate(_forward_values(layers, choice)))
+    start, stop = base + len(layers), c.backward_points
     if choice is None:
-        out += [c.total] * (stop - start)
+        out.append((start - base, c.total))
     else:  # held until WO (after slot f + offload slots), pinned until the load starts
         first = points.first
         held = min(max(first[c.forward_slot + choice.offload_slots + 1], start), stop)
@@ -122,11 +127,34 @@ def profile(points: Points, c: LayerChunk, choice: Choice | None) -> list[int]:
         lag = choice.lag
         tail = c.total if not lag else c.pinned + sum(x.movable for x in layers[-lag:])
         loaded = c.total if not lag else c.pinned + layers[-1].movable
-        out += [tail] * (held - start) + [c.pinned] * (loading - held) + [loaded] * (
-            stop - loading)
-    out += _backward_values(c, choice)
+        out += [(start - base, tail), (held - base, c.pinned), (loading - base, loaded)]
+    out += [(stop - base + k, value) for k, value in enumerate(_backward_values(c, choice))]
     if c.weight_point is not None:
-        out += [c.after_input] * (c.weight_point - (stop + len(layers)) + 1)
+        out.append((stop - base + len(layers), c.after_input))
+    # runs of no points (a span the placement leaves empty) go
+    return [run for run, after in zip(out, [*out[1:], (c.end - base, 0)])
+            if after[0] > run[0]]
+
+
+def changes(old: Runs, new: Runs, length: int) -> list[tuple[int, int, int]]:
+    """Where ``new`` holds other than ``old`` (both runs of one chunk, over ``length``
+    points): (start, stop, change) offsets."""
+    bounds = sorted({offset for offset, _ in old} | {offset for offset, _ in new})
+    out: list[tuple[int, int, int]] = []
+    i = j = before = after = 0
+    for at, offset in enumerate(bounds):
+        while i < len(old) and old[i][0] <= offset:
+            before = old[i][1]
+            i += 1
+        while j < len(new) and new[j][0] <= offset:
+            after = new[j][1]
+            j += 1
+        if after != before:
+            stop = bounds[at + 1] if at + 1 < len(bounds) else length
+            if out and out[-1][1] == offset and out[-1][2] == after - before:
+                out[-1] = (out[-1][0], stop, after - before)
+            else:
+                out.append((offset, stop, after - before))
     return out
 
 

@@ -115,6 +115,13 @@ class Stream:
                 return
             ends[index] = end
 
+    def busy_from(self, index: int) -> int:
+        """Where the busy spell that copy ``index`` is in began: from there on each copy
+        waited for the one before it."""
+        while index > 0 and self.ends[index - 1] > self.copies[index].release:
+            index -= 1
+        return index
+
     def offload_ends(self, owner: ChunkKey) -> dict[int, float]:
         """When each of ``owner``'s offloads ends, by layer."""
         return {copy.layer: self.ends[bisect_left(self.copies, copy)]

@@ -186,7 +186,7 @@ def _perturb(plan: LayerPlan, budget: int | None) -> LayerPlan:
     """Try dropping one taken chunk (those before the peak, the latest first) and
     descending again; keep the first that does better, and go on from it."""
     for _ in range(_ROUNDS):
-        first = plan.held.index(plan.peak) if plan.held else 0
+        first = plan.profile.first(plan.peak) if plan.profile.raw else 0
         before = sorted((k for k in plan.chosen if plan.chunks[k].forward_points <= first),
                         key=lambda k: -plan.chunks[k].forward_points)
         better = next((trial for trial in (_descend(plan.without(key), budget)
