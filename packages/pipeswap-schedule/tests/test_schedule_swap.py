@@ -3,6 +3,7 @@ the bugs of its pass that this one fixes."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Collection, Mapping, Sequence
 
 import pytest
@@ -32,6 +33,7 @@ from pipeswap.schedule import (
     validate,
     validate_rank,
 )
+from pipeswap.schedule.policies.defaults import default_policy
 from pipeswap.schedule.steps import ACTIVATION_CONSUMERS, Order
 from pipeswap.schedule.swap import inject_swap_order
 
@@ -252,6 +254,37 @@ def test_policy_decides_which_chunks_swap() -> None:
             return ()
 
     assert inject_swap(base, Nothing()) == base
+
+
+@pytest.mark.parametrize("spec", [
+    ScheduleSpec(ScheduleKind.ONE_F_ONE_B, ranks=4, microbatches=8),
+    ScheduleSpec(ScheduleKind.INTERLEAVED_1F1B, ranks=2, microbatches=4, stages_per_rank=2,
+                 overlap_b_f=True, dxdw_split=True, fsdp=True, batch_p2p=True),
+    ScheduleSpec(ScheduleKind.ZBV, ranks=2, microbatches=4),
+])
+def test_a_rank_may_plan_only_its_own_swap(spec: ScheduleSpec) -> None:
+    """What a rank that runs alone builds: its own order as planning every rank gives it,
+    every other order as built without swap, and valid as it stands."""
+    everyone = build_schedule(dataclasses.replace(spec, swap=True))
+    plain = build_schedule(spec)
+    asked: list[int] = []
+
+    class Recording:
+        def select(self, candidates: Sequence[SwapCandidate], order: Order
+                   ) -> Collection[tuple[int, int]] | Mapping[tuple[int, int], SwapPlacement]:
+            asked.append(candidates[0].rank)
+            return default_policy().select(candidates, order)
+
+    for rank in range(spec.ranks):
+        asked.clear()
+        alone = build_schedule(dataclasses.replace(spec, swap=True), Recording(),
+                               swap_ranks={rank})
+        assert asked == [rank]  # the other ranks were not planned
+        assert alone.orders[rank] == everyone.orders[rank]
+        assert all(alone.orders[r] == plain.orders[r] for r in range(spec.ranks) if r != rank)
+        validate(alone, transport="nccl" if spec.batch_p2p else "ordered")
+    assert any(swapped_chunks(everyone))  # so the orders compared hold swap steps
+    assert inject_swap(plain, ranks=()) == plain
 
 
 def test_candidates_report_slots_and_gaps() -> None:

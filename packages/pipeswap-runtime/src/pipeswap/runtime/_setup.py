@@ -39,7 +39,7 @@ from pipeswap.schedule import (
     validate,
 )
 from pipeswap.schedule.policies import default_swap_policy
-from pipeswap.schedule.steps import FSDP
+from pipeswap.schedule.steps import FSDP, SWAP
 from pipeswap.schedule.validation import TRANSPORTS
 
 if TYPE_CHECKING:
@@ -51,12 +51,9 @@ if TYPE_CHECKING:
     from pipeswap.runtime.replay import Replay
 
 
-def gather_layer_counts(stages: Sequence[PipelineStage], group: dist.ProcessGroup | None,
-                        world: int, replay: Replay | None) -> dict[int, int]:
-    """Every stage's layer count, from the rank that runs it: each rank builds every
-    rank's order, so the default policy needs them all."""
-    import torch.distributed as dist
-
+def own_layer_counts(stages: Sequence[PipelineStage], replay: Replay | None) -> dict[int, int]:
+    """This rank's stages' layer counts: the default policy plans this rank alone. A
+    replay's counts must say the same of them."""
     mine = {stage.stage_index: len(stage.layers) for stage in stages}
     if replay is not None:
         given = {index: replay.layer_counts.get(index) for index in mine}
@@ -64,10 +61,7 @@ def gather_layer_counts(stages: Sequence[PipelineStage], group: dist.ProcessGrou
             raise PipelineSetupError(
                 f"Replay.layer_counts gives this rank's stages {given} layers, but they "
                 f"have {mine}: count every stage's layers as its PipelineStage does")
-        return dict(replay.layer_counts)
-    everyone: list[dict[int, int] | None] = [None] * world
-    dist.all_gather_object(everyone, mine, group=group)
-    return {index: count for counts in everyone if counts for index, count in counts.items()}
+    return mine
 
 
 def data_parallel_group(mesh: DeviceMesh | None, dp_group: dist.ProcessGroup | None,
@@ -143,7 +137,8 @@ def resolve_schedule(schedule: Schedule | ScheduleSpec | str, *, swap: bool,
                      rank: int, world: int, microbatches: int,
                      sharded: Mapping[int, ShardedStage]) -> Schedule:
     """The schedule this rank runs: ``schedule`` as given, or built (with the swap policy
-    asked for, by default the peak policy on ``layer_counts``), valid under ``transport``,
+    asked for, by default the peak policy on ``layer_counts``, planning this rank's swap
+    steps only: no other rank waits on them), valid under ``transport``,
     with FSDP steps exactly where stages are sharded, and fitting this rank's ``stages``
     (sorted by index) and microbatch count."""
     builds_swap = not isinstance(schedule, Schedule) and (
@@ -171,7 +166,9 @@ def resolve_schedule(schedule: Schedule | ScheduleSpec | str, *, swap: bool,
                     stages_per_rank=len(stages), swap=swap, fsdp=bool(sharded))
             elif swap and not schedule.swap:
                 schedule = dataclasses.replace(schedule, swap=True)
-            built = build_schedule(schedule, swap_policy)
+            # swap steps are this rank's own: plan only them (the other ranks' orders
+            # stay as built, their P2P what this rank's validation needs)
+            built = build_schedule(schedule, swap_policy, swap_ranks={rank})
         # NCCL's model unless asked: NCCL pairs sends and receives in order and by
         # communicator, and a schedule that passes on CPU then passes there. (Every micro below the count: see _check_stages.)
         validate(built, transport=transport)
@@ -242,8 +239,10 @@ def agree(schedule: Schedule | None, problem: PipelineSetupError | None, *,
             raise problem
         return
     fingerprint = 0
-    if schedule is not None:
-        text = f"{dumps_lines(schedule)}|{schedule.stage_ranks}|{microbatches}"
+    if schedule is not None:  # swap steps are each rank's own plan: the rest must agree
+        shared = schedule.map_orders(lambda _, order: tuple(
+            step for step in order if step is None or step.type not in SWAP))
+        text = f"{dumps_lines(shared)}|{schedule.stage_ranks}|{microbatches}"
         fingerprint = int.from_bytes(hashlib.sha256(text.encode()).digest()[:7], "big")
     everyone = all_gather_ints(fingerprint * 2 + (problem is not None), group)
     bad = [rank for rank, value in enumerate(everyone) if value % 2]

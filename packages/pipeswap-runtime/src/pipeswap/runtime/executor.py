@@ -179,9 +179,8 @@ class PipelineExecutor:
         self._sharded: dict[int, ShardedStage] = {}
         built: Schedule | None = None
         problem: PipelineSetupError | None = None
-        layer_counts = _setup.gather_layer_counts(self.stages, self._control, self.world,
-                                                  replay)
         try:
+            layer_counts = _setup.own_layer_counts(self.stages, replay)
             _setup.check_transport(check_transport, self.group, replay)
             self._sharded = _setup.find_sharded(self.stages, self.dp_group, self.dp_size, replay)
             built = _setup.resolve_schedule(

@@ -34,8 +34,8 @@ if TYPE_CHECKING:
 class Replay:
     """Which rank to replay, and what the absent ranks would have told it.
 
-    ``rank`` of ``ranks`` pipeline ranks; ``layer_counts``: every stage's layer count (the
-    default swap policy plans every rank's order); ``boundaries``: per stage ``s`` whose
+    ``rank`` of ``ranks`` pipeline ranks; ``layer_counts``: every stage's layer count
+    (those of ``rank``'s stages must be theirs); ``boundaries``: per stage ``s`` whose
     output crosses into a stage of ``rank`` from another rank, the meta of that output (see
     :func:`input_boundaries`); ``seed``: of the values made for received tensors.
     """

@@ -7,7 +7,7 @@ so it sees the final FSDP steps and P2P batches and never splits one.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from enum import Enum
 from typing import TypeVar
@@ -210,8 +210,10 @@ def generate(spec: ScheduleSpec) -> Schedule:
     )
 
 
-def passes(spec: ScheduleSpec, swap_policy: SwapPolicy | None = None) -> list[tuple[str, Pass]]:
-    """The passes ``spec`` asks for, named, in the order they run after :func:`generate`."""
+def passes(spec: ScheduleSpec, swap_policy: SwapPolicy | None = None, *,
+           swap_ranks: Collection[int] | None = None) -> list[tuple[str, Pass]]:
+    """The passes ``spec`` asks for, named, in the order they run after :func:`generate`;
+    the swap pass plans only ``swap_ranks`` when given (see :func:`inject_swap`)."""
     chosen: list[tuple[str, Pass]] = []
     lowering = spec.effective_lowering
     if lowering is not None:  # multi-stage generators emit computes only
@@ -223,14 +225,17 @@ def passes(spec: ScheduleSpec, swap_policy: SwapPolicy | None = None) -> list[tu
     if spec.batch_p2p:
         chosen.append(("batch p2p", coalesce_p2p))
     if spec.swap:
-        chosen.append(("swap", lambda schedule: inject_swap(schedule, swap_policy)))
+        chosen.append(("swap", lambda schedule: inject_swap(schedule, swap_policy,
+                                                            ranks=swap_ranks)))
     return chosen
 
 
 @gc_paused
-def build_schedule(spec: ScheduleSpec, swap_policy: SwapPolicy | None = None) -> Schedule:
-    """Generate ``spec.kind`` and apply the passes ``spec`` asks for."""
+def build_schedule(spec: ScheduleSpec, swap_policy: SwapPolicy | None = None, *,
+                   swap_ranks: Collection[int] | None = None) -> Schedule:
+    """Generate ``spec.kind`` and apply the passes ``spec`` asks for (the swap pass on
+    ``swap_ranks`` only, when given: a rank that runs alone plans only itself)."""
     schedule = generate(spec)
-    for _, apply in passes(spec, swap_policy):
+    for _, apply in passes(spec, swap_policy, swap_ranks=swap_ranks):
         schedule = apply(schedule)
     return schedule

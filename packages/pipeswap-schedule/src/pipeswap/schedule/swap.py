@@ -35,7 +35,7 @@ from __future__ import annotations
 
 from bisect import bisect_left
 from collections import defaultdict
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 
 from pipeswap.schedule._gc import gc_paused
 from pipeswap.schedule.errors import ScheduleError
@@ -65,11 +65,19 @@ _OWN_SEND = {StepType.FWD: StepType.FWD_SEND, StepType.BWD: StepType.BWD_SEND,
 
 
 @gc_paused
-def inject_swap(schedule: Schedule, policy: SwapPolicy | None = None) -> Schedule:
-    """Insert swap steps into every rank's order for the chunks ``policy`` selects (by
-    default :func:`~pipeswap.schedule.policies.defaults.default_policy`: the peak policy)."""
+def inject_swap(schedule: Schedule, policy: SwapPolicy | None = None, *,
+                ranks: Collection[int] | None = None) -> Schedule:
+    """Insert swap steps into every rank's order (or only ``ranks``') for the chunks
+    ``policy`` selects (by default
+    :func:`~pipeswap.schedule.policies.defaults.default_policy`: the peak policy).
+
+    Swap steps are a rank's own (no other rank waits on them), so a rank that runs its
+    order alone may plan only itself: ``ranks={rank}`` leaves the other orders as they
+    are, and costs one rank's planning instead of all of them."""
     chosen = default_policy() if policy is None else policy
-    return schedule.map_orders(lambda rank, order: inject_swap_order(order, chosen, rank=rank))
+    return schedule.map_orders(
+        lambda rank, order: order if ranks is not None and rank not in ranks
+        else inject_swap_order(order, chosen, rank=rank))
 
 
 def swap_candidates(order: Order, rank: int = 0) -> list[SwapCandidate]:
