@@ -299,9 +299,11 @@ class LayerPlan:
             if allow_stall and budget is not None and peak <= budget:
                 return
             first = self.profile.first(peak)
-            best: tuple[tuple[float, int, int, int, int], ChunkKey, Way | None, Changes,
+            best: tuple[tuple[float, int, int, int, int], int, ChunkKey, Way | None, Changes,
                         float] | None = None
-            for key, ways in self._moves(first, allow_stall):
+            for at, key, ways, bound in self._ranked(self._moves(first, allow_stall), peak):
+                if best is not None and bound is not None and (0.0, -bound) > best[0][:2]:
+                    break  # no move left can lower as many points at the peak
                 hidden: set[tuple[bool, int | None, int | None]] = set()
                 for way in ways:
                     if way is not None and (way.streamed, way.lag, way.offload) in hidden:
@@ -311,12 +313,25 @@ class LayerPlan:
                         continue
                     if way is not None and not allow_stall:
                         hidden.add((way.streamed, way.lag, way.offload))
-                    if best is None or found[0] < best[0]:
-                        best = (found[0], key, way, found[1], found[2])
+                    if best is None or (found[0], at) < best[:2]:
+                        best = (found[0], at, key, way, found[1], found[2])
             if best is None:
                 return
-            _, key, way, changes, stall = best
+            _, _, key, way, changes, stall = best
             self.apply(key, way, changes, stall)
+
+    def _ranked(self, moves: list[tuple[ChunkKey, list[Way | None]]], peak: int
+                ) -> list[tuple[int, ChunkKey, list[Way | None], int | None]]:
+        """``moves`` numbered, most promising first: over a link of no limit a move changes
+        only its own chunk, so it lowers at most the points at ``peak`` in that chunk's
+        life (the bound given with it, which orders them); otherwise in order, unbounded."""
+        numbered = [(at, key, ways) for at, (key, ways) in enumerate(moves)]
+        if not self.instant:
+            return [(at, key, ways, None) for at, key, ways in numbered]
+        count = self.profile.count
+        bounded = [(at, key, ways, count(peak, self.chunks[key].forward_points,
+                                         self.chunks[key].end)) for at, key, ways in numbered]
+        return sorted(bounded, key=lambda move: (-(move[3] or 0), move[0]))
 
     def _moves(self, first: int, allow_stall: bool) -> list[tuple[ChunkKey, list[Way | None]]]:
         """What may lower the bytes held at point ``first``: a chunk held there swapped
@@ -363,9 +378,10 @@ class LayerPlan:
         kinds = (True,) if self.streamed_only else (False, True) if len(c.layers) > 1 else (
             False,)
         ways: list[Way] = []
+        # over a link of no limit a load started later holds less and hides all the same
+        slots = 1 if self.instant else MAX_COPY_SLOTS
         for streamed in kinds[::-1] if prefer_streamed else kinds:
-            ways += [Way(streamed, load) for load in range(1, MAX_COPY_SLOTS + 1)
-                     if c.gap >= load + 2]
+            ways += [Way(streamed, load) for load in range(1, slots + 1) if c.gap >= load + 2]
             if allow_stall:
                 ways += [Way(streamed, 0)] if c.gap >= 2 else []
                 ways += [Way(streamed, 1, None, 0)] if c.gap >= 2 else []
