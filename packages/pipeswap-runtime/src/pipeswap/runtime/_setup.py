@@ -24,11 +24,13 @@ from pipeswap.runtime.comm import (
     Transport,
     all_gather_ints,
 )
+from pipeswap.runtime.costs import check_costs, with_layer_counts
 from pipeswap.runtime.errors import PipelineSetupError
 from pipeswap.runtime.fsdp import ShardedStage, fsdp_modules
 from pipeswap.runtime.groups import control_group, only_gloo, transport_group
 from pipeswap.runtime.stage import PipelineStage, output_meta
 from pipeswap.schedule import (
+    CostModel,
     Schedule,
     ScheduleError,
     ScheduleKind,
@@ -38,7 +40,7 @@ from pipeswap.schedule import (
     dumps_lines,
     validate,
 )
-from pipeswap.schedule.policies import default_swap_policy
+from pipeswap.schedule.policies import PeakOutcome, PeakPolicy, default_swap_policy
 from pipeswap.schedule.steps import FSDP, SWAP
 from pipeswap.schedule.validation import TRANSPORTS
 
@@ -135,23 +137,33 @@ def resolve_schedule(schedule: Schedule | ScheduleSpec | str, *, swap: bool,
                      swap_policy: SwapPolicy | None, swap_granularity: str, transport: str,
                      layer_counts: Mapping[int, int], stages: Sequence[PipelineStage],
                      rank: int, world: int, microbatches: int,
-                     sharded: Mapping[int, ShardedStage]) -> Schedule:
+                     sharded: Mapping[int, ShardedStage], costs: CostModel | None = None
+                     ) -> tuple[Schedule, PeakOutcome | None]:
     """The schedule this rank runs: ``schedule`` as given, or built (with the swap policy
-    asked for, by default the peak policy on ``layer_counts``, planning this rank's swap
-    steps only: no other rank waits on them), valid under ``transport``,
-    with FSDP steps exactly where stages are sharded, and fitting this rank's ``stages``
-    (sorted by index) and microbatch count."""
+    asked for, by default the peak policy on ``costs`` or, without them, on ``layer_counts``
+    alone, planning this rank's swap steps only: no other rank waits on them), valid under
+    ``transport``, with FSDP steps exactly where stages are sharded, and fitting this rank's
+    ``stages`` (sorted by index) and microbatch count; with what the default policy expects
+    of this rank's plan (None for any other policy)."""
     builds_swap = not isinstance(schedule, Schedule) and (
         swap or (isinstance(schedule, ScheduleSpec) and schedule.swap))
+    default: PeakPolicy | None = None
+    if swap_policy is not None and (swap_granularity != "auto" or costs is not None):
+        raise PipelineSetupError(
+            f"{'swap_granularity' if costs is None else 'cost_model'} applies to the "
+            "default policy; a swap_policy of your own chooses each chunk's granularity "
+            "and weighs its own costs")
     if swap_policy is None and builds_swap:
         try:
-            swap_policy = default_swap_policy(layer_counts, swap_granularity)
+            if costs is None:
+                default = default_swap_policy(layer_counts, swap_granularity)
+            else:
+                check_costs(costs, layer_counts, rank)
+                default = PeakPolicy(with_layer_counts(costs, layer_counts),
+                                     granularity=swap_granularity)
         except ScheduleError as exc:
             raise PipelineSetupError(str(exc)) from exc
-    elif swap_policy is not None and swap_granularity != "auto":
-        raise PipelineSetupError(
-            "swap_granularity applies to the default policy; a swap_policy of your "
-            "own chooses each chunk's granularity itself")
+        swap_policy = default
     try:
         if isinstance(schedule, Schedule):
             if swap or swap_policy is not None:
@@ -187,7 +199,7 @@ def resolve_schedule(schedule: Schedule | ScheduleSpec | str, *, swap: bool,
             "the stages are sharded with fully_shard but the schedule has no FSDP steps "
             "to gather and free their parameters: build it with fsdp=True")
     _check_stages(built, stages, rank=rank, world=world, microbatches=microbatches)
-    return built
+    return built, None if default is None else default.outcomes.get(rank)
 
 
 def _check_stages(schedule: Schedule, stages: Sequence[PipelineStage], *, rank: int,

@@ -52,6 +52,8 @@ from pipeswap.runtime.session import SwapSession
 from pipeswap.runtime.stage import PipelineStage
 from pipeswap.runtime.watch import PeerWatch, stop_groups
 from pipeswap.schedule import (
+    CostModel,
+    PeakOutcome,
     Schedule,
     ScheduleSpec,
     Step,
@@ -79,7 +81,17 @@ class PipelineExecutor:
     default the peak policy, told each stage's layer count) and run them.
     ``swap_granularity``: for the default policy, ``"auto"`` (stream a chunk layer by layer
     wherever that lowers the peak more than swapping it whole), ``"chunk"`` or ``"layer"``.
-    A streamed chunk's layers are its stage's :attr:`PipelineStage.layers`.
+    A streamed chunk's layers are its stage's :attr:`PipelineStage.layers`. Each rank plans
+    its own swap steps only (no other rank waits on them).
+
+    ``cost_model``: what this rank's compute and host link cost
+    (:class:`~pipeswap.schedule.CostModel`; e.g. the compute times and chunk bytes a step
+    without swap measured, and :func:`pipeswap.runtime.costs.probe_link`'s bandwidths), for
+    the default policy to weigh copies against compute: it then swaps only what its copies
+    can hide (unless a budget is set), where without one it takes the link to be infinitely
+    fast. Refused, naming the figure, if a bandwidth or a compute time of this rank's is not
+    finite and above zero. :attr:`predicted` holds what the plan expects (its peak and
+    exposed copy on this rank's own timeline).
 
     ``account_activations``: collect every chunk's saved tensors through the swap manager, so
     that :class:`StepReport` gives the peak of saved activations and each chunk's bytes
@@ -146,6 +158,7 @@ class PipelineExecutor:
         swap_granularity: str = "auto",
         replay: Replay | None = None,
         failure_timeout_s: float | None = None,
+        cost_model: CostModel | None = None,
     ) -> None:
         import torch.distributed as dist
 
@@ -178,16 +191,18 @@ class PipelineExecutor:
             replay=replay)
         self._sharded: dict[int, ShardedStage] = {}
         built: Schedule | None = None
+        # what the default policy expects of this rank's plan: its peak and exposed copy
+        self.predicted: PeakOutcome | None = None
         problem: PipelineSetupError | None = None
         try:
             layer_counts = _setup.own_layer_counts(self.stages, replay)
             _setup.check_transport(check_transport, self.group, replay)
             self._sharded = _setup.find_sharded(self.stages, self.dp_group, self.dp_size, replay)
-            built = _setup.resolve_schedule(
+            built, self.predicted = _setup.resolve_schedule(
                 schedule, swap=swap, swap_policy=swap_policy, swap_granularity=swap_granularity,
                 transport=check_transport, layer_counts=layer_counts, stages=self.stages,
                 rank=self.rank, world=self.world, microbatches=microbatches,
-                sharded=self._sharded)
+                sharded=self._sharded, costs=cost_model)
         except PipelineSetupError as exc:
             problem = exc
         _setup.agree(built, problem, microbatches=microbatches, group=self._control,

@@ -1,0 +1,94 @@
+"""What this rank's steps cost, for the swap plan: a cost model checked before anything
+plans on it, its stages' layer counts filled in from the stages, and the host link's
+bandwidths measured by a short copy probe.
+
+The default swap policy weighs copies against compute: over a link it takes to be infinitely
+fast it streams every chunk it can, and on a real one some of those copies cannot hide. So a
+plan is only as good as its costs, and costs that cannot be (a bandwidth of zero, a forward
+that takes no time) are refused here, naming what was wrong, rather than planned on.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import replace
+from typing import TYPE_CHECKING
+
+from pipeswap.runtime.errors import PipelineSetupError
+from pipeswap.schedule import CostModel, Link, StageCosts
+
+if TYPE_CHECKING:
+    from pipeswap.platform import Platform
+
+#: What the probe copies each way, and how often (the best time counts).
+PROBE_BYTES, PROBE_REPEATS = 64 << 20, 3
+
+
+def check_costs(costs: CostModel, stages: Iterable[int], rank: int) -> None:
+    """Refuse a cost model the plan of ``rank`` (running ``stages``) cannot use: each of its
+    stages' compute times and the rank's link bandwidths must be finite and above zero."""
+    link = costs.rank_link(rank)
+    for name, value in (("d2h_bandwidth", link.d2h_bandwidth),
+                        ("h2d_bandwidth", link.h2d_bandwidth)):
+        if not 0 < value < math.inf:
+            raise PipelineSetupError(
+                f"cost_model: rank {rank}'s link {name} must be a finite number of bytes/s "
+                f"above 0, got {value}: give the link's measured bandwidth (or "
+                "pipeswap.runtime.costs.probe_link's)")
+    for stage in stages:
+        given = costs.stage(stage)
+        times: tuple[tuple[str, float | None], ...] = (
+            ("forward", given.forward), ("backward", given.backward),
+            ("backward_input", given.backward_input),
+            ("backward_weight", given.backward_weight))
+        for kind, seconds in times:
+            if seconds is not None and not 0 < seconds < math.inf:
+                raise PipelineSetupError(
+                    f"cost_model: stage {stage}'s {kind} time must be a finite number of "
+                    f"seconds above 0, got {seconds}")
+
+
+def with_layer_counts(costs: CostModel, layer_counts: Mapping[int, int]) -> CostModel:
+    """``costs`` with each stage of ``layer_counts`` given its layer count where the model
+    says none of its own (a streamed chunk moves one of its stage's layers at a time)."""
+    stages = dict(costs.stages)
+    for stage, count in layer_counts.items():
+        given = costs.stages.get(stage)
+        if given is None:
+            stages[stage] = StageCosts(costs.forward, costs.backward, layers=count)
+        elif given.layers is None:
+            stages[stage] = replace(given, layers=count)
+    return replace(costs, stages=stages)
+
+
+def probe_link(platform: Platform, nbytes: int = PROBE_BYTES,
+               repeats: int = PROBE_REPEATS) -> Link:
+    """The host link of ``platform``'s device, measured: the best of ``repeats`` copies of
+    ``nbytes`` each way on a copy stream, and whether the two ways run at once (duplex:
+    both together take little longer than the slower alone)."""
+    import torch
+
+    device = torch.empty(nbytes, dtype=torch.uint8, device=platform.device)
+    host = platform.host_buffer(nbytes)
+    streams = platform.new_stream(), platform.new_stream()
+
+    def best(*copies: tuple[torch.Tensor, torch.Tensor]) -> float:
+        fastest = math.inf
+        for _ in range(repeats):
+            for stream in streams:
+                stream.synchronize()
+            start = time.perf_counter()
+            for (dst, src), stream in zip(copies, streams):
+                with platform.stream(stream):
+                    platform.copy_(dst, src)
+            for stream in streams:
+                stream.synchronize()
+            fastest = min(fastest, time.perf_counter() - start)
+        return max(fastest, 1e-9)
+
+    spare = platform.host_buffer(nbytes)
+    down, up = best((host, device)), best((device, host))
+    both = best((spare, device), (device, host))
+    return Link(nbytes / down, nbytes / up, duplex=both < 0.75 * (down + up))

@@ -1,0 +1,103 @@
+"""The costs the executor's default swap policy plans on: a cost model of the user's, checked
+before anything plans on it; a slow host link, which makes the plan swap less and expose
+nothing; and the probe that measures a link."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from pipeswap.platform import get_platform
+from pipeswap.runtime import PipelineExecutor, PipelineSetupError, PipelineStage, Replay
+from pipeswap.runtime.costs import check_costs, probe_link, with_layer_counts
+from pipeswap.runtime.model import GPTConfig, build_gpt, lm_loss, split_stages
+from pipeswap.schedule import (
+    CostModel,
+    Link,
+    MinGapPolicy,
+    ScheduleError,
+    ScheduleKind,
+    ScheduleSpec,
+    StageCosts,
+)
+
+CONFIG = GPTConfig(vocab=13, seq_len=8, width=16, layers=8)
+SPEC = ScheduleSpec(ScheduleKind.ONE_F_ONE_B, ranks=4, microbatches=8)
+#: a chunk of 1 MiB a forward of 1 ms: over 1 TB/s its copies take a microsecond
+FAST = CostModel(forward=1e-3, backward=2e-3, activation_bytes=1 << 20, link=Link(1e12, 1e12))
+
+
+def _rank_zero(**options: object) -> PipelineExecutor:
+    """Rank 0 of a 4-rank 1F1B pipeline, replayed, with swap by the default policy."""
+    stages = [PipelineStage(module, index, 4)
+              for index, module in enumerate(split_stages(build_gpt(CONFIG, 0), 4))]
+    replay = Replay(0, 4, {s.stage_index: len(s.layers) for s in stages}, {})
+    return PipelineExecutor([stages[0]], SPEC, 8, lm_loss, swap=True, replay=replay,
+                            **options)  # type: ignore[arg-type]
+
+
+def test_a_slow_link_makes_the_plan_swap_less_and_expose_nothing() -> None:
+    fast = _rank_zero(cost_model=FAST)
+    # 1 MB/s: a chunk's copy takes a second, a thousand forwards
+    slow = _rank_zero(cost_model=CostModel(forward=1e-3, backward=2e-3,
+                                           activation_bytes=1 << 20, link=Link(1e6, 1e6)))
+    assert fast.predicted is not None and slow.predicted is not None
+    assert fast.predicted.peak < fast.predicted.peak_no_swap and fast.swapped
+    assert len(slow.swapped) < len(fast.swapped)
+    assert fast.predicted.exposed_copy == 0.0 and slow.predicted.exposed_copy == 0.0
+    # and a moderate link: some chunks, still nothing exposed
+    middle = _rank_zero(cost_model=CostModel(forward=1e-3, backward=2e-3,
+                                             activation_bytes=1 << 20, link=Link(1e9, 5e8)))
+    assert middle.predicted is not None and middle.predicted.exposed_copy == 0.0
+
+
+def test_without_a_cost_model_the_plan_has_no_link_to_weigh() -> None:
+    plain = _rank_zero()
+    assert plain.predicted is not None and plain.predicted.exposed_copy == 0.0
+    assert plain.swapped  # every copy hides over a link of no limit
+
+
+@pytest.mark.parametrize(("costs", "named"), [
+    (CostModel(link=Link(math.inf, 1e9)), "rank 0's link d2h_bandwidth must be a finite"),
+    (CostModel(link=Link(1e9, math.inf)), "rank 0's link h2d_bandwidth must be a finite"),
+    (CostModel(forward=0.0, link=Link(1e9, 1e9)), "stage 0's forward time must be"),
+    (CostModel(link=Link(1e9, 1e9), stages={0: StageCosts(1.0, math.inf)}),
+     "stage 0's backward time must be"),
+    (CostModel(link=Link(1e9, 1e9), stages={0: StageCosts(1.0, 2.0, backward_input=0.0)}),
+     "stage 0's backward_input time must be"),
+])
+def test_a_cost_model_that_cannot_be_planned_on_is_refused_by_name(costs: CostModel,
+                                                                   named: str) -> None:
+    with pytest.raises(PipelineSetupError, match=f"^cost_model: {named}"):
+        _rank_zero(cost_model=costs)
+    with pytest.raises(PipelineSetupError, match=named):
+        check_costs(costs, [0], 0)
+
+
+@pytest.mark.parametrize("field", ["d2h_bandwidth", "h2d_bandwidth"])
+@pytest.mark.parametrize("value", [0.0, -1.0, math.nan])
+def test_a_link_of_no_bandwidth_is_refused_where_it_is_made(field: str, value: float) -> None:
+    link = Link(value, 1e9) if field == "d2h_bandwidth" else Link(1e9, value)
+    with pytest.raises(ScheduleError, match=f"{field} must be > 0"):
+        CostModel(link=link)
+
+
+def test_a_cost_model_is_for_the_default_policy_only() -> None:
+    with pytest.raises(PipelineSetupError, match="cost_model applies to the default policy"):
+        _rank_zero(cost_model=FAST, swap_policy=MinGapPolicy())
+
+
+def test_the_stages_layer_counts_fill_in_where_the_model_has_none() -> None:
+    given = CostModel(stages={1: StageCosts(1.0, 2.0, layers=5), 2: StageCosts(3.0, 6.0)})
+    filled = with_layer_counts(given, {0: 2, 1: 3, 2: 4})
+    assert filled.stage_layers(0) == 2 and filled.stage(0).forward == given.forward
+    assert filled.stage_layers(1) == 5  # the model's own count stays
+    assert filled.stage_layers(2) == 4 and filled.stage(2).forward == 3.0
+
+
+def test_the_probe_measures_both_ways_of_the_link() -> None:
+    link = probe_link(get_platform("cpu"), nbytes=1 << 20, repeats=2)
+    assert 0 < link.d2h_bandwidth < math.inf and 0 < link.h2d_bandwidth < math.inf
+    assert isinstance(link.duplex, bool)
