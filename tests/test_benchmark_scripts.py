@@ -72,6 +72,19 @@ def test_executor_vs_torch_runs_and_agrees() -> None:
         assert all(seconds > 0 for seconds in case["step_s"].values())
 
 
+def test_swap_planning_times_every_phase_of_every_case() -> None:
+    out = subprocess.run([sys.executable, str(BENCHMARKS / "swap_planning.py"), "--quick"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = [line.split(" | ") for line in out.stdout.splitlines()
+            if line.startswith("| ") and " MiB |" in line]
+    assert [row[0].lstrip("| ") for row in rows] == [
+        "1F1B P=64", "Interleaved 1F1B P=64 V=2", "ZBV P=64", "DualPipeV P=32"]
+    for row in rows:  # plan, inject, validate and simulate timed; the memory read
+        assert all(cell.endswith(" s") and float(cell[:-2]) > 0 for cell in row[3:7]), row
+        assert row[7].endswith("MiB |") and int(row[7].split()[0]) > 0, row
+
+
 def test_layer_offload_runs_and_agrees_bit_for_bit() -> None:
     out = subprocess.run(
         [sys.executable, str(BENCHMARKS / "layer_offload.py"), "--quick", "--json"],
