@@ -11,7 +11,12 @@ import torch
 
 from pipeswap.platform import get_platform
 from pipeswap.runtime import PipelineExecutor, PipelineSetupError, PipelineStage, Replay
-from pipeswap.runtime.costs import check_costs, probe_link, with_layer_counts
+from pipeswap.runtime.costs import (
+    check_costs,
+    measured_costs,
+    probe_link,
+    with_layer_counts,
+)
 from pipeswap.runtime.model import GPTConfig, build_gpt, lm_loss, split_stages
 from pipeswap.schedule import (
     CostModel,
@@ -21,6 +26,7 @@ from pipeswap.schedule import (
     ScheduleKind,
     ScheduleSpec,
     StageCosts,
+    StepType,
 )
 
 CONFIG = GPTConfig(vocab=13, seq_len=8, width=16, layers=8)
@@ -101,3 +107,26 @@ def test_the_probe_measures_both_ways_of_the_link() -> None:
     link = probe_link(get_platform("cpu"), nbytes=1 << 20, repeats=2)
     assert 0 < link.d2h_bandwidth < math.inf and 0 < link.h2d_bandwidth < math.inf
     assert isinstance(link.duplex, bool)
+
+
+def test_a_measured_step_times_its_computes_and_makes_the_cost_model_a_plan_weighs() -> None:
+    executor = _rank_zero()
+    inputs = torch.randint(0, CONFIG.vocab, (8, CONFIG.seq_len))
+    assert executor.step(inputs).compute_seconds == {}  # not measured unless asked
+    executor.measure_compute = True
+    report = executor.step(inputs)
+    assert set(report.compute_seconds) == {(StepType.FWD, 0), (StepType.BWD, 0)}
+    assert all(seconds > 0 for seconds in report.compute_seconds.values())
+    assert report.copy_wait_seconds is not None and report.copy_wait_seconds >= 0
+    layers = {0: len(executor.stages[0].layers)}
+    costs = measured_costs(report.compute_seconds, {
+        key: (found.held, found.movable) for key, found in report.chunk_bytes.items()},
+        Link(1e9, 1e9), layers)
+    assert costs.stage(0).forward == report.compute_seconds[StepType.FWD, 0]
+    assert costs.stage_layers(0) == layers[0] and len(costs.chunks) == 8
+    assert all(costs.chunk_bytes(key).total == found.held
+               for key, found in report.chunk_bytes.items())
+    planned = _rank_zero(cost_model=costs)
+    assert planned.predicted is not None and planned.predicted.exposed_copy == 0.0
+    with pytest.raises(PipelineSetupError, match="no measured forward and backward of stage 1"):
+        measured_costs(report.compute_seconds, {}, Link(1e9, 1e9), {0: 2, 1: 2})

@@ -27,6 +27,7 @@ from pipeswap.schedule.steps import COMPUTE, FSDP, OVERLAPS, P2P, SENDS
 if TYPE_CHECKING:
     import torch
 
+    from pipeswap.runtime.costs import StepTimes
     from pipeswap.runtime.fsdp import ShardedStage
     from pipeswap.runtime.stage import PipelineStage
     from pipeswap.swap import SwapManager
@@ -52,6 +53,7 @@ class StepState:
     micro_inputs: list[PyTree] = field(default_factory=list)
     micro_targets: list[PyTree] = field(default_factory=list)
     losses: dict[int, torch.Tensor] = field(default_factory=dict)  # read once, at the end
+    times: StepTimes | None = None  # what a measured step's computes took
 
 
 class Interpreter:

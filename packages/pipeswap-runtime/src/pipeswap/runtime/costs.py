@@ -1,6 +1,7 @@
 """What this rank's steps cost, for the swap plan: a cost model checked before anything
-plans on it, its stages' layer counts filled in from the stages, and the host link's
-bandwidths measured by a short copy probe.
+plans on it, its stages' layer counts filled in from the stages, the host link's bandwidths
+measured by a short copy probe, and a step's computes timed (:class:`StepTimes`), from which
+:func:`measured_costs` makes the model a later plan weighs.
 
 The default swap policy weighs copies against compute: over a link it takes to be infinitely
 fast it streams every chunk it can, and on a real one some of those copies cannot hide. So a
@@ -13,17 +14,72 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Iterable, Mapping
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from pipeswap.runtime.errors import PipelineSetupError
-from pipeswap.schedule import CostModel, Link, StageCosts
+from pipeswap.schedule import ChunkBytes, ChunkKey, CostModel, Link, StageCosts, Step, StepType
+from pipeswap.schedule.steps import COMPUTE, OVERLAPS
 
 if TYPE_CHECKING:
     from pipeswap.platform import Platform
 
 #: What the probe copies each way, and how often (the best time counts).
 PROBE_BYTES, PROBE_REPEATS = 64 << 20, 3
+#: The steps a measured step times: computes, and the waits for copies (WO, WL).
+TIMED = COMPUTE | OVERLAPS | {StepType.SWAP_WAIT_OFFLOAD, StepType.SWAP_WAIT_LOAD}
+#: How an overlap's time is shared between its two computes: as the default costs weigh them.
+_SHARES = {StepType.FWD: 1.0, StepType.BWD: 2.0, StepType.BWD_INPUT: 1.0,
+           StepType.BWD_WEIGHT: 1.0}
+
+
+@dataclass
+class StepTimes:
+    """What a measured step's computes took, by kind and stage, and how long compute waited
+    for copies."""
+
+    compute: dict[tuple[StepType, int], list[float]] = field(default_factory=dict)
+    copy_wait: float = 0.0
+
+    def record(self, step: Step, seconds: float) -> None:
+        if step.type in (StepType.SWAP_WAIT_OFFLOAD, StepType.SWAP_WAIT_LOAD):
+            self.copy_wait += seconds
+            return
+        leaves = step.compute_leaves
+        weight = sum(_SHARES[leaf.type] for leaf in leaves)
+        for leaf in leaves:
+            assert leaf.stage is not None
+            self.compute.setdefault((leaf.type, leaf.stage), []).append(
+                seconds * _SHARES[leaf.type] / weight)
+
+    def means(self) -> dict[tuple[StepType, int], float]:
+        return {key: sum(times) / len(times) for key, times in self.compute.items()}
+
+
+def measured_costs(compute: Mapping[tuple[StepType, int], float],
+                   chunk_bytes: Mapping[ChunkKey, tuple[int, int]], link: Link,
+                   layer_counts: Mapping[int, int]) -> CostModel:
+    """The cost model of what was measured: each stage's mean compute times (``compute``, by
+    kind and stage, as :attr:`StepReport.compute_seconds` gives them), each chunk's saved
+    bytes (held, movable), the link, and each stage's layer count. A stage of
+    ``layer_counts`` whose forward or backward was not timed is refused."""
+    stages = {}
+    for stage, layers in layer_counts.items():
+        forward = compute.get((StepType.FWD, stage))
+        whole = compute.get((StepType.BWD, stage))
+        parts = compute.get((StepType.BWD_INPUT, stage)), compute.get(
+            (StepType.BWD_WEIGHT, stage))
+        backward = whole if whole is not None else (
+            None if None in parts else sum(p for p in parts if p is not None))
+        if forward is None or backward is None:
+            raise PipelineSetupError(
+                f"no measured forward and backward of stage {stage}: measure a step that "
+                "runs them (executor.measure_compute) before planning on its costs")
+        stages[stage] = StageCosts(forward, backward, backward_input=parts[0],
+                                   backward_weight=parts[1], layers=layers)
+    chunks = {key: ChunkBytes(held, pinned=held - movable)
+              for key, (held, movable) in chunk_bytes.items()}
+    return CostModel(link=link, stages=stages, chunks=chunks)
 
 
 def check_costs(costs: CostModel, stages: Iterable[int], rank: int) -> None:

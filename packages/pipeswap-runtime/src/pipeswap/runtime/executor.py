@@ -28,6 +28,7 @@ and agreed on by every rank; the transport; the boundary shapes),
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import time
 import warnings
@@ -42,6 +43,7 @@ from pipeswap.runtime import _setup
 from pipeswap.runtime._failure import FailureProtocol
 from pipeswap.runtime._interpreter import Interpreter, LossFn, StepState
 from pipeswap.runtime.comm import BoundaryMeta, PyTree, Transport
+from pipeswap.runtime.costs import TIMED, StepTimes
 from pipeswap.runtime.errors import PipelineError, PipelineSetupError
 from pipeswap.runtime.fsdp import ShardedStage
 from pipeswap.runtime.groups import group_timeout, only_gloo, operation_timeout, with_cpu_backend
@@ -110,7 +112,10 @@ class PipelineExecutor:
     allocator's peak statistics (and resets them each step); on CPU it runs torch's profiler
     with memory recording through the step, which slows it (about twofold in pipeswap-train,
     more for smaller operations), so it is off by default. The attribute of that name may be
-    changed between steps.
+    changed between steps. ``measure_compute`` (an attribute, off by default): time each
+    compute of a step and its waits for copies (:attr:`StepReport.compute_seconds`,
+    :attr:`StepReport.copy_wait_seconds`), the device synchronized around each, so slower;
+    what :func:`pipeswap.runtime.costs.measured_costs` makes a cost model of.
 
     Data parallel: ``mesh``, a 2-D DeviceMesh with dimensions named ``"pp"`` and ``"dp"``
     (the stages' group must be ``mesh.get_group("pp")``), or ``dp_group``, the data-parallel
@@ -182,6 +187,7 @@ class PipelineExecutor:
         self.platform = platform or get_platform()
         self.account = swap if account_activations is None else account_activations
         self.measure_allocator = measure_allocator
+        self.measure_compute = False
         self.dp_group = _setup.data_parallel_group(mesh, dp_group, self.group)
         self.dp_size = 1 if self.dp_group is None else dist.get_world_size(self.dp_group)
         self._spans_world = replay is not None or self.world == dist.get_world_size()
@@ -335,10 +341,14 @@ class PipelineExecutor:
             import torch
 
             losses = torch.stack([state.losses[m] for m in sorted(state.losses)]).tolist()
-        return state.memory.report(
+        report = state.memory.report(
             losses=tuple(losses), seconds=time.perf_counter() - start,
             swapped_chunks=len(self.swapped),
             peak_allocated_bytes=None if allocated is None else allocated.peak_bytes)
+        if state.times is None:
+            return report
+        return dataclasses.replace(report, compute_seconds=state.times.means(),
+                                   copy_wait_seconds=state.times.copy_wait)
 
     def _step(self, inputs: PyTree | None, targets: PyTree | None) -> StepState:
         """The step up to closing its swap session (the part measure_allocator measures)."""
@@ -372,9 +382,20 @@ class PipelineExecutor:
                 self._shapes_known = True
                 if state.micro_inputs:
                     self._input_meta = BoundaryMeta.of(state.micro_inputs[0], "the inputs")[0]
+            times = StepTimes() if self.measure_compute else None
             for at in self.schedule.orders[self.rank]:
-                if at is not None:
+                if at is None:
+                    continue
+                if times is None or at.type not in TIMED:
                     self._interpreter.run(state, at)
+                    continue
+                compute = self.platform.current_stream()
+                compute.synchronize()  # the device's time, not the launch's
+                begun = time.perf_counter()
+                self._interpreter.run(state, at)
+                compute.synchronize()
+                times.record(at, time.perf_counter() - begun)
+            state.times = times
             at = None
             self._interpreter.finish(state)
             state.memory.flush()

@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from pipeswap.schedule import ChunkKey
+from pipeswap.schedule import ChunkKey, StepType
 from pipeswap.swap import GroupBytes
 
 if TYPE_CHECKING:
@@ -52,6 +52,11 @@ class StepReport:
     layer_bytes: Mapping[ChunkKey, tuple[GroupBytes, ...]] = field(default_factory=dict)
     # per chunk that streams and splits its backward, per layer right after its I
     layer_bytes_after_input: Mapping[ChunkKey, tuple[int, ...]] = field(default_factory=dict)
+    # with measure_compute: each compute's mean seconds by kind and stage (an overlap's time
+    # shared between its two as the default costs weigh them), and the seconds compute
+    # waited for copies (its WO and WL steps); empty and None otherwise
+    compute_seconds: Mapping[tuple[StepType, int], float] = field(default_factory=dict)
+    copy_wait_seconds: float | None = None
 
 
 @dataclass
