@@ -58,6 +58,11 @@ def test_spawned_run_prints_the_json_contract() -> None:
         # P=2 M=4 it does on both ranks.
         assert entry["swapped_chunks"] > 0
         assert 0 < entry["peak_activation_bytes_swap"] < entry["peak_activation_bytes_no_swap"]
+        # the swap plan weighed what the run without swap measured, and says what it expects
+        # next to what the step that timed its computes saw
+        assert entry["step_time_s_swap_predicted"] > 0
+        assert entry["exposed_copy_s_swap_predicted"] == 0.0  # planned to hide, no budget
+        assert entry["exposed_copy_s_swap"] >= 0
         # The allocator's peak, measured beside the manager's count: at least what it counts.
         assert entry["peak_allocated_bytes_swap"] >= entry["peak_activation_bytes_swap"]
         assert entry["peak_allocated_bytes_no_swap"] >= entry["peak_activation_bytes_no_swap"]
@@ -212,6 +217,8 @@ def test_a_replayed_rank_reports_itself_alone(tmp_path: Path) -> None:
     assert 0 < entry["peak_activation_bytes_swap"] < entry["peak_activation_bytes_no_swap"]
     assert 0 < entry["peak_allocated_bytes_swap"] < entry["peak_allocated_bytes_no_swap"]
     assert entry["step_time_s_swap"] > 0 and entry["step_time_s_no_swap"] > 0
+    assert entry["step_time_s_swap_predicted"] > 0
+    assert entry["exposed_copy_s_swap_predicted"] == 0.0
     lines = [json.loads(line) for line in metrics.read_text().splitlines()]
     assert [(line["step"], line["mode"]) for line in lines] == [
         (1, "no-swap"), (2, "no-swap"), (1, "swap"), (2, "swap")]

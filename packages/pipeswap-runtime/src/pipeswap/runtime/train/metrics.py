@@ -14,6 +14,7 @@ if TYPE_CHECKING:
     import torch
 
     from pipeswap.runtime.executor import StepReport
+    from pipeswap.schedule import StepType
 
 #: A value of one step's figures: seconds, bytes, a flag, the microbatch losses.
 Figure = Union[float, int, bool, None, list[float]]
@@ -47,10 +48,18 @@ class ModeResult:
     gathered_bytes: dict[int, int] = field(default_factory=dict)  # per sharded stage
     # per step: seconds, the step's peaks (allocator's where measured) and bytes offloaded
     per_step: list[dict[str, Figure]] = field(default_factory=list)
+    # the step that timed its computes: their mean seconds by kind and stage, and the seconds
+    # compute waited for copies
+    compute_seconds: dict[tuple[StepType, int], float] = field(default_factory=dict)
+    copy_wait_seconds: float | None = None
+    # what the plan expected of this rank, on the costs the mode without swap measured
+    predicted_step_seconds: float | None = None
+    predicted_exposed_copy: float | None = None
 
     def record(self, report: StepReport, *, measured: bool, timed: bool) -> None:
         """Take in one step's report: ``measured`` when the allocator was measured in it,
-        ``timed`` when its time counts (a measured step runs slower)."""
+        ``timed`` when its time counts (a measured step runs slower, as does one that times
+        its computes)."""
         assert report.peak_activation_bytes is not None  # the trainer accounts every chunk
         assert report.peak_memory_bytes is not None
         self.losses.append(list(report.losses))
@@ -61,6 +70,9 @@ class ModeResult:
         self.layer_bytes_after_input = dict(report.layer_bytes_after_input)
         if timed:
             self.step_seconds.append(report.seconds)
+        if report.compute_seconds:
+            self.compute_seconds = dict(report.compute_seconds)
+            self.copy_wait_seconds = report.copy_wait_seconds
         self.peak_activation_bytes = max(self.peak_activation_bytes,
                                          report.peak_activation_bytes)
         self.peak_memory_bytes = max(self.peak_memory_bytes, report.peak_memory_bytes)

@@ -1,16 +1,18 @@
 """Which swap plan a run uses: the policy ``--policy`` names, and the peak policy under a
-byte budget planned on what every rank measured without swap.
+byte budget planned on what this rank measured without swap.
 
-The runtime knows no chunk's bytes before it runs, so the plans here rest on a uniform cost
-model (layers alike, a backward twice a forward) unless measured sizes are shared first.
+The runtime knows no chunk's bytes or compute times before it runs, so a plan rests on a
+uniform cost model (layers alike, a backward twice a forward) unless a run without swap
+measured them first.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import replace
 
 from pipeswap.runtime.train.config import TrainConfig
-from pipeswap.schedule import SwapPolicy
+from pipeswap.schedule import CostModel, SwapPolicy
 
 
 def swap_policy(name: str, layer_counts: Mapping[int, int] | None = None,
@@ -18,7 +20,7 @@ def swap_policy(name: str, layer_counts: Mapping[int, int] | None = None,
     """The swap policy of ``--policy``: ``gap`` (MindSpore hyper-parallel's rule), ``cost``
     (every chunk whose copies hide) or ``peak``, which needs each stage's layer count
     (``layer_counts``; None leaves the executor's default, which asks the stages)."""
-    from pipeswap.schedule import CostModel, CostModelPolicy, MinGapPolicy, default_swap_policy
+    from pipeswap.schedule import CostModelPolicy, MinGapPolicy, default_swap_policy
 
     if name == "gap":
         return MinGapPolicy()
@@ -28,23 +30,16 @@ def swap_policy(name: str, layer_counts: Mapping[int, int] | None = None,
 
 
 def budget_policy(config: TrainConfig, mine: Mapping[tuple[int, int], tuple[int, int]],
-                  layer_counts: Mapping[int, int]) -> SwapPolicy:
-    """The peak policy under ``config.swap.budget``, on the chunk sizes every rank measured
-    without swap (``mine``: this rank's, as (held, movable) per chunk), shared by an
-    all-reduce so that every rank builds the same schedule."""
-    import torch
-    import torch.distributed as dist
-
-    from pipeswap.schedule import ChunkBytes, CostModel, PeakPolicy, uniform_layers
+                  layer_counts: Mapping[int, int], costs: CostModel | None = None
+                  ) -> SwapPolicy:
+    """The peak policy under ``config.swap.budget``, on the chunk sizes this rank measured
+    without swap (``mine``, as (held, movable) per chunk) and, where measured, the compute
+    and link ``costs`` (else layers alike, a backward twice a forward, a link of no limit).
+    Each rank plans only its own swap, so its own sizes are all it needs."""
+    from pipeswap.schedule import ChunkBytes, PeakPolicy, uniform_layers
 
     assert config.swap.budget is not None
-    stages, micros = config.num_stages, config.parallel.microbatches
-    sizes = torch.full((stages, micros, 2), -1, dtype=torch.int64)
-    for (stage, micro), (held, movable) in mine.items():
-        sizes[stage, micro] = torch.tensor([held, movable])
-    dist.all_reduce(sizes, op=dist.ReduceOp.MAX)  # each chunk is measured on one rank
-    chunks = {(stage, micro): ChunkBytes(int(held), pinned=int(held - movable))
-              for stage in range(stages) for micro in range(micros)
-              for held, movable in [sizes[stage, micro].tolist()] if held >= 0}
-    return PeakPolicy(CostModel(chunks=chunks, stages=uniform_layers(layer_counts)),
-                      config.swap.budget, granularity=config.swap.granularity)
+    chunks = {key: ChunkBytes(held, pinned=held - movable) for key, (held, movable) in mine.items()}
+    model = (CostModel(chunks=chunks, stages=uniform_layers(layer_counts)) if costs is None
+             else replace(costs, chunks=chunks))
+    return PeakPolicy(model, config.swap.budget, granularity=config.swap.granularity)

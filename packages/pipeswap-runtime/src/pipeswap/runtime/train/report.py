@@ -41,6 +41,12 @@ def summarize(config: TrainConfig, per_rank: list[dict[str, ModeResult]]) -> Sum
             "bytes_offloaded": swap.bytes_offloaded if swap else 0,
             "step_time_s_swap": statistics.median(swap.step_seconds) if swap else None,
             "step_time_s_no_swap": statistics.median(plain.step_seconds) if plain else None,
+            # what the swap plan expected, on the costs the run without swap measured (null
+            # where it did not run first), next to what the step timing its computes saw:
+            # the seconds compute waited for copies
+            "step_time_s_swap_predicted": swap.predicted_step_seconds if swap else None,
+            "exposed_copy_s_swap_predicted": swap.predicted_exposed_copy if swap else None,
+            "exposed_copy_s_swap": swap.copy_wait_seconds if swap else None,
         })
     # per step run, every replica's microbatch losses (replicas split the batch evenly)
     losses = {name: [[loss for result in per_rank if name in result

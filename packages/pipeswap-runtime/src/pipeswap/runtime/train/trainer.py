@@ -11,9 +11,11 @@ import gc
 import itertools
 import logging
 import os
+import statistics
 import sys
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, nullcontext
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from pipeswap.runtime.checkpoint_files import describe_skipped
@@ -38,6 +40,7 @@ if TYPE_CHECKING:
     from pipeswap.runtime.executor import PipelineExecutor
     from pipeswap.runtime.stage import PipelineStage
     from pipeswap.runtime.tied import TiedGradients
+    from pipeswap.schedule import CostModel, Link, StageCosts
 
 log = logging.getLogger("pipeswap.runtime.train")
 
@@ -99,6 +102,7 @@ class Trainer:
         if metrics is not None and first_writer and config.checkpoint.resume is None:
             open(metrics, "w", encoding="utf-8").close()  # filled step by step
         self.replay = None
+        self._link: Link | None = None  # the host link, probed once when a plan needs it
         if self.replaying:
             first, _ = next(self.batches(0))
             self.replay = replay_of(config, self.vocab, self.placement, self.layer_counts,
@@ -163,13 +167,20 @@ class Trainer:
                 log.warning("[%7s] resumed from %s; skipped, as they do not verify: %s", mode,
                             point.path, describe_skipped(point.skipped))
             done = point.data_position
-        # Both modes account every chunk's saved activations, to compare their peaks.
+        # Both modes account every chunk's saved activations, to compare their peaks. The
+        # swap plan weighs what the mode without swap measured, where it ran.
+        costs = self._measured_costs(earlier.get("no-swap")) if mode == "swap" else None
         policy = swap_policy(config.swap.policy, self.layer_counts, config.swap.granularity)
         if mode == "swap" and config.swap.budget is not None:
-            policy = budget_policy(config, earlier["no-swap"].chunk_bytes, self.layer_counts)
+            policy = budget_policy(config, earlier["no-swap"].chunk_bytes, self.layer_counts,
+                                   costs)
+        elif costs is not None and config.swap.policy == "peak":
+            policy = None  # the executor's default, on the measured costs
         executor = PipelineExecutor(
             stages, self.spec, config.parallel.microbatches, lm_loss, swap=mode == "swap",
             platform=self.platform, swap_policy=policy, account_activations=True,
+            cost_model=costs if policy is None else None,
+            swap_granularity=config.swap.granularity if policy is None else "auto",
             mesh=self.mesh, replay=self.replay,
             autocast_dtype=torch.bfloat16 if config.model.dtype == "bf16" else None,
             failure_timeout_s=None if self.platform.device.type == "cpu" or self.replay
@@ -178,10 +189,46 @@ class Trainer:
                             streamed_chunks=len(executor.streamed),
                             parameter_bytes=None if built is None else built.held_bytes,
                             gathered_bytes=executor.gathered_bytes)
+        if costs is not None and executor.predicted is not None:
+            result.predicted_exposed_copy = executor.predicted.exposed_copy
+            result.predicted_step_seconds = self._predicted_step(executor, costs)
         for number, batch in enumerate(self.batches(done), done + 1):
             self.train_step(mode, number, batch, executor, stages, optimizer, tied, result)
         executor.close()  # its groups, before the next mode makes its own
         return result
+
+    def _measured_costs(self, plain: ModeResult | None) -> CostModel | None:
+        """This rank's costs as the mode without swap measured them (its computes, its
+        chunks' bytes) and its host link as a probe measures it; None where that mode did not
+        run (or ran no step that timed its computes)."""
+        from pipeswap.runtime.costs import measured_costs, probe_link
+
+        if plain is None or not plain.compute_seconds:
+            return None
+        if self._link is None:
+            self._link = probe_link(self.platform)
+        mine = {stage: count for stage, count in self.layer_counts.items()
+                if self.placement[stage] == self.pp_rank}
+        return measured_costs(plain.compute_seconds, plain.chunk_bytes, self._link, mine)
+
+    def _predicted_step(self, executor: PipelineExecutor, costs: CostModel) -> float:
+        """This rank's step time as the simulator predicts it for the schedule it runs (its
+        own swap steps, every rank's compute as measured: gathered from the others; a replay
+        takes its own stages' mean for the stages it does not run)."""
+        import torch.distributed as dist
+
+        from pipeswap.schedule import StageCosts, simulate
+
+        everyone: list[dict[int, StageCosts]] = [dict(costs.stages)]
+        if not self.replaying:
+            everyone = [{} for _ in range(dist.get_world_size())]
+            dist.all_gather_object(everyone, dict(costs.stages))
+        stages = {stage: found for each in everyone for stage, found in each.items()}
+        mean = StageCosts(statistics.mean(s.forward for s in stages.values()),
+                          statistics.mean(s.backward for s in stages.values()))
+        stages = {stage: stages.get(stage, mean) for stage in range(self.config.num_stages)}
+        ranks = simulate(executor.schedule, replace(costs, stages=stages)).ranks
+        return ranks[self.pp_rank].step_time
 
     def train_step(self, mode: str, number: int, batch: Batch, executor: PipelineExecutor,
                    stages: list[PipelineStage], optimizer: torch.optim.Optimizer,
@@ -194,6 +241,8 @@ class Trainer:
         mark_step(number)
         measured = config.job.measure_allocator and number % 2 == 1
         executor.measure_allocator = measured
+        # the last step times its computes and copy waits: the costs a swap plan weighs
+        timing = executor.measure_compute = number == config.training.steps
         optimizer.zero_grad(set_to_none=True)
         report = executor.step(*batch)
         if tied is not None:
@@ -209,9 +258,9 @@ class Trainer:
             save_checkpoint(os.path.join(saving, mode), step=number, stages=stages,
                             optimizer=optimizer, data_position=number,
                             job={"model": saved_model(config)})
-        # a run of one step (a resumed one too) times the step it measured
-        only = result.first_step == config.training.steps
-        result.record(report, measured=measured, timed=not measured or only)
+        # a run with no other step to time (one step, a resumed one too) times this one
+        only = number == config.training.steps and not result.step_seconds
+        result.record(report, measured=measured, timed=not (measured or timing) or only)
         if config.job.metrics is not None:
             write_metrics(config, mode, number,
                           {**result.per_step[-1], "losses": list(report.losses)}, self.rank)
