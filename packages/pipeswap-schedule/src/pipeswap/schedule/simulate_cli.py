@@ -99,6 +99,9 @@ BYTES = _argument(parse_bytes)
 BANDWIDTH = in_range(parse_size, 1, MAX_BYTES, "give 1 to 2**60 bytes per second")
 FLOPS = in_range(parse_size, 1, 1e21, "give 1 to 1e21 FLOP/s")
 SECONDS = in_range(parse_time, 0, MAX_SECONDS, "give 0 to 1e6 s (about 11.6 days)")
+#: A compute's time: above zero, as no copy hides behind a compute that takes none.
+COMPUTE_SECONDS = in_range(parse_time, 1e-9, MAX_SECONDS,
+                           "give a time above 0 (1ns at least) up to 1e6 s (about 11.6 days)")
 DIMENSION = count(2**24)
 #: The most layers one stage's chunk may have: far beyond any model, and the peak policy
 #: weighs every layer lag of every chunk, so a million layers would never finish.
@@ -152,9 +155,9 @@ def cost_arguments(param_bytes: bool = False) -> Parser:
                        help="activation dtype, and the dtype FSDP gathers parameters in "
                             "(default bf16)")
     explicit = parent.add_argument_group("explicit costs (override the above)")
-    explicit.add_argument("--forward-time", type=SECONDS, metavar="TIME",
+    explicit.add_argument("--forward-time", type=COMPUTE_SECONDS, metavar="TIME",
                           help="one chunk's forward (default 1 s without a model)")
-    explicit.add_argument("--backward-time", type=SECONDS, metavar="TIME",
+    explicit.add_argument("--backward-time", type=COMPUTE_SECONDS, metavar="TIME",
                           help="one chunk's backward (default twice the forward)")
     explicit.add_argument("--activation-bytes", type=BYTES, metavar="BYTES",
                           help="what one chunk's forward saves (default 1GiB without a model)")
