@@ -55,6 +55,7 @@ class ModeResult:
     # what the plan expected of this rank, on the costs the mode without swap measured
     predicted_step_seconds: float | None = None
     predicted_exposed_copy: float | None = None
+    setup_seconds: float = 0.0  # from the mode's start to its first step: stages, schedule, plan
 
     def record(self, report: StepReport, *, measured: bool, timed: bool) -> None:
         """Take in one step's report: ``measured`` when the allocator was measured in it,

@@ -47,6 +47,8 @@ def summarize(config: TrainConfig, per_rank: list[dict[str, ModeResult]]) -> Sum
             "step_time_s_swap_predicted": swap.predicted_step_seconds if swap else None,
             "exposed_copy_s_swap_predicted": swap.predicted_exposed_copy if swap else None,
             "exposed_copy_s_swap": swap.copy_wait_seconds if swap else None,
+            "setup_s_swap": swap.setup_seconds if swap else None,
+            "setup_s_no_swap": plain.setup_seconds if plain else None,
         })
     # per step run, every replica's microbatch losses (replicas split the batch evenly)
     losses = {name: [[loss for result in per_rank if name in result

@@ -13,6 +13,7 @@ import logging
 import os
 import statistics
 import sys
+import time
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import replace
@@ -139,6 +140,7 @@ class Trainer:
         from pipeswap.runtime.tied import TiedGradients
 
         config = self.config
+        begun = time.perf_counter()
         mark_step(-1)  # no step of this mode begun yet: a failure in its set-up says so
         # What an earlier run in this process left as garbage (the mode before, its cycles
         # of stages, hooks and executor) is freed now, not inside the measurement below,
@@ -192,6 +194,10 @@ class Trainer:
         if costs is not None and executor.predicted is not None:
             result.predicted_exposed_copy = executor.predicted.exposed_copy
             result.predicted_step_seconds = self._predicted_step(executor, costs)
+        result.setup_seconds = time.perf_counter() - begun
+        if config.job.verbose and (self.replaying or self.rank == 0):
+            log.info("[%7s] set up in %.2f s (stages, schedule, swap plan)", mode,
+                     result.setup_seconds)
         for number, batch in enumerate(self.batches(done), done + 1):
             self.train_step(mode, number, batch, executor, stages, optimizer, tied, result)
         executor.close()  # its groups, before the next mode makes its own

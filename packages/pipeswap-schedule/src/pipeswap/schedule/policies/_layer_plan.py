@@ -301,8 +301,9 @@ class LayerPlan:
             first = self.profile.first(peak)
             best: tuple[tuple[float, int, int, int, int], int, ChunkKey, Way | None, Changes,
                         float] | None = None
-            for at, key, ways, bound in self._ranked(self._moves(first, allow_stall), peak):
-                if best is not None and bound is not None and (0.0, -bound) > best[0][:2]:
+            for at, key, ways, bound in self._ranked(self._moves(first, allow_stall), peak,
+                                                     first):
+                if best is not None and (0.0, -bound) > best[0][:2]:
                     break  # no move left can lower as many points at the peak
                 hidden: set[tuple[bool, int | None, int | None]] = set()
                 for way in ways:
@@ -320,18 +321,26 @@ class LayerPlan:
             _, _, key, way, changes, stall = best
             self.apply(key, way, changes, stall)
 
-    def _ranked(self, moves: list[tuple[ChunkKey, list[Way | None]]], peak: int
-                ) -> list[tuple[int, ChunkKey, list[Way | None], int | None]]:
-        """``moves`` numbered, most promising first: over a link of no limit a move changes
-        only its own chunk, so it lowers at most the points at ``peak`` in that chunk's
-        life (the bound given with it, which orders them); otherwise in order, unbounded."""
-        numbered = [(at, key, ways) for at, (key, ways) in enumerate(moves)]
-        if not self.instant:
-            return [(at, key, ways, None) for at, key, ways in numbered]
+    def _ranked(self, moves: list[tuple[ChunkKey, list[Way | None]]], peak: int, first: int
+                ) -> list[tuple[int, ChunkKey, list[Way | None], int]]:
+        """``moves`` numbered, each with the most points at ``peak`` it may lower, most
+        first, leaving out those that cannot lower point ``first``. A move changes what its
+        own chunk holds and, through the copy streams, only the chunks whose copies waited
+        for its chunk's (taking a chunk not yet taken only delays those, which then hold no
+        more; over a link of no limit nothing waits)."""
         count = self.profile.count
-        bounded = [(at, key, ways, count(peak, self.chunks[key].forward_points,
-                                         self.chunks[key].end)) for at, key, ways in numbered]
-        return sorted(bounded, key=lambda move: (-(move[3] or 0), move[0]))
+        ranked = []
+        for at, (key, ways) in enumerate(moves):
+            c = self.chunks[key]
+            start, stop = c.forward_points, c.end
+            if not self.instant and key in self.taken:
+                for stream in self.streams.values():
+                    for other in stream.waiting(key):
+                        start = min(start, self.chunks[other].forward_points)
+                        stop = max(stop, self.chunks[other].end)
+            if start <= first < stop:
+                ranked.append((at, key, ways, count(peak, start, stop)))
+        return sorted(ranked, key=lambda move: (-move[3], move[0]))
 
     def _moves(self, first: int, allow_stall: bool) -> list[tuple[ChunkKey, list[Way | None]]]:
         """What may lower the bytes held at point ``first``: a chunk held there swapped

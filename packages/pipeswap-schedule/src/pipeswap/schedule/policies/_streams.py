@@ -11,7 +11,7 @@ not the length of the queue: what keeps planning linear in a long timeline.
 from __future__ import annotations
 
 import math
-from bisect import bisect_left
+from bisect import bisect_left, bisect_right
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -58,32 +58,39 @@ class Stream:
     def replay(self, owner: ChunkKey, new: Sequence[Copy]
                ) -> tuple[dict[int, float], list[float]]:
         """The ends that change when ``owner``'s copies are replaced by ``new`` (sorted):
-        other copies' by index, and the new copies'. Stops once the queue is back where
-        it was."""
+        other copies' by index, and the new copies'. Walks from each place the queue
+        changes (an old copy leaves, a new one comes) only until it runs as it did again."""
         copies, ends = self.copies, self.ends
         old = self.positions(owner)
-        starts = [*old, *(bisect_left(copies, c) for c in new[:1])]
-        if not starts:
+        events = sorted({*old, *(bisect_left(copies, c) for c in new)})
+        if not events:
             return {}, []
-        index, last_old = min(starts), max(old, default=-1)
-        free = ends[index - 1] if index > 0 else 0.0
+        gone = set(old)
         changed: dict[int, float] = {}
         new_ends: list[float] = []
-        while index < len(copies) or len(new_ends) < len(new):
-            pending = new[len(new_ends)] if len(new_ends) < len(new) else None
-            if pending is not None and (index >= len(copies) or pending < copies[index]):
-                free = max(pending.release, free) + pending.duration
+        index, pending = events[0], 0
+        free = ends[index - 1] if index > 0 else 0.0
+        while index < len(copies) or pending < len(new):
+            if pending < len(new) and (index >= len(copies) or new[pending] < copies[index]):
+                free = max(new[pending].release, free) + new[pending].duration
                 new_ends.append(free)
+                pending += 1
+                continue
+            if index in gone:
+                index += 1
                 continue
             queued = copies[index]
-            if queued.owner != owner:
-                end = max(queued.release, free) + queued.duration
-                if end != ends[index]:
-                    changed[index] = end
-                elif pending is None and index > last_old:
-                    break  # from here on the queue runs as it did
-                free = end
-            index += 1
+            free = max(queued.release, free) + queued.duration
+            if free != ends[index]:
+                changed[index] = free
+                index += 1
+                continue
+            # the queue runs as it did from here to the next place it changes
+            after = bisect_right(events, index)
+            if after == len(events):
+                break
+            index = events[after]
+            free = ends[index - 1]
         return changed, new_ends
 
     def replace(self, owner: ChunkKey, new: Sequence[Copy]) -> None:
@@ -121,6 +128,16 @@ class Stream:
         while index > 0 and self.ends[index - 1] > self.copies[index].release:
             index -= 1
         return index
+
+    def waiting(self, owner: ChunkKey) -> set[ChunkKey]:
+        """The owners of the copies that waited, one after the other, for one of
+        ``owner``'s: the copies a change to ``owner``'s may end sooner or later."""
+        copies, ends, found = self.copies, self.ends, set()
+        for index in self.positions(owner):
+            while index + 1 < len(copies) and copies[index + 1].release < ends[index]:
+                index += 1
+                found.add(copies[index].owner)
+        return found
 
     def offload_ends(self, owner: ChunkKey) -> dict[int, float]:
         """When each of ``owner``'s offloads ends, by layer."""
