@@ -301,20 +301,30 @@ class LayerPlan:
             first = self.profile.first(peak)
             best: tuple[tuple[float, int, int, int, int], int, ChunkKey, Way | None, Changes,
                         float] | None = None
-            for at, key, ways, bound in self._ranked(self._moves(first, allow_stall), peak,
-                                                     first):
+            for at, key, ways, bound, alone in self._ranked(self._moves(first, allow_stall),
+                                                            peak, first):
                 if best is not None and (0.0, -bound) > best[0][:2]:
                     break  # no move left can lower as many points at the peak
-                hidden: set[tuple[bool, int | None, int | None]] = set()
+                # per way but its load slots: the fewest that lowered the peak (with copies
+                # hidden), or that (the chunk alone) did not: more slots hold more
+                enough: dict[tuple[bool, int | None, int | None], int] = {}
+                now = self.taken.get(key)
+                if alone and now is not None:  # more slots than now hold more, and that is all
+                    enough[now.streamed, now.lag, now.offload] = now.load + 1
                 for way in ways:
-                    if way is not None and (way.streamed, way.lag, way.offload) in hidden:
-                        continue  # this way with fewer load slots lowers the peak already
-                    found = self._score(key, way, peak, first, allow_stall)
-                    if found is None:
+                    if way is None and alone:
+                        continue  # dropping it would only raise what it holds itself
+                    kind = (True, None, None) if way is None else (
+                        way.streamed, way.lag, way.offload)
+                    if way is not None and way.load >= enough.get(kind, way.load + 1):
                         continue
-                    if way is not None and not allow_stall:
-                        hidden.add((way.streamed, way.lag, way.offload))
-                    if best is None or (found[0], at) < best[:2]:
+                    option = self.option(key, way, allow_stall)
+                    if option is None:
+                        continue
+                    found = self._score(way, option, peak, first, allow_stall)
+                    if way is not None and (found is not None and not allow_stall or alone):
+                        enough[kind] = min(way.load, enough.get(kind, way.load))
+                    if found is not None and (best is None or (found[0], at) < best[:2]):
                         best = (found[0], at, key, way, found[1], found[2])
             if best is None:
                 return
@@ -322,24 +332,27 @@ class LayerPlan:
             self.apply(key, way, changes, stall)
 
     def _ranked(self, moves: list[tuple[ChunkKey, list[Way | None]]], peak: int, first: int
-                ) -> list[tuple[int, ChunkKey, list[Way | None], int]]:
-        """``moves`` numbered, each with the most points at ``peak`` it may lower, most
-        first, leaving out those that cannot lower point ``first``. A move changes what its
-        own chunk holds and, through the copy streams, only the chunks whose copies waited
-        for its chunk's (taking a chunk not yet taken only delays those, which then hold no
-        more; over a link of no limit nothing waits)."""
+                ) -> list[tuple[int, ChunkKey, list[Way | None], int, bool]]:
+        """``moves`` numbered, each with the most points at ``peak`` it may lower (most
+        first) and whether its chunk is taken with no copy waiting on its own (then what it
+        holds itself is all a move of it changes for the better), leaving out the moves that
+        cannot lower point ``first``. A move changes what its own chunk holds and, through
+        the copy streams, only the chunks whose copies waited for its chunk's (taking a
+        chunk not yet taken only delays those, which then hold no more; over a link of no
+        limit nothing waits)."""
         count = self.profile.count
         ranked = []
         for at, (key, ways) in enumerate(moves):
             c = self.chunks[key]
-            start, stop = c.forward_points, c.end
+            start, stop, alone = c.forward_points, c.end, key in self.taken
             if not self.instant and key in self.taken:
                 for stream in self.streams.values():
                     for other in stream.waiting(key):
+                        alone = False
                         start = min(start, self.chunks[other].forward_points)
                         stop = max(stop, self.chunks[other].end)
             if start <= first < stop:
-                ranked.append((at, key, ways, count(peak, start, stop)))
+                ranked.append((at, key, ways, count(peak, start, stop), alone))
         return sorted(ranked, key=lambda move: (-move[3], move[0]))
 
     def _moves(self, first: int, allow_stall: bool) -> list[tuple[ChunkKey, list[Way | None]]]:
@@ -398,16 +411,13 @@ class LayerPlan:
                          if streamed and c.gap >= 3]
         return [way for way in ways if way != self.taken.get(key)]
 
-    def _score(self, key: ChunkKey, way: Way | None, peak: int, first: int,
+    def _score(self, way: Way | None, option: tuple[Changes, float], peak: int, first: int,
                allow_stall: bool
                ) -> tuple[tuple[float, int, int, int, int], Changes, float] | None:
-        """How well swapping ``key`` as ``way`` lowers the peak (smaller is better), or None
-        when it leaves the first point at the peak there, raises a point above it, or leaves
-        as many points at it."""
-        found = self.option(key, way, allow_stall)
-        if found is None:
-            return None
-        changes, stall = found
+        """How well swapping a chunk as ``way`` with this ``option`` (its changes and the
+        stall they leave) lowers the peak (smaller is better), or None when it leaves the first point at the peak
+        there, raises a point above it, or leaves as many points at it."""
+        changes, stall = option
         spans = self.deltas(changes)
         if next((change for start, stop, change in spans if start <= first < stop), 0) >= 0:
             return None
