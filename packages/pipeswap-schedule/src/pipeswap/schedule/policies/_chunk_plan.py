@@ -59,7 +59,6 @@ class ChunkPlan:
         self.instant = math.inf == link.d2h_bandwidth == link.h2d_bandwidth
         self.chosen: dict[ChunkKey, SwapPlacement] = {}
         self.profile = Profile(line.held(candidates, costs))
-        self.lateness = 0.0  # how long the chosen copies end past their deadlines
 
     def _movable(self, key: ChunkKey, by_stage: dict[int, int]) -> int:
         if key in self.costs.chunks or key[0] not in by_stage:
@@ -114,7 +113,7 @@ class ChunkPlan:
                 return None
         return added
 
-    def _place(self, index: int, placement: SwapPlacement, added: float) -> None:
+    def _place(self, index: int, placement: SwapPlacement) -> None:
         c = self.candidates[index]
         now = self.chosen.get(c.key)
         if now is not None:
@@ -131,7 +130,6 @@ class ChunkPlan:
         self.profile.add(span.start, span.stop, -self.movable[index])
         self.chosen[c.key] = placement
         self.open[index] = -1
-        self.lateness += added
 
     def copies(self) -> list[tuple[float, float, float, str]]:
         """(earliest start, duration, deadline, stream) of every chosen copy."""
@@ -190,7 +188,7 @@ class ChunkPlan:
         self.profile = Profile([value + change for value, change in zip(
             values, accumulate(spans))])
 
-    def _hiding(self, first: int, peak: int) -> tuple[int, SwapPlacement, float] | None:
+    def _hiding(self, first: int, peak: int) -> tuple[int, SwapPlacement] | None:
         """The chunk not yet taken that, with the tightest placement whose copies hide, off
         the device at slot ``first``, leaves the fewest slots at ``peak``; among equals the
         larger, then the tighter, then the earlier.
@@ -212,12 +210,12 @@ class ChunkPlan:
         for index in compress(range(lo, hi), map(threshold.__le__, window)):
             best = self._better(index, first, peak, best)
             if best is not None and best[0][:3] == ideal:
-                return best[1], best[2], 0.0
+                return best[1], best[2]
         for at, back in enumerate(window):
             if first + 2 <= back < threshold and (best is None or self.profile.count(
                     peak, first, back - 1) >= -best[0][0]):
                 best = self._better(lo + at, first, peak, best)
-        return None if best is None else (best[1], best[2], 0.0)
+        return None if best is None else (best[1], best[2])
 
     def _better(self, index: int, first: int, peak: int,
                 best: tuple[tuple[int, int, int, int], int, SwapPlacement] | None
@@ -234,12 +232,12 @@ class ChunkPlan:
             return (order, index, placement) if best is None or order < best[0] else best
         return best
 
-    def _stalling(self, first: int, peak: int) -> tuple[int, SwapPlacement, float] | None:
+    def _stalling(self, first: int, peak: int) -> tuple[int, SwapPlacement] | None:
         """Any chunk off the device at slot ``first`` (or taken, and then widened to be),
         placed as stalls compute least, then as leaves the fewest slots at ``peak``."""
         lo = bisect_left(self.forwards, first - self.longest)
         hi = bisect_right(self.forwards, first - 1)
-        best: tuple[tuple[float, int, int, int], int, SwapPlacement, float] | None = None
+        best: tuple[tuple[float, int, int, int], int, SwapPlacement] | None = None
         for index in range(lo, hi):
             c = self.candidates[index]
             if not c.forward_slot < first < c.backward_slot:
@@ -258,7 +256,7 @@ class ChunkPlan:
                 covered = self.profile.count(peak, span.start, span.stop)
                 order = (added, -covered, -self.movable[index], sum(placement))
                 if best is None or order < best[0]:
-                    best = (order, index, placement, added)
+                    best = (order, index, placement)
         return None if best is None else best[1:]
 
     def prune(self) -> None:

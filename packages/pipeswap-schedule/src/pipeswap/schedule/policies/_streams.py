@@ -152,7 +152,3 @@ class Stream:
             free = max(queued.release, free) + queued.duration
             out.append((queued, free))
         return out
-
-    def lateness(self) -> float:
-        """How long, in all, the copies end past their deadlines."""
-        return sum(max(0.0, end - copy.deadline) for copy, end in zip(self.copies, self.ends))
