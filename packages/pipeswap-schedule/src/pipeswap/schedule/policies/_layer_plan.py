@@ -20,7 +20,7 @@ from itertools import accumulate
 from typing import NamedTuple
 
 from pipeswap.schedule.costs import CostModel
-from pipeswap.schedule.policies._points import Choice, LayerChunk, Points, Runs, runs
+from pipeswap.schedule.policies._points import Choice, LayerChunk, Points, Runs, lowest, runs
 from pipeswap.schedule.policies._points import changes as runs_changed
 from pipeswap.schedule.policies._profile import Profile
 from pipeswap.schedule.policies._slots import MAX_COPY_SLOTS
@@ -269,6 +269,24 @@ class LayerPlan:
                 self.chosen[owner] = choice
             self.current[owner] = runs(self.points, self.chunks[owner], choice)
         self.stall = stall
+
+    def floor(self) -> int:
+        """The lowest peak a plan whose copies all hide can reach: every chunk holding at
+        each point as little as any way of swapping it would (whole, or streamed with a lag
+        of one layer, one slot for each copy), copies' timing aside."""
+        steps = [0] * (len(self.points.times) + 1)
+        for key, c in self.chunks.items():
+            if c.gap < 3:
+                continue  # no room for a hidden copy each way: held as it is
+            kinds = [1] if self.streamed_only else [0, 1] if len(c.layers) > 1 else [0]
+            options = [runs(self.points, c, Choice(lag, 1, 1)) for lag in kinds]
+            base = c.forward_points
+            for start, stop, change in runs_changed(self.current[key], lowest(options),
+                                                    c.end - base):
+                steps[base + start] += change
+                steps[base + stop] -= change
+        return max((value + change for value, change in zip(
+            self.profile.values, accumulate(steps[:-1]))), default=0)
 
     # -- the greedy loop and the prune step ------------------------------------------------
 

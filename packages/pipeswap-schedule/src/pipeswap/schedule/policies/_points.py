@@ -158,6 +158,21 @@ def changes(old: Runs, new: Runs, length: int) -> list[tuple[int, int, int]]:
     return out
 
 
+def lowest(options: list[Runs]) -> Runs:
+    """At every point the least of what ``options`` (runs of one chunk) hold there."""
+    bounds = sorted({offset for runs in options for offset, _ in runs})
+    at = [0] * len(options)
+    values = [0] * len(options)
+    out: Runs = []
+    for offset in bounds:
+        for k, runs in enumerate(options):
+            while at[k] < len(runs) and runs[at[k]][0] <= offset:
+                values[k] = runs[at[k]][1]
+                at[k] += 1
+        out.append((offset, min(values)))
+    return out
+
+
 def _forward_values(layers: tuple[ChunkBytes, ...], choice: Choice | None) -> list[int]:
     """At the end of each layer of the forward (a whole chunk counts at its end)."""
     if choice is None or not choice.lag:

@@ -9,8 +9,9 @@ with a short gap.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 
 from pipeswap.schedule.costs import CostModel
 from pipeswap.schedule.errors import ScheduleError
@@ -126,24 +127,41 @@ class PeakPolicy:
         let the chunks after it stream with shorter lags)."""
         points = Points(order, self.costs, rank)
         only = self.granularity == "layer"
-        starts: list[LayerPlan] = []
+        starts: list[tuple[bool, Callable[[], LayerPlan]]] = []  # (everything taken, make)
         for streamed_only in (True,) if only else (False, True):
             for full in (False, True):
-                plan = LayerPlan(self.costs, rank, points, candidates, streamed_only)
-                if full:
-                    plan.fill()
-                starts.append(plan)
+                starts.append((full, partial(self._start, candidates, points, rank,
+                                             streamed_only, full)))
         if not only:
-            starts.append(self._seeded(candidates, order, rank, budget, points))
-        plans = [_descend(plan, budget) for plan in starts]
-        plan = min(plans, key=lambda p: _merit(p, budget))
+            starts.append((False, partial(self._seeded, candidates, order, rank, budget,
+                                          points)))
+        # Without a budget, a plan at the lowest peak hidden copies can reach, no stall,
+        # is as good as any: the cheap starts (everything taken) go first, and where one
+        # gets there the others are not run, nor the drops after.
+        floor = None if budget is not None else LayerPlan(
+            self.costs, rank, points, candidates, only).floor()
+        plans: dict[int, LayerPlan] = {}
+        for index in sorted(range(len(starts)), key=lambda k: not starts[k][0]):
+            plans[index] = _descend(starts[index][1](), budget)
+            if _at_floor(plans[index], floor):
+                break
+        plan = min((plans[k] for k in sorted(plans)), key=lambda p: _merit(p, budget))
         plan.streamed_only = only  # auto may go on with whole chunks from any start
-        plan = _perturb(plan, budget)
+        if not _at_floor(plan, floor):
+            plan = _perturb(plan, budget)
         if not only:
             plan.unstream()  # auto streams only where streaming lowers the peak
         self.outcomes[rank] = PeakOutcome(rank, plan.peak, plan.initial_peak, plan.stall,
                                           budget)
         return plan.placements()
+
+    def _start(self, candidates: Sequence[SwapCandidate], points: Points, rank: int,
+               streamed_only: bool, full: bool) -> LayerPlan:
+        """A plan with nothing taken, or (``full``) every chunk taken that hides."""
+        plan = LayerPlan(self.costs, rank, points, candidates, streamed_only)
+        if full:
+            plan.fill()
+        return plan
 
     def _seeded(self, candidates: Sequence[SwapCandidate], order: Order, rank: int,
                 budget: int | None, points: Points) -> LayerPlan:
@@ -174,6 +192,12 @@ def _descend(plan: LayerPlan, budget: int | None) -> LayerPlan:
         plan.lower(budget, allow_stall=True)
     plan.prune()
     return plan
+
+
+def _at_floor(plan: LayerPlan, floor: int | None) -> bool:
+    """Whether ``plan`` reached ``floor`` (the lowest peak hidden copies can) without a
+    stall."""
+    return floor is not None and plan.stall == 0 and plan.peak <= floor
 
 
 def _merit(plan: LayerPlan, budget: int | None) -> tuple[int, float, int, int]:
