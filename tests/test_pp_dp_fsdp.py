@@ -33,7 +33,8 @@ BASE = TrainConfig.of(ranks=2, dp=2, fsdp=True, microbatches=4, steps=2, batch_s
 CASES = {
     # the peak policy streams two of rank 0's chunks here (neither the gap rule nor whole
     # chunks would swap any on 1F1B with P=2 M=4)
-    "1f1b": BASE.but(policy="peak", granularity="layer"),
+    # (on layer counts alone: the plan the simulator below rebuilds)
+    "1f1b": BASE.but(policy="peak", granularity="layer", costs="layers"),
     # four stages a rank: the FSDP window (three) evicts and gathers again, so reloads are
     # anchored to those gathers, and the gap rule swaps
     "interleaved-1f1b": BASE.but(schedule="interleaved-1f1b", stages_per_rank=4),

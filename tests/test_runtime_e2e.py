@@ -34,8 +34,11 @@ from pipeswap_pool import POOL
 
 pytestmark = pytest.mark.multiprocess  # full tier only, unless also marked everyday
 
+# The plans weigh layer counts alone (--swap-costs layers): the same plan in every run, which
+# the simulator below rebuilds and a replayed rank must make again; a plan on measured costs
+# depends on each run's timings.
 BASE = TrainConfig.of(steps=2, batch_size=8, seq_len=16, width=32, verbose=False,
-                      keep_grads=True, timeout_s=60)
+                      keep_grads=True, timeout_s=60, costs="layers")
 P2_V2_M4 = {"ranks": 2, "stages_per_rank": 2, "microbatches": 4}
 CASES = {
     "gpipe P2 M4": BASE.but(schedule="gpipe", ranks=2, microbatches=4),

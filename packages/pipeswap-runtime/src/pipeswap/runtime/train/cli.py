@@ -57,6 +57,7 @@ _MAX_RANKS = 64
 #: rank builds and walks the whole schedule, about six steps a pair: at this size that takes
 #: seconds and hundreds of MB in each rank, and it is checked before anything is built.
 _MAX_SCHEDULE_PAIRS = 100_000
+SWAP_COSTS = ("measured", "layers")
 #: Longest --timeout: a rank that waits a day for a peer is hung, not slow.
 _MAX_TIMEOUT_S = 86_400.0
 
@@ -168,6 +169,12 @@ def parse_args(argv: list[str] | None) -> tuple[TrainConfig, argparse.Namespace]
                              "BYTES (e.g. 3MiB), exposing copies where needed, planned on the "
                              "chunk sizes the run without swap measures (so not with "
                              "--swap-only or --no-swap)")
+    parser.add_argument("--swap-costs", choices=SWAP_COSTS,
+                        help="what the peak policy weighs: measured (the default: the compute "
+                             "times and chunk bytes the run without swap measured, and the "
+                             "host link a short copy probe measures, so that it swaps only "
+                             "what can hide) or layers (layer counts alone, the link taken "
+                             "as infinitely fast: the same plan run after run)")
     which = parser.add_mutually_exclusive_group()
     which.add_argument("--compare", action="store_true",
                        help="run without and then with swap and compare them (the default)")
@@ -247,7 +254,8 @@ def parse_args(argv: list[str] | None) -> tuple[TrainConfig, argparse.Namespace]
                                 microbatches=args.microbatches, overlap_b_f=args.overlap_b_f,
                                 dxdw_split=args.dxdw_split, batch_p2p=args.batch_p2p),
         swap=SwapConfig(policy=args.policy, granularity=args.swap_granularity,
-                        budget=args.budget, modes=modes),
+                        budget=args.budget, modes=modes,
+                        costs=args.swap_costs or defaults.swap.costs),
         training=TrainingConfig(steps=args.steps, batch_size=args.batch_size, lr=args.lr,
                                 seed=args.seed, device=args.device),
         checkpoint=CheckpointConfig(save_dir=args.checkpoint_dir, every=args.checkpoint_every,
@@ -261,6 +269,8 @@ def parse_args(argv: list[str] | None) -> tuple[TrainConfig, argparse.Namespace]
     if args.swap_granularity != "auto" and args.policy != "peak":
         parser.error(f"--swap-granularity applies to the peak policy, not --policy "
                      f"{args.policy} (which swaps whole chunks)")
+    if args.swap_costs is not None and args.policy != "peak":
+        parser.error(f"--swap-costs applies to the peak policy, not --policy {args.policy}")
     if args.budget is not None and args.policy != "peak":
         parser.error(f"--budget applies to the peak policy, not --policy {args.policy}")
     if args.tie_embeddings and args.model != "llama":

@@ -74,6 +74,10 @@ class SwapConfig:
     # the chunk sizes the run without swap measured (compare mode only)
     budget: int | None = None
     modes: tuple[str, ...] = MODES
+    # what the peak policy weighs: "measured" (the run without swap's compute times and chunk
+    # bytes, and the probed host link) or "layers" (layer counts alone: layers alike, a
+    # backward twice a forward, a link of no limit; the same plan run after run)
+    costs: str = "measured"
 
 
 @dataclass(frozen=True)

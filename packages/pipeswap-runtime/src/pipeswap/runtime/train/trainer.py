@@ -205,11 +205,11 @@ class Trainer:
 
     def _measured_costs(self, plain: ModeResult | None) -> CostModel | None:
         """This rank's costs as the mode without swap measured them (its computes, its
-        chunks' bytes) and its host link as a probe measures it; None where that mode did not
-        run (or ran no step that timed its computes)."""
+        chunks' bytes) and its host link as a probe measures it; None where the plan weighs
+        layer counts alone (``--swap-costs layers``) or that mode did not run."""
         from pipeswap.runtime.costs import measured_costs, probe_link
 
-        if plain is None or not plain.compute_seconds:
+        if self.config.swap.costs != "measured" or plain is None or not plain.compute_seconds:
             return None
         if self._link is None:
             self._link = probe_link(self.platform)
