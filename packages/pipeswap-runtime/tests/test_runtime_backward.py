@@ -1,6 +1,8 @@
 """The autograd of a chunk's steps (pipeswap.runtime.backward), on one process: W computes only
 the weight gradients (FLOPs), I then W gives what B gives (bit for bit where the order of the
-maths is the same), with swap, frozen parameters, no parameters and shared parameters."""
+maths is the same), with swap, frozen parameters, no parameters and shared parameters; a
+stage's split is analysed once per graph shape and stays right when shapes or the model
+change."""
 
 from __future__ import annotations
 
@@ -17,7 +19,8 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from pipeswap.platform import get_platform
 from pipeswap.runtime import PipelineExecutor, PipelineStage
-from pipeswap.runtime.backward import ChunkAutograd, forward_chunk
+from pipeswap.runtime import backward
+from pipeswap.runtime.backward import ChunkAutograd, SplitCache, forward_chunk
 from pipeswap.runtime.model import GPTConfig, build_gpt, lm_loss, split_stages
 from pipeswap.runtime.session import SwapSession
 from pipeswap.schedule import MinGapPolicy, ScheduleKind, ScheduleSpec
@@ -84,10 +87,12 @@ def _count(flops: dict[str, int] | None, step: str, fn: Callable[[], T]) -> T:
 def _run(case: _Case, split: bool, *, manager: SwapManager | None = None,
          steps: int = 1, count: bool = False) -> _Result:
     """Forward every microbatch, then B of each, or I of each then W of each (I m0, I m1, ...,
-    W m0, W m1, ...); with a swap session, every chunk is offloaded after its forward and
-    loaded back before the backward steps begin. ``steps`` repeats it all without zeroing, so
-    ``.grad`` accumulates over steps as it does over microbatches."""
+    W m0, W m1, ...), the splits from one cache as a stage's; with a swap session, every chunk
+    is offloaded after its forward and loaded back before the backward steps begin. ``steps``
+    repeats it all without zeroing, so ``.grad`` accumulates over steps as it does over
+    microbatches."""
     module = copy.deepcopy(case.module)
+    cache = SplitCache()
     session = None
     if manager is not None:
         manager.protect_module(module)  # as the executor does with its stages' modules
@@ -114,9 +119,10 @@ def _run(case: _Case, split: bool, *, manager: SwapManager | None = None,
         grads = [None if case.targets is not None else _output_grad(chunk, micro)
                  for micro, chunk in enumerate(chunks)]
         for chunk, grad in zip(chunks, grads):
-            step = chunk.backward_input if split else chunk.backward
+            given = None if grad is None else [grad]
             got = _count(flops, "I" if split else "B",
-                         partial(step, None if grad is None else [grad]))
+                         partial(chunk.backward_input, given, cache) if split
+                         else partial(chunk.backward, given))
             input_grads.append(got[0] if got else None)
         if split:
             for chunk in chunks:
@@ -361,6 +367,178 @@ def test_parameters_reached_through_several_paths(module: type[torch.nn.Module])
     assert split.flops["I"] + split.flops["W"] == full.flops["B"]
 
 
+# -- (5) the split cache ------------------------------------------------------------------------
+
+def _analyses(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """One entry (the shape's length) per graph the split analyses: a cache miss."""
+    seen: list[int] = []
+    analyse = backward._analyse
+
+    def counted(shape: tuple[object, ...]) -> object:
+        seen.append(len(shape))
+        return analyse(shape)
+
+    monkeypatch.setattr(backward, "_analyse", counted)
+    return seen
+
+
+def _split_step(module: torch.nn.Module, x: torch.Tensor, grad: torch.Tensor,
+                cache: SplitCache | None) -> list[torch.Tensor | None]:
+    """I then W of one chunk, from zeroed gradients: the input's and the parameters'."""
+    module.zero_grad(set_to_none=True)
+    x = x.detach().requires_grad_(True)
+    chunk = forward_chunk(module, x)
+    [got] = chunk.backward_input([grad], cache)
+    chunk.backward_weight()
+    return [got, *(p.grad for p in module.parameters())]
+
+
+def _full_step(module: torch.nn.Module, x: torch.Tensor,
+               grad: torch.Tensor) -> list[torch.Tensor | None]:
+    module.zero_grad(set_to_none=True)
+    x = x.detach().requires_grad_(True)
+    [got] = forward_chunk(module, x).backward([grad])
+    return [got, *(p.grad for p in module.parameters())]
+
+
+@pytest.mark.parametrize("kind", ["middle", "last"])
+def test_a_stage_analyses_its_graph_once(kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every microbatch of every step builds a graph of the same shape: one analysis, and
+    the gradients of the reused split are B's, bit for bit."""
+    seen = _analyses(monkeypatch)
+    case = _case(kind)
+    full, split = _run(case, split=False, steps=2), _run(case, split=True, steps=2)
+    assert len(seen) == 1
+    _same(split.grads, full.grads, exact=True)
+    _same(split.input_grads, full.input_grads, exact=True)
+
+
+class _Gated(torch.nn.Module):
+    """An MLP whose forward takes an extra layer for wide batches: two graph shapes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(7)
+        self.inner, self.extra = _mlp(), torch.nn.Linear(64, 64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.inner(x)
+        return torch.tanh(self.extra(out)) if x.shape[0] > 4 else out
+
+
+def test_the_cached_split_follows_shapes_and_model_changes(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """One stage's cache through tensor shapes that change (the split is reused), a graph that
+    changes with them, a parameter frozen, replaced and hooked: each chunk's gradients are
+    B's on a twin of the module changed alike, bit for bit, whatever the cache holds."""
+    seen = _analyses(monkeypatch)
+    modules = [_Gated(), _Gated()]  # split, full
+    split_module, full_module = modules
+    cache = SplitCache()
+    generator = torch.Generator().manual_seed(8)
+    hooked: list[int] = []
+
+    def change(what: str) -> None:
+        for index, module in enumerate(modules):
+            inner = module.inner
+            assert isinstance(inner, torch.nn.Sequential)
+            first, second = inner[0], inner[2]
+            assert isinstance(first, torch.nn.Linear) and isinstance(second, torch.nn.Linear)
+            if what == "freeze":
+                first.bias.requires_grad_(False)
+            elif what == "replace":
+                torch.manual_seed(9)
+                second.weight = torch.nn.Parameter(torch.randn(64, 256) / 16)
+            elif what == "hook":
+                second.weight.register_hook(  # type: ignore[no-untyped-call]
+                    lambda grad, i=index: hooked.append(i))
+
+    # (batch size, change before it, analyses expected after it)
+    script = [(8, "", 1), (6, "", 1), (3, "", 2), (8, "", 2), (2, "", 2),
+              (8, "freeze", 3), (3, "freeze", 4), (8, "replace", 4), (8, "hook", 5),
+              (3, "", 6)]
+    for size, what, analyses in script:
+        if what:
+            change(what)
+        x = torch.randn(size, 64, generator=generator)
+        grad = torch.randn(size, 64, generator=generator)
+        _same(_split_step(split_module, x, grad, cache), _full_step(full_module, x, grad),
+              exact=True)
+        assert len(seen) == analyses, (size, what)
+    assert hooked == [0, 1, 0, 1]  # once per backward, split or whole
+
+
+@pytest.mark.parametrize("size", [1, 8])
+def test_a_full_cache_forgets_its_oldest_shape(size: int, monkeypatch: pytest.MonkeyPatch
+                                               ) -> None:
+    """Two graph shapes in turn: a cache of one analyses each chunk, a larger one twice."""
+    seen = _analyses(monkeypatch)
+    module, twin = _Gated(), _Gated()
+    cache = SplitCache(size)
+    generator = torch.Generator().manual_seed(10)
+    for batch in [8, 2, 8, 2]:  # two shapes, alternating
+        x, grad = (torch.randn(batch, 64, generator=generator) for _ in range(2))
+        _same(_split_step(module, x, grad, cache), _full_step(twin, x, grad), exact=True)
+    assert len(seen) == (4 if size == 1 else 2)
+
+
+class _Doubled(torch.autograd.Function):
+    """A custom Function that saves its input."""
+
+    @staticmethod
+    def forward(ctx: torch.autograd.function.FunctionCtx, x: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x)
+        return x * x
+
+    @staticmethod
+    def backward(ctx: torch.autograd.function.FunctionCtx, grad: torch.Tensor) -> torch.Tensor:
+        (x,) = ctx.saved_tensors  # type: ignore[attr-defined]
+        out: torch.Tensor = grad * 2 * x
+        return out
+
+
+class _Saving(torch.nn.Module):
+    """Nodes that save tensors one after another between two Linears, a custom Function
+    among them, and one on a parameter's side (W runs it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(11)
+        self.first, self.second = torch.nn.Linear(16, 16), torch.nn.Linear(16, 16)
+        self.scale = torch.nn.Parameter(torch.ones(16))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.first(x).softmax(-1)
+        h = _Doubled.apply(h.tanh())  # type: ignore[no-untyped-call]
+        out: torch.Tensor = self.second(h.exp() * self.scale.sigmoid())
+        return out
+
+
+def test_one_backward_frees_a_batch_of_nodes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The nodes I frees go in batches, fewer backwards than nodes; with a custom Function
+    among them and swap's hooks holding every saved tensor, I then W still equals B and
+    leaves nothing."""
+    calls: list[int] = []
+    release = backward._release
+
+    def counted(nodes: list[object], targets: list[object]) -> None:
+        calls.append(len(nodes))
+        release(nodes, targets)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(backward, "_release", counted)
+    generator = torch.Generator().manual_seed(12)
+    for case in [_case("middle"), _Case(_Saving(), [torch.randn(8, 16, generator=generator)
+                                                     for _ in range(MICRO)])]:
+        calls.clear()
+        manager = SwapManager(get_platform("cpu"))
+        full = _run(case, split=False, steps=2)
+        split = _run(case, split=True, steps=2, manager=manager)
+        _same(split.grads, full.grads, exact=True)
+        _same(split.input_grads, full.input_grads, exact=True)
+        assert manager.active_group_count() == 0
+        assert len(calls) < sum(calls), calls  # some backward freed several nodes
+
+
 # -- the executor's I and W steps ---------------------------------------------------------------
 
 
@@ -388,3 +566,20 @@ def test_the_executor_splits_zbv_backwards_into_exact_i_and_w_steps(group: None)
         assert len(grads[name]) == len(list(model.parameters()))
     _same(grads["I/W"], grads["B"], exact=False)
     _same(grads["I/W swap"], grads["I/W"], exact=True)
+
+
+def test_the_executor_analyses_each_stage_once(group: None,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """ZBV on one rank, two steps: the second stage's I steps share one analysis (the first
+    stage has no dx path: nothing to analyse)."""
+    seen = _analyses(monkeypatch)
+    config = GPTConfig(vocab=16, seq_len=8, width=16, heads=2, layers=2)
+    generator = torch.Generator().manual_seed(13)
+    stages = [PipelineStage(part, index, 2)
+              for index, part in enumerate(split_stages(build_gpt(config, seed=0), 2))]
+    spec = ScheduleSpec(ScheduleKind("zbv"), ranks=1, microbatches=4, stages_per_rank=2)
+    executor = PipelineExecutor(stages, spec, 4, lm_loss)
+    for _ in range(2):
+        executor.step(torch.randint(0, 16, (8, 8), generator=generator),
+                      torch.randint(0, 16, (8, 8), generator=generator))
+    assert len(seen) == 1

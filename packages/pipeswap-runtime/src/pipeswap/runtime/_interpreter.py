@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, ClassVar
 
 from pipeswap.runtime._failure import collective
-from pipeswap.runtime.backward import ChunkAutograd, forward_chunk
+from pipeswap.runtime.backward import ChunkAutograd, SplitCache, forward_chunk
 from pipeswap.runtime.comm import BoundaryMeta, PyTree, Transfer, Transport, flatten
 from pipeswap.runtime.errors import PipelineError, PipelineSetupError
 from pipeswap.runtime.microbatch import split_tree
@@ -61,7 +61,8 @@ class Interpreter:
     the schedule swaps (accounted even when the step does not account every chunk);
     ``sharded``: the stages sharded with FSDP; ``autocast_dtype``: see :meth:`autocast`.
     :attr:`active` holds, per stage, the chain of the streamed chunk whose forward runs
-    there, for the stage's layer hooks."""
+    there, for the stage's layer hooks; :attr:`splits`, per stage, how its backwards split
+    into I and W."""
 
     def __init__(self, stages: Mapping[int, PipelineStage], *, rank: int, microbatches: int,
                  loss_fn: LossFn, manager: SwapManager, device: torch.device,
@@ -77,6 +78,7 @@ class Interpreter:
         self.swapped = swapped
         self.sharded = sharded
         self.active: dict[int, LayerChain] = {}
+        self.splits = {index: SplitCache() for index in stages}
 
     def run(self, state: StepState, step: Step) -> None:
         """Run one step of the order."""
@@ -213,7 +215,8 @@ class Interpreter:
                 if grads is None:  # the next stage runs here
                     grads = self._gradients(state, stage_index, state.grads_in.pop(
                         (stage_index + 1, micro), None), f"stage {stage_index} micro {micro}")
-            grad_in = chunk.backward(grads) if dw else chunk.backward_input(grads)
+            grad_in = (chunk.backward(grads) if dw
+                       else chunk.backward_input(grads, self.splits[stage_index]))
             if not stage.is_first:
                 state.grads_in[key] = grad_in
             if not dw:  # the chunk keeps what its W step needs, and only that

@@ -27,9 +27,18 @@ frees nothing; and the swap manager's saved-tensor hooks hold each saved tensor,
 that saved its own output (softmax, log-softmax, LayerNorm's statistics) would keep itself
 and everything below it alive forever unless a backward frees it. So right after I every
 node with saved tensors that W will not run (the rest of the dx path, the loss above the
-topmost weight node) is run once more on its own, with no gradient (no arithmetic), by a
-backward that frees what it saved. W keeps only the weight nodes, their subgraphs and the
-gradients they received; its own backward frees those.
+topmost weight node) is run once more, with no gradient (no arithmetic), by a backward that
+frees what it saved. One such backward frees a batch of them: every node between two weight
+nodes, say, where the paths from one to another pass no node that saves tensors or that W
+runs. W keeps only the weight nodes, their subgraphs and the gradients they received; its
+own backward frees those.
+
+Cost. On small layers a backward call costs as much as the arithmetic, so the split keeps
+calls few and cheap: the release runs one backward per batch, W one per group, both straight
+on autograd's engine (torch's per-gradient checks in Python cost as much again), and the
+analysis above (which nodes are weight nodes, the groups, the batches) runs once per stage
+and graph shape (:class:`SplitCache`): each chunk only walks its graph to compare its shape
+and find the nodes.
 
 A stage whose input does not require grad (the first) has no dx path: I does nothing and W
 is a B. Several tensors between stages: the dx path ends at any input that carries a
@@ -46,6 +55,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -105,10 +115,11 @@ class _Plan:
     """How one chunk's backward splits (see the module's docstring)."""
 
     nodes: list[Node]  # the weight nodes W starts from
-    groups: list[tuple[list[int], list[torch.Tensor]]]  # (indices into nodes, parameters)
+    groups: list[tuple[Sequence[int], list[torch.Tensor]]]  # (indices into nodes, parameters)
     in_input: list[torch.Tensor]  # parameters I computes (the groups W cannot)
-    release: list[tuple[Node, GradientEdge]]  # nodes only I runs, and a child edge each
-    received: list[Grads | None] = field(default_factory=list)  # per weight node, from I
+    release: list[tuple[list[Node], list[GradientEdge]]]  # nodes only I runs, in batches
+    received: list[Grads | None]  # per weight node, what I gave it
+    keepers: list[Callable[[Grads], None]]  # per weight node, the pre-hook that keeps it
 
 
 @dataclass(eq=False)
@@ -145,32 +156,31 @@ class ChunkAutograd:
             torch.autograd.backward([o for o, _ in live], given)
         return [x.grad for x in xs]
 
-    def backward_input(self, grads: Sequence[torch.Tensor] | None
-                       ) -> list[torch.Tensor | None]:
+    def backward_input(self, grads: Sequence[torch.Tensor] | None,
+                       cache: SplitCache | None = None) -> list[torch.Tensor | None]:
         """I: the inputs' gradients, accumulated into their ``.grad`` as B does and returned
         (None where the output does not depend on one). Keeps for W the gradients arriving
-        at the weight nodes, and frees what W does not need."""
+        at the weight nodes, and frees what W does not need. ``cache``: the stage's splits
+        (without one, each chunk's graph is analysed)."""
         import torch
 
         outputs, xs = self._take("I")
         root, grad = _root(outputs, grads)
-        plan = _split(root, xs) if root is not None and xs else None
+        plan = _plan(root, xs, cache) if root is not None and xs else None
         if plan is None:  # no dx path: W does it all, as a B
             self.output, self._grad = root, grad
             return [None] * len(xs)
         assert root is not None
-        plan.received = [None] * len(plan.nodes)
-        handles = [node.register_prehook(_keeper(plan.received, index))
-                   for index, node in enumerate(plan.nodes)]
-        try:
+        handles = [node.register_prehook(keep) for node, keep in zip(plan.nodes, plan.keepers)]
+        try:  # keeps the graph: W runs the weight nodes again
             torch.autograd.backward(root, grad, inputs=[*xs, *plan.in_input],
                                     retain_graph=True)
         finally:
             for handle in handles:
                 handle.remove()
-        for node, child in plan.release:
-            _release(node, child)
-        plan.release = []
+        for nodes, targets in plan.release:
+            _release(nodes, targets)
+        plan.release, plan.keepers = [], []
         self._plan = plan
         return [x.grad for x in xs]
 
@@ -197,7 +207,7 @@ class ChunkAutograd:
                         edges.append(GradientEdge(plan.nodes[index], slot))
                         grads.append(g)
             if edges:  # frees the graph it runs (weight nodes and their subgraphs)
-                torch.autograd.backward(edges, grads, inputs=params)
+                _engine(edges, grads, params, accumulate=True)
 
     def _take(self, step: str) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
         """The outputs and the inputs, dropped from the chunk with its whole output (the
@@ -236,76 +246,231 @@ def _live(outputs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None] 
     return [(o, g) for o, g in zip(outputs, given) if o.requires_grad]
 
 
-def _keeper(store: list[Grads | None], index: int) -> Callable[[Grads], None]:
-    def keep(grads: Grads) -> None:
-        store[index] = grads
-    return keep
+def _plan(root: torch.Tensor, xs: Sequence[torch.Tensor], cache: SplitCache | None
+          ) -> _Plan | None:
+    """How this chunk's backward splits; None when the output reaches none of ``xs``."""
+    from torch.autograd.graph import get_gradient_edge
+
+    assert root.grad_fn is not None
+    order, shape = _walk(root.grad_fn, {id(get_gradient_edge(x).node) for x in xs})
+    split = cache.find(shape) if cache is not None else _analyse(shape)
+    return None if split is None else split.bind(order)
+
+
+def _engine(roots: Sequence[GradientEdge], grads: Sequence[torch.Tensor],
+            inputs: Sequence[torch.Tensor | GradientEdge], *, accumulate: bool) -> None:
+    """A backward from ``roots`` fed ``grads`` to ``inputs`` (into their ``.grad`` if
+    ``accumulate``, else only computed), freeing the graph it runs: autograd's engine as
+    ``torch.autograd.backward`` and ``grad`` call it, less their Python checks of each
+    gradient (the engine checks shapes and dtypes again). Those cost about what a small
+    layer's backward does, and W runs one backward per group, the release one per batch."""
+    from torch.autograd.graph import _engine_run_backward
+
+    _engine_run_backward(tuple(roots), tuple(grads), keep_graph=False, create_graph=False,
+                         inputs=tuple(inputs), allow_unreachable=True,
+                         accumulate_grad=accumulate)
 
 
 def _no_gradient(grads: Grads) -> Grads:
     return tuple(None for _ in grads)
 
 
-def _release(node: Node, child: GradientEdge) -> None:
-    """Run ``node`` alone with no gradient and free what it saved: the backward's target is
-    one of its child edges that no other child reaches, so nothing else runs, and the
-    pre-hook turns the placeholder gradient into none."""
+def _release(nodes: Sequence[Node], targets: Sequence[GradientEdge]) -> None:
+    """Run ``nodes`` with no gradient, in one backward that frees what they saved: each is a
+    root, ``targets`` hold one child edge of each that no other of its children reaches, and
+    what else runs saves nothing (see :func:`_batches`). Pre-hooks turn the placeholder
+    gradients into none."""
     import torch
     from torch.autograd.graph import GradientEdge
 
-    slots = [(slot, meta) for slot, meta in enumerate(getattr(node, "_input_metadata", ()))
-             if meta.dtype.is_floating_point or meta.dtype.is_complex]
-    if not slots:
-        return  # nothing to root a backward at; autograd frees it with the graph
-    slot, meta = slots[0]
-    placeholder = torch.zeros((), dtype=meta.dtype, device=meta.device).expand(meta.shape)
-    handle = node.register_prehook(_no_gradient)
+    roots, placeholders, rooted = [], [], []
+    zeros: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+    for node in nodes:
+        for slot, meta in enumerate(getattr(node, "_input_metadata", ())):
+            if meta.dtype.is_floating_point or meta.dtype.is_complex:
+                break
+        else:
+            continue  # nothing to root a backward at; autograd frees it with the graph
+        zero = zeros.get((meta.dtype, meta.device))
+        if zero is None:
+            zero = zeros[meta.dtype, meta.device] = torch.zeros((), dtype=meta.dtype,
+                                                                device=meta.device)
+        roots.append(GradientEdge(node, slot))
+        placeholders.append(zero.expand(meta.shape))
+        rooted.append(node)
+    if not roots:
+        return
+    handles = [node.register_prehook(_no_gradient) for node in rooted]
     try:
-        torch.autograd.grad([GradientEdge(node, slot)], [child], [placeholder],
-                            allow_unused=True)
+        _engine(roots, placeholders, targets, accumulate=False)
     finally:
-        handle.remove()
+        for handle in handles:
+            handle.remove()
 
 
-def _split(root: torch.Tensor, xs: Sequence[torch.Tensor]) -> _Plan | None:
-    """Find the weight nodes, their groups and the nodes to free after I; None when the
-    output reaches none of ``xs`` (leaves)."""
-    from torch.autograd.graph import GradientEdge, get_gradient_edge
+class SplitCache:
+    """The splits of one stage's chunks, by the shape of their graph.
 
-    assert root.grad_fn is not None
-    # the inputs' accumulate nodes: the dx path ends there
-    stops = {id(node): node for node in (get_gradient_edge(x).node for x in xs)}
-    order, children = _post_order(root.grad_fn, stops)
-    position = {id(node): index for index, node in enumerate(order)}
-    to_x: dict[int, bool] = {}
-    reach: dict[int, int] = {}  # node -> bit set of the parameters it leads to
-    leaves: list[Node] = []
-    for node in order:
-        kids = [child for child, _ in children[id(node)]]
+    A stage's forward builds a graph of the same shape every microbatch, so the analysis
+    (weight nodes, groups, release batches) runs once per shape, and each chunk only walks
+    its graph to compare shapes and find the nodes at the same places. The shape is every
+    node's type and edges, which leaves are the chunk's inputs and which parameters have
+    hooks: another op, a parameter frozen, hooked or shared changes it. The analysis reads the
+    shape and nothing else, so a split found in the cache is the one a fresh analysis would
+    give; tensor shapes, and which tensors the nodes hold, are not part of it (a replaced
+    parameter is bound where its node is). Holds the last ``size`` shapes it analysed."""
+
+    def __init__(self, size: int = 8) -> None:
+        self._size = size
+        self._splits: dict[tuple[object, ...], _Split | None] = {}
+
+    def find(self, shape: tuple[object, ...]) -> _Split | None:
+        """The split of graphs of ``shape`` (None: no dx path), analysed if new."""
+        if shape in self._splits:
+            return self._splits[shape]
+        if len(self._splits) >= self._size:
+            del self._splits[next(iter(self._splits))]
+        split = self._splits[shape] = _analyse(shape)
+        return split
+
+
+_NODE, _LEAF, _STOP, _HOOKED = 0, 1, 2, 4  # kinds: a node; bits: leaf, input, tensor hooks
+_Release = tuple[tuple[int, ...], tuple[tuple[int, int], ...]]  # nodes, their child edges
+
+
+@dataclass(frozen=True, eq=False)
+class _Split:
+    """How every graph of one shape splits, in places of its walk (see the module's
+    docstring)."""
+
+    weight: tuple[int, ...]  # the weight nodes W starts from
+    groups: tuple[tuple[tuple[int, ...], tuple[int, ...]], ...]  # (indices into weight, leaves)
+    in_input: tuple[int, ...]  # leaves of the parameters I computes (the groups W cannot)
+    release: tuple[_Release, ...]  # nodes only I runs, in batches (one backward each)
+
+    def bind(self, order: Sequence[Node]) -> _Plan:
+        """The plan of the chunk whose walk found ``order``."""
+        from torch.autograd.graph import GradientEdge
+
+        received: list[Grads | None] = [None] * len(self.weight)
+        return _Plan(
+            [order[place] for place in self.weight],
+            [(members, [_variable(order[leaf]) for leaf in leaves])
+             for members, leaves in self.groups],
+            [_variable(order[leaf]) for leaf in self.in_input],
+            [([order[node] for node in nodes],
+              [GradientEdge(order[child], nr) for child, nr in targets])
+             for nodes, targets in self.release],
+            received, [partial(received.__setitem__, index) for index in range(len(received))])
+
+
+_IS_LEAF: dict[type, bool] = {}
+_SAVES: dict[type, bool] = {}
+
+
+def _saves_tensors(kind: type) -> bool:
+    """Whether nodes of this kind keep saved tensors (autograd's own expose them as
+    ``_raw_saved_*``; a custom Function's context may always)."""
+    saves = _SAVES.get(kind)
+    if saves is None:
+        saves = _SAVES[kind] = hasattr(kind, "saved_tensors") or any(
+            name.startswith("_raw_saved_") for name in dir(kind))
+    return saves
+
+
+def _variable(node: Node) -> torch.Tensor:
+    variable: torch.Tensor = getattr(node, "variable")  # noqa: B009 - not in Node's stubs
+    return variable
+
+
+def _walk(root: Node, stops: set[int]) -> tuple[list[Node], tuple[object, ...]]:
+    """Every node reachable from ``root`` without passing ``stops`` (ids), in the order a
+    breadth-first walk finds them (the root first), and the graph's shape: per node its type,
+    kind (_LEAF, _STOP, _HOOKED bits), edge count and edges (child's place, input slot).
+    The list holds the nodes, which keeps their ids valid."""
+    order = [root]
+    place = {id(root): 0}
+    shape: list[object] = []
+    for node in order:  # the list grows as the walk finds nodes
+        cls = type(node)
+        leaf = _IS_LEAF.get(cls)
+        if leaf is None:
+            leaf = _IS_LEAF[cls] = node.name() == _ACCUMULATE
+        kind = _LEAF if leaf else _NODE
+        if leaf and getattr(_variable(node), "_backward_hooks", None):
+            kind |= _HOOKED
         if id(node) in stops:
-            to_x[id(node)], reach[id(node)] = True, 0
-        elif node.name() == _ACCUMULATE:  # another leaf: a parameter
-            to_x[id(node)], reach[id(node)] = False, 1 << len(leaves)
+            shape += (cls, kind | _STOP, 0)
+        elif leaf:
+            shape += (cls, kind, 0)
+        else:
+            edges = []
+            for child, nr in node.next_functions:
+                if child is not None:
+                    at = place.get(id(child))
+                    if at is None:
+                        at = place[id(child)] = len(order)
+                        order.append(child)
+                    edges.append((at, nr))
+            shape += (cls, kind, len(edges), *edges)
+    return order, tuple(shape)
+
+
+def _parse(shape: tuple[object, ...]) -> tuple[list[type], list[int], list[list[tuple[int, int]]]]:
+    """A walk's shape, back into each node's type, kind and edges (one per child, the
+    first)."""
+    types: list[type] = []
+    kinds: list[int] = []
+    children: list[list[tuple[int, int]]] = []
+    at = 0
+    while at < len(shape):
+        cls, kind, count = shape[at:at + 3]
+        assert isinstance(cls, type) and isinstance(kind, int) and isinstance(count, int)
+        edges: dict[int, tuple[int, int]] = {}
+        for edge in shape[at + 3:at + 3 + count]:
+            assert isinstance(edge, tuple)
+            edges.setdefault(edge[0], edge)
+        types.append(cls)
+        kinds.append(kind)
+        children.append(list(edges.values()))
+        at += 3 + count
+    return types, kinds, children
+
+
+def _analyse(shape: tuple[object, ...]) -> _Split | None:
+    """Find the weight nodes, their groups and the nodes to free after I; None when the
+    output reaches none of the inputs."""
+    types, kinds, children = _parse(shape)
+    size = len(types)
+    to_x = [False] * size
+    reach = [0] * size  # bit set of the parameters each node leads to
+    leaves: list[int] = []  # the parameters' places, by bit
+    post = _post_order(children)
+    for node in post:
+        if kinds[node] & _STOP:
+            to_x[node] = True
+        elif kinds[node] & _LEAF:  # another leaf: a parameter
+            reach[node] = 1 << len(leaves)
             leaves.append(node)
         else:
-            to_x[id(node)] = any(to_x[id(kid)] for kid in kids)
             mask = 0
-            for kid in kids:
-                mask |= reach[id(kid)]
-            reach[id(node)] = mask
-    if not to_x[id(root.grad_fn)]:
+            for kid, _ in children[node]:
+                to_x[node] = to_x[node] or to_x[kid]
+                mask |= reach[kid]
+            reach[node] = mask
+    if not to_x[0]:  # the root
         return None
     # Weight nodes: on the dx path, with an edge leaving it towards parameters.
-    starts: list[tuple[Node, int, int]] = []  # (node, params off the dx path, params on it)
-    for node in order:
-        if id(node) in stops or not to_x[id(node)]:
+    starts: list[tuple[int, int, int]] = []  # (node, params off the dx path, params on it)
+    for node in post:
+        if kinds[node] & _STOP or not to_x[node]:
             continue
         off = on = 0
-        for kid, _ in children[id(node)]:
-            if to_x[id(kid)]:
-                on |= reach[id(kid)]
+        for kid, _ in children[node]:
+            if to_x[kid]:
+                on |= reach[kid]
             else:
-                off |= reach[id(kid)]
+                off |= reach[kid]
         if off:
             starts.append((node, off, on))
     groups: list[int] = []  # disjoint bit sets; a weight node's parameters share one
@@ -317,83 +482,102 @@ def _split(root: torch.Tensor, xs: Sequence[torch.Tensor]) -> _Plan | None:
             else:
                 apart.append(group)
         groups = [*apart, merged]
-    plan = _Plan([], [], [], [])
-    in_input = 0  # bit set of the parameters I computes
+    weight: list[int] = []
+    in_w: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
+    in_input = in_w_params = 0  # bit sets of the parameters I computes, and W
     for group in groups:
         members = [(node, on) for node, off, on in starts if off & group]
-        params = [_variable(leaves[i]) for i in range(len(leaves)) if group >> i & 1]
+        params = tuple(leaves[i] for i in range(len(leaves)) if group >> i & 1)
         if any(on & group for _, on in members):  # W would rerun the dx path: do it in I
-            plan.in_input.extend(params)
             in_input |= group
             continue
-        first = len(plan.nodes)
-        plan.nodes.extend(node for node, _ in members)
-        plan.groups.append((list(range(first, len(plan.nodes))), params))
+        in_w_params |= group
+        first = len(weight)
+        weight.extend(node for node, _ in members)
+        in_w.append((tuple(range(first, len(weight))), params))
     # What I runs and W does not: the dx path but W's weight nodes, and the subgraphs of the
-    # parameters I computes. Each is freed through its topmost child edge (no other child
-    # reaches it, so the freeing backward runs that node alone), never one into a leaf with
-    # tensor hooks (they would see the missing gradient).
-    in_w = {id(node) for node in plan.nodes}
-    for node in order:
-        if (id(node) in stops or id(node) in in_w or not _saves_tensors(node)
-                or not (to_x[id(node)] or reach[id(node)] & in_input)):
+    # parameters I computes. Each is freed through its topmost child edge: the last in post
+    # order, which no other child reaches, so the freeing backward runs that node alone; never
+    # one into a leaf with tensor hooks (they would see the missing gradient).
+    rank = [0] * size
+    for index, node in enumerate(post):
+        rank[node] = index
+    kept = set(weight)
+    entries: list[tuple[int, int, int]] = []  # (node, child, input slot)
+    for node in post:
+        if (kinds[node] & _STOP or node in kept or not _saves_tensors(types[node])
+                or not (to_x[node] or reach[node] & in_input)):
             continue
-        usable = [(child, nr) for child, nr in children[id(node)] if not _hooked_leaf(child)]
+        usable = [(kid, nr) for kid, nr in children[node] if not kinds[kid] & _HOOKED]
         if usable:
-            child, nr = max(usable, key=lambda edge: position[id(edge[0])])
-            plan.release.append((node, GradientEdge(child, nr)))
-    return plan
+            entries.append((node, *max(usable, key=lambda edge: rank[edge[0]])))
+    # what W runs: its weight nodes and their subgraphs off the dx path
+    kept |= {node for node in range(size) if not to_x[node] and reach[node] & in_w_params}
+    free = [node not in kept and not _saves_tensors(types[node]) for node in range(size)]
+    return _Split(tuple(weight), tuple(in_w),
+                  tuple(leaves[i] for i in range(len(leaves)) if in_input >> i & 1),
+                  _batches(children, post, entries, free))
 
 
-_SAVES: dict[type, bool] = {}
-
-
-def _saves_tensors(node: Node) -> bool:
-    """Whether nodes of this kind keep saved tensors (autograd's own expose them as
-    ``_raw_saved_*``; a custom Function's context may always)."""
-    kind = type(node)
-    saves = _SAVES.get(kind)
-    if saves is None:
-        saves = _SAVES[kind] = hasattr(kind, "saved_tensors") or any(
-            name.startswith("_raw_saved_") for name in dir(kind))
-    return saves
-
-
-def _hooked_leaf(node: Node) -> bool:
-    return node.name() == _ACCUMULATE and bool(getattr(_variable(node), "_backward_hooks",
-                                                       None))
-
-
-def _variable(node: Node) -> torch.Tensor:
-    variable: torch.Tensor = getattr(node, "variable")  # noqa: B009 - not in Node's stubs
-    return variable
-
-
-def _post_order(root: Node, stops: dict[int, Node]
-                ) -> tuple[list[Node], dict[int, list[tuple[Node, int]]]]:
-    """Every node reachable from ``root`` without passing ``stops``, children before parents
-    (iterative: graphs are deep), and each node's edges (child, input slot), one per child.
-    The list holds the node objects, which keeps their ids valid as keys."""
-    order: list[Node] = []
-    children: dict[int, list[tuple[Node, int]]] = {}
-
-    def edges(node: Node) -> list[tuple[Node, int]]:
-        found: dict[int, tuple[Node, int]] = {}
-        if id(node) not in stops:
-            for child, nr in node.next_functions:
-                if child is not None:
-                    found.setdefault(id(child), (child, nr))
-        children[id(node)] = list(found.values())
-        return children[id(node)]
-
-    stack = [(root, iter(edges(root)))]
+def _post_order(children: Sequence[Sequence[tuple[int, int]]]) -> list[int]:
+    """The places of a walk, children before parents (iterative: graphs are deep)."""
+    order: list[int] = []
+    done = [False] * len(children)
+    stack = [(0, iter(children[0]))]
+    done[0] = True
     while stack:
         node, pending = stack[-1]
-        for child, _ in pending:
-            if id(child) not in children:
-                stack.append((child, iter(edges(child))))
+        for kid, _ in pending:
+            if not done[kid]:
+                done[kid] = True
+                stack.append((kid, iter(children[kid])))
                 break
         else:
             stack.pop()
             order.append(node)
-    return order, children
+    return order
+
+
+def _batches(children: Sequence[Sequence[tuple[int, int]]], post: Sequence[int],
+             entries: Sequence[tuple[int, int, int]], free: Sequence[bool]
+             ) -> tuple[_Release, ...]:
+    """The nodes to free (with a child edge each, in post order), in few backwards.
+
+    A backward rooted at several of them, with their child edges as its targets, also runs
+    every node on a path from one of them to another's target, with no gradient: a batch
+    takes the next node only while every node such paths pass is ``free`` (saves no tensors
+    and W does not run it: a W node would lose what W needs, and a node to free would run
+    twice). Paths run from later to earlier in post order, so a check looks only at the span
+    of the batch's nodes and targets."""
+    rank = [0] * len(children)
+    for index, node in enumerate(post):
+        rank[node] = index
+
+    def safe(batch: list[tuple[int, int, int]]) -> bool:
+        roots = {node for node, _, _ in batch}
+        captured = {child for _, child, _ in batch}
+        needed: dict[int, bool] = {}  # on a path to a target: the engine runs it
+        for node in post[min(rank[child] for child in captured):
+                         max(rank[node] for node in roots) + 1]:
+            needed[node] = any(kid in captured or needed.get(kid, False)
+                               for kid, _ in children[node])
+        seen, todo = set(roots), list(roots)
+        while todo:
+            node = todo.pop()
+            if node not in roots and not free[node]:
+                return False
+            for kid, _ in children[node]:
+                if needed.get(kid, False) and kid not in seen:
+                    seen.add(kid)
+                    todo.append(kid)
+        return True
+
+    batches: list[list[tuple[int, int, int]]] = []
+    for entry in entries:
+        if batches and safe([*batches[-1], entry]):
+            batches[-1].append(entry)
+        else:
+            batches.append([entry])
+    return tuple((tuple(node for node, _, _ in batch),
+                  tuple(dict.fromkeys((child, nr) for _, child, nr in batch)))
+                 for batch in batches)
