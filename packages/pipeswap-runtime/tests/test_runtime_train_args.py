@@ -24,6 +24,8 @@ NO_GPU = pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is 
 BAD = [
     (["--budget", "lots"], ["--budget", "not a size: 'lots'"]),
     (["--budget", "1MiB", "--policy", "gap"], ["--budget applies to the peak policy"]),
+    (["--swap-costs", "layers", "--policy", "cost"], ["--swap-costs applies to the peak policy"]),
+    (["--swap-costs", "guessed"], ["--swap-costs", "invalid choice: 'guessed'"]),
     (["--budget", "1MiB", "--swap-only"], ["--budget plans on the chunk sizes", "--swap-only"]),
     (["--device", "bogus"], ["--device", "cpu or cuda", "'bogus'"]),
     (["--device", "cuda:1"], ["--device", "cpu or cuda", "a GPU of its own"]),
@@ -166,6 +168,8 @@ def test_cuda_needs_a_gpu_per_rank(no_ranks: None, capsys: pytest.CaptureFixture
 def test_the_defaults_parse_to_the_default_config(no_ranks: None) -> None:
     config, args = parse_args([])
     assert config == TrainConfig.of() and not args.json
+    assert config.swap.costs == "measured"
+    assert parse_args(["--swap-costs", "layers"])[0].swap.costs == "layers"
 
 
 @pytest.mark.parametrize("argv", [
