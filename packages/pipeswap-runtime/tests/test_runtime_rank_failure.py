@@ -78,6 +78,19 @@ def test_of_several_ranks_killed_the_one_its_peers_waited_on_hung() -> None:
     assert cause(unnamed).rank == 3  # else the one at the earliest step
 
 
+def test_a_gathers_timeout_is_a_consequence_whichever_words_gloo_uses() -> None:
+    """An FSDP gather whose replica peer hangs times out in one of gloo's two phrasings; in
+    neither is it the rank's own error, so the rank its pipeline peers waited on is blamed."""
+    for said in ("Timed out waiting 10000ms for recv operation to complete",
+                 "Application timeout caused pair closure"):
+        gather = _raised(0, RuntimeError(said))
+        assert gather.secondary, said
+        waited = _raised(2, PipelineCommError("rank 2: 1RECV_F0 (receiving from rank 1) "
+                                              "failed: Timed out waiting 10000ms"))
+        hung = RankFailure(1, Ending.KILLED, "was killed", "", 3)
+        assert cause({0: gather, 2: waited, 1: hung}).rank == 1, said
+
+
 def test_a_rank_aborted_after_a_timeout_does_not_hide_the_hung_one() -> None:
     """NCCL's watchdog ends a rank whose operation timed out with SIGABRT."""
     aborted = RankFailure(0, Ending.DIED, exit_summary(-signal.SIGABRT), "", 4)

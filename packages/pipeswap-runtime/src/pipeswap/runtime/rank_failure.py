@@ -19,9 +19,11 @@ from enum import Enum
 
 
 #: What torch's transports say when a peer is gone or silent (gloo raises a plain
-#: RuntimeError from a collective's wait): a consequence of another rank's failure.
-_BROKEN_TRANSFER = re.compile(r"timed out waiting|connection closed by peer|connection reset "
-                              r"by peer|broken pipe|nccl (error|watchdog)", re.IGNORECASE)
+#: RuntimeError from a collective's wait; which of its two timeout messages depends on which
+#: side of the pair gives up first): a consequence of another rank's failure.
+_BROKEN_TRANSFER = re.compile(r"timed out waiting|application timeout caused pair closure|"
+                              r"connection closed by peer|connection reset by peer|broken pipe|"
+                              r"nccl (error|watchdog)", re.IGNORECASE)
 
 
 #: How the runtime's transport names the peer a failed transfer waited on.
