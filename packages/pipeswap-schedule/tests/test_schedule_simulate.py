@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
 
 import pytest
 
 from pipeswap.schedule import (
-    MinGapPolicy,
     DeadlockError,
+    MinGapPolicy,
+    PeakPolicy,
     Schedule,
     ScheduleError,
     ScheduleKind,
@@ -30,7 +32,7 @@ from pipeswap.schedule.costs import (
     transformer_costs,
 )
 from pipeswap.schedule.simulate import peak_without_swap, simulate
-from pipeswap.schedule.steps import OVERLAPS, Order
+from pipeswap.schedule.steps import OVERLAPS, SWAP, Order
 from pipeswap.schedule.trace import chrome_trace
 
 GPIPE = ScheduleSpec(ScheduleKind.GPIPE, ranks=2, microbatches=4, swap=True)
@@ -216,3 +218,31 @@ def test_nothing_is_infinite_or_negative() -> None:
             assert math.isfinite(rank.step_time) and 0 <= rank.bubble_fraction < 1
             assert all(held >= 0 for _, held in rank.memory)
             assert rank.memory[-1][1] == 0  # everything freed by the end
+
+
+@pytest.mark.parametrize(("spec", "streamed"), [
+    (ScheduleSpec(ScheduleKind.ONE_F_ONE_B, ranks=4, microbatches=8, swap=True, fsdp=True), True),
+    (ScheduleSpec(ScheduleKind.ZBV, ranks=2, microbatches=6, swap=True), False),
+    (ScheduleSpec(ScheduleKind.INTERLEAVED_1F1B, ranks=2, microbatches=4, stages_per_rank=2,
+                  swap=True, overlap_b_f=True, dxdw_split=True, batch_p2p=True), True),
+], ids=["1f1b-fsdp-streamed", "zbv", "interleaved-split-batched-streamed"])
+def test_a_simulation_without_its_timeline_gives_the_same_figures(spec: ScheduleSpec,
+                                                                  streamed: bool) -> None:
+    costs = CostModel(forward=1.0, backward=2.0, activation_bytes=400, layers=4,
+                      link=Link(150.0, 300.0), param_bytes=50)
+    policy = PeakPolicy(costs, granularity="layer") if streamed else MinGapPolicy()
+    schedule = build_schedule(spec, policy)
+    full, lean = simulate(schedule, costs), simulate(schedule, costs, timeline=False)
+    assert any(chunk.streamed == streamed for rank in full.ranks for chunk in rank.swapped)
+    assert full.step_time == lean.step_time
+    for whole, bare in zip(full.ranks, lean.ranks):
+        assert whole.spans and whole.memory and not bare.spans and not bare.memory
+        assert replace(whole, spans=(), memory=()) == bare
+    # The peaks without swap, counted along the way, are those of the order without its
+    # swap steps, simulated.
+    plain = simulate(Schedule(tuple(
+        tuple(s for s in order if s is None or s.type not in SWAP) for order in schedule.orders),
+        schedule.stage_ranks), costs)
+    for swapped, alone in zip(full.ranks, plain.ranks):
+        assert swapped.peak_activation_bytes_no_swap == alone.peak_activation_bytes
+        assert swapped.peak_memory_bytes_no_swap == alone.peak_memory_bytes

@@ -14,7 +14,7 @@ from bisect import bisect_right
 from pipeswap.schedule._gc import gc_paused
 from pipeswap.schedule.errors import ScheduleError
 from pipeswap.schedule.schedule import Schedule, StageMapping, stage_to_rank
-from pipeswap.schedule.steps import Step, StepType
+from pipeswap.schedule.steps import Step, StepType, chunk_leaf
 
 F, B = StepType.FWD, StepType.BWD
 FS, FR, BS, BR = StepType.FWD_SEND, StepType.FWD_RECV, StepType.BWD_SEND, StepType.BWD_RECV
@@ -35,16 +35,16 @@ def gpipe(ranks: int, microbatches: int) -> Schedule:
         order: list[Step | None] = []
         for m in range(microbatches):
             if r > 0:
-                order.append(Step(FR, r, m))
-            order.append(Step(F, r, m))
+                order.append(chunk_leaf(FR, r, m))
+            order.append(chunk_leaf(F, r, m))
             if r < ranks - 1:
-                order.append(Step(FS, r, m))
+                order.append(chunk_leaf(FS, r, m))
         for m in range(microbatches):
             if r < ranks - 1:
-                order.append(Step(BR, r, m))
-            order.append(Step(B, r, m))
+                order.append(chunk_leaf(BR, r, m))
+            order.append(chunk_leaf(B, r, m))
             if r > 0:
-                order.append(Step(BS, r, m))
+                order.append(chunk_leaf(BS, r, m))
         orders.append(tuple(order))
     return Schedule(tuple(orders), stage_to_rank(ranks, ranks, StageMapping.LOOP))
 
@@ -69,37 +69,37 @@ def _one_f_one_b_rank(r: int, ranks: int, micros: int) -> tuple[Step | None, ...
     f = b = 0
     for _ in range(warmup):
         if has_prev:
-            order.append(Step(FR, r, f))
+            order.append(chunk_leaf(FR, r, f))
         if r % 2 == 0:
-            order.append(Step(F, r, f))
+            order.append(chunk_leaf(F, r, f))
             if f != warmup - 1:
-                order.append(Step(FS, r, f))
+                order.append(chunk_leaf(FS, r, f))
         else:
             if f > 0:
-                order.append(Step(FS, r, f - 1))
-            order.append(Step(F, r, f))
+                order.append(chunk_leaf(FS, r, f - 1))
+            order.append(chunk_leaf(F, r, f))
         f += 1
     if ranks - r > micros:
         # Every forward was a warm-up one: flush the held-back send before the first backward.
-        order.append(Step(FS, r, f - 1))
+        order.append(chunk_leaf(FS, r, f - 1))
         f += 1
     for _ in range(micros - warmup):
         if has_next:
-            order += [Step(BR, r, b), Step(FS, r, f - 1)]
-        order.append(Step(B, r, b))
+            order += [chunk_leaf(BR, r, b), chunk_leaf(FS, r, f - 1)]
+        order.append(chunk_leaf(B, r, b))
         if has_prev:
-            order += [Step(BS, r, b), Step(FR, r, f)]
-        order.append(Step(F, r, f))
+            order += [chunk_leaf(BS, r, b), chunk_leaf(FR, r, f)]
+        order.append(chunk_leaf(F, r, f))
         f += 1
         b += 1
     for _ in range(warmup):
         if has_next:
-            order.append(Step(BR, r, b))
+            order.append(chunk_leaf(BR, r, b))
             if b == micros - warmup and f <= micros:
-                order.append(Step(FS, r, f - 1))
-        order.append(Step(B, r, b))
+                order.append(chunk_leaf(FS, r, f - 1))
+        order.append(chunk_leaf(B, r, b))
         if has_prev:
-            order.append(Step(BS, r, b))
+            order.append(chunk_leaf(BS, r, b))
         b += 1
     return tuple(order)
 
@@ -159,7 +159,7 @@ class _RoundLayout:
         for op in range(self.chunks * self.micros):
             local = self._local_chunk(op)
             chunk = local if kind is F else self.chunks - 1 - local
-            steps.append(Step(kind, chunk * self.ranks + r, counters[chunk]))
+            steps.append(chunk_leaf(kind, chunk * self.ranks + r, counters[chunk]))
             counters[chunk] += 1
         return steps
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from itertools import repeat
+
 from pipeswap.schedule._gc import gc_paused
 from pipeswap.schedule.errors import ScheduleError
 from pipeswap.schedule.lockstep import Visibility, Waiting, lockstep
@@ -16,6 +18,7 @@ from pipeswap.schedule.steps import (
     Order,
     Step,
     StepType,
+    chunk_leaf,
 )
 
 
@@ -207,22 +210,31 @@ def insert_send_recv_early(schedule: Schedule) -> Schedule:
     last = schedule.num_stages - 1
     out: list[list[Step | None]] = [[] for _ in schedule.orders]
 
+    stage_ranks = schedule.stage_ranks
+
     def needs(step: Step | None) -> list[Message]:
-        return [] if step is None else [
-            m for m in map(lambda leaf: _input(leaf, last), step.compute_leaves) if m]
+        if step is None:
+            return []
+        return [m for m in map(_input, step.sub_steps or (step,), repeat(last)) if m]
 
     def take(rank: int, step: Step | None) -> list[Message]:
         if step is None:
             return []
-        out[rank].append(step)
+        mine = out[rank]
+        mine.append(step)
         made = []
-        for leaf in step.compute_leaves:
-            made.append(_output(leaf))
-            sent = schedule.remote_output(leaf)
-            if sent is not None:
-                send, recv = _pair(sent)
-                out[rank].append(send)
-                out[schedule.stage_ranks[recv.key[0]]].append(recv)
+        for leaf in step.sub_steps or (step,):
+            stage, micro = leaf.stage, leaf.micro
+            assert stage is not None and micro is not None  # compute leaves
+            forward = leaf.type is StepType.FWD
+            made.append(Message(forward, stage, micro))
+            if forward:  # as Schedule.remote_output, inline: this runs once per compute
+                if stage < last and stage_ranks[stage + 1] != rank:
+                    mine.append(chunk_leaf(StepType.FWD_SEND, stage, micro))
+                    out[stage_ranks[stage + 1]].append(chunk_leaf(StepType.FWD_RECV, stage + 1, micro))
+            elif leaf.type in ACTIVATION_CONSUMERS and stage > 0 and stage_ranks[stage - 1] != rank:
+                mine.append(chunk_leaf(StepType.BWD_SEND, stage, micro))
+                out[stage_ranks[stage - 1]].append(chunk_leaf(StepType.BWD_RECV, stage - 1, micro))
         return made
 
     turns = [pytorch_turns(order, micros) for order in schedule.orders]
@@ -242,24 +254,25 @@ def pytorch_turns(order: Order, microbatches: int) -> list[Step | None]:
     computes = [step for step in order if step is not None]
     turns: list[Step | None] = []
     gathered: list[int] = []
-    reductions = dict.fromkeys(
-        (leaf.stage for step in computes for leaf in step.compute_leaves), 0)
-    for index, upcoming in enumerate(_upcoming_stages(computes, 3)):
-        step = computes[index]
-        turns += [None] * (sum(s not in upcoming for s in gathered)
-                           + sum(s not in gathered for s in upcoming))
-        gathered = upcoming
+    reductions: dict[int | None, int] = {}
+    for step, upcoming in zip(computes, _upcoming_stages(computes, 3)):
+        if upcoming is not gathered:  # the same list while the look-ahead does not change
+            turns += [None] * (sum(s not in upcoming for s in gathered)
+                               + sum(s not in gathered for s in upcoming))
+            gathered = upcoming
         turns.append(step)
-        for leaf in step.compute_leaves:
+        for leaf in step.sub_steps or (step,):  # computes and overlaps only
             if leaf.type in _PARAM_GRADS:
-                reductions[leaf.stage] += 1
-                turns += [None] * (reductions[leaf.stage] == microbatches)
+                done = reductions[leaf.stage] = reductions.get(leaf.stage, 0) + 1
+                if done == microbatches:
+                    turns.append(None)
     return turns
 
 
 def _upcoming_stages(computes: list[Step], count: int) -> list[list[int]]:
     """For each position, the first ``count`` distinct stages from there on, as PyTorch's
-    FSDP lowering looks ahead (it checks the count only after a whole overlap).
+    FSDP lowering looks ahead (it checks the count only after a whole overlap); a position
+    whose answer equals the next one's shares its list.
 
     Where fewer than ``count`` stages remain, the look-ahead runs to the end: those answers
     come from one backward pass, so the whole costs time linear in the order's length
@@ -267,8 +280,12 @@ def _upcoming_stages(computes: list[Step], count: int) -> list[list[int]]:
     """
     tails: list[list[int]] = [[] for _ in range(len(computes) + 1)]
     for index in range(len(computes) - 1, -1, -1):
-        here = [leaf.key[0] for leaf in computes[index].compute_leaves]
-        tails[index] = list(dict.fromkeys(here + tails[index + 1]))
+        step, after = computes[index], tails[index + 1]
+        if after and not step.sub_steps and step.stage == after[0]:
+            tails[index] = after  # a lone compute of the stage already first
+            continue
+        here = [leaf.key[0] for leaf in step.sub_steps or (step,)]
+        tails[index] = list(dict.fromkeys(here + after))
     result = []
     for index in range(len(computes)):
         if len(tails[index]) < count:
@@ -276,12 +293,14 @@ def _upcoming_stages(computes: list[Step], count: int) -> list[list[int]]:
             continue
         seen: list[int] = []
         for step in computes[index:]:
-            for leaf in step.compute_leaves:
+            for leaf in step.sub_steps or (step,):
                 stage = leaf.key[0]
                 if stage not in seen:
                     seen.append(stage)
             if len(seen) >= count:
                 break
+        if result and result[-1] == seen:
+            seen = result[-1]
         result.append(seen)
     return result
 

@@ -16,7 +16,7 @@ from pipeswap.schedule.errors import ScheduleError
 from pipeswap.schedule.generators import check_positive
 from pipeswap.schedule.lockstep import Visibility, lockstep
 from pipeswap.schedule.schedule import Message, Schedule, StageMapping, stage_to_rank
-from pipeswap.schedule.steps import Step, StepType
+from pipeswap.schedule.steps import Step, StepType, chunk_leaf
 
 F, B, I, W = StepType.FWD, StepType.BWD, StepType.BWD_INPUT, StepType.BWD_WEIGHT
 Slots = list["Step | None"]
@@ -39,10 +39,10 @@ def looped_bfs(ranks: int, microbatches: int, stages_per_rank: int) -> Schedule:
         stages = range(rank, ranks * stages_per_rank, ranks)
         order: Slots = [None] * rank
         for stage in stages:
-            order += [Step(F, stage, micro) for micro in range(microbatches)]
+            order += [chunk_leaf(F, stage, micro) for micro in range(microbatches)]
         order += [None] * (2 * (ranks - 1 - rank))
         for stage in reversed(stages):
-            order += [Step(B, stage, micro) for micro in reversed(range(microbatches))]
+            order += [chunk_leaf(B, stage, micro) for micro in reversed(range(microbatches))]
         orders.append(order)
     return _schedule(orders, ranks, ranks * stages_per_rank, StageMapping.LOOP)
 
@@ -80,7 +80,7 @@ def _zero_bubble_rank(rank: int, ranks: int, microbatches: int, local: int,
     def take(kind: StepType, stage: int) -> Step:
         micro = counts[(kind, stage)]
         counts[(kind, stage)] += 1
-        return Step(kind, stage, micro)
+        return chunk_leaf(kind, stage, micro)
 
     order: Slots = [None] * rank
     backwards: list[int] = []  # the op number of each backward, in order
@@ -152,7 +152,7 @@ def _zbv_rank(rank: int, ranks: int, total: int) -> Slots:
     order: Slots = [None] * rank
 
     def add(kind: StepType, stage: int) -> None:
-        order.append(Step(kind, stage, counts[(kind, stage)]))
+        order.append(chunk_leaf(kind, stage, counts[(kind, stage)]))
         counts[(kind, stage)] += 1
 
     for _ in range(2 * (ranks - rank) - 1):
@@ -206,7 +206,7 @@ def _dualpipev_rank(rank: int, ranks: int, microbatches: int) -> Slots:
     order: Slots = []
 
     def step(kind: StepType, stage: int) -> Step:
-        made = Step(kind, stage, counts[(I if kind is B else kind, stage)])
+        made = chunk_leaf(kind, stage, counts[(I if kind is B else kind, stage)])
         if kind is B:
             counts[(I, stage)] += 1
             counts[(W, stage)] += 1
@@ -227,7 +227,7 @@ def _dualpipev_rank(rank: int, ranks: int, microbatches: int) -> Slots:
     def weight_if_pending() -> None:
         if pending_weights:
             stage, micro = pending_weights.pop(0)
-            order.append(Step(W, stage, micro))
+            order.append(chunk_leaf(W, stage, micro))
             counts[(W, stage)] += 1
 
     for _ in range((ranks - rank - 1) * 2):

@@ -43,7 +43,7 @@ from typing import NamedTuple
 from pipeswap.schedule._gc import gc_paused
 from pipeswap.schedule.costs import ChunkBytes, CostModel, Link
 from pipeswap.schedule.schedule import Schedule
-from pipeswap.schedule.steps import COMPUTE, OVERLAPS, ChunkKey, Order, Step, StepType
+from pipeswap.schedule.steps import COMPUTE, OVERLAPS, RECVS, ChunkKey, Order, Step, StepType
 from pipeswap.schedule.validation import check_layer_lags, validate
 
 _F, _B, _I, _W = StepType.FWD, StepType.BWD, StepType.BWD_INPUT, StepType.BWD_WEIGHT
@@ -130,9 +130,10 @@ class _Streamed:
 @dataclass
 class _Rank:
     rank: int
-    order: Order
-    index: int = 0
-    part: int = 0  # leaves of the current overlap already run
+    leaves: list[Step]  # its order's leaves (overlaps and batches opened), receives left out
+    link: Link
+    timeline: bool  # keep ``memory`` and ``spans``
+    index: int = 0  # the next leaf to run
     compute: float = 0.0  # when the compute stream is free
     d2h: float = 0.0
     h2d: float = 0.0
@@ -143,6 +144,9 @@ class _Rank:
     gathered: int = 0  # parameter bytes of the stages gathered now
     peak_gathered: int = 0
     peak_memory: int = 0  # of held + gathered
+    plain: int = 0  # activation bytes held were nothing swapped
+    peak_plain: int = 0
+    peak_plain_memory: int = 0  # of plain + gathered
     memory: list[tuple[float, int]] = field(default_factory=list)
     spans: list[Span] = field(default_factory=list)
     copies: dict[ChunkKey, dict[str, float]] = field(default_factory=dict)
@@ -154,11 +158,20 @@ class _Rank:
     def change(self, delta: int) -> None:
         """The activation bytes held change by ``delta``."""
         self.held += delta
-        self.memory.append((self.compute, self.held))
+        if self.timeline:
+            self.memory.append((self.compute, self.held))
         if self.held > self.peak:
             self.peak = self.held
         if self.held + self.gathered > self.peak_memory:
             self.peak_memory = self.held + self.gathered
+
+    def change_plain(self, delta: int) -> None:
+        """What a compute changes in the bytes held were nothing swapped."""
+        self.plain += delta
+        if self.plain > self.peak_plain:
+            self.peak_plain = self.plain
+        if self.plain + self.gathered > self.peak_plain_memory:
+            self.peak_plain_memory = self.plain + self.gathered
 
     def gather(self, delta: int) -> None:
         """The gathered parameter bytes change by ``delta`` (an UNSHARD or a RESHARD)."""
@@ -167,15 +180,34 @@ class _Rank:
             self.peak_gathered = self.gathered
         if self.held + self.gathered > self.peak_memory:
             self.peak_memory = self.held + self.gathered
+        if self.plain + self.gathered > self.peak_plain_memory:
+            self.peak_plain_memory = self.plain + self.gathered
+
+
+def _leaves(order: Order) -> list[Step]:
+    """The leaves ``order`` runs, in order; receives only post, so they are left out."""
+    leaves: list[Step] = []
+    for step in order:
+        if step is None:
+            continue
+        for leaf in step.sub_steps or (step,):
+            if leaf.type not in RECVS:
+                leaves.append(leaf)
+    return leaves
 
 
 @gc_paused
-def simulate(schedule: Schedule, costs: CostModel) -> SimulationResult:
-    """Run every rank's order with ``costs``; see the module docstring for the model."""
+def simulate(schedule: Schedule, costs: CostModel, *, timeline: bool = True) -> SimulationResult:
+    """Run every rank's order with ``costs``; see the module docstring for the model.
+
+    ``timeline=False`` leaves each rank's ``memory`` and ``spans`` empty (what traces and
+    plots draw), which makes a large schedule's simulation faster; every figure is the same.
+    """
     validate(schedule, transport="tagged")  # the model below: sends never wait
     stage_ranks = schedule.stage_ranks
     last_stage = schedule.num_stages - 1
-    ranks = [_Rank(r, order, split={s.key for s in order if s is not None and s.type is _W})
+    ranks = [_Rank(r, _leaves(order), costs.rank_link(r), timeline,
+                   split={s.key for s in order if s is not None and s.type is _W})
              for r, order in enumerate(schedule.orders)]
     # ("F", s, m): stage s's output for micro m is where stage s + 1 runs; ("B", s, m): the
     # gradient of stage s's input is where stage s - 1 runs. Value: the time it got there.
@@ -201,29 +233,26 @@ def simulate(schedule: Schedule, costs: CostModel) -> SimulationResult:
         for rank in waiting.pop(key, ()):
             heapq.heappush(runnable, rank)
 
-    def need(kind: StepType, stage: int, micro: int) -> tuple[str, int, int] | None:
-        if kind is _F:
-            return None if stage == 0 else ("F", stage - 1, micro)
-        if kind is _B or kind is _I:
-            return None if stage == last_stage else ("B", stage + 1, micro)
-        return None
-
-    def compute(state: _Rank, leaf: Step, kind: StepType, stage: int, micro: int,
+    def compute(state: _Rank, leaf: Step, kind: StepType, key: ChunkKey,
                 wanted: tuple[str, int, int] | None) -> None:
-        key = (stage, micro)
+        stage, micro = key
         start = state.compute if wanted is None else max(state.compute, ready[wanted])
         duration = duration_of(kind, stage, state.rank)
         state.busy += duration
         streamed = state.streams.get(key) if kind is not _W else None
         if streamed is not None:
             run = _stream_forward if kind is _F else _stream_backward
-            end = run(state, leaf, streamed, start, duration, costs.rank_link(state.rank))
+            end = run(state, leaf, streamed, start, duration)
         else:
             state.compute = end = start + duration
-            state.spans.append(Span("compute", str(leaf), start, end))
+            if state.timeline:
+                state.spans.append(Span("compute", str(leaf), start, end))
+        chunk = bytes_of(key)
+        split_input = kind is _I and key in state.split
         if kind is _F:
+            state.change_plain(chunk.total)
             if streamed is None:
-                state.change(bytes_of(key).total)
+                state.change(chunk.total)
             state.forwarded[key] = end
             if stage < last_stage and stage_ranks[stage + 1] == state.rank:
                 publish(("F", stage, micro), end)  # local hand-off
@@ -232,78 +261,68 @@ def simulate(schedule: Schedule, costs: CostModel) -> SimulationResult:
             state.lifespans[key] = start - state.forwarded[key]
             if stage > 0 and stage_ranks[stage - 1] == state.rank:
                 publish(("B", stage, micro), end)
-        if streamed is not None:
-            return  # its layers were freed one by one
-        chunk = bytes_of(key)
-        if kind is _I and key in state.split:  # I frees what its W does not need
-            if chunk.held_after_input < chunk.total:
-                state.change(chunk.held_after_input - chunk.total)
+        if split_input:  # I frees what its W does not need
+            freed = chunk.total - chunk.held_after_input
         else:  # W the rest; B, or an I without W, all of it
-            state.change(-(chunk.held_after_input if kind is _W else chunk.total))
+            freed = chunk.held_after_input if kind is _W else chunk.total
+        state.change_plain(-freed)
+        if streamed is None and (freed or not split_input):  # a streamed chunk's layers were freed one by one
+            state.change(-freed)
 
-    def run_leaf(state: _Rank, leaf: Step) -> bool:
-        """Run one leaf; False if it waits for another rank."""
-        kind = leaf.type
-        if kind in COMPUTE:
-            stage, micro = leaf.stage, leaf.micro
-            assert stage is not None and micro is not None
-            wanted = need(kind, stage, micro)
-            if wanted is not None and wanted not in ready:
-                waiting[wanted].append(state.rank)
-                return False
-            compute(state, leaf, kind, stage, micro, wanted)
-        elif kind is _SEND_F or kind is _SEND_B:
-            stage, micro = leaf.key
-            publish(("F" if kind is _SEND_F else "B", stage, micro), state.compute + transfer)
-        elif kind in _SWAPS:
-            if kind is _SO:
-                state.streams[leaf.key] = _Streamed(leaf.lag or 1, bytes_of.layers(leaf.key))
-            streamed = state.streams.get(leaf.key)
-            if streamed is None:
-                _swap(state, leaf, costs, bytes_of(leaf.key).movable)
-            else:
-                _stream_swap(state, leaf, streamed, costs.rank_link(state.rank))
-        elif kind is _UNSHARD or kind is _RESHARD:
-            state.gather(_gathered_change(costs, leaf))
-        # receives only post; FSDP steps take no time
-        return True
-
-    def run(state: _Rank, step: Step) -> bool:
-        """Run ``step``; an overlap's parts run one after the other, as in the runtime, and
-        ``state.part`` keeps a composite's progress while it waits for another rank."""
-        subs = step.sub_steps
-        if not subs:
-            return run_leaf(state, step)
-        for leaf in subs[state.part:]:
-            if not run_leaf(state, leaf):
-                return False
-            state.part += 1
-        state.part = 0
-        return True
+    def advance(state: _Rank) -> None:
+        """Run the rank's leaves until one waits for another rank, or none is left."""
+        leaves, index = state.leaves, state.index
+        while index < len(leaves):
+            leaf = leaves[index]
+            kind = leaf.type
+            if kind in COMPUTE:
+                stage, micro = leaf.stage, leaf.micro
+                assert stage is not None and micro is not None  # a leaf of a chunk
+                wanted: tuple[str, int, int] | None
+                if kind is _F:
+                    wanted = None if stage == 0 else ("F", stage - 1, micro)
+                elif kind is _W or stage == last_stage:
+                    wanted = None
+                else:
+                    wanted = ("B", stage + 1, micro)
+                if wanted is not None and wanted not in ready:
+                    waiting[wanted].append(state.rank)
+                    break
+                compute(state, leaf, kind, (stage, micro), wanted)
+            elif kind is _SEND_F or kind is _SEND_B:
+                stage, micro = leaf.stage, leaf.micro
+                assert stage is not None and micro is not None  # a leaf of a chunk
+                publish(("F" if kind is _SEND_F else "B", stage, micro), state.compute + transfer)
+            elif kind in _SWAPS:
+                if kind is _SO:
+                    state.streams[leaf.key] = _Streamed(leaf.lag or 1, bytes_of.layers(leaf.key))
+                streamed = state.streams.get(leaf.key)
+                if streamed is None:
+                    _swap(state, leaf, bytes_of(leaf.key).movable)
+                else:
+                    _stream_swap(state, leaf, streamed)
+            elif kind is _UNSHARD or kind is _RESHARD:
+                state.gather(_gathered_change(costs, leaf))
+            # FSDP steps take no time
+            index += 1
+        state.index = index
 
     while runnable:
-        state = ranks[heapq.heappop(runnable)]
-        order = state.order
-        while state.index < len(order):
-            step = order[state.index]
-            if step is not None and not run(state, step):
-                break
-            state.index += 1
-    unfinished = [s.rank for s in ranks if s.index < len(s.order)]
+        advance(ranks[heapq.heappop(runnable)])
+    unfinished = [s.rank for s in ranks if s.index < len(s.leaves)]
     if unfinished:  # validate() proved the orders run together; this would be a bug here
         raise AssertionError(f"simulation stalled on ranks {unfinished}")
     step_time = max((s.compute for s in ranks), default=0.0)
-    return SimulationResult(step_time, tuple(_result(s, step_time, bytes_of) for s in ranks))
+    return SimulationResult(step_time, tuple(_result(s, step_time) for s in ranks))
 
 
-def _swap(state: _Rank, leaf: Step, costs: CostModel, movable: int) -> None:
+def _swap(state: _Rank, leaf: Step, movable: int) -> None:
     """LO, WO, LL and WL of a chunk swapped whole."""
     key = leaf.key
-    link = costs.rank_link(state.rank)
     record = state.copies.setdefault(key, {})
     kind = leaf.type
     if kind is _LO:
-        start, end = _copy(state, link, True, movable, f"{key[0]}LO{key[1]}")
+        start, end = _copy(state, True, movable, key, "LO")
         record.update(offload_start=start, offload_end=end)
     elif kind is _WO:
         _wait(state, record["offload_end"], record, "wait_offload")
@@ -311,7 +330,7 @@ def _swap(state: _Rank, leaf: Step, costs: CostModel, movable: int) -> None:
     elif kind is _LL:
         state.change(movable)
         record["off_until"] = state.compute
-        start, end = _copy(state, link, False, movable, f"{key[0]}LL{key[1]}")
+        start, end = _copy(state, False, movable, key, "LL")
         record.update(load_start=start, load_end=end)
     else:
         _wait(state, record["load_end"], record, "wait_load")
@@ -321,16 +340,20 @@ def _wait(state: _Rank, until: float, record: dict[str, float], name: str) -> No
     reached = state.compute
     if until > reached:
         state.exposed += until - reached
-        state.spans.append(Span("compute", f"wait {name.removeprefix('wait_')}", reached,
-                                until))
+        if state.timeline:
+            state.spans.append(Span("compute", f"wait {name.removeprefix('wait_')}", reached,
+                                    until))
         state.compute = until
         record["stalled"] = 1.0
     record[name] = state.compute
 
 
-def _copy(state: _Rank, link: Link, offload: bool, size: int, label: str) -> tuple[float, float]:
+def _copy(state: _Rank, offload: bool, size: int, key: ChunkKey, code: str,
+          layer: int | None = None) -> tuple[float, float]:
     """Start a copy of ``size`` bytes on its stream once compute has reached it and the
-    stream is free (D2H and H2D share one stream on a link that is not duplex)."""
+    stream is free (D2H and H2D share one stream on a link that is not duplex); ``code``
+    and ``layer`` name it in the timeline."""
+    link = state.link
     if offload:
         start = max(state.compute, state.d2h)
         state.d2h = end = start + size / link.d2h_bandwidth
@@ -339,12 +362,14 @@ def _copy(state: _Rank, link: Link, offload: bool, size: int, label: str) -> tup
         state.h2d = end = start + size / link.h2d_bandwidth
     if not link.duplex:
         state.d2h = state.h2d = end
-    stream = "copy" if not link.duplex else "d2h" if offload else "h2d"
-    state.spans.append(Span(stream, label, start, end))
+    if state.timeline:
+        stream = "copy" if not link.duplex else "d2h" if offload else "h2d"
+        label = f"{key[0]}{code}{key[1]}" + ("" if layer is None else f".l{layer}")
+        state.spans.append(Span(stream, label, start, end))
     return start, end
 
 
-def _stream_swap(state: _Rank, leaf: Step, streamed: _Streamed, link: Link) -> None:
+def _stream_swap(state: _Rank, leaf: Step, streamed: _Streamed) -> None:
     """SO, WO, SL and WL of a streamed chunk (its forward and backward do the rest)."""
     key, kind = leaf.key, leaf.type
     record = state.copies.setdefault(key, {})
@@ -358,16 +383,11 @@ def _stream_swap(state: _Rank, leaf: Step, streamed: _Streamed, link: Link) -> N
     elif kind is _SL:
         state.change(streamed.layers[last].movable)
         record["off_until"] = state.compute
-        start, end = _copy(state, link, False, streamed.layers[last].movable,
-                           _layer_label(key, "LL", last))
+        start, end = _copy(state, False, streamed.layers[last].movable, key, "LL", last)
         streamed.loaded[last] = end
         record.update(load_start=start, load_end=end)
     else:
         _wait(state, streamed.loaded[last], record, "wait_load")
-
-
-def _layer_label(key: ChunkKey, code: str, layer: int) -> str:
-    return f"{key[0]}{code}{key[1]}.l{layer}"
 
 
 def _stall(state: _Rank, until: float, record: dict[str, float], leaf: Step,
@@ -377,13 +397,14 @@ def _stall(state: _Rank, until: float, record: dict[str, float], leaf: Step,
     reached = state.compute
     if until <= reached:
         return piece
-    state.spans.append(Span("compute", str(leaf), piece, reached))
+    if state.timeline:
+        state.spans.append(Span("compute", str(leaf), piece, reached))
     _wait(state, until, record, "wait_layer")
     return until
 
 
 def _stream_forward(state: _Rank, leaf: Step, streamed: _Streamed, start: float,
-                    duration: float, link: Link) -> float:
+                    duration: float) -> float:
     """A streamed chunk's forward, layer by layer (see the module docstring); returns its end."""
     key, layers, lag = leaf.key, streamed.layers, streamed.lag
     record = state.copies.setdefault(key, {})
@@ -392,7 +413,7 @@ def _stream_forward(state: _Rank, leaf: Step, streamed: _Streamed, start: float,
     for k, layer in enumerate(layers):
         state.compute += part
         state.change(layer.total)
-        copy_start, end = _copy(state, link, True, layer.movable, _layer_label(key, "LO", k))
+        copy_start, end = _copy(state, True, layer.movable, key, "LO", k)
         streamed.offloaded.append(end)
         if k == 0:
             record["offload_start"] = copy_start
@@ -405,7 +426,7 @@ def _stream_forward(state: _Rank, leaf: Step, streamed: _Streamed, start: float,
 
 
 def _stream_backward(state: _Rank, leaf: Step, streamed: _Streamed, start: float,
-                     duration: float, link: Link) -> float:
+                     duration: float) -> float:
     """A streamed chunk's B or I, layer by layer from the last (see the module docstring);
     returns its end."""
     key, layers = leaf.key, streamed.layers
@@ -418,8 +439,7 @@ def _stream_backward(state: _Rank, leaf: Step, streamed: _Streamed, start: float
             piece = _stall(state, streamed.loaded[k], record, leaf, piece)
         if k >= 1:
             state.change(layers[k - 1].movable)
-            _, end = _copy(state, link, False, layers[k - 1].movable,
-                           _layer_label(key, "LL", k - 1))
+            _, end = _copy(state, False, layers[k - 1].movable, key, "LL", k - 1)
             streamed.loaded[k - 1] = end
         state.compute += part
         if not keeps:  # autograd frees each layer's activations as it goes
@@ -433,7 +453,7 @@ def _stream_backward(state: _Rank, leaf: Step, streamed: _Streamed, start: float
 
 def _last_piece(state: _Rank, leaf: Step, start: float, piece: float) -> None:
     """The span of a streamed compute's last piece (none of no length after a wait)."""
-    if state.compute > piece or piece == start:
+    if state.timeline and (state.compute > piece or piece == start):
         state.spans.append(Span("compute", str(leaf), piece, state.compute))
 
 
@@ -444,7 +464,7 @@ def _gathered_change(costs: CostModel, leaf: Step) -> int:
     return size if leaf.type is _UNSHARD else -size
 
 
-def _result(state: _Rank, step_time: float, bytes_of: _ChunkBytesCache) -> RankResult:
+def _result(state: _Rank, step_time: float) -> RankResult:
     swapped = []
     for (stage, micro), rec in state.copies.items():
         if "wait_load" not in rec:
@@ -455,14 +475,13 @@ def _result(state: _Rank, step_time: float, bytes_of: _ChunkBytesCache) -> RankR
             lifespan=state.lifespans[(stage, micro)],
             off_device=rec["off_until"] - rec["wait_offload"],
             hidden=not rec.get("stalled"), layer_lag=int(rec.get("lag", 0))))
-    no_swap = _peaks_without_swap(state.order, bytes_of)
     return RankResult(
         rank=state.rank, step_time=state.compute, busy=state.busy,
         bubble_fraction=1 - state.busy / step_time if step_time > 0 else 0.0,
         exposed_copy=state.exposed, peak_activation_bytes=state.peak,
-        peak_activation_bytes_no_swap=no_swap.activations,
+        peak_activation_bytes_no_swap=state.peak_plain,
         peak_parameter_bytes=state.peak_gathered, peak_memory_bytes=state.peak_memory,
-        peak_memory_bytes_no_swap=no_swap.memory,
+        peak_memory_bytes_no_swap=state.peak_plain_memory,
         memory=tuple(state.memory), swapped=tuple(swapped), spans=tuple(state.spans))
 
 

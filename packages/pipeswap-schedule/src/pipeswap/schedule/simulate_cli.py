@@ -293,7 +293,7 @@ def run_simulate(args: argparse.Namespace,
     costs = costs_from(args)
     policy, budget = choose_policy(args, costs)
     schedule = build(args, policy)
-    result = simulate(schedule, costs)
+    result = simulate(schedule, costs, timeline=bool(args.trace or args.plot))
     if args.trace:
         with writing(args.trace):
             write_chrome_trace(result, args.trace)

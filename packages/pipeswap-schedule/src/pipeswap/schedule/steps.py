@@ -190,6 +190,24 @@ class Step:
         return ()
 
 
+_new_step = object.__new__
+_SET = tuple(Step.__dict__[name].__set__ for name in ("type", "stage", "micro", "sub_steps", "lag"))
+
+
+def chunk_leaf(kind: StepType, stage: int, micro: int) -> Step:
+    """``Step(kind, stage, micro)`` without the checks, for passes that build hundreds of
+    thousands of leaves from stages and micros of steps already checked (the checks are
+    half of a step's cost). ``kind`` takes a microbatch and is not SO (whose lag is set)."""
+    step = _new_step(Step)
+    set_type, set_stage, set_micro, set_subs, set_lag = _SET
+    set_type(step, kind)
+    set_stage(step, stage)
+    set_micro(step, micro)
+    set_subs(step, ())
+    set_lag(step, None)
+    return step
+
+
 def _is_index(value: object) -> bool:
     return type(value) is int and value >= 0
 

@@ -34,8 +34,8 @@ precedes the offload wait. The pass is linear in the order length.
 from __future__ import annotations
 
 from bisect import bisect_left
-from collections import defaultdict
 from collections.abc import Collection, Mapping
+from operator import itemgetter
 
 from pipeswap.schedule._gc import gc_paused
 from pipeswap.schedule.errors import ScheduleError
@@ -58,6 +58,7 @@ from pipeswap.schedule.steps import (
     Order,
     Step,
     StepType,
+    chunk_leaf,
 )
 
 _OWN_SEND = {StepType.FWD: StepType.FWD_SEND, StepType.BWD: StepType.BWD_SEND,
@@ -123,11 +124,11 @@ class _Slots:
                 continue
             slot = len(self.container)
             self.container.append(index)
-            for leaf in leaves:
+            for leaf in leaves:  # compute leaves: stage and micro are set
                 if leaf.type is StepType.FWD:
-                    self.fwd[leaf.key] = slot
+                    self.fwd[leaf.stage, leaf.micro] = slot  # type: ignore[index]
                 elif leaf.type in ACTIVATION_CONSUMERS:
-                    self.bwd[leaf.key] = slot
+                    self.bwd[leaf.stage, leaf.micro] = slot  # type: ignore[index]
 
     def candidates(self, rank: int) -> list[SwapCandidate]:
         bwd = self.bwd
@@ -177,11 +178,10 @@ def inject_swap_order(order: Order, policy: SwapPolicy, *, rank: int = 0) -> lis
         anchors[index] = found
         return found
 
-    # Where each step goes: before or after a container, launches ahead of waits.
-    launch_before: defaultdict[int, list[Step]] = defaultdict(list)
-    wait_before: defaultdict[int, list[Step]] = defaultdict(list)
-    launch_after: defaultdict[int, list[Step]] = defaultdict(list)
-    wait_after: defaultdict[int, list[Step]] = defaultdict(list)
+    # Where each step goes: (container, before (0, 1) or after (2, 3) it, launches ahead of
+    # waits, the step); a stable sort keeps the candidates' order within each place.
+    placed_steps: list[tuple[int, int, Step]] = []
+    add = placed_steps.append
     container = slots.container
     for _, stage, micro, f_slot, b_slot in candidates:
         placement = selected.get((stage, micro))
@@ -205,24 +205,23 @@ def inject_swap_order(order: Order, policy: SwapPolicy, *, rank: int = 0) -> lis
             gather = gathers[latest] if latest >= 0 else -1
             load_at = gather if gather > wait_offload_at else b_container
         if lag:
-            launch_before[f_container].append(
-                Step(StepType.SWAP_STREAM_OFFLOAD, stage, micro, lag=lag))
+            add((f_container, 0, Step(StepType.SWAP_STREAM_OFFLOAD, stage, micro, lag=lag)))
         else:
-            launch_after[f_container].append(Step(StepType.SWAP_LAUNCH_OFFLOAD, stage, micro))
-        wait_after[wait_offload_at].append(Step(StepType.SWAP_WAIT_OFFLOAD, stage, micro))
-        launch_before[load_at].append(Step(
-            StepType.SWAP_STREAM_LOAD if lag else StepType.SWAP_LAUNCH_LOAD, stage, micro))
-        wait_before[b_container].append(Step(StepType.SWAP_WAIT_LOAD, stage, micro))
+            add((f_container, 2, chunk_leaf(StepType.SWAP_LAUNCH_OFFLOAD, stage, micro)))
+        add((wait_offload_at, 3, chunk_leaf(StepType.SWAP_WAIT_OFFLOAD, stage, micro)))
+        add((load_at, 0, chunk_leaf(
+            StepType.SWAP_STREAM_LOAD if lag else StepType.SWAP_LAUNCH_LOAD, stage, micro)))
+        add((b_container, 1, chunk_leaf(StepType.SWAP_WAIT_LOAD, stage, micro)))
+    placed_steps.sort(key=itemgetter(0, 1))
 
     out: list[Step | None] = []
-    done = 0
-    for index in sorted({*launch_before, *wait_before, *launch_after, *wait_after}):
-        out += order[done:index]
-        out += launch_before.get(index, ())
-        out += wait_before.get(index, ())
-        out.append(order[index])
-        out += launch_after.get(index, ())
-        out += wait_after.get(index, ())
-        done = index + 1
+    done = 0  # the order's steps before this are in ``out``
+    for index, where, step in placed_steps:
+        if where < 2:
+            out += order[done:index]
+        else:
+            out += order[done:index + 1]
+        done = index + (where >= 2)
+        out.append(step)
     out += order[done:]
     return out

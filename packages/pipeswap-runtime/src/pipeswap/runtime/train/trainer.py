@@ -233,7 +233,7 @@ class Trainer:
         mean = StageCosts(statistics.mean(s.forward for s in stages.values()),
                           statistics.mean(s.backward for s in stages.values()))
         stages = {stage: stages.get(stage, mean) for stage in range(self.config.num_stages)}
-        ranks = simulate(executor.schedule, replace(costs, stages=stages)).ranks
+        ranks = simulate(executor.schedule, replace(costs, stages=stages), timeline=False).ranks
         return ranks[self.pp_rank].step_time
 
     def train_step(self, mode: str, number: int, batch: Batch, executor: PipelineExecutor,

@@ -42,16 +42,16 @@ class Timeline:
         for step in order:
             if step is None or not (step.type in COMPUTE or step.type in OVERLAPS):
                 continue
-            leaves = step.sub_steps if step.type in OVERLAPS else (step,)
             starts.append(now)
-            for leaf in leaves:
-                kind, key = leaf.type, leaf.key
-                took = times.get((kind, key[0]))
+            for leaf in step.sub_steps or (step,):
+                kind, stage = leaf.type, leaf.stage
+                assert stage is not None  # a compute leaf
+                took = times.get((kind, stage))
                 if took is None:
-                    took = times[kind, key[0]] = costs.compute_time(kind, key[0], rank)
+                    took = times[kind, stage] = costs.compute_time(kind, stage, rank)
                 now += took
                 if kind is not StepType.FWD:
-                    last[key] = len(starts) - 1
+                    last[stage, leaf.micro] = len(starts) - 1  # type: ignore[index]
             ends.append(now)
         return Timeline(tuple(starts), tuple(ends), last)
 
