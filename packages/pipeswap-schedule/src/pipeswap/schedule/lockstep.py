@@ -72,12 +72,15 @@ def lockstep(
             own, index = items[rank], position[rank]
             while index < len(own):
                 item = own[index]
-                if any(message not in produced for message in needs(item)):
-                    break
-                fresh.update(take(rank, item))
-                index += 1
-                if not run_on:
-                    break
+                for message in needs(item):
+                    if message not in produced:
+                        break
+                else:
+                    fresh.update(take(rank, item))
+                    index += 1
+                    if run_on:
+                        continue
+                break
             if index == position[rank] and wait is not None:
                 wait(rank)
             moved = moved or index > position[rank]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from itertools import repeat
 
 from pipeswap.schedule._gc import gc_paused
@@ -212,10 +213,13 @@ def insert_send_recv_early(schedule: Schedule) -> Schedule:
 
     stage_ranks = schedule.stage_ranks
 
-    def needs(step: Step | None) -> list[Message]:
+    def needs(step: Step | None) -> Sequence[Message]:
         if step is None:
-            return []
-        return [m for m in map(_input, step.sub_steps or (step,), repeat(last)) if m]
+            return ()
+        if not step.sub_steps:  # most steps: one compute, at most one input
+            needed = _input(step, last)
+            return () if needed is None else (needed,)
+        return [m for m in map(_input, step.sub_steps, repeat(last)) if m]
 
     def take(rank: int, step: Step | None) -> list[Message]:
         if step is None:
