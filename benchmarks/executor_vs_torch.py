@@ -10,7 +10,8 @@ from the same weights (the bundled GPT, ``build_gpt`` with one seed, cut by
 ``split_stages``): pipeswap's ``PipelineExecutor`` without swap, the same with swap, and
 ``torch.distributed.pipelining`` (its ``PipelineStage`` and the schedule class of the case:
 ``Schedule1F1B``, ``ScheduleInterleavedZeroBubble``, ``ScheduleZBVZeroBubble``, whose compute
-orders pipeswap's generators reproduce, see tests/test_pytorch_schedules.py). Every step runs
+orders pipeswap's generators reproduce, see tests/test_pytorch_schedules.py; for 1F1B with
+its sends and receives batched in pairs, as ``Schedule1F1B`` posts them). Every step runs
 all three on the same batch, one after the other, in an order that rotates from step to step,
 each after a barrier, and times each on every rank; no optimizer runs, so every step starts
 from the same weights. The first ``--warmup`` steps (shape exchange, buffers, the pool) are
@@ -54,6 +55,7 @@ class Case:
     ranks: int
     stages_per_rank: int
     microbatches: int
+    batch_p2p: bool = False  # post adjacent sends and receives together, as PyTorch's class does
 
 
 @dataclass(frozen=True)
@@ -68,7 +70,11 @@ class Sizes:
 
 
 CASES = (
-    Case("1F1B P=4 M=8", "1f1b", 4, 1, 8),
+    # Schedule1F1B posts a forward's send with the next backward's receive in one
+    # batch_isend_irecv (and a backward's send with the next forward's receive), as pipeswap
+    # does with batch_p2p; PyTorch's runtime for the zero-bubble classes posts each operation
+    # alone, as pipeswap does by default.
+    Case("1F1B P=4 M=8", "1f1b", 4, 1, 8, batch_p2p=True),
     Case("Interleaved ZB P=2 V=2 M=8", "interleaved-zb", 2, 2, 8),
     Case("ZBV P=2 M=8", "zbv", 2, 2, 8),
 )
@@ -120,7 +126,8 @@ def run_case(rank: int, world_size: int, case: Case, sizes: Sizes) -> RankResult
     gpt = GPTConfig(vocab=len(corpus.vocab), seq_len=sizes.seq_len, width=sizes.width,
                     layers=sizes.blocks_per_stage * num_stages)
     spec = ScheduleSpec(ScheduleKind(case.schedule), ranks=case.ranks,
-                        microbatches=case.microbatches, stages_per_rank=case.stages_per_rank)
+                        microbatches=case.microbatches, stages_per_rank=case.stages_per_rank,
+                        batch_p2p=case.batch_p2p)
     placement = build_schedule(spec).stage_ranks
     mine = [index for index in range(num_stages) if placement[index] == rank]
     holds_first, holds_last = 0 in mine, num_stages - 1 in mine
@@ -325,7 +332,9 @@ def main(argv: list[str] | None = None) -> int:
         f"{sizes.batch_size} sequences a step, {sizes.blocks_per_stage} block(s) per stage; "
         "one intra-op thread per rank. The three contenders share the spawned ranks and run "
         "alternately, step by step (the order rotating), each after a barrier, from the same "
-        f"weights on the same batches, no optimizer; {sizes.steps} measured steps each after "
+        "weights on the same batches, with the same P2P (pipeswap's 1F1B batches each send "
+        "with the next receive, as Schedule1F1B does), no optimizer; "
+        f"{sizes.steps} measured steps each after "
         f"{sizes.warmup} warm-up step(s). A step time is the median over steps on each rank; "
         "the columns give the slowest rank's (the pipeline's step time), the per-rank column "
         "all of them.\n\n"
