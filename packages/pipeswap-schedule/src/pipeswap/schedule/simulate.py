@@ -294,11 +294,14 @@ def simulate(schedule: Schedule, costs: CostModel, *, timeline: bool = True) -> 
                 assert stage is not None and micro is not None  # a leaf of a chunk
                 publish(("F" if kind is _SEND_F else "B", stage, micro), state.compute + transfer)
             elif kind in _SWAPS:
+                stage, micro = leaf.stage, leaf.micro
+                assert stage is not None and micro is not None  # a leaf of a chunk
+                key = (stage, micro)
                 if kind is _SO:
-                    state.streams[leaf.key] = _Streamed(leaf.lag or 1, bytes_of.layers(leaf.key))
-                streamed = state.streams.get(leaf.key)
+                    state.streams[key] = _Streamed(leaf.lag or 1, bytes_of.layers(key))
+                streamed = state.streams.get(key)
                 if streamed is None:
-                    _swap(state, leaf, bytes_of(leaf.key).movable)
+                    _swap(state, leaf, key, bytes_of(key).movable)
                 else:
                     _stream_swap(state, leaf, streamed)
             elif kind is _UNSHARD or kind is _RESHARD:
@@ -316,22 +319,22 @@ def simulate(schedule: Schedule, costs: CostModel, *, timeline: bool = True) -> 
     return SimulationResult(step_time, tuple(_result(s, step_time) for s in ranks))
 
 
-def _swap(state: _Rank, leaf: Step, movable: int) -> None:
+def _swap(state: _Rank, leaf: Step, key: ChunkKey, movable: int) -> None:
     """LO, WO, LL and WL of a chunk swapped whole."""
-    key = leaf.key
-    record = state.copies.setdefault(key, {})
     kind = leaf.type
     if kind is _LO:
         start, end = _copy(state, True, movable, key, "LO")
-        record.update(offload_start=start, offload_end=end)
-    elif kind is _WO:
+        state.copies[key] = {"offload_start": start, "offload_end": end}
+        return
+    record = state.copies[key]  # LO came first: the validator checks the order
+    if kind is _WO:
         _wait(state, record["offload_end"], record, "wait_offload")
         state.change(-movable)
     elif kind is _LL:
         state.change(movable)
         record["off_until"] = state.compute
         start, end = _copy(state, False, movable, key, "LL")
-        record.update(load_start=start, load_end=end)
+        record["load_start"], record["load_end"] = start, end
     else:
         _wait(state, record["load_end"], record, "wait_load")
 
