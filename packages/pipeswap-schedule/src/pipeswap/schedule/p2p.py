@@ -233,10 +233,12 @@ def insert_send_recv_early(schedule: Schedule) -> Schedule:
             forward = leaf.type is StepType.FWD
             made.append(Message(forward, stage, micro))
             if forward:  # as Schedule.remote_output, inline: this runs once per compute
-                if stage < last and stage_ranks[stage + 1] != rank:
+                peer = stage_ranks[stage + 1] if stage < last else rank
+                if peer != rank:
                     mine.append(chunk_leaf(StepType.FWD_SEND, stage, micro))
-                    out[stage_ranks[stage + 1]].append(chunk_leaf(StepType.FWD_RECV, stage + 1, micro))
-            elif leaf.type in ACTIVATION_CONSUMERS and stage > 0 and stage_ranks[stage - 1] != rank:
+                    out[peer].append(chunk_leaf(StepType.FWD_RECV, stage + 1, micro))
+            elif leaf.type in ACTIVATION_CONSUMERS and stage > 0 and (
+                    stage_ranks[stage - 1] != rank):
                 mine.append(chunk_leaf(StepType.BWD_SEND, stage, micro))
                 out[stage_ranks[stage - 1]].append(chunk_leaf(StepType.BWD_RECV, stage - 1, micro))
         return made

@@ -266,7 +266,7 @@ def simulate(schedule: Schedule, costs: CostModel, *, timeline: bool = True) -> 
         else:  # W the rest; B, or an I without W, all of it
             freed = chunk.held_after_input if kind is _W else chunk.total
         state.change_plain(-freed)
-        if streamed is None and (freed or not split_input):  # a streamed chunk's layers were freed one by one
+        if streamed is None and (freed or not split_input):  # streamed: freed layer by layer
             state.change(-freed)
 
     def advance(state: _Rank) -> None:
