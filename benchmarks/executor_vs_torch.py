@@ -12,8 +12,9 @@ from the same weights (the bundled GPT, ``build_gpt`` with one seed, cut by
 ``Schedule1F1B``, ``ScheduleInterleavedZeroBubble``, ``ScheduleZBVZeroBubble``, whose compute
 orders pipeswap's generators reproduce, see tests/test_pytorch_schedules.py; for 1F1B with
 its sends and receives batched in pairs, as ``Schedule1F1B`` posts them). Every step runs
-all three on the same batch, one after the other, in an order that rotates from step to step,
-each after a barrier, and times each on every rank; no optimizer runs, so every step starts
+all three on the same batch, one after the other, each after a barrier, in orders that put
+each right after each other equally often (see ``balanced_orders``), and times each on every
+rank; no optimizer runs, so every step starts
 from the same weights. The first ``--warmup`` steps (shape exchange, buffers, the pool) are
 left out; a figure is the median over steps on each rank, then the median over ranks. The
 losses of all three are compared on every step, and the gradients after the first.
@@ -181,10 +182,9 @@ def run_case(rank: int, world_size: int, case: Case, sizes: Sizes) -> RankResult
         result.seconds[name], result.losses[name] = [], []
 
     first_grads: dict[str, dict[str, torch.Tensor]] = {}
-    order = [name for name in CONTENDERS if name in runners]
+    orders = balanced_orders([name for name in CONTENDERS if name in runners])
     for number, (inputs, targets) in enumerate(data):
-        shift = number % len(order) if order else 0
-        for name in order[shift:] + order[:shift]:
+        for name in orders[number % len(orders)]:
             for _, p in params[name]:
                 p.grad = None
             dist.barrier()
@@ -209,6 +209,16 @@ def run_case(rank: int, world_size: int, case: Case, sizes: Sizes) -> RankResult
             (float((grads[key] - reference[key]).abs().max()) for key in reference),
             default=0.0) / scale
     return result
+
+
+def balanced_orders(names: list[str]) -> list[list[str]]:
+    """Orders to run ``names`` in, step after step, such that each runs right after each
+    other equally often, across steps too: a contender may leave work behind (the swap
+    executor's copy threads, freed memory), and a plain rotation of three would put the
+    same one after it two times in three. For two or three: a b c, a c b, a b c, ..."""
+    if len(names) > 3:
+        raise ValueError("balanced_orders knows sequences for up to three contenders")
+    return [names, names[:1] + names[:0:-1]] if names else [[]]
 
 
 def run_cases(rank: int, world_size: int, cases: list[Case], sizes: Sizes) -> list[RankResult]:
@@ -331,7 +341,8 @@ def main(argv: list[str] | None = None) -> int:
         f"torch {torch.__version__}; GPT width {sizes.width}, {sizes.seq_len} tokens x "
         f"{sizes.batch_size} sequences a step, {sizes.blocks_per_stage} block(s) per stage; "
         "one intra-op thread per rank. The three contenders share the spawned ranks and run "
-        "alternately, step by step (the order rotating), each after a barrier, from the same "
+        "alternately, step by step, each after a barrier and right after each other equally "
+        "often, from the same "
         "weights on the same batches, with the same P2P (pipeswap's 1F1B batches each send "
         "with the next receive, as Schedule1F1B does), no optimizer; "
         f"{sizes.steps} measured steps each after "
