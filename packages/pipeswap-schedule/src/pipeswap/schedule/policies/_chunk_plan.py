@@ -265,7 +265,8 @@ class ChunkPlan:
         for key in reversed(list(self.chosen)):
             index = self.position[key]
             span = self.off_slots(self.candidates[index], self.chosen[key])
-            if span and self.profile.highest_in(span.start, span.stop) + self.movable[
-                    index] <= peak:
+            room = peak - self.movable[index]
+            if span and (self.profile.bound(span.start, span.stop) <= room
+                         or self.profile.highest_in(span.start, span.stop) <= room):
                 self.profile.add(span.start, span.stop, self.movable[index])
                 del self.chosen[key]
