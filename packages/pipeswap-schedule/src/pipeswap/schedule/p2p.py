@@ -67,11 +67,11 @@ def insert_send_recv(schedule: Schedule) -> Schedule:
                 continue
             stage, micro = compute.key
             if compute.type is StepType.FWD and stage + 1 < num_stages and rank_of[stage + 1] != r:
-                out[r].append(Step(StepType.FWD_SEND, stage, micro))
-                out[rank_of[stage + 1]].append(Step(StepType.FWD_RECV, stage + 1, micro))
+                out[r].append(chunk_leaf(StepType.FWD_SEND, stage, micro))
+                out[rank_of[stage + 1]].append(chunk_leaf(StepType.FWD_RECV, stage + 1, micro))
             elif compute.type in ACTIVATION_CONSUMERS and stage > 0 and rank_of[stage - 1] != r:
-                out[r].append(Step(StepType.BWD_SEND, stage, micro))
-                out[rank_of[stage - 1]].append(Step(StepType.BWD_RECV, stage - 1, micro))
+                out[r].append(chunk_leaf(StepType.BWD_SEND, stage, micro))
+                out[rank_of[stage - 1]].append(chunk_leaf(StepType.BWD_RECV, stage - 1, micro))
     return Schedule(tuple(tuple(o) for o in out), schedule.stage_ranks)
 
 

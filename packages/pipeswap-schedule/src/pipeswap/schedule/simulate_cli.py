@@ -35,7 +35,6 @@ from pipeswap.schedule.policies import (
 from pipeswap.schedule.schedule import Schedule
 from pipeswap.schedule.simulate import simulate
 from pipeswap.schedule.simulate_report import Outcomes, render, report
-from pipeswap.schedule.steps import FSDP
 from pipeswap.schedule.trace import write_chrome_trace
 from pipeswap.schedule.units import MAX_BYTES, parse_bytes, parse_size, parse_time
 
@@ -300,11 +299,6 @@ def run_simulate(args: argparse.Namespace,
     if args.plot:
         with writing(args.plot):
             plot(result, args.plot)
-    summary = report(result, budget, fsdp=_has_fsdp_steps(schedule))
+    summary = report(result, budget, fsdp=args.fsdp)  # the FSDP pass adds steps to every rank
     print(json.dumps(summary) if args.format == "json" else render(summary))
     return 0
-
-
-def _has_fsdp_steps(schedule: Schedule) -> bool:
-    return any(step is not None and step.type in FSDP
-               for order in schedule.orders for step in order)
