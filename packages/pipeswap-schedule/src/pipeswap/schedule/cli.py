@@ -9,6 +9,7 @@ import sys
 from collections.abc import Sequence
 
 from pipeswap.schedule.__about__ import __version__
+from pipeswap.schedule._gc import gc_paused
 from pipeswap.schedule.build import LOWERINGS, Lowering, ScheduleKind, ScheduleSpec, build_schedule
 from pipeswap.schedule.costs import PRESETS
 from pipeswap.schedule.errors import ScheduleError
@@ -300,6 +301,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
 
 
+@gc_paused  # the whole command: between the passes, each paused alone, the cyclic collector
+# would scan the million acyclic steps a large schedule has, again and again (a tenth of the
+# command at 64 stages)
 def _run(argv: Sequence[str] | None) -> int:
     parser = _parser()
     args = parser.parse_args(_attach_dashed_values(sys.argv[1:] if argv is None else argv))
