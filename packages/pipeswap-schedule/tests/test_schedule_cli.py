@@ -297,3 +297,18 @@ def test_policy_options_are_the_same_on_every_command(cli: Cli, tmp_path: Path) 
     assert code == 2 and "--swap-min-gap sets the gap policy's threshold" in err
     code, _, err = cli("orders", *base, "--policy", "cost", "--budget", "1GiB")
     assert code == 2 and "--budget applies to --policy peak and --policy budget" in err
+
+
+@pytest.mark.parametrize("argv", [
+    ("simulate", "--swap", "--schedule", "1f1b", "-P", "2", "-M", "4"),
+    ("simulate", "--schedule", "1f1b", "-P", "0", "-M", "4"),  # refused
+], ids=["ran", "refused"])
+def test_a_command_run_in_process_leaves_the_collector_as_it_found_it(
+        cli: Cli, argv: tuple[str, ...]) -> None:
+    # A command pauses the cyclic collector while it works; a program that calls main()
+    # must get it back, whether the command ran or was refused.
+    import gc
+
+    assert gc.isenabled()
+    cli(*argv)
+    assert gc.isenabled()
