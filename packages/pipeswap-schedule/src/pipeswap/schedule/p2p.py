@@ -259,10 +259,10 @@ def pytorch_turns(order: Order, microbatches: int) -> list[Step | None]:
     """
     computes = [step for step in order if step is not None]
     turns: list[Step | None] = []
-    gathered: list[int] = []
+    gathered: tuple[int, ...] = ()
     reductions: dict[int | None, int] = {}
     for step, upcoming in zip(computes, _upcoming_stages(computes, 3)):
-        if upcoming is not gathered:  # the same list while the look-ahead does not change
+        if upcoming is not gathered:  # equal answers are one tuple: nothing to count
             turns += [None] * (sum(s not in upcoming for s in gathered)
                                + sum(s not in gathered for s in upcoming))
             gathered = upcoming
@@ -275,23 +275,28 @@ def pytorch_turns(order: Order, microbatches: int) -> list[Step | None]:
     return turns
 
 
-def _upcoming_stages(computes: list[Step], count: int) -> list[list[int]]:
+def _upcoming_stages(computes: list[Step], count: int) -> list[tuple[int, ...]]:
     """For each position, the first ``count`` distinct stages from there on, as PyTorch's
-    FSDP lowering looks ahead (it checks the count only after a whole overlap); a position
-    whose answer equals the next one's shares its list.
+    FSDP lowering looks ahead (it checks the count only after a whole overlap); equal
+    answers are the same tuple.
 
     Where fewer than ``count`` stages remain, the look-ahead runs to the end: those answers
     come from one backward pass, so the whole costs time linear in the order's length
     rather than quadratic.
     """
-    tails: list[list[int]] = [[] for _ in range(len(computes) + 1)]
+    known: dict[tuple[int, ...], tuple[int, ...]] = {}
+    ahead: dict[tuple[int | tuple[int, ...], tuple[int, ...]], tuple[int, ...]] = {}
+    tails: list[tuple[int, ...]] = [()] * (len(computes) + 1)
     for index in range(len(computes) - 1, -1, -1):
         step, after = computes[index], tails[index + 1]
-        if after and not step.sub_steps and step.stage == after[0]:
-            tails[index] = after  # a lone compute of the stage already first
-            continue
-        here = [leaf.key[0] for leaf in step.sub_steps or (step,)]
-        tails[index] = list(dict.fromkeys(here + after))
+        here: int | tuple[int, ...] = (tuple(leaf.key[0] for leaf in step.sub_steps)
+                                       if step.sub_steps else step.key[0])
+        tail = ahead.get((here, after))
+        if tail is None:
+            first = list(here) if isinstance(here, tuple) else [here]
+            tail = tuple(dict.fromkeys(first + list(after)))
+            tail = ahead[here, after] = known.setdefault(tail, tail)
+        tails[index] = tail
     result = []
     for index in range(len(computes)):
         if len(tails[index]) < count:
@@ -305,9 +310,7 @@ def _upcoming_stages(computes: list[Step], count: int) -> list[list[int]]:
                     seen.append(stage)
             if len(seen) >= count:
                 break
-        if result and result[-1] == seen:
-            seen = result[-1]
-        result.append(seen)
+        result.append(known.setdefault(tuple(seen), tuple(seen)))
     return result
 
 
