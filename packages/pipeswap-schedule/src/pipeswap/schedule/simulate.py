@@ -184,16 +184,31 @@ class _Rank:
             self.peak_plain_memory = self.plain + self.gathered
 
 
-def _leaves(order: Order) -> list[Step]:
-    """The leaves ``order`` runs, in order; receives only post, so they are left out."""
+class _Flat(NamedTuple):
+    """A rank's order as the simulator walks it."""
+
+    leaves: list[Step]  # the leaves it runs, in order, receives left out (they only post)
+    split: set[ChunkKey]  # chunks whose backward ends with W
+    streams: bool  # it has SO steps
+
+
+def _flatten(order: Order) -> _Flat:
     leaves: list[Step] = []
+    split: set[ChunkKey] = set()
+    streams = False
     for step in order:
         if step is None:
             continue
         for leaf in step.sub_steps or (step,):
-            if leaf.type not in RECVS:
-                leaves.append(leaf)
-    return leaves
+            kind = leaf.type
+            if kind in RECVS:
+                continue
+            leaves.append(leaf)
+            if kind is _W:
+                split.add(leaf.key)
+            elif kind is _SO:
+                streams = True
+    return _Flat(leaves, split, streams)
 
 
 @gc_paused
@@ -206,9 +221,9 @@ def simulate(schedule: Schedule, costs: CostModel, *, timeline: bool = True) -> 
     validate(schedule, transport="tagged")  # the model below: sends never wait
     stage_ranks = schedule.stage_ranks
     last_stage = schedule.num_stages - 1
-    ranks = [_Rank(r, _leaves(order), costs.rank_link(r), timeline,
-                   split={s.key for s in order if s is not None and s.type is _W})
-             for r, order in enumerate(schedule.orders)]
+    flat = [_flatten(order) for order in schedule.orders]
+    ranks = [_Rank(r, f.leaves, costs.rank_link(r), timeline, split=f.split)
+             for r, f in enumerate(flat)]
     # ("F", s, m): stage s's output for micro m is where stage s + 1 runs; ("B", s, m): the
     # gradient of stage s's input is where stage s - 1 runs. Value: the time it got there.
     ready: dict[tuple[str, int, int], float] = {}
@@ -216,10 +231,11 @@ def simulate(schedule: Schedule, costs: CostModel, *, timeline: bool = True) -> 
     runnable = list(range(len(ranks)))
     transfer = costs.p2p_time()
     bytes_of = _ChunkBytesCache(costs)
-    check_layer_lags(schedule, lambda key: len(bytes_of.layers(key)),
-                     "the cost model gives a chunk of stage {stage} {layers} layer(s) "
-                     "(--layers-per-stage; CostModel.layers, StageCosts.layers or the "
-                     "chunk's measured ChunkBytes.layers)")
+    if any(f.streams for f in flat):
+        check_layer_lags(schedule, lambda key: len(bytes_of.layers(key)),
+                         "the cost model gives a chunk of stage {stage} {layers} layer(s) "
+                         "(--layers-per-stage; CostModel.layers, StageCosts.layers or the "
+                         "chunk's measured ChunkBytes.layers)")
     times: dict[tuple[StepType, int, int], float] = {}
 
     def duration_of(kind: StepType, stage: int, rank: int) -> float:
