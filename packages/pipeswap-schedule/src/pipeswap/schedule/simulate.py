@@ -144,7 +144,7 @@ class _Rank:
     gathered: int = 0  # parameter bytes of the stages gathered now
     peak_gathered: int = 0
     peak_memory: int = 0  # of held + gathered
-    plain: int = 0  # activation bytes held were nothing swapped
+    plain: int = 0  # activation bytes it would hold if nothing were swapped
     peak_plain: int = 0
     peak_plain_memory: int = 0  # of plain + gathered
     memory: list[tuple[float, int]] = field(default_factory=list)
@@ -166,7 +166,7 @@ class _Rank:
             self.peak_memory = self.held + self.gathered
 
     def change_plain(self, delta: int) -> None:
-        """What a compute changes in the bytes held were nothing swapped."""
+        """A compute changes the bytes it would hold if nothing were swapped by ``delta``."""
         self.plain += delta
         if self.plain > self.peak_plain:
             self.peak_plain = self.plain
