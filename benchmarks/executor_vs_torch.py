@@ -14,8 +14,7 @@ orders pipeswap's generators reproduce, see tests/test_pytorch_schedules.py; for
 its sends and receives batched in pairs, as ``Schedule1F1B`` posts them). Every step runs
 all three on the same batch, one after the other, each after a barrier, in orders that put
 each right after each other equally often (see ``balanced_orders``), and times each on every
-rank; no optimizer runs, so every step starts
-from the same weights. The first ``--warmup`` steps (shape exchange, buffers, the pool) are
+rank; no optimizer runs, so every step starts from the same weights. The first ``--warmup`` steps (shape exchange, buffers, the pool) are
 left out; a figure is the median over steps on each rank, then the median over ranks. The
 losses of all three are compared on every step, and the gradients after the first.
 """
@@ -342,11 +341,9 @@ def main(argv: list[str] | None = None) -> int:
         f"{sizes.batch_size} sequences a step, {sizes.blocks_per_stage} block(s) per stage; "
         "one intra-op thread per rank. The three contenders share the spawned ranks and run "
         "alternately, step by step, each after a barrier and right after each other equally "
-        "often, from the same "
-        "weights on the same batches, with the same P2P (pipeswap's 1F1B batches each send "
-        "with the next receive, as Schedule1F1B does), no optimizer; "
-        f"{sizes.steps} measured steps each after "
-        f"{sizes.warmup} warm-up step(s). A step time is the median over steps on each rank; "
+        "often, from the same weights on the same batches, with the same P2P (pipeswap's "
+        "1F1B batches each send with the next receive, as Schedule1F1B does), no optimizer; "
+        f"{sizes.steps} measured steps each after {sizes.warmup} warm-up step(s). A step time is the median over steps on each rank; "
         "the columns give the slowest rank's (the pipeline's step time), the per-rank column "
         "all of them.\n\n"
         "| case | pipeswap, no swap | pipeswap, swap | PyTorch | pipeswap / PyTorch | "

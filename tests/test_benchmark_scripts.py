@@ -101,3 +101,21 @@ def test_layer_offload_runs_and_agrees_bit_for_bit() -> None:
     counted = figures["layer_offload"]
     assert counted["offloaded_bytes_per_step"] == counted["reloaded_bytes_per_step"] > 0
     assert 0 < counted["peak_held_bytes"] < counted["saved_bytes"]
+
+
+@pytest.mark.parametrize("count", [1, 2, 3])
+def test_executor_vs_torch_runs_each_contender_after_each_other_equally_often(
+        count: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib
+
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    module = importlib.import_module("executor_vs_torch")
+    names = ["pipeswap", "pipeswap-swap", "torch"][:count]
+    orders = module.balanced_orders(names)
+    assert all(sorted(order) == sorted(names) for order in orders)  # each once a step
+    run = [name for order in orders for name in order]  # one period, repeated step after step
+    after = {(a, b): 0 for a in names for b in names if a != b}
+    for before, name in zip(run, run[1:] + run[:1]):
+        if before != name:
+            after[before, name] += 1
+    assert len(set(after.values())) <= 1, after  # every ordered pair alike

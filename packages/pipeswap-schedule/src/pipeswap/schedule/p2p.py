@@ -377,11 +377,6 @@ def _input(leaf: Step, last: int) -> Message | None:
     return None
 
 
-def _output(leaf: Step) -> Message:
-    stage, micro = leaf.key
-    return Message(leaf.type is StepType.FWD, stage, micro)
-
-
 def _pair(message: Message) -> tuple[Step, Step]:
     """The send and the receive that move ``message``."""
     activation, sender, micro = message

@@ -43,7 +43,7 @@ from typing import NamedTuple
 from pipeswap.schedule._gc import gc_paused
 from pipeswap.schedule.costs import ChunkBytes, CostModel, Link
 from pipeswap.schedule.schedule import Schedule
-from pipeswap.schedule.steps import COMPUTE, OVERLAPS, RECVS, ChunkKey, Order, Step, StepType
+from pipeswap.schedule.steps import COMPUTE, RECVS, ChunkKey, Order, Step, StepType
 from pipeswap.schedule.validation import check_layer_lags, validate
 
 _F, _B, _I, _W = StepType.FWD, StepType.BWD, StepType.BWD_INPUT, StepType.BWD_WEIGHT
@@ -277,10 +277,7 @@ def simulate(schedule: Schedule, costs: CostModel, *, timeline: bool = True) -> 
             state.lifespans[key] = start - state.forwarded[key]
             if stage > 0 and stage_ranks[stage - 1] == state.rank:
                 publish(("B", stage, micro), end)
-        if split_input:  # I frees what its W does not need
-            freed = chunk.total - chunk.held_after_input
-        else:  # W the rest; B, or an I without W, all of it
-            freed = chunk.held_after_input if kind is _W else chunk.total
+        freed = _freed(kind, chunk, split_input)
         state.change_plain(-freed)
         if streamed is None and (freed or not split_input):  # streamed: freed layer by layer
             state.change(-freed)
@@ -530,40 +527,27 @@ class _ChunkBytesCache:
 
 
 def peak_without_swap(order: Order, costs: CostModel) -> int:
-    """The most activation bytes ``order`` holds at once if nothing is swapped."""
-    return _peaks_without_swap(order, _ChunkBytesCache(costs)).activations
-
-
-class _Peaks(NamedTuple):
-    activations: int
-    memory: int  # activations and gathered parameters together
-
-
-def _peaks_without_swap(order: Order, bytes_of: _ChunkBytesCache) -> _Peaks:
-    """The peaks of a valid ``order`` with its swap steps left out, counted as
-    :func:`simulate` counts them."""
+    """The most activation bytes a valid ``order`` holds at once if nothing is swapped,
+    counted as :func:`simulate` counts ``peak_activation_bytes_no_swap``."""
+    bytes_of = _ChunkBytesCache(costs)
     split = {s.key for s in order if s is not None and s.type is _W}
-    held = gathered = peak = peak_memory = 0
+    held = peak = 0
     for step in order:
         if step is None:
             continue
-        for leaf in (step.sub_steps if step.type in OVERLAPS else (step,)):
+        for leaf in step.sub_steps or (step,):
             kind = leaf.type
             if kind is _F:
                 held += bytes_of(leaf.key).total
-                if held > peak:
-                    peak = held
-                if held + gathered > peak_memory:
-                    peak_memory = held + gathered
-            elif kind is _UNSHARD or kind is _RESHARD:
-                gathered += _gathered_change(bytes_of.costs, leaf)
-                if held + gathered > peak_memory:
-                    peak_memory = held + gathered
-            elif kind is _I and leaf.key in split:
-                chunk = bytes_of(leaf.key)
-                held -= chunk.total - chunk.held_after_input
-            elif kind is _W:
-                held -= bytes_of(leaf.key).held_after_input
-            elif kind is _B or kind is _I:
-                held -= bytes_of(leaf.key).total
-    return _Peaks(peak, peak_memory)
+                peak = max(peak, held)
+            elif kind in COMPUTE:
+                held -= _freed(kind, bytes_of(leaf.key), kind is _I and leaf.key in split)
+    return peak
+
+
+def _freed(kind: StepType, chunk: ChunkBytes, split_input: bool) -> int:
+    """What a backward leaf frees of its chunk: an I followed by a W (``split_input``) all
+    but what the W needs, the W that, a B or a lone I everything."""
+    if split_input:
+        return chunk.total - chunk.held_after_input
+    return chunk.held_after_input if kind is _W else chunk.total
