@@ -48,6 +48,41 @@ def fail_mid_step(rank: int, world_size: int, how: str) -> str:
     return "finished"
 
 
+def agree_then_fail(rank: int, world_size: int) -> dict[str, object]:
+    """The end-of-step agreement twice. Over ranks 1-3 (group rank 0 is global rank 1), the
+    last rank to arrive comes after the others have arrived: each rank then says whether
+    every one had arrived when its agreement returned. Over all four, rank 2 fails instead
+    (it breaks its links, as a failing rank does); every other rank breaks its own when its
+    agreement raises, as the executor's failure protocol does, and says what it raised."""
+    import time
+
+    import torch.distributed as dist
+
+    from pipeswap.runtime.comm import agree, break_links
+
+    store = dist.distributed_c10d._get_default_store()
+    ours = dist.new_group([1, 2, 3])
+    everyone = dist.new_group(list(range(world_size)))
+    seen: bool | None = None
+    if rank > 0:
+        if rank == 3:  # the last: after the others, root included, have arrived
+            store.wait(["arrived/1", "arrived/2"])
+        store.set(f"arrived/{rank}", "yes")
+        agree(ours)
+        seen = store.check([f"arrived/{r}" for r in (1, 2, 3)])
+    dist.barrier()
+    begun, raised = time.perf_counter(), ""
+    if rank == 2:
+        break_links(everyone)
+    else:
+        try:
+            agree(everyone)
+        except RuntimeError as exc:
+            raised = type(exc).__name__
+            break_links(everyone)
+    return {"seen": seen, "raised": raised, "seconds": time.perf_counter() - begun}
+
+
 def mismatched(rank: int, world_size: int, what: str) -> str:
     """Rank 1 disagrees with rank 0: another microbatch count, or the wrong stage."""
     module = torch.nn.Linear(8, 8)

@@ -302,6 +302,16 @@ def test_a_failing_rank_makes_the_others_fail_promptly(how: str) -> None:
         assert re.search(r"rank 1: 1RECV_F[01] \(receiving from rank 0\) failed", failures[1])
 
 
+def test_the_end_of_step_agreement_waits_for_every_rank_and_fails_with_one() -> None:
+    from pipeswap_e2e_workers import agree_then_fail
+
+    results = POOL.run(agree_then_fail, 4, timeout_s=30)
+    assert [result["seen"] for result in results] == [None, True, True, True]
+    assert [result["raised"] for result in results] == ["RuntimeError", "RuntimeError", "",
+                                                        "RuntimeError"]
+    assert all(result["seconds"] < 30 / 4 for result in results)  # at once, not the timeout
+
+
 @pytest.mark.parametrize(
     ("what", "message"),
     [("schedule", "the ranks were given different schedules"),

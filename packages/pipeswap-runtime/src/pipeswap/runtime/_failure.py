@@ -8,7 +8,7 @@ peer, in this replica or another, stops at its next transfer or collective with 
 :class:`~pipeswap.runtime.errors.PeerFailedError` naming that rank instead of waiting until
 its timeout. On NCCL, where a peer's operations do not fail by themselves, each rank's
 :class:`~pipeswap.runtime.watch.PeerWatch` reads the post and stops its own groups. The
-step's collectives go through :func:`collective` and :meth:`FailureProtocol.all_gather`,
+step's collectives go through :func:`collective` and :meth:`FailureProtocol.agree`,
 which turn the broken connection into that error.
 """
 
@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterable
 from contextlib import suppress
 from typing import TYPE_CHECKING, TypeVar
 
-from pipeswap.runtime.comm import all_gather_ints
+from pipeswap.runtime.comm import agree
 from pipeswap.runtime.errors import PeerFailedError, PipelineCommError, PipelineError
 from pipeswap.runtime.watch import stop_groups
 
@@ -86,14 +86,14 @@ class FailureProtocol:
         self.reason = reason
         stop_groups(self.stopped)
 
-    def all_gather(self, transport: Transport, value: int, what: str,
-                   group: dist.ProcessGroup | None) -> list[int]:
-        """A collective of the step; a peer that failed makes it raise at once, naming that
-        peer. A replayed rank's is its own value."""
+    def agree(self, transport: Transport, what: str, group: dist.ProcessGroup | None) -> None:
+        """The step's end on every rank of ``group`` (:func:`~pipeswap.runtime.comm.agree`);
+        a peer that failed makes it raise at once, naming that peer. A replayed rank has
+        nobody to agree with."""
         if self.replayed:
-            return [value]
+            return
         try:
-            return all_gather_ints(value, group)
+            agree(group)
         except RuntimeError as exc:
             raise transport.failure(what, exc) from exc
 

@@ -401,11 +401,11 @@ class PipelineExecutor:
             state.memory.flush()
             if self._watch is not None and self._watch.reason is not None:
                 raise self.transport.failure("the end of the step", RuntimeError("stopped"))
-            self._failure.all_gather(self.transport, 0, "the end-of-step agreement",
-                                     self.transport.group)
+            self._failure.agree(self.transport, "the end-of-step agreement",
+                                self.transport.group)
             if self.dp_size > 1:
-                self._failure.all_gather(
-                    self.transport, 0, "the end-of-step agreement of the data-parallel group",
+                self._failure.agree(
+                    self.transport, "the end-of-step agreement of the data-parallel group",
                     self._dp_control)
         except BaseException as exc:
             if self._watch is not None:
