@@ -118,3 +118,22 @@ def test_the_replay_transport_makes_receives_and_drops_sends() -> None:
     again.boundary[0] = meta
     (same,) = again.wait(again.post(1, [(recv, again.receive_buffers(recv))], False)[0])
     assert torch.equal(same, values)  # one seed, one sequence: equal in both modes
+
+
+def test_an_order_that_recomputes_layers_is_refused_before_any_step() -> None:
+    import dataclasses
+
+    from pipeswap.runtime import PipelineExecutor
+    from pipeswap.runtime.model import lm_loss
+    from pipeswap.schedule import ScheduleKind, ScheduleSpec, build_schedule
+
+    stages = [PipelineStage(module, index, 2) for index, module in
+              enumerate(split_stages(build_gpt(GPTConfig(vocab=13, seq_len=8, width=16,
+                                                         layers=4), 0), 2))]
+    plain = build_schedule(ScheduleSpec(ScheduleKind.ONE_F_ONE_B, ranks=2, microbatches=2))
+    marked = dataclasses.replace(plain, orders=(
+        (Step(StepType.RECOMPUTE, 0, 0, layers=(0,)), *plain.orders[0]), plain.orders[1]))
+    replay = Replay(0, 2, {s.stage_index: len(s.layers) for s in stages}, {})
+    with pytest.raises(PipelineSetupError, match=r"rank 0's order recomputes layers "
+                       r"\(0RC0:0\), which the executor does not run yet"):
+        PipelineExecutor([stages[0]], marked, 2, lm_loss, replay=replay)

@@ -41,7 +41,7 @@ from pipeswap.schedule import (
     validate,
 )
 from pipeswap.schedule.policies import PeakOutcome, PeakPolicy, default_swap_policy
-from pipeswap.schedule.steps import FSDP, SWAP
+from pipeswap.schedule.steps import FSDP, SWAP, StepType
 from pipeswap.schedule.validation import TRANSPORTS
 
 if TYPE_CHECKING:
@@ -214,6 +214,12 @@ def _check_stages(schedule: Schedule, stages: Sequence[PipelineStage], *, rank: 
         raise PipelineSetupError(
             f"the schedule has {schedule.num_stages} stages but the stages say "
             f"num_stages={num_stages}")
+    recompute = next((step for step in schedule.orders[rank]
+                      if step is not None and step.type is StepType.RECOMPUTE), None)
+    if recompute is not None:
+        raise PipelineSetupError(
+            f"rank {rank}'s order recomputes layers ({recompute}), which the executor does "
+            "not run yet: leave the RC steps out (pipeswap-schedule simulate predicts them)")
     micros = schedule.num_microbatches
     if micros != microbatches:
         raise PipelineSetupError(

@@ -56,6 +56,9 @@ A schedule is one order of steps per rank. Steps are written {stage}{CODE}{micro
                       forward) offloads each layer as it ends, freeing it a lag of layers
                       later (0SO3:2, lag 2; 0SO3 is lag 1); SL loads the last layer, and the
                       backward loads each layer while computing the one after it
+  RC                  recompute layers of a chunk (before its forward): 0RC3:0-1,3 keeps
+                      only the input of layers 0, 1 and 3, and the backward runs each one's
+                      forward again just before the layer's own backward
   {stage}UNSHARD, RESHARD, REDUCE_GRAD      FSDP parameter gather, free, grad reduction
   (a;b)OVERLAP_B_F, (a;b)OVERLAP_F_B, (a;b;...)BATCH_P2P   composite steps
   _ (null in JSON)    an idle slot

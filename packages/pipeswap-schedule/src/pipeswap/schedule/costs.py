@@ -56,12 +56,15 @@ class ChunkBytes:
     ``layers`` optionally gives the same figures per layer, as measured, for a streaming
     swap (which moves a chunk layer by layer); their totals, pinned and after-input bytes
     must add up to the chunk's. Without them :meth:`CostModel.layer_bytes` splits the chunk
-    evenly."""
+    evenly. ``kept`` is what the chunk holds when every layer is recomputed (each layer's
+    input; by default one stage boundary's bytes per layer, see
+    :meth:`CostModel.recomputed_layers`)."""
 
     total: int
     pinned: int = 0
     after_input: int | None = None
     layers: tuple[ChunkBytes, ...] = ()
+    kept: int | None = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.pinned <= self.total:
@@ -70,6 +73,9 @@ class ChunkBytes:
         if self.after_input is not None and not 0 <= self.after_input <= self.total:
             raise ScheduleError(f"chunk bytes: after_input must be from 0 to total "
                                 f"({self.total}), got {self.after_input}")
+        if self.kept is not None and not 0 <= self.kept <= self.total:
+            raise ScheduleError(f"chunk bytes: kept must be from 0 to total ({self.total}), "
+                                f"got {self.kept}")
         if self.layers:
             self._check_layers()
 
@@ -83,7 +89,9 @@ class ChunkBytes:
                 ("total", self.total, sum(layer.total for layer in self.layers)),
                 ("pinned", self.pinned, sum(layer.pinned for layer in self.layers)),
                 ("after_input", self.held_after_input,
-                 sum(layer.held_after_input for layer in self.layers))):
+                 sum(layer.held_after_input for layer in self.layers)),
+                *((("kept", self.kept, sum(layer.kept or 0 for layer in self.layers)),)
+                  if self.kept is not None else ())):
             if parts != whole:
                 raise ScheduleError(
                     f"chunk bytes: the layers' {name} bytes add up to {parts}, but the "
@@ -179,6 +187,30 @@ class CostModel:
         chunk = self.chunk_bytes(key)
         return chunk.layers or split_layers(chunk, self.stage_layers(key[0]))
 
+    def recomputed_layers(self, key: ChunkKey, recomputed: tuple[int, ...]
+                          ) -> tuple[tuple[ChunkBytes, ...], tuple[int, ...]]:
+        """The chunk's layers as its forward leaves them when ``recomputed`` layers keep only
+        their input, and per layer the bytes its recompute makes again (0 for a layer not
+        recomputed), alive from the recompute to the end of the layer's backward.
+
+        A recomputed layer keeps its measured ``kept`` bytes, else one stage boundary's
+        (:attr:`boundary_bytes`, its input), never more than it held; it pins no more than
+        it keeps, and nothing of it is left after a split backward's I (the layer's weight
+        gradients are computed there, from what the recompute made)."""
+        layers = self.layer_bytes(key)
+        chosen = set(recomputed)
+        effective: list[ChunkBytes] = []
+        remade: list[int] = []
+        for k, layer in enumerate(layers):
+            if k not in chosen:
+                effective.append(layer)
+                remade.append(0)
+                continue
+            kept = min(layer.total, self.boundary_bytes if layer.kept is None else layer.kept)
+            effective.append(ChunkBytes(kept, min(layer.pinned, kept), 0))
+            remade.append(layer.total - kept)
+        return tuple(effective), tuple(remade)
+
     def gathered_bytes(self, stage: int) -> int:
         """What ``stage``'s parameters take on the device from its UNSHARD to its RESHARD."""
         per_stage = self.stage(stage).param_bytes
@@ -198,7 +230,8 @@ def split_layers(chunk: ChunkBytes, layers: int) -> tuple[ChunkBytes, ...]:
         return amount // layers + (k >= layers - amount % layers)
 
     return tuple(ChunkBytes(share(chunk.total, k), share(chunk.pinned, k),
-                            None if chunk.after_input is None else share(chunk.after_input, k))
+                            None if chunk.after_input is None else share(chunk.after_input, k),
+                            kept=None if chunk.kept is None else share(chunk.kept, k))
                  for k in range(layers))
 
 

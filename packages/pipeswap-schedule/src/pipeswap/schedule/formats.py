@@ -6,11 +6,11 @@ import csv
 import io
 import json
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 
 from pipeswap.schedule.errors import ParseError, ScheduleError
 from pipeswap.schedule.schedule import Schedule
-from pipeswap.schedule.steps import COMPUTE, OVERLAPS, SWAP, Step, StepType
+from pipeswap.schedule.steps import COMPUTE, OVERLAPS, SWAP, Step, StepType, format_layers
 from pipeswap.schedule.swap import swapped_chunks
 from pipeswap.schedule.text import (
     IDLE,
@@ -148,20 +148,9 @@ def dumps_lines(schedule: Schedule) -> str:
     return format_rank_lines(schedule.orders)
 
 
-def _ranges(numbers: Iterable[int]) -> str:
-    """``[0, 1, 2, 5]`` → ``0-2,5``."""
-    spans: list[list[int]] = []
-    for n in sorted(numbers):
-        if spans and n == spans[-1][1] + 1:
-            spans[-1][1] = n
-        else:
-            spans.append([n, n])
-    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in spans)
-
-
 def swap_summary(schedule: Schedule) -> str:
-    """One line per rank: which (stage, micro) chunks are swapped, grouped by stage, and how
-    many of them are streamed."""
+    """One line per rank: which (stage, micro) chunks are swapped, grouped by stage, how
+    many of them are streamed, and how many chunks recompute layers (RC)."""
     lines = []
     for rank, chunks in enumerate(swapped_chunks(schedule)):
         by_stage: dict[int, list[int]] = {}
@@ -171,13 +160,18 @@ def swap_summary(schedule: Schedule) -> str:
             1 for s in schedule.orders[rank] if s is not None
             for leaf in s.compute_leaves if leaf.type is StepType.FWD
         )
-        listing = "; ".join(f"stage {s} micro {_ranges(m)}" for s, m in sorted(by_stage.items()))
+        listing = "; ".join(f"stage {s} micro {format_layers(tuple(sorted(m)))}"
+                            for s, m in sorted(by_stage.items()))
         streamed = sum(1 for s in schedule.orders[rank]
                        if s is not None and s.type is StepType.SWAP_STREAM_OFFLOAD)
+        recomputes = [s.layers for s in schedule.orders[rank]
+                      if s is not None and s.layers is not None]
         lines.append(
             f"rank {rank}: {len(chunks)} of {forwards} chunks swapped"
             + (f" ({listing})" if listing else "")
             + (f", {streamed} of them streamed layer by layer" if streamed else "")
+            + (f"; {len(recomputes)} chunks recompute {sum(map(len, recomputes))} layers"
+               if recomputes else "")
         )
     return "\n".join(lines)
 

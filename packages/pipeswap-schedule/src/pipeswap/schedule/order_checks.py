@@ -48,7 +48,8 @@ def validate_rank(schedule: Schedule, rank: int) -> None:
 
     Every step's stage lives on this rank; each forwarded chunk has exactly one backward
     after it (B, or I followed by W); swapped chunks run ``F < LO < WO < LL < WL <
-    backward``, or streamed ``SO < F < WO < SL < WL < backward``; P2P steps go to a remote
+    backward``, or streamed ``SO < F < WO < SL < WL < backward``; a chunk's RC (its
+    recomputed layers) comes before its forward; P2P steps go to a remote
     neighbour, receives precede the compute that needs them and sends follow the compute
     that produces them; an input made on this rank (by a neighbouring stage placed here) is
     made before it is used; FSDP steps keep each stage they manage gathered while it
@@ -95,6 +96,7 @@ def check_rank(schedule: Schedule, rank: int) -> Where:
                                                   StepType.BWD_INPUT, StepType.BWD_WEIGHT))
     swaps = [where[k] for k in _SWAP_SEQUENCE]
     streams = (where[StepType.SWAP_STREAM_OFFLOAD], where[StepType.SWAP_STREAM_LOAD])
+    recomputes = where[StepType.RECOMPUTE]
     recv_f, send_f, recv_b, send_b = (where[k] for k in (
         StepType.FWD_RECV, StepType.FWD_SEND, StepType.BWD_RECV, StepType.BWD_SEND))
     for key in dict.fromkeys(chain.from_iterable(where.values())):
@@ -103,7 +105,7 @@ def check_rank(schedule: Schedule, rank: int) -> Where:
         if fwd is not None and consumer is not None and fwd < consumer:
             # The common, valid case, checked with a few comparisons; anything else is
             # explained by the checks below.
-            dx, dw = dxs.get(key), dws.get(key)
+            dx, dw, rc = dxs.get(key), dws.get(key), recomputes.get(key)
             lo, wo, ll, wl = (positions.get(key) for positions in swaps)
             prev_remote, next_remote = neighbours[key[0]]
             fr, fs, br, bs = (recv_f.get(key), send_f.get(key), recv_b.get(key),
@@ -115,6 +117,7 @@ def check_rank(schedule: Schedule, rank: int) -> Where:
                      or (lo is not None and wo is not None and ll is not None and wl is not None
                          and fwd < lo < wo < ll < wl < consumer))
                 and key not in streams[0] and key not in streams[1]
+                and (rc is None or rc < fwd)
                 and ((fr is not None and fr < fwd and bs is not None and bs > consumer)
                      if prev_remote else (fr is None and bs is None))
                 and ((fs is not None and fs > fwd and br is not None and br < consumer)
@@ -123,6 +126,7 @@ def check_rank(schedule: Schedule, rank: int) -> Where:
                 continue
         _check_compute(rank, order, key, fwd, full, where)
         _check_swap(rank, order, key, fwd, consumer, where)
+        _check_recompute(rank, order, key, fwd, recomputes)
         _check_p2p(rank, order, key, fwd, consumer, neighbours[key[0]], where)
     if any(stage + 1 in local for stage in local):
         _check_handoffs(rank, order, local, where)
@@ -358,6 +362,23 @@ def _check_swap(
             raise SwapLifecycleError(
                 f"{name}: {_fmt(order, later)} comes before {_fmt(order, earlier)}; "
                 f"the order must be {expected}", rank=rank)
+
+
+def _check_recompute(rank: int, order: Order, key: ChunkKey, fwd: int | None,
+                     recomputes: dict[ChunkKey, int]) -> None:
+    """A chunk's RC says how its forward saves (only the recomputed layers' inputs), so it
+    comes before that forward, on the rank that runs it."""
+    at = recomputes.get(key)
+    if at is None or (fwd is not None and at < fwd):
+        return
+    stage, micro = key
+    if fwd is None:
+        raise ChunkOrderError(f"rank {rank}: {_fmt(order, at)} recomputes layers of (stage "
+                              f"{stage}, micro {micro}), which this rank never forwards",
+                              rank=rank)
+    raise ChunkOrderError(
+        f"rank {rank}: {_fmt(order, at)} comes after the forward it changes, "
+        f"{_fmt(order, fwd)}; put {stage}RC{micro} before {stage}F{micro}", rank=rank)
 
 
 def _check_p2p(

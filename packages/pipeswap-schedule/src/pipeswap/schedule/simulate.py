@@ -23,6 +23,14 @@ below and starts its load, then frees the layer it computed; a split backward's 
 every layer until it ends (it keeps the graph for W) and then frees all but what W needs.
 A lag beyond the chunk's layers is refused: it counts layers the chunk does not have.
 
+A chunk with recomputed layers (RC before its forward) keeps only each such layer's input
+(``CostModel.recomputed_layers``), whole or streamed alike. Its backward, layer by layer
+from the last, runs a recomputed layer's forward again (its share of the chunk's forward
+time) just before the layer's own part, and holds what that makes from then until the part
+ends; a split backward's I also does such a layer's share of W (its weight gradients, from
+what the recompute made), so W is shorter by as much. A layer the chunk does not have is
+refused.
+
 FSDP steps take no time here, but the parameters they gather count in memory: UNSHARD adds
 the stage's ``CostModel.gathered_bytes`` to the rank's gathered bytes, RESHARD takes the
 same away (REDUCE_GRAD, and gradients, are not counted). The rank's memory is its saved
@@ -37,22 +45,34 @@ from __future__ import annotations
 
 import heapq
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import NamedTuple
 
 from pipeswap.schedule._gc import gc_paused
-from pipeswap.schedule.costs import ChunkBytes, CostModel, Link
+from pipeswap.schedule._rank_walk import (
+    RankState,
+    Recomputed,
+    Span,
+    Streamed,
+    recompute_backward,
+    stream_backward,
+    stream_forward,
+    stream_swap,
+    swap_whole,
+)
+from pipeswap.schedule.costs import ChunkBytes, CostModel
 from pipeswap.schedule.schedule import Schedule
 from pipeswap.schedule.steps import COMPUTE, RECVS, ChunkKey, Order, Step, StepType
-from pipeswap.schedule.validation import check_layer_lags, validate
+from pipeswap.schedule.validation import check_layer_counts, validate
 
-_F, _B, _I, _W = StepType.FWD, StepType.BWD, StepType.BWD_INPUT, StepType.BWD_WEIGHT
+_F, _I, _W = StepType.FWD, StepType.BWD_INPUT, StepType.BWD_WEIGHT
 _SEND_F, _SEND_B = StepType.FWD_SEND, StepType.BWD_SEND
 _LO, _WO = StepType.SWAP_LAUNCH_OFFLOAD, StepType.SWAP_WAIT_OFFLOAD
 _LL, _WL = StepType.SWAP_LAUNCH_LOAD, StepType.SWAP_WAIT_LOAD
 _SO, _SL = StepType.SWAP_STREAM_OFFLOAD, StepType.SWAP_STREAM_LOAD
 _SWAPS = frozenset({_LO, _WO, _LL, _WL, _SO, _SL})
 _UNSHARD, _RESHARD = StepType.FSDP_UNSHARD, StepType.FSDP_RESHARD
+_RC = StepType.RECOMPUTE
 
 
 @dataclass(frozen=True)
@@ -75,20 +95,10 @@ class SwappedChunk:
         return self.layer_lag > 0
 
 
-class Span(NamedTuple):
-    """Something that occupied a stream: for traces and plots. (A NamedTuple: a big schedule
-    makes one per step, and these build several times faster than a dataclass.)"""
-
-    stream: str  # "compute", "d2h", "h2d", "copy"
-    label: str
-    start: float
-    end: float
-
-
 @dataclass(frozen=True)
 class RankResult:
     """One rank's simulated step. Peaks are the most held at once, in bytes; ``_no_swap``
-    peaks are those of the same order with its swap steps left out."""
+    peaks are those of the same order with its swap and recompute steps left out."""
 
     rank: int
     step_time: float  # when the rank's last step finished
@@ -103,6 +113,8 @@ class RankResult:
     memory: tuple[tuple[float, int], ...]  # (time, activation bytes held) after each change
     swapped: tuple[SwappedChunk, ...]
     spans: tuple[Span, ...]
+    recomputed_layers: int = 0  # layer forwards run again in backwards
+    recompute_s: float = 0.0  # the compute seconds they took (part of busy)
 
 
 @dataclass(frozen=True)
@@ -111,91 +123,20 @@ class SimulationResult:
     ranks: tuple[RankResult, ...]
 
 
-@dataclass
-class _Streamed:
-    """A streamed chunk's layers and its copies so far: D2H ends in layer order, H2D ends
-    by layer."""
-
-    lag: int
-    layers: tuple[ChunkBytes, ...]
-    offloaded: list[float] = field(default_factory=list)
-    loaded: dict[int, float] = field(default_factory=dict)
-
-    @property
-    def tail(self) -> range:
-        """The layers the forward leaves for WO to free (those within the lag of its end)."""
-        return range(max(0, len(self.layers) - self.lag), len(self.layers))
-
-
-@dataclass
-class _Rank:
-    rank: int
-    leaves: list[Step]  # its order's leaves (overlaps and batches opened), receives left out
-    link: Link
-    timeline: bool  # keep ``memory`` and ``spans``
-    index: int = 0  # the next leaf to run
-    compute: float = 0.0  # when the compute stream is free
-    d2h: float = 0.0
-    h2d: float = 0.0
-    busy: float = 0.0
-    exposed: float = 0.0
-    held: int = 0  # activation bytes
-    peak: int = 0
-    gathered: int = 0  # parameter bytes of the stages gathered now
-    peak_gathered: int = 0
-    peak_memory: int = 0  # of held + gathered
-    plain: int = 0  # activation bytes it would hold if nothing were swapped
-    peak_plain: int = 0
-    peak_plain_memory: int = 0  # of plain + gathered
-    memory: list[tuple[float, int]] = field(default_factory=list)
-    spans: list[Span] = field(default_factory=list)
-    copies: dict[ChunkKey, dict[str, float]] = field(default_factory=dict)
-    split: set[ChunkKey] = field(default_factory=set)  # chunks whose backward ends with W
-    forwarded: dict[ChunkKey, float] = field(default_factory=dict)  # forward end
-    lifespans: dict[ChunkKey, float] = field(default_factory=dict)
-    streams: dict[ChunkKey, _Streamed] = field(default_factory=dict)  # SO seen
-
-    def change(self, delta: int) -> None:
-        """The activation bytes held change by ``delta``."""
-        self.held += delta
-        if self.timeline:
-            self.memory.append((self.compute, self.held))
-        if self.held > self.peak:
-            self.peak = self.held
-        if self.held + self.gathered > self.peak_memory:
-            self.peak_memory = self.held + self.gathered
-
-    def change_plain(self, delta: int) -> None:
-        """A compute changes the bytes it would hold if nothing were swapped by ``delta``."""
-        self.plain += delta
-        if self.plain > self.peak_plain:
-            self.peak_plain = self.plain
-        if self.plain + self.gathered > self.peak_plain_memory:
-            self.peak_plain_memory = self.plain + self.gathered
-
-    def gather(self, delta: int) -> None:
-        """The gathered parameter bytes change by ``delta`` (an UNSHARD or a RESHARD)."""
-        self.gathered += delta
-        if self.gathered > self.peak_gathered:
-            self.peak_gathered = self.gathered
-        if self.held + self.gathered > self.peak_memory:
-            self.peak_memory = self.held + self.gathered
-        if self.plain + self.gathered > self.peak_plain_memory:
-            self.peak_plain_memory = self.plain + self.gathered
-
-
 class _Flat(NamedTuple):
     """A rank's order as the simulator walks it."""
 
-    leaves: list[Step]  # the leaves it runs, in order, receives left out (they only post)
+    leaves: list[Step]  # the leaves it runs, in order, receives and RC left out
     split: set[ChunkKey]  # chunks whose backward ends with W
     streams: bool  # it has SO steps
+    recomputed: dict[ChunkKey, tuple[int, ...]]  # each RC's layers
 
 
 def _flatten(order: Order) -> _Flat:
     leaves: list[Step] = []
     split: set[ChunkKey] = set()
     streams = False
+    recomputed: dict[ChunkKey, tuple[int, ...]] = {}
     for step in order:
         if step is None:
             continue
@@ -203,12 +144,16 @@ def _flatten(order: Order) -> _Flat:
             kind = leaf.type
             if kind in RECVS:
                 continue
+            if kind is _RC:  # it marks how the chunk's computes run; it runs nothing
+                assert leaf.layers is not None  # Step gives every RC its layers
+                recomputed[leaf.key] = leaf.layers
+                continue
             leaves.append(leaf)
             if kind is _W:
                 split.add(leaf.key)
             elif kind is _SO:
                 streams = True
-    return _Flat(leaves, split, streams)
+    return _Flat(leaves, split, streams, recomputed)
 
 
 @gc_paused
@@ -222,8 +167,8 @@ def simulate(schedule: Schedule, costs: CostModel, *, timeline: bool = True) -> 
     stage_ranks = schedule.stage_ranks
     last_stage = schedule.num_stages - 1
     flat = [_flatten(order) for order in schedule.orders]
-    ranks = [_Rank(r, f.leaves, costs.rank_link(r), timeline, split=f.split)
-             for r, f in enumerate(flat)]
+    ranks = [RankState(r, f.leaves, costs.rank_link(r), timeline, split=f.split,
+                   recomputed=f.recomputed) for r, f in enumerate(flat)]
     # ("F", s, m): stage s's output for micro m is where stage s + 1 runs; ("B", s, m): the
     # gradient of stage s's input is where stage s - 1 runs. Value: the time it got there.
     ready: dict[tuple[str, int, int], float] = {}
@@ -231,8 +176,8 @@ def simulate(schedule: Schedule, costs: CostModel, *, timeline: bool = True) -> 
     runnable = list(range(len(ranks)))
     transfer = costs.p2p_time()
     bytes_of = _ChunkBytesCache(costs)
-    if any(f.streams for f in flat):
-        check_layer_lags(schedule, lambda key: len(bytes_of.layers(key)),
+    if any(f.streams or f.recomputed for f in flat):
+        check_layer_counts(schedule, lambda key: len(bytes_of.layers(key)),
                          "the cost model gives a chunk of stage {stage} {layers} layer(s) "
                          "(--layers-per-stage; CostModel.layers, StageCosts.layers or the "
                          "chunk's measured ChunkBytes.layers)")
@@ -249,24 +194,43 @@ def simulate(schedule: Schedule, costs: CostModel, *, timeline: bool = True) -> 
         for rank in waiting.pop(key, ()):
             heapq.heappush(runnable, rank)
 
-    def compute(state: _Rank, leaf: Step, kind: StepType, key: ChunkKey,
+    def compute(state: RankState, leaf: Step, kind: StepType, key: ChunkKey,
                 wanted: tuple[str, int, int] | None) -> None:
         stage, micro = key
         start = state.compute if wanted is None else max(state.compute, ready[wanted])
         duration = duration_of(kind, stage, state.rank)
-        state.busy += duration
+        chunk = plain = bytes_of(key)
+        split_input = kind is _I and key in state.split
+        redo = None
+        again = 0.0  # in a backward, before each recomputed layer's own part
+        recomputed = state.recomputed.get(key)
+        if recomputed is not None:
+            redo = bytes_of.recomputed(key, recomputed)
+            chunk = redo.chunk
+            if kind is not _F:  # a recomputed layer's W runs in I, from what I made again
+                w_share = duration_of(_W, stage, state.rank) / len(redo.layers)
+                if kind is _W:
+                    duration -= w_share * redo.redone
+                else:
+                    forward = duration_of(_F, stage, state.rank) / len(redo.layers)
+                    again = forward + (w_share if split_input else 0.0)
+                    state.recomputed_layers += redo.redone
+                    state.recompute_s += forward * redo.redone
+        state.busy += duration + again * (0 if redo is None else redo.redone)
         streamed = state.streams.get(key) if kind is not _W else None
         if streamed is not None:
-            run = _stream_forward if kind is _F else _stream_backward
-            end = run(state, leaf, streamed, start, duration)
+            if kind is _F:
+                end = stream_forward(state, leaf, streamed, start, duration)
+            else:
+                end = stream_backward(state, leaf, streamed, start, duration, redo, again)
+        elif redo is not None and again:
+            end = recompute_backward(state, leaf, redo, start, duration, again)
         else:
             state.compute = end = start + duration
             if state.timeline:
                 state.spans.append(Span("compute", str(leaf), start, end))
-        chunk = bytes_of(key)
-        split_input = kind is _I and key in state.split
         if kind is _F:
-            state.change_plain(chunk.total)
+            state.change_plain(plain.total)
             if streamed is None:
                 state.change(chunk.total)
             state.forwarded[key] = end
@@ -277,12 +241,12 @@ def simulate(schedule: Schedule, costs: CostModel, *, timeline: bool = True) -> 
             state.lifespans[key] = start - state.forwarded[key]
             if stage > 0 and stage_ranks[stage - 1] == state.rank:
                 publish(("B", stage, micro), end)
+        state.change_plain(-_freed(kind, plain, split_input))
         freed = _freed(kind, chunk, split_input)
-        state.change_plain(-freed)
         if streamed is None and (freed or not split_input):  # streamed: freed layer by layer
             state.change(-freed)
 
-    def advance(state: _Rank) -> None:
+    def advance(state: RankState) -> None:
         """Run the rank's leaves until one waits for another rank, or none is left."""
         leaves, index = state.leaves, state.index
         while index < len(leaves):
@@ -310,13 +274,16 @@ def simulate(schedule: Schedule, costs: CostModel, *, timeline: bool = True) -> 
                 stage, micro = leaf.stage, leaf.micro
                 assert stage is not None and micro is not None  # a leaf of a chunk
                 key = (stage, micro)
+                recomputed = state.recomputed.get(key)
+                redo = None if recomputed is None else bytes_of.recomputed(key, recomputed)
                 if kind is _SO:
-                    state.streams[key] = _Streamed(leaf.lag or 1, bytes_of.layers(key))
+                    state.streams[key] = Streamed(
+                        leaf.lag or 1, bytes_of.layers(key) if redo is None else redo.layers)
                 streamed = state.streams.get(key)
                 if streamed is None:
-                    _swap(state, leaf, key, bytes_of(key).movable)
+                    swap_whole(state, leaf, key, (bytes_of(key) if redo is None else redo.chunk).movable)
                 else:
-                    _stream_swap(state, leaf, streamed)
+                    stream_swap(state, leaf, streamed)
             elif kind is _UNSHARD or kind is _RESHARD:
                 state.gather(_gathered_change(costs, leaf))
             # FSDP steps take no time
@@ -332,147 +299,6 @@ def simulate(schedule: Schedule, costs: CostModel, *, timeline: bool = True) -> 
     return SimulationResult(step_time, tuple(_result(s, step_time) for s in ranks))
 
 
-def _swap(state: _Rank, leaf: Step, key: ChunkKey, movable: int) -> None:
-    """LO, WO, LL and WL of a chunk swapped whole."""
-    kind = leaf.type
-    if kind is _LO:
-        start, end = _copy(state, True, movable, key, "LO")
-        state.copies[key] = {"offload_start": start, "offload_end": end}
-        return
-    record = state.copies[key]  # LO came first: the validator checks the order
-    if kind is _WO:
-        _wait(state, record["offload_end"], record, "wait_offload")
-        state.change(-movable)
-    elif kind is _LL:
-        state.change(movable)
-        record["off_until"] = state.compute
-        start, end = _copy(state, False, movable, key, "LL")
-        record["load_start"], record["load_end"] = start, end
-    else:
-        _wait(state, record["load_end"], record, "wait_load")
-
-
-def _wait(state: _Rank, until: float, record: dict[str, float], name: str) -> None:
-    reached = state.compute
-    if until > reached:
-        state.exposed += until - reached
-        if state.timeline:
-            state.spans.append(Span("compute", f"wait {name.removeprefix('wait_')}", reached,
-                                    until))
-        state.compute = until
-        record["stalled"] = 1.0
-    record[name] = state.compute
-
-
-def _copy(state: _Rank, offload: bool, size: int, key: ChunkKey, code: str,
-          layer: int | None = None) -> tuple[float, float]:
-    """Start a copy of ``size`` bytes on its stream once compute has reached it and the
-    stream is free (D2H and H2D share one stream on a link that is not duplex); ``code``
-    and ``layer`` name it in the timeline."""
-    link = state.link
-    if offload:
-        start = max(state.compute, state.d2h)
-        state.d2h = end = start + size / link.d2h_bandwidth
-    else:
-        start = max(state.compute, state.h2d)
-        state.h2d = end = start + size / link.h2d_bandwidth
-    if not link.duplex:
-        state.d2h = state.h2d = end
-    if state.timeline:
-        stream = "copy" if not link.duplex else "d2h" if offload else "h2d"
-        label = f"{key[0]}{code}{key[1]}" + ("" if layer is None else f".l{layer}")
-        state.spans.append(Span(stream, label, start, end))
-    return start, end
-
-
-def _stream_swap(state: _Rank, leaf: Step, streamed: _Streamed) -> None:
-    """SO, WO, SL and WL of a streamed chunk (its forward and backward do the rest)."""
-    key, kind = leaf.key, leaf.type
-    record = state.copies.setdefault(key, {})
-    last = len(streamed.layers) - 1
-    if kind is _SO:
-        record["lag"] = float(streamed.lag)
-    elif kind is _WO:
-        tail = streamed.tail  # never empty: the lag is at least 1
-        _wait(state, max(streamed.offloaded[k] for k in tail), record, "wait_offload")
-        state.change(-sum(streamed.layers[k].movable for k in tail))
-    elif kind is _SL:
-        state.change(streamed.layers[last].movable)
-        record["off_until"] = state.compute
-        start, end = _copy(state, False, streamed.layers[last].movable, key, "LL", last)
-        streamed.loaded[last] = end
-        record.update(load_start=start, load_end=end)
-    else:
-        _wait(state, streamed.loaded[last], record, "wait_load")
-
-
-def _stall(state: _Rank, until: float, record: dict[str, float], leaf: Step,
-           piece: float) -> float:
-    """Compute waits inside a streamed compute until ``until``; returns where the compute's
-    next piece starts (the compute's span is cut around the wait)."""
-    reached = state.compute
-    if until <= reached:
-        return piece
-    if state.timeline:
-        state.spans.append(Span("compute", str(leaf), piece, reached))
-    _wait(state, until, record, "wait_layer")
-    return until
-
-
-def _stream_forward(state: _Rank, leaf: Step, streamed: _Streamed, start: float,
-                    duration: float) -> float:
-    """A streamed chunk's forward, layer by layer (see the module docstring); returns its end."""
-    key, layers, lag = leaf.key, streamed.layers, streamed.lag
-    record = state.copies.setdefault(key, {})
-    part = duration / len(layers)
-    state.compute = piece = start
-    for k, layer in enumerate(layers):
-        state.compute += part
-        state.change(layer.total)
-        copy_start, end = _copy(state, True, layer.movable, key, "LO", k)
-        streamed.offloaded.append(end)
-        if k == 0:
-            record["offload_start"] = copy_start
-        if k >= lag:
-            piece = _stall(state, streamed.offloaded[k - lag], record, leaf, piece)
-            state.change(-layers[k - lag].movable)
-    record["offload_end"] = streamed.offloaded[-1]
-    _last_piece(state, leaf, start, piece)
-    return state.compute
-
-
-def _stream_backward(state: _Rank, leaf: Step, streamed: _Streamed, start: float,
-                     duration: float) -> float:
-    """A streamed chunk's B or I, layer by layer from the last (see the module docstring);
-    returns its end."""
-    key, layers = leaf.key, streamed.layers
-    record = state.copies.setdefault(key, {})
-    keeps = leaf.type is _I and key in state.split  # I leaves W what it needs
-    part = duration / len(layers)
-    state.compute = piece = start
-    for k in reversed(range(len(layers))):
-        if k < len(layers) - 1:
-            piece = _stall(state, streamed.loaded[k], record, leaf, piece)
-        if k >= 1:
-            state.change(layers[k - 1].movable)
-            _, end = _copy(state, False, layers[k - 1].movable, key, "LL", k - 1)
-            streamed.loaded[k - 1] = end
-        state.compute += part
-        if not keeps:  # autograd frees each layer's activations as it goes
-            state.change(-layers[k].total)
-    if keeps:  # I keeps the whole graph for W and then frees what W does not need
-        state.change(-sum(layer.total - layer.held_after_input for layer in layers))
-    record["load_end"] = streamed.loaded[0]
-    _last_piece(state, leaf, start, piece)
-    return state.compute
-
-
-def _last_piece(state: _Rank, leaf: Step, start: float, piece: float) -> None:
-    """The span of a streamed compute's last piece (none of no length after a wait)."""
-    if state.timeline and (state.compute > piece or piece == start):
-        state.spans.append(Span("compute", str(leaf), piece, state.compute))
-
-
 def _gathered_change(costs: CostModel, leaf: Step) -> int:
     """What an UNSHARD adds to its rank's gathered parameter bytes, or a RESHARD takes away."""
     assert leaf.stage is not None  # Step requires a stage on FSDP steps
@@ -480,7 +306,7 @@ def _gathered_change(costs: CostModel, leaf: Step) -> int:
     return size if leaf.type is _UNSHARD else -size
 
 
-def _result(state: _Rank, step_time: float) -> RankResult:
+def _result(state: RankState, step_time: float) -> RankResult:
     swapped = []
     for (stage, micro), rec in state.copies.items():
         if "wait_load" not in rec:
@@ -498,7 +324,8 @@ def _result(state: _Rank, step_time: float) -> RankResult:
         peak_activation_bytes_no_swap=state.peak_plain,
         peak_parameter_bytes=state.peak_gathered, peak_memory_bytes=state.peak_memory,
         peak_memory_bytes_no_swap=state.peak_plain_memory,
-        memory=tuple(state.memory), swapped=tuple(swapped), spans=tuple(state.spans))
+        memory=tuple(state.memory), swapped=tuple(swapped), spans=tuple(state.spans),
+        recomputed_layers=state.recomputed_layers, recompute_s=state.recompute_s)
 
 
 class _ChunkBytesCache:
@@ -508,6 +335,19 @@ class _ChunkBytesCache:
         self.costs = costs
         self._stages: dict[int, ChunkBytes] = {}
         self._layers: dict[ChunkKey, tuple[ChunkBytes, ...]] = {}
+        self._recomputed: dict[ChunkKey, Recomputed] = {}
+
+    def recomputed(self, key: ChunkKey, layers: tuple[int, ...]) -> Recomputed:
+        """The chunk with ``layers`` recomputed (its one RC's), worked out once."""
+        found = self._recomputed.get(key)
+        if found is None:
+            effective, remade = self.costs.recomputed_layers(key, layers)
+            chunk = ChunkBytes(sum(layer.total for layer in effective),
+                               sum(layer.pinned for layer in effective),
+                               sum(layer.held_after_input for layer in effective))
+            found = self._recomputed[key] = Recomputed(effective, remade, chunk, len(layers),
+                                                        frozenset(layers))
+        return found
 
     def layers(self, key: ChunkKey) -> tuple[ChunkBytes, ...]:
         """``costs.layer_bytes``, worked out once per chunk."""

@@ -48,6 +48,8 @@ class _RankFigures(TypedDict):
     swapped_chunks: int
     hidden_chunks: int
     streamed_chunks: int
+    recomputed_layers: int
+    recompute_s: float
     chunks: list[ChunkReport]
 
 
@@ -83,6 +85,8 @@ def report(result: SimulationResult, budget: Outcomes | None, *, fsdp: bool) -> 
             "swapped_chunks": len(rank.swapped),
             "hidden_chunks": sum(c.hidden for c in rank.swapped),
             "streamed_chunks": sum(c.streamed for c in rank.swapped),
+            "recomputed_layers": rank.recomputed_layers,
+            "recompute_s": rank.recompute_s,
             "chunks": [{"stage": c.stage, "micro": c.micro, "hidden": c.hidden,
                         "lifespan_s": c.lifespan, "off_device_s": c.off_device,
                         "layer_lag": c.layer_lag}
@@ -118,6 +122,9 @@ def render(summary: Report) -> str:
     ]
     if any(r["streamed_chunks"] for r in ranks):  # a row only where streaming happened
         rows.append(("streamed", [str(r["streamed_chunks"]) for r in ranks]))
+    if any(r["recomputed_layers"] for r in ranks):
+        rows.append(("recomputed layers", [f"{r['recomputed_layers']} ({r['recompute_s']:.4g} s)"
+                                           for r in ranks]))
     if any("budget" in r for r in ranks):
         rows.append(("budget", [("met" if r["budget"]["met"] else
                                  f"short {_bytes(r['budget']['shortfall_bytes'])}")

@@ -36,6 +36,7 @@ class StepType(Enum):
     SWAP_WAIT_LOAD = "WL"
     SWAP_STREAM_OFFLOAD = "SO"
     SWAP_STREAM_LOAD = "SL"
+    RECOMPUTE = "RC"
 
     # Members are singletons, so identity hashing agrees with equality; it runs in C, which
     # keeps the passes' many `step.type in CATEGORY` tests cheap (Enum's default is Python).
@@ -71,10 +72,13 @@ SWAP = frozenset(
 STREAMING = frozenset({StepType.SWAP_STREAM_OFFLOAD, StepType.SWAP_STREAM_LOAD})
 #: The layer lag of an SO step when its text gives none.
 DEFAULT_LAYER_LAG = 1
+#: RC marks layers of a chunk recomputed: their forward keeps only each layer's input, and
+#: the backward runs the layer's forward again just before the layer's own backward.
+RECOMPUTE = frozenset({StepType.RECOMPUTE})
 #: Local control steps that take no compute slot and exchange nothing with pipeline peers.
 #: Passes that look for "the P2P right after a compute" see through them.
-ZERO_WIDTH = FSDP | SWAP
-_WITH_MICRO = COMPUTE | P2P | SWAP
+ZERO_WIDTH = FSDP | SWAP | RECOMPUTE
+_WITH_MICRO = COMPUTE | P2P | SWAP | RECOMPUTE
 
 #: A chunk: (stage, microbatch).
 ChunkKey = tuple[int, int]
@@ -89,7 +93,8 @@ class Step:
     name says), a P2P batch holds P2P leaves. ``lag`` belongs to SO steps only: layer ``k``
     of the chunk leaves the device when the forward ends layer ``k + lag`` (the copy hides
     behind those ``lag`` layers; the last ``lag`` layers leave at the chunk's WO). It defaults
-    to :data:`DEFAULT_LAYER_LAG`.
+    to :data:`DEFAULT_LAYER_LAG`. ``layers`` belongs to RC steps only: the chunk's layers
+    that are recomputed, ascending (layer 0 is the first the chunk's forward runs).
     """
 
     type: StepType
@@ -97,16 +102,19 @@ class Step:
     micro: int | None = None
     sub_steps: tuple[Step, ...] = ()
     lag: int | None = None
+    layers: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         stage, micro = self.stage, self.micro
         if (  # the common case, a leaf of a chunk, checked first and fast
             self.type in _WITH_MICRO and type(stage) is int and type(micro) is int
             and stage >= 0 and micro >= 0 and not self.sub_steps and self.lag is None
-            and self.type is not StepType.SWAP_STREAM_OFFLOAD
+            and self.layers is None and self.type is not StepType.SWAP_STREAM_OFFLOAD
+            and self.type is not StepType.RECOMPUTE
         ):
             return
         kind = self.type
+        self._check_layers()
         if kind is StepType.SWAP_STREAM_OFFLOAD:
             if self.lag is None:
                 object.__setattr__(self, "lag", DEFAULT_LAYER_LAG)
@@ -130,6 +138,18 @@ class Step:
                 raise StepError(f"{kind.name} needs a microbatch index >= 0, got {self.micro!r}")
         elif self.micro is not None:
             raise StepError(f"{kind.name} applies to a whole stage and takes no microbatch")
+
+    def _check_layers(self) -> None:
+        layers = self.layers
+        if self.type is not StepType.RECOMPUTE:
+            if layers is not None and isinstance(self.type, StepType):
+                raise StepError(f"{self.type.name} takes no layers (only RC steps have them)")
+            return
+        if (not isinstance(layers, tuple) or not layers
+                or not all(_is_index(k) for k in layers)
+                or any(b <= a for a, b in zip(layers, layers[1:]))):
+            raise StepError(f"RC's layers are one or more layer indices >= 0 in ascending "
+                            f"order, without repeats, got {layers!r}")
 
     def _check_composite(self) -> None:
         kind = self.type
@@ -162,6 +182,8 @@ class Step:
             return f"{self.stage}{self.type.value}"
         if self.lag is not None and self.lag != DEFAULT_LAYER_LAG:
             return f"{self.stage}{self.type.value}{self.micro}:{self.lag}"
+        if self.layers is not None:
+            return f"{self.stage}{self.type.value}{self.micro}:{format_layers(self.layers)}"
         return f"{self.stage}{self.type.value}{self.micro}"
 
     @property
@@ -191,21 +213,38 @@ class Step:
 
 
 _new_step = object.__new__
-_SET = tuple(Step.__dict__[name].__set__ for name in ("type", "stage", "micro", "sub_steps", "lag"))
+_SET = tuple(Step.__dict__[name].__set__
+             for name in ("type", "stage", "micro", "sub_steps", "lag", "layers"))
 
 
 def chunk_leaf(kind: StepType, stage: int, micro: int) -> Step:
     """``Step(kind, stage, micro)`` without the checks, for passes that build hundreds of
     thousands of leaves from stages and micros of steps already checked (the checks are
-    half of a step's cost). ``kind`` takes a microbatch and is not SO (whose lag is set)."""
+    half of a step's cost). ``kind`` takes a microbatch and is neither SO nor RC (whose lag
+    and layers are set)."""
     step = _new_step(Step)
-    set_type, set_stage, set_micro, set_subs, set_lag = _SET
+    set_type, set_stage, set_micro, set_subs, set_lag, set_layers = _SET
     set_type(step, kind)
     set_stage(step, stage)
     set_micro(step, micro)
     set_subs(step, ())
     set_lag(step, None)
+    set_layers(step, None)
     return step
+
+
+def format_layers(layers: tuple[int, ...]) -> str:
+    """Ascending layer indices as text, runs as ranges: (0, 1, 2, 5) is ``0-2,5``."""
+    parts: list[str] = []
+    start = previous = layers[0]
+    for k in (*layers[1:], None):
+        if k is not None and k == previous + 1:
+            previous = k
+            continue
+        parts.append(str(start) if start == previous else f"{start}-{previous}")
+        if k is not None:
+            start = previous = k
+    return ",".join(parts)
 
 
 def _is_index(value: object) -> bool:

@@ -47,8 +47,9 @@ def validate(
     of them, when given), then run all ranks' P2P together under ``transport``.
 
     ``layers`` is the layer count of one chunk of every stage (an int) or of some stages (a
-    mapping by stage): a streamed swap's layer lag must not exceed it. A schedule does not
-    carry layer counts, so without them a lag is only checked to be at least 1."""
+    mapping by stage): a streamed swap's layer lag must not exceed it, nor a recompute's
+    layers. A schedule does not carry layer counts, so without them a lag is only checked to
+    be at least 1."""
     if transport not in TRANSPORTS:
         raise ValidationError(f"unknown transport {transport!r}; use one of {TRANSPORTS}")
     if microbatches is not None and not _is_count(microbatches):
@@ -59,7 +60,7 @@ def validate(
     forwards = [check_rank(schedule, rank)[StepType.FWD] for rank in range(schedule.num_ranks)]
     _check_complete(schedule, forwards, microbatches)
     if per_stage is not None:
-        check_layer_lags(schedule, lambda key: per_stage(key[0]),
+        check_layer_counts(schedule, lambda key: per_stage(key[0]),
                          "one chunk of stage {stage} has {layers} layer(s)")
     if transport == "tagged":
         try:  # what runs with sends paired in order runs with tags too, and is checked faster
@@ -112,23 +113,34 @@ def _layer_counts(layers: int | Mapping[int, int] | None) -> Callable[[int], int
                           f"integer >= 1 (the layers of one chunk), got {shown}")
 
 
-def check_layer_lags(schedule: Schedule, layers: Callable[[ChunkKey], int | None],
-                     counted: str) -> None:
+def check_layer_counts(schedule: Schedule, layers: Callable[[ChunkKey], int | None],
+                       counted: str) -> None:
     """Refuse a streamed swap (SO) whose layer lag exceeds its chunk's ``layers`` (None: not
-    known). A lag counts layers of the chunk (layer k leaves when the forward ends layer
-    k + lag, the last lag at WO), so one past the chunk's count is a schedule made for
-    another model. ``counted`` says where the count comes from, with ``{stage}`` and
-    ``{layers}`` in it. One look at each step."""
-    stream = StepType.SWAP_STREAM_OFFLOAD
+    known), and a recompute (RC) naming a layer the chunk does not have. A lag counts layers
+    of the chunk (layer k leaves when the forward ends layer k + lag, the last lag at WO), so
+    either is a schedule made for another model. ``counted`` says where the count comes
+    from, with ``{stage}`` and ``{layers}`` in it. One look at each step."""
+    stream, recompute = StepType.SWAP_STREAM_OFFLOAD, StepType.RECOMPUTE
     for rank, order in enumerate(schedule.orders):
         for position, step in enumerate(order):
-            if step is None or step.type is not stream:
+            if step is None or (step.type is not stream and step.type is not recompute):
                 continue
             count = layers(step.key)
+            if count is None:
+                continue
+            stage, micro = step.key
+            if step.type is recompute:
+                assert step.layers is not None  # Step gives every RC its layers
+                if step.layers[-1] >= count:
+                    raise ChunkOrderError(
+                        f"rank {rank}: {step} (position {position}) recomputes layer "
+                        f"{step.layers[-1]} of (stage {stage}, micro {micro}), but "
+                        + counted.format(stage=stage, layers=count)
+                        + f"; name layers from 0 to {count - 1}", rank=rank)
+                continue
             lag = step.lag
             assert lag is not None  # Step gives every SO a lag >= 1
-            if count is not None and lag > count:
-                stage, micro = step.key
+            if lag > count:
                 raise SwapLifecycleError(
                     f"rank {rank}: {step} (position {position}) streams (stage {stage}, micro "
                     f"{micro}) with a layer lag of {lag}, but "

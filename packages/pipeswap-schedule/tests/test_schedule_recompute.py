@@ -1,0 +1,161 @@
+"""Recomputed layers (RC): written, parsed, validated, and simulated to the byte."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+
+import pytest
+
+from pipeswap.schedule import (
+    ChunkOrderError,
+    ParseError,
+    Schedule,
+    ScheduleKind,
+    ScheduleSpec,
+    Step,
+    StepError,
+    StepType,
+    build_schedule,
+    parse_order,
+    parse_step,
+    validate,
+)
+from pipeswap.schedule.costs import ChunkBytes, CostModel, Link
+from pipeswap.schedule.formats import swap_summary
+from pipeswap.schedule.simulate import SimulationResult, simulate
+from pipeswap.schedule.simulate_report import report
+
+# Four layers of 100 bytes a chunk; a recomputed layer keeps its input, 10 bytes, and its
+# recompute makes the other 90 again.
+COSTS = CostModel(forward=1.0, backward=2.0, activation_bytes=400, boundary_bytes=10, layers=4)
+
+
+def _run(text: str, costs: CostModel = COSTS) -> SimulationResult:
+    return simulate(Schedule.from_orders([parse_order(text)]), costs)
+
+
+@pytest.mark.parametrize(("text", "layers"), [("0RC3:0-1,3", (0, 1, 3)), ("2RC0:4", (4,)),
+                                              ("1RC7:0-3", (0, 1, 2, 3))])
+def test_rc_text_reads_and_writes_its_layers(text: str, layers: tuple[int, ...]) -> None:
+    step = parse_step(text)
+    assert step.type is StepType.RECOMPUTE and step.layers == layers
+    assert str(step) == text and parse_step(str(step)) == step
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    ("0RC3", "RC names the layers it recomputes after a colon, such as 0RC3:0-1"),
+    ("0RC3:2-1", "must ascend without repeats"),
+    ("0RC3:1,1", "must ascend without repeats"),
+    ("0RC3:1,,2", "are not indices and runs"),
+    ("0RC3:0-999999999", "name more than 4096 layers"),
+    ("0F3:0-1", "only RC names layers (0RC3:0-1); after F a colon gives SO's layer lag"),
+    ("0SO3:1,2", "only RC names layers"),
+])
+def test_bad_rc_text_says_what_is_wrong(text: str, message: str) -> None:
+    with pytest.raises(ParseError, match=re.escape(message)):
+        parse_step(text)
+
+
+def test_only_rc_takes_layers_and_they_ascend() -> None:
+    with pytest.raises(StepError, match="FWD takes no layers"):
+        Step(StepType.FWD, 0, 0, layers=(0,))
+    for bad in [(), (1, 0), (0, 0), (-1,)]:
+        with pytest.raises(StepError, match="RC's layers are one or more layer indices"):
+            Step(StepType.RECOMPUTE, 0, 0, layers=bad)
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    ("0F0 0RC0:0 0B0", r"0RC0:0 \(position 1\) comes after the forward it changes"),
+    ("0RC1:0 0F0 0B0", r"recomputes layers of \(stage 0, micro 1\), which this rank never"),
+])
+def test_an_rc_comes_before_its_forward_on_its_rank(text: str, message: str) -> None:
+    with pytest.raises(ChunkOrderError, match=message):
+        validate(Schedule.from_orders([parse_order(text)]))
+
+
+def test_a_layer_the_chunk_does_not_have_is_refused() -> None:
+    schedule = Schedule.from_orders([parse_order("0RC0:1,4 0F0 0B0")])
+    with pytest.raises(ChunkOrderError, match=r"recomputes layer 4 of \(stage 0, micro 0\), but the cost model gives a chunk of stage 0 4 layer"):
+        simulate(schedule, COSTS)
+    with pytest.raises(ChunkOrderError, match="name layers from 0 to 3"):
+        validate(schedule, layers=4)
+    validate(schedule, layers=5)
+
+
+def test_a_whole_backward_runs_each_recomputed_layer_again_before_its_own() -> None:
+    # Chunk 0 keeps 10 + 100 + 10 + 100 bytes; its backward, from layer 3 down, holds a
+    # recomputed layer's 90 bytes from the recompute (a quarter of the forward, 0.25 s)
+    # to the end of the layer's part (a quarter of B, 0.5 s).
+    result = _run("0RC0:0,2 0F0 0F1 0B0 0B1")
+    (rank,) = result.ranks
+    assert rank.memory == ((1.0, 220), (2.0, 620), (2.75, 710), (3.25, 620), (4.0, 710),
+                           (4.5, 620), (4.5, 400), (6.5, 0))
+    assert rank.peak_activation_bytes == 710 and rank.peak_activation_bytes_no_swap == 800
+    assert result.step_time == rank.busy == 6.5
+    assert (rank.recomputed_layers, rank.recompute_s) == (2, 0.5)
+
+
+def test_a_split_backward_recomputes_in_i_and_does_that_layers_w_there() -> None:
+    # Each layer holds 50 of its 100 bytes from I to W; the recomputed layer 1 keeps 10 and
+    # nothing after I. I takes 1 s, a quarter of the forward again and a quarter of W's 1 s.
+    costs = dataclasses.replace(COSTS, chunks={(0, 0): ChunkBytes(400, after_input=200)})
+    result = _run("0RC0:1 0F0 0I0 0W0", costs)
+    (rank,) = result.ranks
+    assert rank.memory == ((1.0, 310), (2.0, 400), (2.25, 310), (2.5, 150), (3.25, 0))
+    assert result.step_time == rank.busy == 3.25
+    assert (rank.recomputed_layers, rank.recompute_s) == (1, 0.25)
+
+
+def test_a_streamed_chunk_moves_what_its_forward_kept() -> None:
+    # Lag 1 over a link of no limit: each layer leaves as the next one ends; layer 0 moves
+    # 10 bytes, and the backward makes its other 90 again before its part.
+    result = _run("0RC0:0 0SO0 0F0 0WO0 0SL0 0WL0 0B0")
+    (rank,) = result.ranks
+    assert [held for _, held in rank.memory] == [10, 110, 100, 200, 100, 200, 100, 0, 100,
+                                                 200, 100, 200, 100, 110, 10, 100, 10, 0]
+    assert result.step_time == 3.25 and rank.exposed_copy == 0
+    assert rank.swapped[0].streamed and rank.swapped[0].hidden
+
+
+def test_a_chunk_swapped_whole_moves_what_its_forward_kept() -> None:
+    # Every layer recomputed keeps 20 bytes, 10 of them pinned: LO moves 40 bytes in 0.1 s.
+    costs = dataclasses.replace(COSTS, boundary_bytes=20, pinned_bytes=40,
+                                link=Link(400.0, 400.0))
+    result = _run("0RC0:0-3 0F0 0LO0 0WO0 0LL0 0WL0 0B0", costs)
+    (rank,) = result.ranks
+    assert [held for _, held in rank.memory] == [80, 40, 80, 160, 80, 160, 80, 160, 80,
+                                                 160, 80, 0]
+    assert rank.exposed_copy == pytest.approx(0.2)  # nothing to hide the copies behind
+    assert rank.recompute_s == 1.0 and rank.peak_activation_bytes_no_swap == 400
+
+
+@pytest.mark.parametrize("kind", [ScheduleKind.ONE_F_ONE_B, ScheduleKind.ZBV])
+def test_recomputing_keeps_the_no_swap_figures_and_reports_its_cost(kind: ScheduleKind) -> None:
+    spec = ScheduleSpec(kind, ranks=2, microbatches=4, stages_per_rank=1 if kind is
+                        ScheduleKind.ONE_F_ONE_B else 2)
+    plain = build_schedule(spec)
+    marked = dataclasses.replace(plain, orders=tuple(
+        tuple(step for s in order for step in (
+            (Step(StepType.RECOMPUTE, s.stage, s.micro, layers=(0, 1)), s)
+            if s is not None and s.type is StepType.FWD else (s,)))
+        for order in plain.orders))
+    validate(marked, transport="ordered")
+    before, after = simulate(plain, COSTS), simulate(marked, COSTS)
+    assert after.step_time > before.step_time
+    for was, now in zip(before.ranks, after.ranks):
+        assert now.peak_activation_bytes_no_swap == was.peak_activation_bytes_no_swap
+        assert now.peak_activation_bytes < was.peak_activation_bytes
+        backwards = sum(1 for s in plain.orders[now.rank] if s is not None
+                        for leaf in s.compute_leaves if leaf.type in (StepType.BWD,
+                                                                      StepType.BWD_INPUT))
+        assert now.recomputed_layers == 2 * backwards
+        assert math.isclose(now.recompute_s, now.recomputed_layers * COSTS.forward / 4)
+        assert math.isclose(now.busy, was.busy + now.recompute_s)
+    quiet = simulate(marked, COSTS, timeline=False)
+    assert [dataclasses.replace(r, memory=(), spans=()) for r in after.ranks] == list(quiet.ranks)
+    figures = report(after, None, fsdp=False)["per_rank"][0]
+    assert figures["recomputed_layers"] == after.ranks[0].recomputed_layers
+    assert figures["recompute_s"] == after.ranks[0].recompute_s
+    assert "chunks recompute" in swap_summary(marked).splitlines()[0]
