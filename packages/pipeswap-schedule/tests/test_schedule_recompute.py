@@ -23,7 +23,7 @@ from pipeswap.schedule import (
     validate,
 )
 from pipeswap.schedule.costs import ChunkBytes, CostModel, Link
-from pipeswap.schedule.formats import swap_summary
+from pipeswap.schedule.formats import dumps_csv, dumps_json, dumps_lines, loads, swap_summary
 from pipeswap.schedule.simulate import SimulationResult, simulate
 from pipeswap.schedule.simulate_report import report
 
@@ -56,6 +56,13 @@ def test_rc_text_reads_and_writes_its_layers(text: str, layers: tuple[int, ...])
 def test_bad_rc_text_says_what_is_wrong(text: str, message: str) -> None:
     with pytest.raises(ParseError, match=re.escape(message)):
         parse_step(text)
+
+
+def test_a_schedule_with_rc_steps_survives_json_csv_and_lines() -> None:
+    schedule = Schedule.from_orders([parse_order("0RC0:0-1,3 0F0 0RC1:2 0F1 0B0 0B1")])
+    for dumps in (dumps_json, dumps_csv, dumps_lines):
+        assert loads(dumps(schedule)) == schedule, dumps.__name__
+    assert '"0RC0:0-1,3"' in dumps_csv(schedule)  # quoted: the layers hold a comma
 
 
 def test_only_rc_takes_layers_and_they_ascend() -> None:
