@@ -104,6 +104,12 @@ def test_a_whole_backward_runs_each_recomputed_layer_again_before_its_own() -> N
     assert (rank.recomputed_layers, rank.recompute_s) == (2, 0.5)
 
 
+def test_a_recompute_that_takes_no_time_still_holds_what_it_makes() -> None:
+    result = _run("0RC0:3 0F0 0B0", dataclasses.replace(COSTS, forward=0.0))
+    assert [held for _, held in result.ranks[0].memory] == [310, 400, 310, 0]
+    assert result.ranks[0].recompute_s == 0.0 and result.ranks[0].recomputed_layers == 1
+
+
 def test_a_split_backward_recomputes_in_i_and_does_that_layers_w_there() -> None:
     # Each layer holds 50 of its 100 bytes from I to W; the recomputed layer 1 keeps 10 and
     # nothing after I. I takes 1 s, a quarter of the forward again and a quarter of W's 1 s.

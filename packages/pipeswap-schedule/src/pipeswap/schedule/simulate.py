@@ -223,7 +223,7 @@ def simulate(schedule: Schedule, costs: CostModel, *, timeline: bool = True) -> 
                 end = stream_forward(state, leaf, streamed, start, duration)
             else:
                 end = stream_backward(state, leaf, streamed, start, duration, redo, again)
-        elif redo is not None and again:
+        elif redo is not None and kind is not _F and kind is not _W:  # B or I
             end = recompute_backward(state, leaf, redo, start, duration, again)
         else:
             state.compute = end = start + duration
