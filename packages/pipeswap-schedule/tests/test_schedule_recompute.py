@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import re
+from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 
@@ -12,6 +15,7 @@ from pipeswap.schedule import (
     ChunkOrderError,
     ParseError,
     Schedule,
+    ScheduleError,
     ScheduleKind,
     ScheduleSpec,
     Step,
@@ -29,6 +33,7 @@ from pipeswap.schedule.simulate_report import report
 
 # Four layers of 100 bytes a chunk; a recomputed layer keeps its input, 10 bytes, and its
 # recompute makes the other 90 again.
+Cli = Callable[..., tuple[int, str, str]]  # the `cli` fixture of conftest.py
 COSTS = CostModel(forward=1.0, backward=2.0, activation_bytes=400, boundary_bytes=10, layers=4)
 
 
@@ -172,3 +177,79 @@ def test_recomputing_keeps_the_no_swap_figures_and_reports_its_cost(kind: Schedu
     assert figures["recomputed_layers"] == after.ranks[0].recomputed_layers
     assert figures["recompute_s"] == after.ranks[0].recompute_s
     assert "chunks recompute" in swap_summary(marked).splitlines()[0]
+
+
+REFERENCE = ["--schedule", "1f1b", "--ranks", "8", "--microbatches", "16", "--preset",
+             "h100-pcie5", "--hidden", "8192", "--seq-len", "4096", "--layers-per-stage", "4"]
+
+
+def _reference_costs() -> CostModel:
+    from pipeswap.schedule.costs import TransformerShape, from_preset
+
+    return from_preset("h100-pcie5", TransformerShape(hidden=8192, seq_len=4096, layers=4))
+
+
+@pytest.mark.parametrize("budget", ["8.5GiB", "4.25GiB"])
+def test_recompute_alone_recomputes_as_few_first_layers_as_meet_the_budget(budget: str) -> None:
+    from pipeswap.schedule import parse_bytes
+    from pipeswap.schedule.policies import RecomputePolicy
+    from pipeswap.schedule.simulate import peak_without_swap
+
+    costs, limit = _reference_costs(), parse_bytes(budget)
+    plain = build_schedule(ScheduleSpec(ScheduleKind.ONE_F_ONE_B, ranks=8, microbatches=16))
+    policy = RecomputePolicy(costs, limit)
+    planned = policy.apply(plain)
+    result = simulate(planned, costs)
+    assert not any(s.type in (StepType.SWAP_LAUNCH_OFFLOAD, StepType.SWAP_STREAM_OFFLOAD)
+                   for order in planned.orders for s in order if s is not None)
+    for rank, order in zip(result.ranks, plain.orders):
+        outcome = policy.outcomes[rank.rank]
+        assert outcome.met and rank.peak_activation_bytes == outcome.peak <= limit
+        forwards = [leaf.key for s in order if s is not None for leaf in s.compute_leaves
+                    if leaf.type is StepType.FWD]
+        assert rank.recomputed_layers == outcome.layers * len(forwards)
+        if outcome.layers:  # one layer fewer would not fit
+            fewer = {key: tuple(range(outcome.layers - 1)) for key in forwards}
+            assert peak_without_swap(order, costs, fewer if outcome.layers > 1 else None) > limit
+    assert policy.outcomes[0].layers > policy.outcomes[7].layers  # the first rank holds most
+
+
+def test_a_budget_recompute_cannot_reach_is_reported_per_rank(cli: Cli) -> None:
+    code, out, _ = cli("simulate", *REFERENCE, "--policy", "recompute", "--budget", "1GiB",
+                       "--format", "json")
+    assert code == 0
+    ranks = json.loads(out)["per_rank"]
+    assert all(r["recomputed_layers"] == 4 * 16 for r in ranks)  # everything, still short
+    assert all(not r["budget"]["met"] and r["budget"]["shortfall_bytes"] > 0 for r in ranks[:2])
+
+
+@pytest.mark.parametrize(("extra", "message"), [
+    ([], "--policy recompute needs --budget BYTES"),
+    (["--budget", "8GiB", "--swap"], "--policy recompute swaps nothing: drop --swap"),
+])
+def test_recompute_alone_says_what_it_needs(cli: Cli, extra: list[str], message: str) -> None:
+    code, _, err = cli("simulate", *REFERENCE, "--policy", "recompute", *extra)
+    assert code == 2 and message in err
+
+
+def test_orders_and_convert_place_the_rc_steps(cli: Cli, tmp_path: Path) -> None:
+    code, out, _ = cli("orders", *REFERENCE, "--policy", "recompute", "--budget", "8.5GiB")
+    assert code == 0 and "0RC0:0-3 0F0" in out
+    source = tmp_path / "plain.txt"
+    source.write_text(cli("orders", *REFERENCE)[1])
+    code, converted, _ = cli("convert", str(source), "--policy", "recompute", "--budget",
+                             "8.5GiB", "--preset", "h100-pcie5", "--hidden", "8192",
+                             "--seq-len", "4096", "--layers-per-stage", "4", "--to", "grid")
+    assert code == 0 and converted.strip() == out.strip()
+
+
+def test_inject_recompute_refuses_a_chunk_nobody_forwards_and_a_second_rc() -> None:
+    from pipeswap.schedule.recompute import inject_recompute
+
+    schedule = Schedule.from_orders([parse_order("0F0 0B0")])
+    with pytest.raises(ScheduleError, match=r"no rank forwards chunk \(stage, micro\) \(0, 1\)"):
+        inject_recompute(schedule, {(0, 1): (0,)})
+    once = inject_recompute(schedule, {(0, 0): (0,)})
+    assert [str(s) for s in once.orders[0]] == ["0RC0:0", "0F0", "0B0"]
+    with pytest.raises(ScheduleError, match="already recomputes layers"):
+        inject_recompute(once, {(0, 0): (1,)})

@@ -31,6 +31,7 @@ from pipeswap.schedule.simulate_cli import (
     MAX_LAYERS,
     Parser,
     choose_policy,
+    recomputed,
     cost_arguments,
     costs_from,
     count,
@@ -317,8 +318,8 @@ def _run(argv: Sequence[str] | None) -> int:
             return _convert(args)
         if args.command == "simulate":
             return run_simulate(args, _build)
-        policy, _ = choose_policy(args, costs_from(args))
-        schedule = _build(args, policy)
+        policy, outcomes = choose_policy(args, costs_from(args))
+        schedule = recomputed(_build(args, policy), outcomes)
         if args.command == "orders":
             print(dumps_json(schedule) if args.format == "json" else dumps_lines(schedule))
             return 0
@@ -343,10 +344,11 @@ def _convert(args: argparse.Namespace) -> int:
         schedule = LOWERINGS[Lowering(args.lowering)](schedule)
     if args.batch_p2p:
         schedule = coalesce_p2p(schedule)
-    policy, _ = choose_policy(args, costs_from(args))
+    policy, outcomes = choose_policy(args, costs_from(args))
     if args.swap:
         schedule = inject_swap(schedule, policy or MinGapPolicy(
             4 if args.swap_min_gap is None else args.swap_min_gap))
+    schedule = recomputed(schedule, outcomes)
     # with the model dimensions a chunk's layer count is known: check streamed lags against it
     validate(schedule, transport=args.transport, layers=args.layers_per_stage)
     text = {"json": lambda: dumps_json(schedule), "grid": lambda: dumps_lines(schedule),

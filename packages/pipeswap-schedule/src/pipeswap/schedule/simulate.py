@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import heapq
 from collections import defaultdict
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -366,9 +367,12 @@ class _ChunkBytesCache:
         return default
 
 
-def peak_without_swap(order: Order, costs: CostModel) -> int:
+def peak_without_swap(order: Order, costs: CostModel,
+                      recomputed: Mapping[ChunkKey, tuple[int, ...]] | None = None) -> int:
     """The most activation bytes a valid ``order`` holds at once if nothing is swapped,
-    counted as :func:`simulate` counts ``peak_activation_bytes_no_swap``."""
+    counted as :func:`simulate` counts ``peak_activation_bytes_no_swap``; with
+    ``recomputed``, those chunks' layers recomputed (as RC steps would have them, counted as
+    :func:`simulate` counts an order without swap steps)."""
     bytes_of = _ChunkBytesCache(costs)
     split = {s.key for s in order if s is not None and s.type is _W}
     held = peak = 0
@@ -377,11 +381,22 @@ def peak_without_swap(order: Order, costs: CostModel) -> int:
             continue
         for leaf in step.sub_steps or (step,):
             kind = leaf.type
+            if kind not in COMPUTE:
+                continue
+            key = leaf.key
+            layers = None if recomputed is None else recomputed.get(key)
+            if layers is None:
+                chunk, remade = bytes_of(key), 0
+            else:
+                redo = bytes_of.recomputed(key, layers)
+                chunk, remade = redo.chunk, max(redo.remade)
             if kind is _F:
-                held += bytes_of(leaf.key).total
+                held += chunk.total
                 peak = max(peak, held)
-            elif kind in COMPUTE:
-                held -= _freed(kind, bytes_of(leaf.key), kind is _I and leaf.key in split)
+                continue
+            if kind is not _W:  # what a recompute makes lives within the layer's part
+                peak = max(peak, held + remade)
+            held -= _freed(kind, chunk, kind is _I and key in split)
     return peak
 
 

@@ -30,6 +30,7 @@ from pipeswap.schedule.policies import (
     MemoryBudgetPolicy,
     MinGapPolicy,
     PeakPolicy,
+    RecomputePolicy,
     SwapPolicy,
 )
 from pipeswap.schedule.schedule import Schedule
@@ -212,7 +213,7 @@ def costs_from(args: argparse.Namespace) -> CostModel:
 
 #: The policy ``--swap``, ``--policy`` and ``--budget`` use when no other is named.
 DEFAULT_POLICY = "peak"
-POLICIES = ("peak", "gap", "cost", "budget")
+POLICIES = ("peak", "gap", "cost", "budget", "recompute")
 
 
 def policy_arguments() -> Parser:
@@ -224,7 +225,10 @@ def policy_arguments() -> Parser:
              "rank's peak of saved activations, as far as copies stay hidden behind compute "
              "on the cost model, each copy given 1-3 compute slots; gap: MindSpore "
              "hyper-parallel's rule (--swap-min-gap); cost: every chunk whose copies hide; "
-             "budget: the fewest exposed copies that bring each rank under --budget")
+             "budget: the fewest exposed copies that bring each rank under --budget; "
+             "recompute: swap nothing, recompute (activation checkpointing) the first layers "
+             "of every chunk, on each rank as few as bring it under --budget (written "
+             "0RC3:0-1 before the chunk's forward)")
     group.add_argument(
         "--budget", type=BUDGET, metavar="BYTES",
         help="per-rank activation budget, 1 byte or more (implies --swap): the peak policy "
@@ -258,6 +262,14 @@ def choose_policy(args: argparse.Namespace, costs: CostModel
             raise ScheduleError(f"--swap-min-gap sets the gap policy's threshold; drop it or "
                                 f"--policy {args.policy}")
     granularity = getattr(args, "swap_granularity", None)
+    if args.policy == "recompute":
+        if args.budget is None:
+            raise ScheduleError("--policy recompute needs --budget BYTES: it recomputes as "
+                                "few layers as bring each rank under it")
+        if args.swap or gap is not None or granularity is not None:
+            raise ScheduleError("--policy recompute swaps nothing: drop --swap, "
+                                "--swap-min-gap and --swap-granularity")
+        return None, RecomputePolicy(costs, args.budget)
     if not (args.swap or args.policy is not None or args.budget is not None
             or gap is not None or granularity is not None):
         return None, None
@@ -283,6 +295,11 @@ def choose_policy(args: argparse.Namespace, costs: CostModel
     return None, None  # gap: the builder applies --swap-min-gap
 
 
+def recomputed(schedule: Schedule, outcomes: Outcomes | None) -> Schedule:
+    """``schedule`` with the recompute policy's RC steps, where that is the policy."""
+    return outcomes.apply(schedule) if isinstance(outcomes, RecomputePolicy) else schedule
+
+
 def run_simulate(args: argparse.Namespace,
                  build: Callable[[argparse.Namespace, SwapPolicy | None], Schedule]) -> int:
     if args.param_bytes is not None and not args.fsdp:
@@ -291,7 +308,7 @@ def run_simulate(args: argparse.Namespace,
                             "add --fsdp, or drop --param-bytes")
     costs = costs_from(args)
     policy, budget = choose_policy(args, costs)
-    schedule = build(args, policy)
+    schedule = recomputed(build(args, policy), budget)
     result = simulate(schedule, costs, timeline=bool(args.trace or args.plot))
     if args.trace:
         with writing(args.trace):

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 from typing import TypedDict
 
-from pipeswap.schedule.policies import MemoryBudgetPolicy, PeakPolicy
+from pipeswap.schedule.policies import MemoryBudgetPolicy, PeakPolicy, RecomputePolicy
 from pipeswap.schedule.simulate import SimulationResult
 
 #: The policies whose ``outcomes`` say per rank whether a budget was met.
-Outcomes = MemoryBudgetPolicy | PeakPolicy
+Outcomes = MemoryBudgetPolicy | PeakPolicy | RecomputePolicy
 
 
 class ChunkReport(TypedDict):

@@ -4,7 +4,8 @@
 (MindSpore hyper-parallel's); :mod:`~pipeswap.schedule.policies.peak` the default, which
 swaps only what lowers a rank's peak; :mod:`~pipeswap.schedule.policies.cost_model` two
 policies that swap whole chunks on a cost model; :mod:`~pipeswap.schedule.policies.defaults`
-the default policy on the costs known before anything runs.
+the default policy on the costs known before anything runs;
+:mod:`~pipeswap.schedule.policies.recompute` recompute alone, which swaps nothing.
 """
 
 from pipeswap.schedule.policies.base import (
@@ -22,6 +23,7 @@ from pipeswap.schedule.policies.cost_model import (
 )
 from pipeswap.schedule.policies.defaults import default_policy, default_swap_policy, uniform_layers
 from pipeswap.schedule.policies.peak import GRANULARITIES, PeakOutcome, PeakPolicy
+from pipeswap.schedule.policies.recompute import RecomputeOutcome, RecomputePolicy
 
 __all__ = [
     "BudgetOutcome",
@@ -33,6 +35,8 @@ __all__ = [
     "MinGapPolicy",
     "PeakOutcome",
     "PeakPolicy",
+    "RecomputeOutcome",
+    "RecomputePolicy",
     "SwapCandidate",
     "SwapPlacement",
     "SwapPolicy",

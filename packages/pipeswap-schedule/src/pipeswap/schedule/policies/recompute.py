@@ -1,0 +1,70 @@
+"""Recompute alone, the baseline users know from activation checkpointing: on each rank, the
+same first layers of every chunk recomputed, as few as bring the rank's peak under the
+budget (Megatron's ``--recompute-num-layers``, chosen per rank instead of configured).
+Nothing is swapped."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pipeswap.schedule.costs import CostModel
+from pipeswap.schedule.errors import ScheduleError
+from pipeswap.schedule.policies.cost_model import BudgetOutcome
+from pipeswap.schedule.recompute import inject_recompute
+from pipeswap.schedule.schedule import Schedule
+from pipeswap.schedule.simulate import peak_without_swap
+from pipeswap.schedule.steps import ChunkKey, StepType
+
+
+@dataclass(frozen=True)
+class RecomputeOutcome(BudgetOutcome):
+    """What recompute alone reached on one rank: its first ``layers`` layers of every chunk
+    recomputed (``peak_no_swap``: with none; ``exposed_copy`` is 0, nothing is copied)."""
+
+    layers: int
+
+
+@dataclass
+class RecomputePolicy:
+    """Per rank, the fewest first layers of every chunk to recompute for the rank's peak
+    (counted as the simulator counts it) to fit ``budget`` bytes; every layer where even
+    that does not fit (``outcomes`` says by how much). :meth:`apply` adds the RC steps."""
+
+    costs: CostModel
+    budget: int
+    outcomes: dict[int, RecomputeOutcome] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.budget, bool) or not isinstance(self.budget, int) or self.budget < 1:
+            raise ScheduleError(f"the recompute policy's budget is a whole number of bytes "
+                                f">= 1, got {self.budget!r}")
+
+    def apply(self, schedule: Schedule) -> Schedule:
+        """``schedule`` (without swap or RC steps) with this policy's RC steps."""
+        self.outcomes = {}
+        chosen: dict[ChunkKey, tuple[int, ...]] = {}
+        for rank, order in enumerate(schedule.orders):
+            keys = [leaf.key for step in order if step is not None
+                    for leaf in step.compute_leaves if leaf.type is StepType.FWD]
+            most = max((self.costs.stage_layers(stage) for stage, _ in keys), default=0)
+
+            def first(count: int, keys: list[ChunkKey] = keys) -> dict[ChunkKey, tuple[int, ...]]:
+                return {key: tuple(range(min(count, self.costs.stage_layers(key[0]))))
+                        for key in keys} if count else {}
+
+            plain = peak_without_swap(order, self.costs)
+            low, high = 0, most  # the peak falls as more layers are recomputed: bisect
+            if peak_without_swap(order, self.costs, first(most)) > self.budget:
+                low = most
+            while low < high:
+                middle = (low + high) // 2
+                if peak_without_swap(order, self.costs, first(middle)) <= self.budget:
+                    high = middle
+                else:
+                    low = middle + 1
+            picked = first(low)
+            chosen.update(picked)
+            self.outcomes[rank] = RecomputeOutcome(
+                rank, self.budget, peak_without_swap(order, self.costs, picked), plain, 0.0,
+                layers=low)
+        return inject_recompute(schedule, chosen)
