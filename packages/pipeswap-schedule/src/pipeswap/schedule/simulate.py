@@ -335,26 +335,30 @@ class _ChunkBytesCache:
     def __init__(self, costs: CostModel) -> None:
         self.costs = costs
         self._stages: dict[int, ChunkBytes] = {}
-        self._layers: dict[ChunkKey, tuple[ChunkBytes, ...]] = {}
-        self._recomputed: dict[ChunkKey, Recomputed] = {}
+        self._layers: dict[ChunkKey | int, tuple[ChunkBytes, ...]] = {}
+        self._recomputed: dict[tuple[ChunkKey | int, tuple[int, ...]], Recomputed] = {}
 
     def recomputed(self, key: ChunkKey, layers: tuple[int, ...]) -> Recomputed:
-        """The chunk with ``layers`` recomputed (its one RC's), worked out once."""
-        found = self._recomputed.get(key)
+        """The chunk with ``layers`` recomputed, worked out once per stage and layers (per
+        chunk where the cost model gives the chunk its own bytes)."""
+        shared = (key if key in self.costs.chunks else key[0], layers)
+        found = self._recomputed.get(shared)
         if found is None:
             effective, remade = self.costs.recomputed_layers(key, layers)
             chunk = ChunkBytes(sum(layer.total for layer in effective),
                                sum(layer.pinned for layer in effective),
                                sum(layer.held_after_input for layer in effective))
-            found = self._recomputed[key] = Recomputed(effective, remade, chunk, len(layers),
-                                                        frozenset(layers))
+            found = self._recomputed[shared] = Recomputed(effective, remade, chunk,
+                                                           len(layers), frozenset(layers))
         return found
 
     def layers(self, key: ChunkKey) -> tuple[ChunkBytes, ...]:
-        """``costs.layer_bytes``, worked out once per chunk."""
-        found = self._layers.get(key)
+        """``costs.layer_bytes``, worked out once per stage (per chunk where the cost model
+        gives the chunk its own bytes)."""
+        shared = key if key in self.costs.chunks else key[0]
+        found = self._layers.get(shared)
         if found is None:
-            found = self._layers[key] = self.costs.layer_bytes(key)
+            found = self._layers[shared] = self.costs.layer_bytes(key)
         return found
 
     def __call__(self, key: ChunkKey) -> ChunkBytes:

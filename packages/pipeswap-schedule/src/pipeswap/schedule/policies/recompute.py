@@ -13,7 +13,7 @@ from pipeswap.schedule.policies.cost_model import BudgetOutcome
 from pipeswap.schedule.recompute import inject_recompute
 from pipeswap.schedule.schedule import Schedule
 from pipeswap.schedule.simulate import peak_without_swap
-from pipeswap.schedule.steps import ChunkKey, StepType
+from pipeswap.schedule.steps import ChunkKey, Order, StepType
 
 
 @dataclass(frozen=True)
@@ -44,27 +44,35 @@ class RecomputePolicy:
         self.outcomes = {}
         chosen: dict[ChunkKey, tuple[int, ...]] = {}
         for rank, order in enumerate(schedule.orders):
-            keys = [leaf.key for step in order if step is not None
-                    for leaf in step.compute_leaves if leaf.type is StepType.FWD]
-            most = max((self.costs.stage_layers(stage) for stage, _ in keys), default=0)
-
-            def first(count: int, keys: list[ChunkKey] = keys) -> dict[ChunkKey, tuple[int, ...]]:
-                return {key: tuple(range(min(count, self.costs.stage_layers(key[0]))))
-                        for key in keys} if count else {}
-
-            plain = peak_without_swap(order, self.costs)
-            low, high = 0, most  # the peak falls as more layers are recomputed: bisect
-            if peak_without_swap(order, self.costs, first(most)) > self.budget:
-                low = most
-            while low < high:
-                middle = (low + high) // 2
-                if peak_without_swap(order, self.costs, first(middle)) <= self.budget:
-                    high = middle
-                else:
-                    low = middle + 1
-            picked = first(low)
-            chosen.update(picked)
-            self.outcomes[rank] = RecomputeOutcome(
-                rank, self.budget, peak_without_swap(order, self.costs, picked), plain, 0.0,
-                layers=low)
+            count, layers, peak, plain = self._plan_rank(order)
+            chosen.update(layers)
+            self.outcomes[rank] = RecomputeOutcome(rank, self.budget, peak, plain, 0.0,
+                                                   layers=count)
         return inject_recompute(schedule, chosen)
+
+    def _plan_rank(self, order: Order
+                   ) -> tuple[int, dict[ChunkKey, tuple[int, ...]], int, int]:
+        """The fewest first layers for ``order``'s peak to fit (all of them where none do):
+        how many, each chunk's, the peak with them and the peak with none."""
+        keys = [leaf.key for step in order if step is not None
+                for leaf in step.compute_leaves if leaf.type is StepType.FWD]
+        peaks: dict[int, int] = {}
+
+        def recomputing(count: int) -> dict[ChunkKey, tuple[int, ...]]:
+            return {key: tuple(range(min(count, self.costs.stage_layers(key[0]))))
+                    for key in keys} if count else {}
+
+        def peak(count: int) -> int:
+            if count not in peaks:
+                peaks[count] = peak_without_swap(order, self.costs, recomputing(count) or None)
+            return peaks[count]
+
+        # the peak falls as more layers are recomputed: bisect
+        low, high = 0, max((self.costs.stage_layers(stage) for stage, _ in keys), default=0)
+        while low < high:
+            middle = (low + high) // 2
+            if peak(middle) <= self.budget:
+                high = middle
+            else:
+                low = middle + 1
+        return low, recomputing(low), peak(low), peak(0)
