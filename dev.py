@@ -42,8 +42,9 @@ commands:
                      on 4 CPU ranks with 1F1B, without and with swap, then compared);
                      ARGS go to pipeswap-train (`python3 dev.py demo -- --help`)
   bench [ARGS...]    run benchmarks/schedule_passes.py, swap_planning.py,
-                     simulate_schedules.py, pytorch_lowering.py, swap_overhead.py,
-                     layer_offload.py, train_step.py and executor_vs_torch.py in the
+                     simulate_schedules.py, keep_offload_recompute.py,
+                     pytorch_lowering.py, swap_overhead.py, layer_offload.py,
+                     train_step.py and executor_vs_torch.py in the
                      default env (`bench --write` records the results in BENCHMARKS.md);
                      benchmarks/gpu_check.py needs a GPU: see gpu-setup
   gpu-setup [--use-installed-torch] [--torch-index URL]
@@ -95,7 +96,7 @@ UV = "0.13.9"
 TORCH = "2.13.0+cpu"  # a CPU build: its dependencies hold no nvidia-* packages
 PYTEST = "pytest~=9.2"
 BENCHMARKS = ["benchmarks/schedule_passes.py", "benchmarks/swap_planning.py",
-              "benchmarks/simulate_schedules.py",
+              "benchmarks/simulate_schedules.py", "benchmarks/keep_offload_recompute.py",
               "benchmarks/pytorch_lowering.py", "benchmarks/swap_overhead.py",
               "benchmarks/layer_offload.py", "benchmarks/train_step.py",
               "benchmarks/executor_vs_torch.py"]
