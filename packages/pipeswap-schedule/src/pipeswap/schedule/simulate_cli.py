@@ -221,9 +221,10 @@ def policy_arguments() -> Parser:
     group = parent.add_argument_group("which chunks to swap")
     group.add_argument(
         "--policy", choices=POLICIES, default=None,
-        help=f"implies --swap (default {DEFAULT_POLICY}). peak: only chunks that lower the "
-             "rank's peak of saved activations, as far as copies stay hidden behind compute "
-             "on the cost model, each copy given 1-3 compute slots; gap: MindSpore "
+        help=f"implies --swap, but for recompute (default {DEFAULT_POLICY}). peak: only "
+             "chunks that lower the rank's peak of saved activations, as far as copies stay "
+             "hidden behind compute on the cost model, each copy given 1-3 compute slots; "
+             "gap: MindSpore "
              "hyper-parallel's rule (--swap-min-gap); cost: every chunk whose copies hide; "
              "budget: the fewest exposed copies that bring each rank under --budget; "
              "recompute: swap nothing, recompute (activation checkpointing) the first layers "
@@ -231,10 +232,10 @@ def policy_arguments() -> Parser:
              "0RC3:0-1 before the chunk's forward)")
     group.add_argument(
         "--budget", type=BUDGET, metavar="BYTES",
-        help="per-rank activation budget, 1 byte or more (implies --swap): the peak policy "
-             "then also takes chunks whose copies stall compute, least stall first, until the "
-             "budget is met (simulate reports the exposed copy time); also for --policy "
-             "budget")
+        help="per-rank activation budget, 1 byte or more (implies --swap, but with --policy "
+             "recompute): the peak policy then also takes chunks whose copies stall compute, "
+             "least stall first, until the budget is met (simulate reports the exposed copy "
+             "time); also for --policy budget and --policy recompute")
     group.add_argument(
         "--swap-granularity", choices=GRANULARITIES, default=None,
         help="how the peak policy swaps a chunk (implies --swap; default auto). chunk: whole: "
