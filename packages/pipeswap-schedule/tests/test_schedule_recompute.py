@@ -253,3 +253,34 @@ def test_inject_recompute_refuses_a_chunk_nobody_forwards_and_a_second_rc() -> N
     assert [str(s) for s in once.orders[0]] == ["0RC0:0", "0F0", "0B0"]
     with pytest.raises(ScheduleError, match="already recomputes layers"):
         inject_recompute(once, {(0, 0): (1,)})
+
+
+def test_swap_policies_refuse_an_order_that_recomputes() -> None:
+    from pipeswap.schedule import MinGapPolicy, inject_swap
+
+    schedule = Schedule.from_orders([parse_order("0RC0:0 0F0 0F1 0F2 0F3 0F4 0B0 0B1 0B2 0B3 "
+                                                 "0B4")])
+    with pytest.raises(ScheduleError, match=r"the order recomputes layers \(0RC0:0\): the "
+                       "swap policies do not plan around recompute yet"):
+        inject_swap(schedule, MinGapPolicy(4))
+
+
+def test_the_peak_refuses_a_layer_the_chunk_does_not_have() -> None:
+    from pipeswap.schedule.simulate import peak_without_swap
+
+    order = parse_order("0F0 0B0")
+    assert peak_without_swap(order, COSTS, {(0, 0): (0, 3)}) == 220 + 90
+    with pytest.raises(ScheduleError, match=r"chunk \(stage 0, micro 0\) has 4 layer\(s\) in "
+                       "the cost model; it cannot recompute layer 4"):
+        peak_without_swap(order, COSTS, {(0, 0): (0, 4)})
+
+
+def test_describe_counts_rc_steps_and_w_never_runs_backwards() -> None:
+    from pipeswap.schedule.formats import describe
+
+    schedule = Schedule.from_orders([parse_order("0RC0:0-13 0F0 0I0 0W0")])
+    assert describe(schedule) == ("rank 0: 4 steps: 3 compute slots, 0 P2P, 0 swap, "
+                                  "1 recompute, 0 idle")
+    costs = CostModel(forward=1.0, backward=1.9576, activation_bytes=1400, layers=14)
+    (rank,) = simulate(schedule, costs).ranks  # every layer's W share moves to I
+    assert all(span.end >= span.start for span in rank.spans)

@@ -198,17 +198,18 @@ def _cell(step: Step | None) -> str:
 
 
 def describe(schedule: Schedule) -> str:
-    """Counts per rank: compute slots, overlaps, P2P, swap, idle."""
+    """Counts per rank: compute slots, overlaps, P2P, swap, recompute (where any), idle."""
     lines = []
     for rank, order in enumerate(schedule.orders):
         steps = [s for s in order if s is not None]
         compute = sum(1 for s in steps if s.type in COMPUTE or s.type in OVERLAPS)
         swap = sum(1 for s in steps if s.type in SWAP)
+        recompute = sum(1 for s in steps if s.type is StepType.RECOMPUTE)
         p2p = sum(len(s.p2p_leaves) for s in steps)
         idle = len(order) - len(steps)
         lines.append(
             f"rank {rank}: {len(order)} steps: {compute} compute slots, {p2p} P2P, "
-            f"{swap} swap, {idle} idle"
+            f"{swap} swap, " + (f"{recompute} recompute, " if recompute else "") + f"{idle} idle"
         )
     return "\n".join(lines)
 

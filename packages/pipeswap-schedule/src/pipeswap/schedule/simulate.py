@@ -62,6 +62,7 @@ from pipeswap.schedule._rank_walk import (
     swap_whole,
 )
 from pipeswap.schedule.costs import ChunkBytes, CostModel
+from pipeswap.schedule.errors import ScheduleError
 from pipeswap.schedule.schedule import Schedule
 from pipeswap.schedule.steps import COMPUTE, RECVS, ChunkKey, Order, Step, StepType
 from pipeswap.schedule.validation import check_layer_counts, validate
@@ -210,8 +211,8 @@ def simulate(schedule: Schedule, costs: CostModel, *, timeline: bool = True) -> 
             chunk = redo.chunk
             if kind is not _F:  # a recomputed layer's W runs in I, from what I made again
                 w_share = duration_of(_W, stage, state.rank) / len(redo.layers)
-                if kind is _W:
-                    duration -= w_share * redo.redone
+                if kind is _W:  # (never below 0 by a rounding, every layer recomputed)
+                    duration = max(0.0, duration - w_share * redo.redone)
                 else:
                     forward = duration_of(_F, stage, state.rank) / len(redo.layers)
                     again = forward + (w_share if split_input else 0.0)
@@ -344,6 +345,11 @@ class _ChunkBytesCache:
         shared = (key if key in self.costs.chunks else key[0], layers)
         found = self._recomputed.get(shared)
         if found is None:
+            count = len(self.layers(key))
+            if layers[-1] >= count:
+                raise ScheduleError(f"chunk (stage {key[0]}, micro {key[1]}) has {count} "
+                                    f"layer(s) in the cost model; it cannot recompute layer "
+                                    f"{layers[-1]}")
             effective, remade = self.costs.recomputed_layers(key, layers)
             chunk = ChunkBytes(sum(layer.total for layer in effective),
                                sum(layer.pinned for layer in effective),

@@ -116,6 +116,10 @@ class _Slots:
                 leaves = step.sub_steps
             elif kind in SWAP:
                 raise ScheduleError(f"the order already has swap steps ({step}); inject them once")
+            elif kind is StepType.RECOMPUTE:  # the policies plan on whole chunks' bytes
+                raise ScheduleError(f"the order recomputes layers ({step}): the swap policies "
+                                    "do not plan around recompute yet; swap first, or swap "
+                                    "the order without its RC steps")
             else:
                 if kind is StepType.FSDP_UNSHARD:
                     stage = step.stage
