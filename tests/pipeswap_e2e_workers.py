@@ -58,7 +58,7 @@ def agree_then_fail(rank: int, world_size: int) -> dict[str, object]:
 
     import torch.distributed as dist
 
-    from pipeswap.runtime.comm import agree, break_links
+    from pipeswap.runtime.comm import agree, break_links, members
 
     store = dist.distributed_c10d._get_default_store()
     ours = dist.new_group([1, 2, 3])
@@ -68,7 +68,7 @@ def agree_then_fail(rank: int, world_size: int) -> dict[str, object]:
         if rank == 3:  # the last: after the others, root included, have arrived
             store.wait(["arrived/1", "arrived/2"])
         store.set(f"arrived/{rank}", "yes")
-        agree(ours)
+        agree(ours, members(ours))
         seen = store.check([f"arrived/{r}" for r in (1, 2, 3)])
     dist.barrier()
     begun, raised = time.perf_counter(), ""
@@ -76,7 +76,7 @@ def agree_then_fail(rank: int, world_size: int) -> dict[str, object]:
         break_links(everyone)
     else:
         try:
-            agree(everyone)
+            agree(everyone, members(everyone))
         except RuntimeError as exc:
             raised = type(exc).__name__
             break_links(everyone)

@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterable
 from contextlib import suppress
 from typing import TYPE_CHECKING, TypeVar
 
-from pipeswap.runtime.comm import agree
+from pipeswap.runtime.comm import agree, members
 from pipeswap.runtime.errors import PeerFailedError, PipelineCommError, PipelineError
 from pipeswap.runtime.watch import stop_groups
 
@@ -52,6 +52,7 @@ class FailureProtocol:
         self.replayed = replayed
         self.spans_world = spans_world
         self.reason: str | None = None  # why the last step failed, until recover()
+        self._members: dict[dist.ProcessGroup | None, list[int]] = {}  # agree()'s ranks
 
     def check_ready(self) -> None:
         """Refuse a step while a failed one has not been recovered from."""
@@ -92,8 +93,11 @@ class FailureProtocol:
         nobody to agree with."""
         if self.replayed:
             return
+        ranks = self._members.get(group)
+        if ranks is None:  # looked up once: torch walks a group's ranks for each one
+            ranks = self._members[group] = members(group)
         try:
-            agree(group)
+            agree(group, ranks)
         except RuntimeError as exc:
             raise transport.failure(what, exc) from exc
 

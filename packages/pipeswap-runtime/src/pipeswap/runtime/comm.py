@@ -422,10 +422,20 @@ def all_gather_ints(value: int, group: dist.ProcessGroup | None) -> list[int]:
     return values
 
 
-def agree(group: dist.ProcessGroup | None) -> None:
-    """Return once every rank of ``group`` has called this (raise where a peer broke its
-    connections instead): a barrier shaped for the end of a pipeline step, whose last rank
-    to arrive is nearly always the first (its last backward ends the step).
+def members(group: dist.ProcessGroup | None) -> list[int]:
+    """The global ranks of ``group``, by group rank."""
+    import torch.distributed as dist
+
+    size = dist.get_world_size(group)
+    return list(range(size)) if group is None else [dist.get_global_rank(group, r)
+                                                     for r in range(size)]
+
+
+def agree(group: dist.ProcessGroup | None, ranks: Sequence[int]) -> None:
+    """Return once every rank of ``group`` (``ranks``: its :func:`members`) has called this
+    (raise where a peer broke its connections instead): a barrier shaped for the end of a
+    pipeline step, whose last rank to arrive is nearly always the first (its last backward
+    ends the step).
 
     A star on group rank 0: the others send it a word and wait for its answer; it takes
     every word, then answers all. Rank 0, arriving last, finds the words there and only
@@ -436,27 +446,19 @@ def agree(group: dist.ProcessGroup | None) -> None:
     import torch
     import torch.distributed as dist
 
-    size = dist.get_world_size(group)
-    if size == 1:
+    if len(ranks) == 1:
         return
-    me = dist.get_rank(group)
-    if me == 0:
-        peers = [dist.get_global_rank(group, r) if group is not None else r
-                 for r in range(1, size)]
-        words = torch.zeros(size - 1, dtype=torch.int64)
-        for work in dist.batch_isend_irecv([dist.P2POp(dist.irecv, words[i:i + 1], peer, group,
-                                                       _AGREE_TAG)
-                                            for i, peer in enumerate(peers)]):
-            work.wait()
-        for work in dist.batch_isend_irecv([dist.P2POp(dist.isend, words[i:i + 1], peer, group,
-                                                       _AGREE_TAG)
-                                            for i, peer in enumerate(peers)]):
-            work.wait()
+    if dist.get_rank(group) == 0:
+        words = torch.zeros(len(ranks) - 1, dtype=torch.int64)
+        for op in (dist.irecv, dist.isend):
+            for work in dist.batch_isend_irecv([
+                    dist.P2POp(op, words[i:i + 1], peer, group, _AGREE_TAG)
+                    for i, peer in enumerate(ranks[1:])]):
+                work.wait()
         return
-    root = dist.get_global_rank(group, 0) if group is not None else 0
     word, answer = torch.zeros(1, dtype=torch.int64), torch.zeros(1, dtype=torch.int64)
-    for work in dist.batch_isend_irecv([dist.P2POp(dist.isend, word, root, group, _AGREE_TAG),
-                                        dist.P2POp(dist.irecv, answer, root, group,
+    for work in dist.batch_isend_irecv([dist.P2POp(dist.isend, word, ranks[0], group, _AGREE_TAG),
+                                        dist.P2POp(dist.irecv, answer, ranks[0], group,
                                                    _AGREE_TAG)]):
         work.wait()
 
