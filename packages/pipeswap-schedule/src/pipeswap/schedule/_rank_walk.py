@@ -264,17 +264,24 @@ def _layer_part(state: RankState, redo: Recomputed | None, k: int, part: float,
 
 
 def recompute_backward(state: RankState, leaf: Step, redo: Recomputed, start: float,
-                        duration: float, again: float) -> float:
+                       duration: float, again: float) -> float:
     """The B or I of a chunk held whole, with recomputed layers: layer by layer from the
     last, each recomputed one run again first, what that makes alive until its own part
-    ends; the chunk's kept bytes go at the end, as for any backward. Returns its end."""
-    part = duration / len(redo.layers)
-    state.compute = start
-    for k in reversed(range(len(redo.layers))):
-        _layer_part(state, redo, k, part, again)
-    if state.timeline:
-        state.spans.append(Span("compute", str(leaf), start, state.compute))
-    return state.compute
+    ends; the chunk's kept bytes go at the end, as for any backward. Returns its end.
+    Without a timeline only the peak is kept: one recomputed layer's bytes at a time."""
+    end = start + duration + again * redo.redone
+    if state.timeline:  # each recomputed layer's bytes at their own time
+        part = duration / len(redo.layers)
+        state.compute = start
+        for k in reversed(range(len(redo.layers))):
+            _layer_part(state, redo, k, part, again)
+        state.spans.append(Span("compute", str(leaf), start, end))
+    else:
+        bump = max(redo.remade)
+        state.change(bump)
+        state.change(-bump)
+    state.compute = end
+    return end
 
 
 def _last_piece(state: RankState, leaf: Step, start: float, piece: float) -> None:

@@ -59,8 +59,17 @@ class RecomputePolicy:
         peaks: dict[int, int] = {}
 
         def recomputing(count: int) -> dict[ChunkKey, tuple[int, ...]]:
-            return {key: tuple(range(min(count, self.costs.stage_layers(key[0]))))
-                    for key in keys} if count else {}
+            if not count:
+                return {}
+            firsts: dict[int, tuple[int, ...]] = {}  # one tuple per stage, shared
+            chosen: dict[ChunkKey, tuple[int, ...]] = {}
+            for key in keys:
+                layers = firsts.get(key[0])
+                if layers is None:
+                    layers = firsts[key[0]] = tuple(range(
+                        min(count, self.costs.stage_layers(key[0]))))
+                chosen[key] = layers
+            return chosen
 
         def peak(count: int) -> int:
             if count not in peaks:
