@@ -26,7 +26,7 @@ from pipeswap.schedule import (
     parse_step,
     validate,
 )
-from pipeswap.schedule.costs import ChunkBytes, CostModel, Link
+from pipeswap.schedule.costs import ChunkBytes, CostModel, Link, StageCosts
 from pipeswap.schedule.formats import dumps_csv, dumps_json, dumps_lines, loads, swap_summary
 from pipeswap.schedule.simulate import SimulationResult, simulate
 from pipeswap.schedule.simulate_report import report
@@ -89,7 +89,8 @@ def test_an_rc_comes_before_its_forward_on_its_rank(text: str, message: str) -> 
 
 def test_a_layer_the_chunk_does_not_have_is_refused() -> None:
     schedule = Schedule.from_orders([parse_order("0RC0:1,4 0F0 0B0")])
-    with pytest.raises(ChunkOrderError, match=r"recomputes layer 4 of \(stage 0, micro 0\), but the cost model gives a chunk of stage 0 4 layer"):
+    with pytest.raises(ChunkOrderError, match=r"recomputes layer 4 of \(stage 0, micro 0\), "
+                       "but the cost model gives a chunk of stage 0 4 layer"):
         simulate(schedule, COSTS)
     with pytest.raises(ChunkOrderError, match="name layers from 0 to 3"):
         validate(schedule, layers=4)
@@ -281,6 +282,19 @@ def test_describe_counts_rc_steps_and_w_never_runs_backwards() -> None:
     schedule = Schedule.from_orders([parse_order("0RC0:0-13 0F0 0I0 0W0")])
     assert describe(schedule) == ("rank 0: 4 steps: 3 compute slots, 0 P2P, 0 swap, "
                                   "1 recompute, 0 idle")
-    costs = CostModel(forward=1.0, backward=1.9576, activation_bytes=1400, layers=14)
-    (rank,) = simulate(schedule, costs).ranks  # every layer's W share moves to I
+    # every layer's W share moves to I; 0.015 - (0.015 / 14) * 14 rounds below 0
+    costs = CostModel(activation_bytes=1400, stages={0: StageCosts(
+        forward=0.0, backward=0.03, backward_input=0.0, backward_weight=0.015, layers=14)})
+    (rank,) = simulate(schedule, costs).ranks
+    assert [span.label for span in rank.spans] == ["0F0", "0I0", "0W0"]
     assert all(span.end >= span.start for span in rank.spans)
+
+
+def test_a_measured_kept_size_is_what_a_recomputed_layer_keeps() -> None:
+    layers = tuple(ChunkBytes(100, kept=30) for _ in range(4))
+    costs = dataclasses.replace(COSTS, chunks={(0, 0): ChunkBytes(400, kept=120, layers=layers)})
+    (rank,) = _run("0RC0:0 0F0 0B0", costs).ranks
+    assert [held for _, held in rank.memory] == [330, 400, 330, 0]  # 30 kept, 70 made again
+    with pytest.raises(ScheduleError, match="the layers' kept bytes add up to 120, but the "
+                       "chunk's kept is 100"):
+        ChunkBytes(400, kept=100, layers=layers)

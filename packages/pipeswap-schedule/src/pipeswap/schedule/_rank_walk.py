@@ -34,8 +34,7 @@ class Recomputed(NamedTuple):
     layers: tuple[ChunkBytes, ...]
     remade: tuple[int, ...]
     chunk: ChunkBytes  # the layers summed
-    redone: int  # how many layers are recomputed
-    chosen: frozenset[int]  # which
+    chosen: frozenset[int]  # which layers are recomputed
 
 
 @dataclass
@@ -269,7 +268,7 @@ def recompute_backward(state: RankState, leaf: Step, redo: Recomputed, start: fl
     last, each recomputed one run again first, what that makes alive until its own part
     ends; the chunk's kept bytes go at the end, as for any backward. Returns its end.
     Without a timeline only the peak is kept: one recomputed layer's bytes at a time."""
-    end = start + duration + again * redo.redone
+    end = start + duration + again * len(redo.chosen)
     if state.timeline:  # each recomputed layer's bytes at their own time
         part = duration / len(redo.layers)
         state.compute = start

@@ -12,7 +12,8 @@ from pipeswap.schedule.steps import ChunkKey, Order, Step, StepType
 def inject_recompute(schedule: Schedule,
                      layers: Mapping[ChunkKey, tuple[int, ...]]) -> Schedule:
     """``schedule`` with ``layers[key]`` of chunk ``key`` recomputed: an RC step right before
-    the chunk's forward. A chunk that already has one, or that no rank forwards, is refused."""
+    the chunk's forward. A schedule that has RC steps already, or a chunk no rank forwards,
+    is refused."""
     if not layers:
         return schedule
     placed: set[ChunkKey] = set()

@@ -180,9 +180,9 @@ def simulate(schedule: Schedule, costs: CostModel, *, timeline: bool = True) -> 
     bytes_of = _ChunkBytesCache(costs)
     if any(f.streams or f.recomputed for f in flat):
         check_layer_counts(schedule, lambda key: len(bytes_of.layers(key)),
-                         "the cost model gives a chunk of stage {stage} {layers} layer(s) "
-                         "(--layers-per-stage; CostModel.layers, StageCosts.layers or the "
-                         "chunk's measured ChunkBytes.layers)")
+                           "the cost model gives a chunk of stage {stage} {layers} layer(s) "
+                           "(--layers-per-stage; CostModel.layers, StageCosts.layers or the "
+                           "chunk's measured ChunkBytes.layers)")
     times: dict[tuple[StepType, int, int], float] = {}
 
     def duration_of(kind: StepType, stage: int, rank: int) -> float:
@@ -210,15 +210,16 @@ def simulate(schedule: Schedule, costs: CostModel, *, timeline: bool = True) -> 
             redo = bytes_of.recomputed(key, recomputed)
             chunk = redo.chunk
             if kind is not _F:  # a recomputed layer's W runs in I, from what I made again
+                redone = len(redo.chosen)
                 w_share = duration_of(_W, stage, state.rank) / len(redo.layers)
                 if kind is _W:  # (never below 0 by a rounding, every layer recomputed)
-                    duration = max(0.0, duration - w_share * redo.redone)
+                    duration = max(0.0, duration - w_share * redone)
                 else:
                     forward = duration_of(_F, stage, state.rank) / len(redo.layers)
                     again = forward + (w_share if split_input else 0.0)
-                    state.recomputed_layers += redo.redone
-                    state.recompute_s += forward * redo.redone
-        state.busy += duration + again * (0 if redo is None else redo.redone)
+                    state.recomputed_layers += redone
+                    state.recompute_s += forward * redone
+        state.busy += duration + again * (0 if redo is None else len(redo.chosen))
         streamed = state.streams.get(key) if kind is not _W else None
         if streamed is not None:
             if kind is _F:
@@ -283,7 +284,8 @@ def simulate(schedule: Schedule, costs: CostModel, *, timeline: bool = True) -> 
                         leaf.lag or 1, bytes_of.layers(key) if redo is None else redo.layers)
                 streamed = state.streams.get(key)
                 if streamed is None:
-                    swap_whole(state, leaf, key, (bytes_of(key) if redo is None else redo.chunk).movable)
+                    kept = bytes_of(key) if redo is None else redo.chunk
+                    swap_whole(state, leaf, key, kept.movable)
                 else:
                     stream_swap(state, leaf, streamed)
             elif kind is _UNSHARD or kind is _RESHARD:
@@ -355,7 +357,7 @@ class _ChunkBytesCache:
                                sum(layer.pinned for layer in effective),
                                sum(layer.held_after_input for layer in effective))
             found = self._recomputed[shared] = Recomputed(effective, remade, chunk,
-                                                           len(layers), frozenset(layers))
+                                                           frozenset(layers))
         return found
 
     def layers(self, key: ChunkKey) -> tuple[ChunkBytes, ...]:
