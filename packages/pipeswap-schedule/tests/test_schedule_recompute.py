@@ -256,16 +256,6 @@ def test_inject_recompute_refuses_a_chunk_nobody_forwards_and_a_second_rc() -> N
         inject_recompute(once, {(0, 0): (1,)})
 
 
-def test_swap_policies_refuse_an_order_that_recomputes() -> None:
-    from pipeswap.schedule import MinGapPolicy, inject_swap
-
-    schedule = Schedule.from_orders([parse_order("0RC0:0 0F0 0F1 0F2 0F3 0F4 0B0 0B1 0B2 0B3 "
-                                                 "0B4")])
-    with pytest.raises(ScheduleError, match=r"the order recomputes layers \(0RC0:0\): the "
-                       "swap policies do not plan around recompute yet"):
-        inject_swap(schedule, MinGapPolicy(4))
-
-
 def test_the_peak_refuses_a_layer_the_chunk_does_not_have() -> None:
     from pipeswap.schedule.simulate import peak_without_swap
 

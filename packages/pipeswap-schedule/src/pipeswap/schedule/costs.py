@@ -211,6 +211,27 @@ class CostModel:
             remade.append(layer.total - kept)
         return tuple(effective), tuple(remade)
 
+    def with_recomputed(self, recomputed: Mapping[ChunkKey, tuple[int, ...]]) -> CostModel:
+        """This model as the swap policies see chunks with recomputed layers: each such chunk
+        holds what :meth:`recomputed_layers` leaves it, layer by layer (what a swap of it
+        moves); what a recompute makes again in the backward is not in it."""
+        if not recomputed:
+            return self
+        chunks = dict(self.chunks)
+        shared: dict[tuple[int, tuple[int, ...]], ChunkBytes] = {}  # one per stage and layers
+        for key, layers in recomputed.items():
+            found = shared.get((key[0], layers)) if key not in self.chunks else None
+            if found is None:
+                effective, _ = self.recomputed_layers(key, layers)
+                found = ChunkBytes(sum(layer.total for layer in effective),
+                                   sum(layer.pinned for layer in effective),
+                                   sum(layer.held_after_input for layer in effective),
+                                   layers=effective)
+                if key not in self.chunks:
+                    shared[key[0], layers] = found
+            chunks[key] = found
+        return replace(self, chunks=chunks)
+
     def gathered_bytes(self, stage: int) -> int:
         """What ``stage``'s parameters take on the device from its UNSHARD to its RESHARD."""
         per_stage = self.stage(stage).param_bytes

@@ -9,6 +9,12 @@ from pipeswap.schedule.schedule import Schedule
 from pipeswap.schedule.steps import ChunkKey, Order, Step, StepType
 
 
+def recomputed_in(order: Order) -> dict[ChunkKey, tuple[int, ...]]:
+    """The layers each RC step of ``order`` recomputes, by chunk."""
+    return {step.key: step.layers for step in order
+            if step is not None and step.type is StepType.RECOMPUTE and step.layers}
+
+
 def inject_recompute(schedule: Schedule,
                      layers: Mapping[ChunkKey, tuple[int, ...]]) -> Schedule:
     """``schedule`` with ``layers[key]`` of chunk ``key`` recomputed: an RC step right before

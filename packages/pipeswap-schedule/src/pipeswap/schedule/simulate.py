@@ -65,7 +65,7 @@ from pipeswap.schedule.costs import ChunkBytes, CostModel
 from pipeswap.schedule.errors import ScheduleError
 from pipeswap.schedule.schedule import Schedule
 from pipeswap.schedule.steps import COMPUTE, RECVS, ChunkKey, Order, Step, StepType
-from pipeswap.schedule.validation import check_layer_counts, validate
+from pipeswap.schedule.validation import check_order_layer_counts, validate
 
 _F, _I, _W = StepType.FWD, StepType.BWD_INPUT, StepType.BWD_WEIGHT
 _SEND_F, _SEND_B = StepType.FWD_SEND, StepType.BWD_SEND
@@ -166,23 +166,51 @@ def simulate(schedule: Schedule, costs: CostModel, *, timeline: bool = True) -> 
     plots draw), which makes a large schedule's simulation faster; every figure is the same.
     """
     validate(schedule, transport="tagged")  # the model below: sends never wait
-    stage_ranks = schedule.stage_ranks
-    last_stage = schedule.num_stages - 1
-    flat = [_flatten(order) for order in schedule.orders]
+    ranks = _walk(list(enumerate(schedule.orders)), schedule.stage_ranks,
+                  schedule.num_stages - 1, costs, timeline, {})
+    step_time = max((s.compute for s in ranks), default=0.0)
+    return SimulationResult(step_time, tuple(_result(s, step_time) for s in ranks))
+
+
+def simulate_alone(order: Order, rank: int, costs: CostModel) -> RankResult:
+    """One rank's valid ``order`` run on its own, as :func:`simulate` runs it but with every
+    other rank's output there whenever it is wanted (compute back to back, as the swap
+    policies plan): its peak, and the compute it waits for its own copies. No timeline."""
+    state, = _walk([(rank, order)], None, -1, costs, False, _AllReady())
+    return _result(state, state.compute)
+
+
+class _AllReady(dict[tuple[str, int, int], float]):
+    """What a rank run alone finds: every message there from the start."""
+
+    def __contains__(self, key: object) -> bool:
+        return True
+
+    def __missing__(self, key: tuple[str, int, int]) -> float:
+        return 0.0
+
+
+def _walk(orders: list[tuple[int, Order]], stage_ranks: tuple[int, ...] | None,
+          last_stage: int, costs: CostModel, timeline: bool,
+          ready: dict[tuple[str, int, int], float]) -> list[RankState]:
+    """Run ``orders`` (rank, order) together, each rank's output published in ``ready``;
+    without ``stage_ranks`` (a rank alone) no stage hands off to another on its rank."""
+    flat = [_flatten(order) for _, order in orders]
     ranks = [RankState(r, f.leaves, costs.rank_link(r), timeline, split=f.split,
-                   recomputed=f.recomputed) for r, f in enumerate(flat)]
+                       recomputed=f.recomputed) for (r, _), f in zip(orders, flat)]
     # ("F", s, m): stage s's output for micro m is where stage s + 1 runs; ("B", s, m): the
     # gradient of stage s's input is where stage s - 1 runs. Value: the time it got there.
-    ready: dict[tuple[str, int, int], float] = {}
     waiting: dict[tuple[str, int, int], list[int]] = defaultdict(list)
     runnable = list(range(len(ranks)))
     transfer = costs.p2p_time()
     bytes_of = _ChunkBytesCache(costs)
     if any(f.streams or f.recomputed for f in flat):
-        check_layer_counts(schedule, lambda key: len(bytes_of.layers(key)),
-                           "the cost model gives a chunk of stage {stage} {layers} layer(s) "
-                           "(--layers-per-stage; CostModel.layers, StageCosts.layers or the "
-                           "chunk's measured ChunkBytes.layers)")
+        for rank, order in orders:
+            check_order_layer_counts(
+                rank, order, lambda key: len(bytes_of.layers(key)),
+                "the cost model gives a chunk of stage {stage} {layers} layer(s) "
+                "(--layers-per-stage; CostModel.layers, StageCosts.layers or the chunk's "
+                "measured ChunkBytes.layers)")
     times: dict[tuple[StepType, int, int], float] = {}
 
     def duration_of(kind: StepType, stage: int, rank: int) -> float:
@@ -237,12 +265,12 @@ def simulate(schedule: Schedule, costs: CostModel, *, timeline: bool = True) -> 
             if streamed is None:
                 state.change(chunk.total)
             state.forwarded[key] = end
-            if stage < last_stage and stage_ranks[stage + 1] == state.rank:
+            if stage_ranks and stage < last_stage and stage_ranks[stage + 1] == state.rank:
                 publish(("F", stage, micro), end)  # local hand-off
             return
         if kind is not _W:
             state.lifespans[key] = start - state.forwarded[key]
-            if stage > 0 and stage_ranks[stage - 1] == state.rank:
+            if stage_ranks and stage > 0 and stage_ranks[stage - 1] == state.rank:
                 publish(("B", stage, micro), end)
         state.change_plain(-_freed(kind, plain, split_input))
         freed = _freed(kind, chunk, split_input)
@@ -299,8 +327,7 @@ def simulate(schedule: Schedule, costs: CostModel, *, timeline: bool = True) -> 
     unfinished = [s.rank for s in ranks if s.index < len(s.leaves)]
     if unfinished:  # validate() proved the orders run together; this would be a bug here
         raise AssertionError(f"simulation stalled on ranks {unfinished}")
-    step_time = max((s.compute for s in ranks), default=0.0)
-    return SimulationResult(step_time, tuple(_result(s, step_time) for s in ranks))
+    return ranks
 
 
 def _gathered_change(costs: CostModel, leaf: Step) -> int:

@@ -26,6 +26,7 @@ from pipeswap.schedule.files import writing
 from pipeswap.schedule.plot import plot
 from pipeswap.schedule.policies import (
     GRANULARITIES,
+    RECOMPUTE_MODES,
     CostModelPolicy,
     MemoryBudgetPolicy,
     MinGapPolicy,
@@ -249,6 +250,15 @@ def policy_arguments() -> Parser:
              "lowers the rank's peak more. Layers per chunk come from --layers-per-stage (one "
              "layer without the model dimensions: nothing to stream, so auto swaps whole "
              "chunks). Only --policy peak streams")
+    group.add_argument(
+        "--recompute", choices=RECOMPUTE_MODES, default=None,
+        help="whether the peak policy may also recompute layers (activation checkpointing) "
+             "to meet --budget; default auto with a budget. auto: per rank, the fastest on "
+             "the cost model of swapping alone, recomputing alone, and mixes: the first layers "
+             "of chunks recomputed (0RC3:0-1 before the chunk's forward: only their input is "
+             "kept, and their forward runs again in the backward), the rest and the kept "
+             "inputs swapped where the link hides the copies. never: swap only, stalling "
+             "compute for copies where the budget needs it")
     return parent
 
 
@@ -263,6 +273,17 @@ def choose_policy(args: argparse.Namespace, costs: CostModel
             raise ScheduleError(f"--swap-min-gap sets the gap policy's threshold; drop it or "
                                 f"--policy {args.policy}")
     granularity = getattr(args, "swap_granularity", None)
+    mode = getattr(args, "recompute", None)
+    if mode is not None and args.budget is None and args.policy != "recompute":
+        raise ScheduleError(f"--recompute {mode} says how to meet --budget, and there is none: "
+                            "give --budget BYTES, or drop --recompute (without a budget "
+                            "nothing is recomputed)")
+    if mode == "never" and args.policy == "recompute":
+        raise ScheduleError("--policy recompute recomputes: drop --recompute never")
+    if mode == "auto" and args.policy not in (None, "peak", "recompute"):
+        raise ScheduleError(f"--recompute auto applies to the peak policy; the {args.policy} "
+                            "policy plans on whole chunks: drop --recompute, or use --policy "
+                            "peak")
     if args.policy == "recompute":
         if args.budget is None:
             raise ScheduleError("--policy recompute needs --budget BYTES: it recomputes as "
@@ -289,7 +310,8 @@ def choose_policy(args: argparse.Namespace, costs: CostModel
         budget = MemoryBudgetPolicy(costs, args.budget)
         return budget, budget
     if name == "peak":
-        peak = PeakPolicy(costs, args.budget, granularity=granularity or "auto")
+        peak = PeakPolicy(costs, args.budget, granularity=granularity or "auto",
+                          recompute="never" if args.budget is None else mode or "auto")
         return peak, peak
     if name == "cost":
         return CostModelPolicy(costs), None

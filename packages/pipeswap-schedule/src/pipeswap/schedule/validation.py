@@ -23,7 +23,7 @@ from pipeswap.schedule.errors import (
 )
 from pipeswap.schedule.order_checks import check_rank
 from pipeswap.schedule.schedule import Schedule
-from pipeswap.schedule.steps import ChunkKey, StepType
+from pipeswap.schedule.steps import ChunkKey, Order, StepType
 from pipeswap.schedule.transports import check_batches_alike, simulate_p2p, simulate_tagged
 
 
@@ -120,33 +120,39 @@ def check_layer_counts(schedule: Schedule, layers: Callable[[ChunkKey], int | No
     of the chunk (layer k leaves when the forward ends layer k + lag, the last lag at WO), so
     either is a schedule made for another model. ``counted`` says where the count comes
     from, with ``{stage}`` and ``{layers}`` in it. One look at each step."""
-    stream, recompute = StepType.SWAP_STREAM_OFFLOAD, StepType.RECOMPUTE
     for rank, order in enumerate(schedule.orders):
-        for position, step in enumerate(order):
-            if step is None or (step.type is not stream and step.type is not recompute):
-                continue
-            count = layers(step.key)
-            if count is None:
-                continue
-            stage, micro = step.key
-            if step.type is recompute:
-                assert step.layers is not None  # Step gives every RC its layers
-                if step.layers[-1] >= count:
-                    raise ChunkOrderError(
-                        f"rank {rank}: {step} (position {position}) recomputes layer "
-                        f"{step.layers[-1]} of (stage {stage}, micro {micro}), but "
-                        + counted.format(stage=stage, layers=count)
-                        + f"; name layers from 0 to {count - 1}", rank=rank)
-                continue
-            lag = step.lag
-            assert lag is not None  # Step gives every SO a lag >= 1
-            if lag > count:
-                raise SwapLifecycleError(
-                    f"rank {rank}: {step} (position {position}) streams (stage {stage}, micro "
-                    f"{micro}) with a layer lag of {lag}, but "
+        check_order_layer_counts(rank, order, layers, counted)
+
+
+def check_order_layer_counts(rank: int, order: Order,
+                             layers: Callable[[ChunkKey], int | None], counted: str) -> None:
+    """:func:`check_layer_counts` of one rank's order."""
+    stream, recompute = StepType.SWAP_STREAM_OFFLOAD, StepType.RECOMPUTE
+    for position, step in enumerate(order):
+        if step is None or (step.type is not stream and step.type is not recompute):
+            continue
+        count = layers(step.key)
+        if count is None:
+            continue
+        stage, micro = step.key
+        if step.type is recompute:
+            assert step.layers is not None  # Step gives every RC its layers
+            if step.layers[-1] >= count:
+                raise ChunkOrderError(
+                    f"rank {rank}: {step} (position {position}) recomputes layer "
+                    f"{step.layers[-1]} of (stage {stage}, micro {micro}), but "
                     + counted.format(stage=stage, layers=count)
-                    + f"; give a lag from 1 to {count} ({stage}SO{micro}:{count}), or swap the "
-                    f"chunk whole ({stage}LO{micro} ... {stage}LL{micro})", rank=rank)
+                    + f"; name layers from 0 to {count - 1}", rank=rank)
+            continue
+        lag = step.lag
+        assert lag is not None  # Step gives every SO a lag >= 1
+        if lag > count:
+            raise SwapLifecycleError(
+                f"rank {rank}: {step} (position {position}) streams (stage {stage}, micro "
+                f"{micro}) with a layer lag of {lag}, but "
+                + counted.format(stage=stage, layers=count)
+                + f"; give a lag from 1 to {count} ({stage}SO{micro}:{count}), or swap the "
+                f"chunk whole ({stage}LO{micro} ... {stage}LL{micro})", rank=rank)
 
 
 def _check_complete(schedule: Schedule, forwards: list[dict[ChunkKey, int]],

@@ -14,6 +14,7 @@ from pipeswap.schedule.policies.base import (
     MinGapPolicy,
     SwapCandidate,
     SwapPlacement,
+    RecomputingPolicy,
     SwapPolicy,
 )
 from pipeswap.schedule.policies.cost_model import (
@@ -22,7 +23,12 @@ from pipeswap.schedule.policies.cost_model import (
     MemoryBudgetPolicy,
 )
 from pipeswap.schedule.policies.defaults import default_policy, default_swap_policy, uniform_layers
-from pipeswap.schedule.policies.peak import GRANULARITIES, PeakOutcome, PeakPolicy
+from pipeswap.schedule.policies.peak import (
+    GRANULARITIES,
+    RECOMPUTE_MODES,
+    PeakOutcome,
+    PeakPolicy,
+)
 from pipeswap.schedule.policies.recompute import RecomputeOutcome, RecomputePolicy
 
 __all__ = [
@@ -35,7 +41,9 @@ __all__ = [
     "MinGapPolicy",
     "PeakOutcome",
     "PeakPolicy",
+    "RECOMPUTE_MODES",
     "RecomputeOutcome",
+    "RecomputingPolicy",
     "RecomputePolicy",
     "SwapCandidate",
     "SwapPlacement",

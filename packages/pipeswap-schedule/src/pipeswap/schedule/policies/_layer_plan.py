@@ -53,7 +53,8 @@ class LayerPlan:
         link = costs.rank_link(rank)
         self.d2h, self.h2d, self.duplex = link.d2h_bandwidth, link.h2d_bandwidth, link.duplex
         self.streamed_only = streamed_only
-        self.chunks = {c.key: points.chunk(c) for c in candidates if c.gap >= 2}
+        self.whole_only = False  # the chunk granularity, planned at layer resolution
+        self.chunks = {c.key: points.chunk(c) for c in candidates if c.gap >= 1}
         self.taken: dict[ChunkKey, Way] = {}
         self.chosen: dict[ChunkKey, Choice] = {}
         self.streams = ({"d2h": Stream(), "h2d": Stream()} if self.duplex
@@ -278,7 +279,7 @@ class LayerPlan:
         for key, c in self.chunks.items():
             if c.gap < 3:
                 continue  # no room for a hidden copy each way: held as it is
-            kinds = [1] if self.streamed_only else [0, 1] if len(c.layers) > 1 else [0]
+            kinds = [1] if self.streamed_only else [0, 1] if self._streams(c) else [0]
             options = [runs(self.points, c, Choice(lag, 1, 1)) for lag in kinds]
             base = c.forward_points
             for start, stop, change in runs_changed(self.current[key], lowest(options),
@@ -415,7 +416,7 @@ class LayerPlan:
         with ``allow_stall`` also ways that stall compute for memory: no slot for a copy,
         or a shorter lag than the copies allow."""
         c = self.chunks[key]
-        kinds = (True,) if self.streamed_only else (False, True) if len(c.layers) > 1 else (
+        kinds = (True,) if self.streamed_only else (False, True) if self._streams(c) else (
             False,)
         ways: list[Way] = []
         # over a link of no limit a load started later holds less and hides all the same
@@ -427,7 +428,14 @@ class LayerPlan:
                 ways += [Way(streamed, 1, None, 0)] if c.gap >= 2 else []
                 ways += [Way(True, 1, lag) for lag in range(1, len(c.layers))
                          if streamed and c.gap >= 3]
+                # a backward right after its forward: streamed, each copy waited for
+                ways += [Way(True, 0, lag, 0) for lag in range(1, len(c.layers))
+                         if streamed and c.gap == 1]
         return [way for way in ways if way != self.taken.get(key)]
+
+    def _streams(self, c: LayerChunk) -> bool:
+        """Whether ``c`` may be streamed as well as swapped whole."""
+        return len(c.layers) > 1 and not self.whole_only
 
     def _score(self, way: Way | None, option: tuple[Changes, float], peak: int, first: int,
                allow_stall: bool

@@ -4,11 +4,14 @@ A streamed chunk's memory changes inside its forward and backward, so the layer-
 plan follows the rank (compute back to back, as the slot timeline does) point by point: each
 forward and backward is cut at its layers' boundaries, where the simulator takes its peaks.
 What a chunk holds at each point follows from its choice (:class:`Choice`): whole or
-streamed, its layer lag and its slots.
+streamed, its layer lag and its slots. A chunk with recomputed layers (:class:`Redo`) holds
+what its forward kept, its backward runs each recomputed layer's forward share again, and
+what that makes counts at the layer's own point, as the simulator counts it.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -29,6 +32,14 @@ class Choice(NamedTuple):
         return SwapPlacement(self.offload_slots, self.load_slots, self.lag)
 
 
+class Redo(NamedTuple):
+    """A chunk's recomputed layers as a plan sees them: how many, and per layer what its
+    recompute makes again (0 for a layer not recomputed)."""
+
+    layers: int
+    remade: tuple[int, ...]
+
+
 @dataclass(frozen=True)
 class LayerChunk:
     """A candidate chunk on the point timeline."""
@@ -44,6 +55,7 @@ class LayerChunk:
     total: int
     pinned: int
     after_input: int
+    remade: tuple[int, ...]  # per layer, held during its backward part (recompute)
 
     @property
     def gap(self) -> int:
@@ -52,9 +64,12 @@ class LayerChunk:
 
 class Points:
     """One rank's compute slots back to back, each cut into points: a forward's at the end
-    of each layer, a backward's at the start of each layer (the last first), a W's one."""
+    of each layer, a backward's at the start of each layer (the last first), a W's one.
+    ``costs`` gives recomputed chunks' kept bytes (:meth:`CostModel.with_recomputed`),
+    ``redo`` their recomputes."""
 
-    def __init__(self, order: Order, costs: CostModel, rank: int) -> None:
+    def __init__(self, order: Order, costs: CostModel, rank: int,
+                 redo: Mapping[ChunkKey, Redo] | None = None) -> None:
         self.starts: list[float] = []
         self.ends: list[float] = []
         self.first: list[int] = []  # slot -> its first point
@@ -64,6 +79,9 @@ class Points:
         self.backward: dict[ChunkKey, int] = {}  # key -> first point of its B or I
         self.weight: dict[ChunkKey, int] = {}  # key -> its W's point
         self.layers: dict[ChunkKey, tuple[ChunkBytes, ...]] = {}
+        self.redo = redo or {}
+        split = {step.key for step in order if step is not None
+                 and step.type is StepType.BWD_WEIGHT} if redo else set()
         now = 0.0
         for step in order:
             if step is None or not (step.type in COMPUTE or step.type in OVERLAPS):
@@ -73,6 +91,10 @@ class Points:
             self.first.append(len(self.times))
             for leaf in step.compute_leaves:
                 duration = costs.compute_time(leaf.type, leaf.key[0], rank)
+                again = self.redo.get(leaf.key)
+                if again is not None and leaf.type is not StepType.FWD:
+                    duration = _with_recompute(costs, leaf.type, leaf.key, rank, again,
+                                               leaf.key in split, duration)
                 self._leaf(leaf.type, leaf.key, slot, now, duration, costs)
                 now += duration
             self.ends.append(now)
@@ -102,9 +124,25 @@ class Points:
         layers, backward = self.layers[key], self.backward[key]
         weight = self.weight.get(key)  # a W comes after its I
         last = backward + len(layers) - 1 if weight is None else weight
+        redo = self.redo.get(key)
         return LayerChunk(key, c.forward_slot, c.backward_slot, layers, self.forward[key],
-                      backward, weight, last + 1, sum(x.total for x in layers),
-                      sum(x.pinned for x in layers), sum(x.held_after_input for x in layers))
+                          backward, weight, last + 1, sum(x.total for x in layers),
+                          sum(x.pinned for x in layers),
+                          sum(x.held_after_input for x in layers),
+                          redo.remade if redo is not None else (0,) * len(layers))
+
+
+def _with_recompute(costs: CostModel, kind: StepType, key: ChunkKey, rank: int, redo: Redo,
+                    split: bool, duration: float) -> float:
+    """A backward leaf's time with ``redo``'s layers recomputed, as the simulator counts it:
+    B or I runs each one's forward share again (a split I also its W share), W is shorter
+    by those W shares."""
+    layers = len(redo.remade)
+    w_share = costs.compute_time(StepType.BWD_WEIGHT, key[0], rank) / layers
+    if kind is StepType.BWD_WEIGHT:
+        return max(0.0, duration - w_share * redo.layers)
+    forward = costs.compute_time(StepType.FWD, key[0], rank) / layers
+    return duration + (forward + (w_share if split else 0.0)) * redo.layers
 
 
 #: What a chunk holds over its points, as runs: (offset from its first point, bytes held
@@ -188,14 +226,14 @@ def _forward_values(layers: tuple[ChunkBytes, ...], choice: Choice | None) -> li
 
 def _backward_values(c: LayerChunk, choice: Choice | None) -> list[int]:
     """At the start of each layer of the backward, the last layer first."""
-    layers = c.layers
+    layers, remade = c.layers, c.remade
     keeps = c.weight_point is not None
     if choice is None or not choice.lag:
-        return [c.total] * len(layers)
+        return [c.total + remade[k] for k in reversed(range(len(layers)))]
     out = []
     for k in reversed(range(len(layers))):
         # B frees each layer as it goes; a split I keeps them all until it ends
         held = sum((layer.total if keeps else 0) for layer in layers[k + 1:])
         held += sum(layer.pinned for layer in layers[:k + 1]) + layers[k].movable
-        out.append(held + (layers[k - 1].movable if k >= 1 else 0))
+        out.append(held + (layers[k - 1].movable if k >= 1 else 0) + remade[k])
     return out

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple, Protocol
+from typing import NamedTuple, Protocol, runtime_checkable
 
 from pipeswap.schedule.errors import ScheduleError
-from pipeswap.schedule.steps import ChunkKey, Order
+from pipeswap.schedule.steps import ChunkKey, Order, StepType
 
 #: The fewest compute slots between a forward and its backward that leave room for
 #: WO (after the first slot in between) to come before LL (before the last one).
@@ -75,6 +75,15 @@ class SwapPolicy(Protocol):
         ...
 
 
+@runtime_checkable
+class RecomputingPolicy(SwapPolicy, Protocol):
+    """A swap policy that may also choose layers to recompute: after :meth:`select` on a
+    rank, :meth:`recomputed` gives them per chunk, and the swap pass adds their RC steps."""
+
+    def recomputed(self, rank: int) -> Mapping[ChunkKey, tuple[int, ...]]:
+        ...
+
+
 @dataclass(frozen=True)
 class MinGapPolicy:
     """Swap every chunk whose backward is at least ``min_gap`` compute slots after its forward.
@@ -96,3 +105,13 @@ class MinGapPolicy:
 
     def select(self, candidates: Sequence[SwapCandidate], order: Order) -> Collection[ChunkKey]:
         return {c.key for c in candidates if c.gap >= self.min_gap}
+
+
+def refuse_recompute(order: Order, policy: str) -> None:
+    """A policy that plans on whole chunks' bytes cannot plan an order that recomputes."""
+    step = next((step for step in order
+                 if step is not None and step.type is StepType.RECOMPUTE), None)
+    if step is not None:
+        raise ScheduleError(f"the order recomputes layers ({step}), but the {policy} policy "
+                            "plans on whole chunks' bytes: use the peak policy, which plans "
+                            "around recompute")

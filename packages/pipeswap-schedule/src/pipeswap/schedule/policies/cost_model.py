@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pipeswap.schedule.costs import CostModel
 from pipeswap.schedule.errors import ScheduleError
 from pipeswap.schedule.policies._slots import SAVING_GAP, Timeline, copy_times
-from pipeswap.schedule.policies.base import SwapCandidate
+from pipeswap.schedule.policies.base import SwapCandidate, refuse_recompute
 from pipeswap.schedule.steps import ChunkKey, Order
 
 
@@ -31,6 +31,7 @@ class CostModelPolicy:
     costs: CostModel
 
     def select(self, candidates: Sequence[SwapCandidate], order: Order) -> Collection[ChunkKey]:
+        refuse_recompute(order, "cost")
         if not candidates:
             return set()
         rank = candidates[0].rank
@@ -107,6 +108,7 @@ class MemoryBudgetPolicy:
         return self.budget[rank]
 
     def select(self, candidates: Sequence[SwapCandidate], order: Order) -> Collection[ChunkKey]:
+        refuse_recompute(order, "budget")
         rank = candidates[0].rank if candidates else 0
         budget = self.budget_for(rank)
         line = Timeline.of(order, self.costs, rank)

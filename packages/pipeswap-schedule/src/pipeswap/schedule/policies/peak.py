@@ -10,17 +10,22 @@ with a short gap.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 
 from pipeswap.schedule.costs import CostModel
 from pipeswap.schedule.errors import ScheduleError
 from pipeswap.schedule.policies._chunk_plan import ChunkPlan
 from pipeswap.schedule.policies._layer_plan import LayerPlan, Way
-from pipeswap.schedule.policies._points import Points
+from pipeswap.schedule.policies._mixed import Fixed, Trial, layer_counts, levels_for, search
+from pipeswap.schedule.policies._points import Points, Redo
 from pipeswap.schedule.policies._slots import Timeline
 from pipeswap.schedule.policies.base import SwapCandidate, SwapPlacement
-from pipeswap.schedule.steps import ChunkKey, Order
+from pipeswap.schedule.policies.recompute import fewest_first_layers
+from pipeswap.schedule.recompute import recomputed_in
+from pipeswap.schedule.simulate import simulate_alone
+from pipeswap.schedule.steps import ChunkKey, Order, StepType
+from pipeswap.schedule.swap_order import inject_swap_order
 
 
 @dataclass(frozen=True)
@@ -32,6 +37,8 @@ class PeakOutcome:
     peak_no_swap: int
     exposed_copy: float  # compute time the chosen copies stall (0 unless a budget needed it)
     budget: int | None = None
+    recomputed_layers: int = 0  # layer forwards the rank's backwards run again
+    recompute_s: float = 0.0  # the compute seconds they take
 
     @property
     def met(self) -> bool:
@@ -46,6 +53,9 @@ class PeakOutcome:
 #: How the peak policy may swap a chunk. chunk: whole (LO/LL); layer: streamed layer by
 #: layer (SO/SL); auto: whichever lowers the peak more, chunk by chunk.
 GRANULARITIES = ("auto", "chunk", "layer")
+#: Whether the peak policy may recompute layers under a budget. auto: where that is faster
+#: than a stalled copy; never: swap only.
+RECOMPUTE_MODES = ("auto", "never")
 
 
 @dataclass
@@ -71,12 +81,21 @@ class PeakPolicy:
     exactly as ``"chunk"``. Layers come from the cost model (``CostModel.layers``,
     ``StageCosts.layers``, ``ChunkBytes.layers``); with streaming the plan follows each
     rank's memory layer by layer (:mod:`pipeswap.schedule.policies._layer_plan`).
+
+    An order that recomputes layers (RC steps) is planned around them: a recomputed layer
+    holds (and a swap of it moves) only what its forward kept, and its backward runs its
+    forward again. With ``recompute="auto"`` and a budget, the policy also chooses what to
+    recompute, rank by rank (:mod:`pipeswap.schedule.policies._mixed`): the fastest of swap
+    alone, recompute alone and mixes of the two, and :func:`~pipeswap.schedule.swap.inject_swap`
+    adds the RC steps (:meth:`recomputed`).
     """
 
     costs: CostModel
     budget: int | Mapping[int, int] | None = None
     outcomes: dict[int, PeakOutcome] = field(default_factory=dict)
     granularity: str = "auto"
+    recompute: str = "never"
+    chosen_recompute: dict[int, dict[ChunkKey, tuple[int, ...]]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.granularity not in GRANULARITIES:
@@ -84,6 +103,10 @@ class PeakPolicy:
                 f"unknown swap granularity {self.granularity!r}; use one of "
                 f"{', '.join(GRANULARITIES)} (chunk: whole chunks, layer: streamed layer by "
                 "layer, auto: whichever lowers the peak more)")
+        if self.recompute not in RECOMPUTE_MODES:
+            raise ScheduleError(
+                f"unknown recompute mode {self.recompute!r}; use auto (recompute layers "
+                "where that meets the budget faster than swapping) or never")
 
     def budget_for(self, rank: int) -> int | None:
         if self.budget is None or isinstance(self.budget, int):
@@ -92,21 +115,95 @@ class PeakPolicy:
             raise ScheduleError(f"the memory budget gives no figure for rank {rank}")
         return self.budget[rank]
 
+    def recomputed(self, rank: int) -> dict[ChunkKey, tuple[int, ...]]:
+        """The layers :meth:`select` chose to recompute on ``rank``, per chunk."""
+        return self.chosen_recompute.get(rank, {})
+
     def select(self, candidates: Sequence[SwapCandidate], order: Order
                ) -> dict[ChunkKey, SwapPlacement]:
         rank = candidates[0].rank if candidates else 0
         budget = self.budget_for(rank)
-        if self._by_layer(candidates):
-            return self._select_layers(candidates, order, rank, budget)
-        plan = ChunkPlan(self.costs, rank, Timeline.of(order, self.costs, rank), candidates)
-        peak_no_swap = plan.peak
-        plan.lower(budget, allow_stall=False)
-        if budget is not None and plan.peak > budget:
-            plan.lower(budget, allow_stall=True)
-        plan.prune()
-        self.outcomes[rank] = PeakOutcome(rank, plan.peak, peak_no_swap,
-                                          plan.stall(plan.copies()), budget)
-        return dict(plan.chosen)
+        given = recomputed_in(order)
+        self.chosen_recompute.pop(rank, None)
+        if self.recompute == "auto" and budget is not None and not given and candidates:
+            trial = self._mixed(candidates, order, rank, budget)
+            if trial.recomputed:
+                self.chosen_recompute[rank] = dict(trial.recomputed)
+            self.outcomes[rank] = trial.outcome
+            return trial.placements
+        placements, self.outcomes[rank] = self.plan(candidates, order, rank, budget, given)
+        return placements
+
+    def plan(self, candidates: Sequence[SwapCandidate], order: Order, rank: int,
+             budget: int | None, recomputed: Mapping[ChunkKey, tuple[int, ...]],
+             stall: bool = True) -> tuple[dict[ChunkKey, SwapPlacement], PeakOutcome]:
+        """The swap plan of one rank whose chunks recompute ``recomputed``, and its outcome;
+        without ``stall`` it takes no copy that stalls compute, budget or not."""
+        if not recomputed and not self._by_layer(candidates):
+            plan = ChunkPlan(self.costs, rank, Timeline.of(order, self.costs, rank), candidates)
+            peak_no_swap = plan.peak
+            plan.lower(budget, allow_stall=False)
+            if stall and budget is not None and plan.peak > budget:
+                plan.lower(budget, allow_stall=True)
+            plan.prune()
+            return dict(plan.chosen), PeakOutcome(rank, plan.peak, peak_no_swap,
+                                                  plan.stall(plan.copies()), budget)
+        costs = self.costs.with_recomputed(recomputed)
+        redo = self._redo(recomputed)
+        layer_plan = self._select_layers(candidates, order, rank, budget, costs, redo, stall)
+        forward = {stage: self.costs.compute_time(StepType.FWD, stage, rank)
+                   / self.costs.stage_layers(stage) for stage in {key[0] for key in redo}}
+        return layer_plan.placements(), PeakOutcome(
+            rank, layer_plan.peak, layer_plan.initial_peak, layer_plan.stall, budget,
+            sum(r.layers for r in redo.values()),
+            sum(forward[key[0]] * r.layers for key, r in redo.items()))
+
+    def _redo(self, recomputed: Mapping[ChunkKey, tuple[int, ...]]) -> dict[ChunkKey, Redo]:
+        """Each recomputed chunk's :class:`Redo`, worked out once per stage and layers."""
+        shared: dict[tuple[int, tuple[int, ...]], Redo] = {}
+        out: dict[ChunkKey, Redo] = {}
+        for key, layers in recomputed.items():
+            own = key in self.costs.chunks
+            found = None if own else shared.get((key[0], layers))
+            if found is None:
+                found = Redo(len(layers), self.costs.recomputed_layers(key, layers)[1])
+                if not own:
+                    shared[key[0], layers] = found
+            out[key] = found
+        return out
+
+    def _mixed(self, candidates: Sequence[SwapCandidate], order: Order, rank: int,
+               budget: int) -> Trial[PeakOutcome]:
+        """Keep, offload or recompute (see :mod:`pipeswap.schedule.policies._mixed`)."""
+        keys = [c.key for c in candidates]
+        forward = {stage: self.costs.compute_time(StepType.FWD, stage, rank)
+                   / self.costs.stage_layers(stage) for stage in {key[0] for key in keys}}
+
+        def exactly(trial: Trial[PeakOutcome]) -> Trial[PeakOutcome]:
+            """``trial`` with the peak and stall of its order run alone (the plans'
+            own figures are estimates), as the simulator runs it."""
+            run = simulate_alone(tuple(inject_swap_order(
+                order, Fixed(trial.placements, trial.recomputed), rank=rank)), rank, self.costs)
+            return replace(trial, outcome=replace(
+                trial.outcome, peak=run.peak_activation_bytes, exposed_copy=run.exposed_copy,
+                recompute_s=run.recompute_s))
+
+        def evaluate(recomputed: Mapping[ChunkKey, tuple[int, ...]], stall: bool
+                     ) -> Trial[PeakOutcome]:
+            placements, outcome = self.plan(candidates, order, rank, budget, recomputed, stall)
+            return exactly(Trial(recomputed, placements, outcome))
+
+        alone = fewest_first_layers(order, self.costs, budget)
+        alone_trial = Trial(alone.layers, {}, PeakOutcome(
+            rank, alone.peak, alone.plain, 0.0, budget,
+            sum(len(layers) for layers in alone.layers.values()),
+            sum(forward[key[0]] * len(layers) for key, layers in alone.layers.items())))
+        alone_trial = exactly(alone_trial)
+        layers_of = layer_counts(self.costs)
+        best = search(evaluate, _groups(candidates), layers_of,
+                      levels_for([layers_of(key) for key in keys]), alone_trial)
+        # the peak without swap is the one without recompute either
+        return replace(best, outcome=replace(best.outcome, peak_no_swap=alone.plain))
 
     def _by_layer(self, candidates: Sequence[SwapCandidate]) -> bool:
         """Whether to plan at layer resolution: streaming asked for, or allowed and some
@@ -119,64 +216,84 @@ class PeakPolicy:
             len(chunks[c.key].layers) > 1 for c in candidates if c.key in chunks)
 
     def _select_layers(self, candidates: Sequence[SwapCandidate], order: Order, rank: int,
-                       budget: int | None) -> dict[ChunkKey, SwapPlacement]:
+                       budget: int | None, costs: CostModel, redo: dict[ChunkKey, Redo],
+                       stall: bool) -> LayerPlan:
         """The plan at layer resolution: the best of descents from nothing taken and from
         everything taken (for auto: also from everything streamed, and from the chunk-level
         plan, so that it never does worse than either), then improved by dropping a chunk
         and descending again (a stream runs its copies in order, so a chunk left out can
-        let the chunks after it stream with shorter lags)."""
-        points = Points(order, self.costs, rank)
+        let the chunks after it stream with shorter lags). The chunk granularity comes here
+        only for an order that recomputes: then nothing streams."""
+        points = Points(order, costs, rank, redo)
         only = self.granularity == "layer"
+        whole = self.granularity == "chunk"
         starts: list[tuple[bool, Callable[[], LayerPlan]]] = []  # (everything taken, make)
-        for streamed_only in (True,) if only else (False, True):
+        for streamed_only in (True,) if only else (False,) if whole else (False, True):
             for full in (False, True):
-                starts.append((full, partial(self._start, candidates, points, rank,
+                starts.append((full, partial(self._start, candidates, points, rank, costs,
                                              streamed_only, full)))
         if not only:
             starts.append((False, partial(self._seeded, candidates, order, rank, budget,
-                                          points)))
+                                          points, costs, stall)))
         # Without a budget, a plan at the lowest peak hidden copies can reach, no stall,
         # is as good as any: the cheap starts (everything taken) go first, and where one
         # gets there the others are not run, nor the drops after.
-        floor = None if budget is not None else LayerPlan(
-            self.costs, rank, points, candidates, only).floor()
+        floor = None if budget is not None else self._plan_of(
+            costs, rank, points, candidates, only).floor()
         plans: dict[int, LayerPlan] = {}
         for index in sorted(range(len(starts)), key=lambda k: not starts[k][0]):
-            plans[index] = _descend(starts[index][1](), budget)
+            plans[index] = _descend(starts[index][1](), budget, stall)
             if _at_floor(plans[index], floor):
                 break
         plan = min((plans[k] for k in sorted(plans)), key=lambda p: _merit(p, budget))
         plan.streamed_only = only  # auto may go on with whole chunks from any start
-        if not _at_floor(plan, floor):
-            plan = _perturb(plan, budget)
+        if stall and not _at_floor(plan, floor):
+            plan = _perturb(plan, budget, stall)
         if not only:
             plan.unstream()  # auto streams only where streaming lowers the peak
-        self.outcomes[rank] = PeakOutcome(rank, plan.peak, plan.initial_peak, plan.stall,
-                                          budget)
-        return plan.placements()
+        return plan
+
+    def _plan_of(self, costs: CostModel, rank: int, points: Points,
+                 candidates: Sequence[SwapCandidate], streamed_only: bool) -> LayerPlan:
+        plan = LayerPlan(costs, rank, points, candidates, streamed_only)
+        plan.whole_only = self.granularity == "chunk"
+        return plan
 
     def _start(self, candidates: Sequence[SwapCandidate], points: Points, rank: int,
-               streamed_only: bool, full: bool) -> LayerPlan:
+               costs: CostModel, streamed_only: bool, full: bool) -> LayerPlan:
         """A plan with nothing taken, or (``full``) every chunk taken that hides."""
-        plan = LayerPlan(self.costs, rank, points, candidates, streamed_only)
+        plan = self._plan_of(costs, rank, points, candidates, streamed_only)
         if full:
             plan.fill()
         return plan
 
     def _seeded(self, candidates: Sequence[SwapCandidate], order: Order, rank: int,
-                budget: int | None, points: Points) -> LayerPlan:
+                budget: int | None, points: Points, costs: CostModel, stall: bool
+                ) -> LayerPlan:
         """A layer-resolution plan holding the chunks the chunk-level plan swaps."""
-        chunk_level = ChunkPlan(self.costs, rank, Timeline.of(order, self.costs, rank),
-                                candidates)
+        chunk_level = ChunkPlan(costs, rank, Timeline.of(order, costs, rank), candidates)
         chunk_level.lower(budget, allow_stall=False)
-        stalls = budget is not None and chunk_level.peak > budget
+        stalls = stall and budget is not None and chunk_level.peak > budget
         if stalls:
             chunk_level.lower(budget, allow_stall=True)
         chunk_level.prune()
-        plan = LayerPlan(self.costs, rank, points, candidates, streamed_only=False)
+        plan = self._plan_of(costs, rank, points, candidates, streamed_only=False)
         plan.take({key: Way(False, p.load_slots, None, p.offload_slots if stalls else None)
                    for key, p in chunk_level.chosen.items()}, allow_stall=stalls)
         return plan
+
+
+def _groups(candidates: Sequence[SwapCandidate]) -> list[list[ChunkKey]]:
+    """The rank's chunks forwarded before its first backward, those whose backward follows
+    its last forward, and the rest (see :mod:`pipeswap.schedule.policies._mixed`), each in
+    forward order; empty groups left out."""
+    first = min(c.backward_slot for c in candidates)
+    last = max(c.forward_slot for c in candidates)
+    groups: list[list[ChunkKey]] = [[], [], []]
+    for c in candidates:
+        groups[0 if c.forward_slot < first else 2 if c.backward_slot > last else 1].append(
+            c.key)
+    return [group for group in groups if group]
 
 
 #: How many chunks the layer-resolution plan tries to drop in a round, and how many rounds
@@ -184,11 +301,11 @@ class PeakPolicy:
 _DROPS_PER_ROUND, _ROUNDS = 12, 8
 
 
-def _descend(plan: LayerPlan, budget: int | None) -> LayerPlan:
-    """Lower the peak with copies hidden, then with stalls where a budget needs them, and
-    drop what lowers nothing."""
+def _descend(plan: LayerPlan, budget: int | None, stall: bool = True) -> LayerPlan:
+    """Lower the peak with copies hidden, then (with ``stall``) with stalls where a budget
+    needs them, and drop what lowers nothing."""
     plan.lower(budget, allow_stall=False)
-    if budget is not None and plan.peak > budget:
+    if stall and budget is not None and plan.peak > budget:
         plan.lower(budget, allow_stall=True)
     plan.prune()
     return plan
@@ -206,14 +323,14 @@ def _merit(plan: LayerPlan, budget: int | None) -> tuple[int, float, int, int]:
     return short, plan.stall, plan.peak, len(plan.chosen)
 
 
-def _perturb(plan: LayerPlan, budget: int | None) -> LayerPlan:
+def _perturb(plan: LayerPlan, budget: int | None, stall: bool) -> LayerPlan:
     """Try dropping one taken chunk (those before the peak, the latest first) and
     descending again; keep the first that does better, and go on from it."""
     for _ in range(_ROUNDS):
         first = plan.profile.first(plan.peak) if plan.profile.raw else 0
         before = sorted((k for k in plan.chosen if plan.chunks[k].forward_points <= first),
                         key=lambda k: -plan.chunks[k].forward_points)
-        better = next((trial for trial in (_descend(plan.without(key), budget)
+        better = next((trial for trial in (_descend(plan.without(key), budget, stall)
                                            for key in before[:_DROPS_PER_ROUND])
                        if _merit(trial, budget) < _merit(plan, budget)), None)
         if better is None:

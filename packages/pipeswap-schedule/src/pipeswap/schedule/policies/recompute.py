@@ -6,6 +6,7 @@ Nothing is swapped."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from pipeswap.schedule.costs import CostModel
 from pipeswap.schedule.errors import ScheduleError
@@ -44,44 +45,53 @@ class RecomputePolicy:
         self.outcomes = {}
         chosen: dict[ChunkKey, tuple[int, ...]] = {}
         for rank, order in enumerate(schedule.orders):
-            count, layers, peak, plain = self._plan_rank(order)
-            chosen.update(layers)
-            self.outcomes[rank] = RecomputeOutcome(rank, self.budget, peak, plain, 0.0,
-                                                   layers=count)
+            found = fewest_first_layers(order, self.costs, self.budget)
+            chosen.update(found.layers)
+            self.outcomes[rank] = RecomputeOutcome(rank, self.budget, found.peak, found.plain,
+                                                   0.0, layers=found.first)
         return inject_recompute(schedule, chosen)
 
-    def _plan_rank(self, order: Order
-                   ) -> tuple[int, dict[ChunkKey, tuple[int, ...]], int, int]:
-        """The fewest first layers for ``order``'s peak to fit (all of them where none do):
-        how many, each chunk's, the peak with them and the peak with none."""
-        keys = [leaf.key for step in order if step is not None
-                for leaf in step.compute_leaves if leaf.type is StepType.FWD]
-        peaks: dict[int, int] = {}
 
-        def recomputing(count: int) -> dict[ChunkKey, tuple[int, ...]]:
-            if not count:
-                return {}
-            firsts: dict[int, tuple[int, ...]] = {}  # one tuple per stage, shared
-            chosen: dict[ChunkKey, tuple[int, ...]] = {}
-            for key in keys:
-                layers = firsts.get(key[0])
-                if layers is None:
-                    layers = firsts[key[0]] = tuple(range(
-                        min(count, self.costs.stage_layers(key[0]))))
-                chosen[key] = layers
-            return chosen
+class FirstLayers(NamedTuple):
+    """Recompute alone on one rank: the first ``first`` layers of every chunk (``layers``
+    per chunk), the peak with them and the peak with none."""
 
-        def peak(count: int) -> int:
-            if count not in peaks:
-                peaks[count] = peak_without_swap(order, self.costs, recomputing(count) or None)
-            return peaks[count]
+    first: int
+    layers: dict[ChunkKey, tuple[int, ...]]
+    peak: int
+    plain: int
 
-        # the peak falls as more layers are recomputed: bisect
-        low, high = 0, max((self.costs.stage_layers(stage) for stage, _ in keys), default=0)
-        while low < high:
-            middle = (low + high) // 2
-            if peak(middle) <= self.budget:
-                high = middle
-            else:
-                low = middle + 1
-        return low, recomputing(low), peak(low), peak(0)
+
+def fewest_first_layers(order: Order, costs: CostModel, budget: int) -> FirstLayers:
+    """The fewest first layers of every chunk of ``order`` to recompute for its peak (as
+    the simulator counts it) to fit ``budget``; all of them where none do."""
+    keys = [leaf.key for step in order if step is not None
+            for leaf in step.compute_leaves if leaf.type is StepType.FWD]
+    peaks: dict[int, int] = {}
+
+    def recomputing(count: int) -> dict[ChunkKey, tuple[int, ...]]:
+        if not count:
+            return {}
+        firsts: dict[int, tuple[int, ...]] = {}  # one tuple per stage, shared
+        chosen: dict[ChunkKey, tuple[int, ...]] = {}
+        for key in keys:
+            layers = firsts.get(key[0])
+            if layers is None:
+                layers = firsts[key[0]] = tuple(range(min(count, costs.stage_layers(key[0]))))
+            chosen[key] = layers
+        return chosen
+
+    def peak(count: int) -> int:
+        if count not in peaks:
+            peaks[count] = peak_without_swap(order, costs, recomputing(count) or None)
+        return peaks[count]
+
+    # the peak falls as more layers are recomputed: bisect
+    low, high = 0, max((costs.stage_layers(stage) for stage, _ in keys), default=0)
+    while low < high:
+        middle = (low + high) // 2
+        if peak(middle) <= budget:
+            high = middle
+        else:
+            low = middle + 1
+    return FirstLayers(low, recomputing(low), peak(low), peak(0))

@@ -1,0 +1,171 @@
+"""Keep, offload or recompute: what the peak policy plans on one rank under a budget when it
+may recompute layers as well as swap them.
+
+Recomputing a layer costs a forward share of compute and frees the layer's activations but
+its input, with no copy; swapping costs no compute while its copies hide and stalls compute
+when they do not. Where the link falls short differs along a rank's order: its first
+forwards (before any backward) make activations faster than the D2H stream takes them, its
+last backwards (after every forward) need them back faster than the H2D stream brings them,
+and in between a forward and a backward share each copy's time. So the rank's chunks form
+groups (those forwarded before the rank's first backward, those whose backward follows its
+last forward, the rest), and each group has a ladder of recompute levels: at level ``t`` of
+``n`` its chunks recompute their first layers, ``t / n`` of them on average, spread evenly.
+The swap plan at each choice of levels then offloads what is left (a recomputed layer's
+kept input too) with copies that hide.
+
+More recompute holds less, so the search starts with every layer recomputed and lowers one
+group's level at a time, by bisection, as far as the swap plan still meets the budget with
+every copy hidden. The plan kept is the fastest (the stall plus the recompute seconds) of
+that mix, swap alone (copies stalling where the budget needs them) and recompute alone,
+among those that meet the budget, or the one that comes closest; so, on the rank's own
+timeline, the mix is never slower than either alone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Generic, Protocol, TypeVar
+
+from pipeswap.schedule.costs import CostModel
+from pipeswap.schedule.policies.base import SwapCandidate, SwapPlacement
+from pipeswap.schedule.steps import ChunkKey, Order
+
+#: Recompute levels per layer of a chunk: the ladder's resolution.
+LEVELS_PER_LAYER = 8
+#: The most levels a ladder has (a bound on the bisection's plans).
+MAX_LEVELS = 64
+
+
+class Outcome(Protocol):
+    """What a search compares of a rank's plan."""
+
+    @property
+    def shortfall(self) -> int: ...
+
+    @property
+    def exposed_copy(self) -> float: ...
+
+    @property
+    def recompute_s(self) -> float: ...
+
+
+_Outcome = TypeVar("_Outcome", bound=Outcome)
+
+
+@dataclass(frozen=True)
+class Trial(Generic[_Outcome]):
+    """One rank's plan: the layers recomputed per chunk, the chunks swapped, its outcome."""
+
+    recomputed: Mapping[ChunkKey, tuple[int, ...]]
+    placements: dict[ChunkKey, SwapPlacement]
+    outcome: _Outcome
+
+    @property
+    def free(self) -> bool:
+        """Whether it meets the budget with every copy hidden."""
+        return self.outcome.shortfall == 0 and self.outcome.exposed_copy == 0
+
+    @property
+    def merit(self) -> tuple[int, float, float]:
+        """Smaller is better: the budget's shortfall, the time added, the recompute."""
+        outcome = self.outcome
+        return (outcome.shortfall, outcome.exposed_copy + outcome.recompute_s,
+                outcome.recompute_s)
+
+
+@dataclass(frozen=True)
+class Fixed:
+    """A plan made already, as a policy the swap pass can place: its chunks' placements and
+    recomputed layers."""
+
+    placements: Mapping[ChunkKey, SwapPlacement]
+    layers: Mapping[ChunkKey, tuple[int, ...]]
+
+    def select(self, candidates: Sequence[SwapCandidate], order: Order
+               ) -> Mapping[ChunkKey, SwapPlacement]:
+        return self.placements
+
+    def recomputed(self, rank: int) -> Mapping[ChunkKey, tuple[int, ...]]:
+        return self.layers
+
+
+def levels_for(layers: Sequence[int]) -> int:
+    """The ladder's levels for chunks of at most ``max(layers)`` layers."""
+    return min(MAX_LEVELS, LEVELS_PER_LAYER * max(layers, default=1))
+
+
+def ladder(keys: Sequence[ChunkKey], layers_of: Callable[[ChunkKey], int], level: int,
+           levels: int) -> dict[ChunkKey, tuple[int, ...]]:
+    """Level ``level`` of ``levels``: each chunk of ``keys`` (in forward order) recomputes
+    its first layers, ``level / levels`` of its layers on average, spread evenly over the
+    chunks of each stage (one tuple per count, shared)."""
+    seen: dict[int, int] = {}
+    firsts: dict[int, tuple[int, ...]] = {}
+    out: dict[ChunkKey, tuple[int, ...]] = {}
+    for key in keys:
+        count = layers_of(key)
+        j = seen.get(key[0], 0)
+        seen[key[0]] = j + 1
+        share = ((j + 1) * level * count) // levels - (j * level * count) // levels
+        if share:
+            layers = firsts.get(share)
+            if layers is None:
+                layers = firsts[share] = tuple(range(share))
+            out[key] = layers
+    return out
+
+
+def search(evaluate: Callable[[Mapping[ChunkKey, tuple[int, ...]], bool], Trial[_Outcome]],
+           groups: Sequence[Sequence[ChunkKey]], layers_of: Callable[[ChunkKey], int],
+           levels: int, alone: Trial[_Outcome]) -> Trial[_Outcome]:
+    """The best of the mix, swap alone and recompute alone (``alone``); see the module
+    docstring. ``evaluate(recomputed, stall)`` plans the swap around recomputed layers,
+    taking copies that stall compute only with ``stall``; ``groups`` partition the rank's
+    chunks, each in forward order."""
+    swap_alone = evaluate({}, True)
+    if swap_alone.free:
+        return swap_alone
+    hidden: dict[tuple[int, ...], Trial[_Outcome]] = {}
+
+    def at(choice: tuple[int, ...]) -> Trial[_Outcome]:
+        if choice not in hidden:
+            recomputed: dict[ChunkKey, tuple[int, ...]] = {}
+            for group, level in zip(groups, choice):
+                recomputed.update(ladder(group, layers_of, level, levels))
+            hidden[choice] = evaluate(recomputed, False)
+        return hidden[choice]
+
+    current = [levels] * len(groups)
+    tried = [swap_alone, alone]
+    if at(tuple(current)).free:
+        # the biggest group first: its recompute costs the most
+        for g in sorted(range(len(groups)), key=lambda g: -len(groups[g])):
+            low, high = 0, current[g]
+            while low < high:
+                middle = (low + high) // 2
+                if at((*current[:g], middle, *current[g + 1:])).free:
+                    high = middle
+                else:
+                    low = middle + 1
+            current[g] = low
+        tried.append(at(tuple(current)))
+    else:  # even everything recomputed needs stalls
+        tried.append(evaluate(at(tuple(current)).recomputed, True))
+    return min(tried, key=lambda trial: trial.merit)
+
+
+def layer_counts(costs: CostModel) -> Callable[[ChunkKey], int]:
+    """``len(costs.layer_bytes(key))``, worked out once per stage where the cost model
+    gives the chunk no bytes of its own."""
+    per_stage: dict[int, int] = {}
+
+    def layers_of(key: ChunkKey) -> int:
+        if key in costs.chunks:
+            return len(costs.layer_bytes(key))
+        found = per_stage.get(key[0])
+        if found is None:
+            found = per_stage[key[0]] = len(costs.layer_bytes(key))
+        return found
+
+    return layers_of

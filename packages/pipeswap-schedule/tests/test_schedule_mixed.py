@@ -1,0 +1,170 @@
+"""Keep, offload or recompute: the peak policy plans swap around recomputed layers, and
+chooses them itself under a budget (``recompute="auto"``, the command line's default)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import replace
+
+import pytest
+
+from pipeswap.schedule import (
+    MinGapPolicy,
+    Schedule,
+    ScheduleError,
+    ScheduleKind,
+    ScheduleSpec,
+    StepType,
+    build_schedule,
+    inject_swap,
+    parse_order,
+)
+from pipeswap.schedule.costs import CostModel, Link, TransformerShape, from_preset
+from pipeswap.schedule.policies import (
+    CostModelPolicy,
+    MemoryBudgetPolicy,
+    PeakPolicy,
+    RecomputePolicy,
+)
+from pipeswap.schedule.recompute import inject_recompute, recomputed_in
+from pipeswap.schedule.simulate import SimulationResult, simulate, simulate_alone
+
+Cli = Callable[..., tuple[int, str, str]]  # the `cli` fixture of conftest.py
+#: Four layers of 100 bytes a chunk; a recomputed layer keeps its 10-byte input.
+SMALL = CostModel(forward=1.0, backward=2.0, activation_bytes=400, boundary_bytes=10, layers=4,
+                  link=Link(100.0, 100.0))
+#: A small transformer on a PCIe Gen4 link: copies of a chunk take longer than its compute.
+GEN4 = replace(from_preset("h100-pcie5", TransformerShape(hidden=4096, seq_len=4096, layers=4)),
+               link=Link(25e9, 25e9))
+SPEC = ScheduleSpec(ScheduleKind.ONE_F_ONE_B, ranks=4, microbatches=8, swap=True)
+ONE_RANK = "0F0 0F1 0F2 0F3 0F4 0F5 0B0 0B1 0B2 0B3 0B4 0B5"
+
+
+def _swapped(result: SimulationResult) -> int:
+    return sum(len(rank.swapped) for rank in result.ranks)
+
+
+def test_the_peak_policy_plans_swap_around_given_rc_steps() -> None:
+    plain = Schedule.from_orders([parse_order(ONE_RANK)])
+    every = inject_recompute(plain, {(0, m): (0, 1, 2, 3) for m in range(6)})
+    kept = simulate(every, SMALL).ranks[0].peak_activation_bytes  # kept inputs, one remade
+    budget = kept - 20  # below it only by swapping the kept inputs
+    for granularity in ("chunk", "auto"):
+        planned = inject_swap(every, PeakPolicy(SMALL, budget, granularity=granularity))
+        result = simulate(planned, SMALL)
+        assert recomputed_in(planned.orders[0]) == recomputed_in(every.orders[0])
+        assert _swapped(result) and result.ranks[0].peak_activation_bytes <= budget
+    whole = simulate(inject_swap(every, PeakPolicy(SMALL, budget, granularity="chunk")), SMALL)
+    for chunk in whole.ranks[0].swapped:  # each moved its kept bytes: 4 x 10 at 100 B/s
+        assert chunk.layer_lag == 0
+        assert chunk.offload[1] - chunk.offload[0] == pytest.approx(0.4)
+
+
+@pytest.mark.parametrize("policy", [CostModelPolicy(SMALL), MemoryBudgetPolicy(SMALL, 100)])
+def test_policies_that_plan_whole_chunks_refuse_an_order_that_recomputes(
+        policy: CostModelPolicy | MemoryBudgetPolicy) -> None:
+    order = Schedule.from_orders([parse_order("0RC0:0 " + ONE_RANK)])
+    with pytest.raises(ScheduleError, match=r"the order recomputes layers \(0RC0:0\), but the "
+                       r"(cost|budget) policy plans on whole chunks' bytes: use the peak policy"):
+        inject_swap(order, policy)
+    gap = inject_swap(order, MinGapPolicy(4))  # the gap rule weighs no bytes: it swaps
+    assert [str(s) for s in gap.orders[0][:3]] == ["0RC0:0", "0F0", "0LO0"]
+
+
+def test_a_rank_run_alone_is_simulated_as_in_its_pipeline() -> None:
+    """A one-rank schedule waits for nobody: run alone, it gives simulate's figures."""
+    order = parse_order("0RC0:0-1 0SO0:1 0F0 0F1 0LO1 0F2 0WO0 0F3 0WO1 0SL0 0WL0 0B0 0LL1 "
+                        "0B2 0WL1 0B1 0B3")
+    whole = simulate(Schedule.from_orders([order]), SMALL).ranks[0]
+    alone = simulate_alone(order, 0, SMALL)
+    assert (alone.peak_activation_bytes, alone.exposed_copy, alone.recompute_s,
+            alone.step_time) == (whole.peak_activation_bytes, whole.exposed_copy,
+                                 whole.recompute_s, whole.step_time)
+    assert alone.recomputed_layers == 2 and alone.exposed_copy > 0
+
+
+def test_a_backward_right_after_its_forward_streams_under_a_budget() -> None:
+    """Gap one: only streaming (each copy waited for) lowers what the chunk holds."""
+    plain = Schedule.from_orders([parse_order("0F0 0B0")])
+    policy = PeakPolicy(SMALL, 300)
+    result = simulate(inject_swap(plain, policy), SMALL)
+    assert result.ranks[0].peak_activation_bytes <= 300 < 400
+    assert result.ranks[0].swapped[0].layer_lag >= 1 and result.ranks[0].exposed_copy > 0
+
+
+@pytest.mark.parametrize("chunks", [2.0, 1.0, 0.5])
+def test_the_mix_is_never_slower_than_swap_alone_or_recompute_alone(chunks: float) -> None:
+    plain = simulate(build_schedule(replace(SPEC, swap=False)), GEN4)
+    budget = int(max(r.peak_activation_bytes for r in plain.ranks) / 4 * chunks)
+    mixed = PeakPolicy(GEN4, budget, recompute="auto")
+    results = {
+        "mixed": simulate(build_schedule(SPEC, mixed), GEN4),
+        "swap": simulate(build_schedule(SPEC, PeakPolicy(GEN4, budget)), GEN4),
+        "recompute": simulate(RecomputePolicy(GEN4, budget).apply(
+            build_schedule(replace(SPEC, swap=False))), GEN4),
+    }
+    met = {name: result.step_time for name, result in results.items()
+           if all(rank.peak_activation_bytes <= budget for rank in result.ranks)}
+    assert "mixed" in met and met["mixed"] <= min(met.values()) * (1 + 1e-9)
+    assert met["mixed"] < results["swap"].step_time  # the link is slow: recompute pays
+    # each rank reports what it recomputes, as the simulator counts it
+    for rank in results["mixed"].ranks:
+        outcome = mixed.outcomes[rank.rank]
+        assert outcome.met and outcome.recomputed_layers == rank.recomputed_layers
+        assert outcome.recompute_s == pytest.approx(rank.recompute_s)
+    assert sum(rank.recomputed_layers for rank in results["mixed"].ranks) > 0
+
+
+def test_a_mixed_plan_on_one_rank_predicts_its_peak_exactly() -> None:
+    plain = Schedule.from_orders([parse_order(ONE_RANK)])
+    gen4 = replace(SMALL, link=Link(40.0, 40.0))
+    policy = PeakPolicy(gen4, 260, recompute="auto")
+    result = simulate(inject_swap(plain, policy), gen4).ranks[0]
+    outcome = policy.outcomes[0]
+    assert outcome.met and outcome.peak == result.peak_activation_bytes <= 260
+    assert outcome.exposed_copy == result.exposed_copy
+    assert outcome.peak_no_swap == 6 * 400 == result.peak_activation_bytes_no_swap
+    assert outcome.recomputed_layers == result.recomputed_layers > 0
+
+
+def test_without_a_budget_auto_recomputes_nothing() -> None:
+    policy = PeakPolicy(GEN4, None, recompute="auto")
+    planned = build_schedule(SPEC, policy)
+    assert not any(step is not None and step.type is StepType.RECOMPUTE
+                   for order in planned.orders for step in order)
+    with pytest.raises(ScheduleError, match="unknown recompute mode 'always'; use auto"):
+        PeakPolicy(GEN4, None, recompute="always")
+
+
+SMALL_ARGS = ["--schedule", "1f1b", "--ranks", "4", "--microbatches", "8", "--preset",
+              "h100-pcie5", "--hidden", "4096", "--seq-len", "4096", "--layers-per-stage", "4",
+              "--d2h-bandwidth", "25e9", "--h2d-bandwidth", "25e9", "--budget", "4GiB"]
+
+
+def test_the_command_line_recomputes_under_a_budget_unless_told_never(cli: Cli) -> None:
+    code, out, _ = cli("simulate", *SMALL_ARGS, "--format", "json")
+    assert code == 0
+    auto = json.loads(out)
+    code, out, _ = cli("simulate", *SMALL_ARGS, "--recompute", "never", "--format", "json")
+    assert code == 0
+    never = json.loads(out)
+    assert sum(r["recomputed_layers"] for r in auto["per_rank"]) > 0
+    assert sum(r["recomputed_layers"] for r in never["per_rank"]) == 0
+    assert all(r["budget"]["met"] for r in auto["per_rank"])
+    assert auto["step_time_s"] < never["step_time_s"]
+    code, grid, _ = cli("orders", *SMALL_ARGS)
+    assert code == 0 and "RC" in grid
+
+
+@pytest.mark.parametrize(("extra", "message"), [
+    (["--recompute", "auto"], "--recompute auto says how to meet --budget, and there is none"),
+    (["--policy", "recompute", "--budget", "4GiB", "--recompute", "never"],
+     "--policy recompute recomputes: drop --recompute never"),
+    (["--policy", "budget", "--budget", "4GiB", "--recompute", "auto"],
+     "--recompute auto applies to the peak policy; the budget policy plans on whole chunks"),
+])
+def test_recompute_modes_that_cannot_apply_are_refused(cli: Cli, extra: list[str],
+                                                       message: str) -> None:
+    code, _, err = cli("simulate", *SMALL_ARGS[:-2], *extra)
+    assert code == 2 and message in err and err.count("\n") == 1
