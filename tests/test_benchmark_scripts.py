@@ -121,12 +121,13 @@ def test_executor_vs_torch_runs_each_contender_after_each_other_equally_often(
     assert len(set(after.values())) <= 1, after  # every ordered pair alike
 
 
-def test_keep_offload_recompute_plans_a_budget_both_ways() -> None:
+def test_keep_offload_recompute_plans_a_budget_three_ways() -> None:
     out = subprocess.run([sys.executable, str(BENCHMARKS / "keep_offload_recompute.py"),
                           "--quick", "--json"], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-4000:]
     (row,) = json.loads(out.stdout)["rows"]
-    offload, recompute = row["offload"], row["recompute"]
-    assert offload["met"] and recompute["met"]
+    offload, recompute, mixed = row["offload"], row["recompute"], row["mixed"]
+    assert offload["met"] and recompute["met"] and mixed["met"]
     assert offload["recomputed_layers_rank0"] == 0 < recompute["recomputed_layers_rank0"]
     assert recompute["exposed_copy_s"] == 0.0 and recompute["ratio"] > 1.0
+    assert mixed["ratio"] <= min(offload["ratio"], recompute["ratio"]) and row["mixed_plan_s"] > 0
