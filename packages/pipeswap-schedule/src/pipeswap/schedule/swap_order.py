@@ -33,8 +33,8 @@ computes the one after it; ``WL`` waits for the last layer.
 Compute slots count containers: an overlap of a backward and a forward is one slot.
 Differences from MindSpore hyper-parallel: local control steps (FSDP, swap) are transparent when
 looking for a compute's P2P block, FSDP placement applies per stage, and a reload never
-precedes the offload wait. The pass is linear in the order length; :mod:`pipeswap.schedule.swap` runs it over every
-rank of a schedule.
+precedes the offload wait. The pass is linear in the order length;
+:mod:`pipeswap.schedule.swap` runs it over every rank of a schedule.
 """
 
 from __future__ import annotations
