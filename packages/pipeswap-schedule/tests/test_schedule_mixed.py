@@ -116,6 +116,19 @@ def test_the_mix_is_never_slower_than_swap_alone_or_recompute_alone(chunks: floa
     assert sum(rank.recomputed_layers for rank in results["mixed"].ranks) > 0
 
 
+def test_where_a_stalled_swap_costs_less_than_recompute_the_mix_swaps_alone() -> None:
+    """A faster link: swap alone meets two chunks' budget with a short stall, cheaper than
+    any recompute that would hide every copy."""
+    fast = replace(GEN4, link=Link(55e9, 55e9))
+    plain = simulate(build_schedule(replace(SPEC, swap=False)), fast)
+    budget = int(max(r.peak_activation_bytes for r in plain.ranks) / 2)
+    mixed = PeakPolicy(fast, budget, recompute="auto")
+    result = simulate(build_schedule(SPEC, mixed), fast)
+    alone = simulate(build_schedule(SPEC, PeakPolicy(fast, budget)), fast)
+    assert result.step_time == alone.step_time and mixed.outcomes[0].exposed_copy > 0
+    assert all(rank.recomputed_layers == 0 for rank in result.ranks)
+
+
 def test_a_mixed_plan_on_one_rank_predicts_its_peak_exactly() -> None:
     plain = Schedule.from_orders([parse_order(ONE_RANK)])
     gen4 = replace(SMALL, link=Link(40.0, 40.0))
