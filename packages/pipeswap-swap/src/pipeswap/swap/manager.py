@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING
 from pipeswap.platform import Platform
 from pipeswap.swap.groups import Group, SavedEntry, StorageEntry, expect
 from pipeswap.swap.ledger import Ledger
+from pipeswap.swap.recompute import Call, Enough, Frame, Placeholder, frames_of, run_again, track
 from pipeswap.swap.transfers import Transfers, drain
 from pipeswap.swap.values import (
     GroupBytes,
@@ -72,6 +73,10 @@ class SwapManager:
         self._protected: set[int] = set()  # storage keys protected manager-wide
         self._current: contextvars.ContextVar[str | None] = contextvars.ContextVar(
             f"pipeswap_swap_group_{id(self):x}", default=None)
+        # the recomputed layer whose forward runs (see record_layer)
+        self._recording: contextvars.ContextVar[Frame | None] = contextvars.ContextVar(
+            f"pipeswap_swap_recording_{id(self):x}", default=None)
+        self._releases = 0  # backwards that only free what they saved (see releasing)
         # group -> the group its first read in backward loads ahead (None: none); see
         # load_ahead
         self._ahead: dict[str, str | None] = {}
@@ -122,6 +127,7 @@ class SwapManager:
                 yield
         finally:
             self._current.reset(token)
+            self._recording.set(None)  # a recomputed layer that raised ends here
 
     def switch_group(self, name: str) -> None:
         """Inside :meth:`group_context`, send what autograd saves from now on to group
@@ -168,12 +174,15 @@ class SwapManager:
         for _, entry in hits:
             entry.protected = True
 
-    def _pack(self, tensor: torch.Tensor) -> SavedEntry:
+    def _pack(self, tensor: torch.Tensor) -> SavedEntry | Placeholder:
         # Every tensor autograd saves in a group comes through here: kept lean (one storage
         # object per call, no WeakSet iteration where its length answers).
         name = self._current.get()
         if name is None:
             return SavedEntry(None, None, tensor)
+        frame = self._recording.get()
+        if frame is not None:  # a recomputed layer's: made again in backward
+            return frame.placeholder(tensor, self._groups.get(name))
         storage = tensor.untyped_storage()
         key: int = storage._cdata
         ledger = self._ledger
@@ -243,7 +252,10 @@ class SwapManager:
             return None
         return group, entry
 
-    def _unpack(self, saved: SavedEntry) -> torch.Tensor:
+    def _unpack(self, saved: SavedEntry | Placeholder) -> torch.Tensor:
+        if type(saved) is Placeholder:
+            return self._remade(saved)
+        assert isinstance(saved, SavedEntry)
         tensor = saved.tensor
         if tensor._version != saved.version:
             where = f" in swap group {saved.group.name!r}" if saved.group is not None else ""
@@ -271,6 +283,142 @@ class SwapManager:
             with self._lock:
                 self._transfers.load_now(group, entry)
         return tensor
+
+    # -- recomputed layers (see pipeswap.swap.recompute) -------------------------------------
+
+    def record_layer(self, layer: torch.nn.Module, index: int, args: tuple[object, ...],
+                     kwargs: dict[str, object]) -> None:
+        """Layer ``index`` of a forward starts, recomputed: its call's tensors are saved in
+        the collecting group (what it keeps), and what its ops save becomes placeholders
+        until :meth:`end_recording`, made again by the backward's first read of one."""
+        name = self._current.get()
+        if name is None:
+            raise SwapError(f"record_layer: layer {index} is recomputed but no group is "
+                            "collecting here; run its forward inside group_context()")
+        if self._recording.get() is not None:
+            raise SwapError(f"record_layer: layer {index} starts inside a recomputed layer; "
+                            "recompute the outer layer or the inner ones, not both")
+        call = Call(args, kwargs)
+        kept = []
+        for tensor in call.tensors:
+            saved = self._pack(tensor)
+            assert isinstance(saved, SavedEntry)
+            kept.append(saved)
+        frame = Frame(layer, index, self._group(name, "record_layer"), call, kept)
+        with self._lock:
+            track(frame.group, frame)
+        self._recording.set(frame)
+
+    def end_recording(self, layer: torch.nn.Module) -> None:
+        """``layer``'s forward ended: if it was being recorded, its ops save normally again."""
+        frame = self._recording.get()
+        if frame is not None and frame.layer is layer:
+            self._recording.set(None)
+            frame.slots = [None] * len(frame.metas)
+
+    @contextmanager
+    def releasing(self) -> Iterator[None]:
+        """Around a backward that runs nodes with no gradient only to free what they saved
+        (after a split backward's input part): a placeholder read again there, its tensor
+        taken already, gets a stand-in of its shape (nothing computes with it) instead of
+        a recompute."""
+        with self._lock:
+            self._releases += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._releases -= 1
+
+    def release_remade(self, name: str) -> None:
+        """The group's recomputed layers are done with (a split backward's input part computed
+        their weight gradients too): drop what they keep and what their recomputes left."""
+        group = self._group(name, "release_remade")
+        with self._lock:
+            for frame in frames_of(group):
+                frame.finish()
+
+    def remade_bytes(self, name: str) -> dict[int, int]:
+        """Per recomputed layer of the group (by index), the device bytes its last recompute
+        made and counted."""
+        return dict(self._group(name, "remade_bytes").remade)
+
+    def _remade(self, holder: Placeholder) -> torch.Tensor:
+        """A placeholder's tensor, made again by the layer's recompute if not yet made."""
+        import torch
+
+        frame, group = holder.frame, holder.group
+        if frame.finished:
+            raise SwapError(
+                f"backward read a tensor that {frame.describe()} saved after that layer's "
+                "backward was done (its weight gradients are computed with its input "
+                "gradients): a recomputed layer runs its backward once")
+        if group is not None and group.name in self._ahead:
+            self._first_read(group)
+        slot = frame.slots[holder.index]
+        if slot is None:
+            if self._releases and frame.made:  # taken already: read only to be freed
+                shape, dtype = frame.metas[holder.index]
+                return torch.zeros((), dtype=dtype, device=self._device).expand(shape)
+            self._recompute(frame)
+            slot = frame.slots[holder.index]
+            assert slot is not None
+        frame.slots[holder.index] = None
+        return slot.tensor
+
+    def _recompute(self, frame: Frame) -> None:
+        """Run the frame's layer again from what it kept, filling its slots."""
+        import torch
+
+        inputs = [self._unpack(saved) for saved in frame.kept]
+        frame.slots, frame.made = [None] * len(frame.metas), 0
+        frame.fresh, frame.remade = {}, 0
+        run_again(frame, inputs, lambda: torch.autograd.graph.saved_tensors_hooks(
+            lambda tensor: self._store(frame, tensor), _same))
+        if frame.made != len(frame.metas):
+            raise SwapError(
+                f"{frame.describe()} saved {len(frame.metas)} tensors for backward in its "
+                f"forward and {frame.made} when run again: a recomputed layer's forward must "
+                "do the same work every time it runs")
+        with self._lock:
+            frame.group.remade[frame.index] = frame.remade
+
+    def _store(self, frame: Frame, tensor: torch.Tensor) -> torch.Tensor:
+        """The recompute's save hook: the next slot of ``frame``, its storage counted as
+        held unless something counted or kept holds it already (the kept input, a parameter,
+        a storage saved twice), until autograd frees the tensor."""
+        index = frame.made
+        if index >= len(frame.metas) or frame.metas[index] != (tensor.shape, tensor.dtype):
+            raise SwapError(
+                f"{frame.describe()} saves different tensors for backward when run again "
+                f"(save {index}: {tuple(tensor.shape)} {tensor.dtype}); a recomputed layer's "
+                "forward must do the same work every time it runs")
+        storage = tensor.untyped_storage()
+        key: int = storage._cdata
+        nbytes = storage.nbytes()
+        ledger = self._ledger
+        with self._lock:
+            if ledger.graveyard:
+                ledger.bury()
+            entry = None
+            if (self._skip_reason(tensor, nbytes) is None and key not in self._protected
+                    and self._live_entry(self._owner.get(key), key) is None):
+                entry = frame.fresh.get(key)
+                if entry is None or not entry.alive():
+                    entry = frame.fresh[key] = StorageEntry(nbytes, ledger.graveyard)
+                    ledger.held += nbytes
+                    frame.remade += nbytes
+                    ledger.note_peak()
+            saved = SavedEntry(None, entry, tensor)
+            if entry is not None:
+                entry.saved.add(saved)
+        frame.slots[index] = saved
+        frame.made += 1
+        if frame.made == len(frame.metas):
+            raise Enough  # everything the backward reads is made: the rest would be waste
+        # the recompute's own graph keeps the alias: the tensor itself, an op's own output,
+        # would close a cycle through its node that only the collector can break
+        return saved.tensor
 
     def link_groups(self, names: Sequence[str]) -> None:
         """Make ``names`` (one forward's per-layer groups, in order) one chain: a storage a
@@ -470,6 +618,10 @@ class SwapManager:
         with self._lock:
             self._ledger.bury()
             return self._ledger.stats(self._transfers.pool)
+
+
+def _same(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor
 
 
 def _storage_key(tensor: torch.Tensor) -> int:

@@ -6,6 +6,11 @@ each layer comes back while the backward computes the layer after it, the last l
 leaving (its backward comes first). This is the per-layer machinery the pipeline executor
 streams chunks with (:mod:`pipeswap.swap.layers`), on its own.
 
+Layers named in ``recompute`` keep only their inputs, which offload like any saved activation,
+and run again just before their backward (:mod:`pipeswap.swap.recompute`): the choice
+between keeping, offloading and recomputing a layer that the pipeline planner makes per
+chunk, here for one process.
+
 With ``torch.utils.checkpoint`` inside a layer (reentrant or not), what the checkpointed
 region saves for backward, its inputs, is offloaded like any saved activation, and the
 recomputation in backward reads it back through the same checks; what the recomputation
@@ -15,13 +20,14 @@ saves again never leaves the device (it is made during the backward that uses it
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from types import TracebackType
 from typing import TYPE_CHECKING
 
 from pipeswap.platform import Platform, get_platform
 from pipeswap.swap.layers import LayerChain, layer_hooks
 from pipeswap.swap.manager import SwapManager
+from pipeswap.swap.recompute import recompute_hooks
 from pipeswap.swap.values import SwapError
 
 if TYPE_CHECKING:
@@ -38,21 +44,31 @@ class LayerOffload:
     ``lag``: layer ``k`` leaves the device when the forward ends layer ``k + lag`` (its copy
     hides behind ``lag`` layers). ``protect``: modules whose parameters and buffers never
     move (default: the layers). ``manager``: a :class:`SwapManager` to share (default: a new
-    one on ``platform``). Each ``with`` block starts a new forward; the previous one's
-    groups end then, or at :meth:`finish` after its backward.
+    one on ``platform``). ``recompute``: indices of layers that keep only their inputs and
+    run again in backward (the random state, autocast and buffers of their first run
+    restored: losses and gradients are unchanged). Each ``with`` block starts a new
+    forward; the previous one's groups end then, or at :meth:`finish` after its backward.
     """
 
     def __init__(self, layers: Sequence[torch.nn.Module], *, lag: int = 1,
                  manager: SwapManager | None = None, platform: Platform | None = None,
-                 protect: Sequence[torch.nn.Module] | None = None) -> None:
+                 protect: Sequence[torch.nn.Module] | None = None,
+                 recompute: Collection[int] = ()) -> None:
         if isinstance(lag, bool) or not isinstance(lag, int) or lag < 1:
             raise SwapError(f"lag is the whole number of layers a copy hides behind (>= 1), "
                             f"got {lag!r}")
         if len(layers) < 2:
             raise SwapError(f"streaming offload needs at least 2 layers, got {len(layers)}: "
                             "with one, nothing can leave the device before its backward")
+        wrong = [index for index in recompute
+                       if isinstance(index, bool) or not isinstance(index, int)
+                       or not 0 <= index < len(layers)]
+        if wrong:
+            raise SwapError(f"recompute names layers {wrong}, which are not layer indices "
+                            f"0 to {len(layers) - 1}")
         self.manager = manager or SwapManager(platform or get_platform())
         self.layers = list(layers)
+        self.recompute = frozenset(recompute)
         self.lag = lag
         for module in self.layers if protect is None else protect:
             self.manager.protect_module(module)
@@ -61,11 +77,15 @@ class LayerOffload:
         self._chain: LayerChain | None = None
         self._active: LayerChain | None = None
         remove_hooks = layer_hooks(self.layers, lambda: self._active)
+        remove_recompute = recompute_hooks(
+            self.manager, self.layers,
+            lambda: self.recompute if self._active is not None else None)
         # The first layer's inputs are the caller's: they stay on the device.
         entry = self.layers[0].register_forward_pre_hook(self._protect_inputs, with_kwargs=True)
 
         def remove() -> None:
             remove_hooks()
+            remove_recompute()
             entry.remove()
 
         self._remove = remove

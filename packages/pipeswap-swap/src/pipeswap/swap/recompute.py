@@ -1,0 +1,227 @@
+"""Recomputed layers: a layer's forward keeps only its inputs, and runs again in backward.
+
+While a recomputed layer's forward runs (:meth:`SwapManager.record_layer` to
+:meth:`~SwapManager.end_recording`), the tensors it was called with are saved in the
+collecting group like any activation (they swap, and count, as the layer's *kept* bytes),
+and what its ops save is replaced by a :class:`Placeholder`. The backward's first read of a
+placeholder runs the layer again from its kept inputs, with the random state, autocast state
+and buffers of the first run, and collects what it saves into the frame's slots, stopping
+once the last is made again; each placeholder then takes its tensor.
+
+That is the algorithm of ``torch.utils.checkpoint``'s non-reentrant mode. pipeswap runs it on
+the manager's own saved-tensor hooks for one reason: what a recompute makes must count in the
+manager's device bytes held from the recompute until autograd frees it, to the byte (the
+simulator's peaks are checked against that count), and torch keeps its recomputed tensors
+where nothing outside it can see them.
+
+Buffers: a layer whose forward updates buffers (BatchNorm's running statistics) has them
+copied before it runs again and put back after, so a recompute leaves no trace in them.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Container, Iterator
+from contextlib import AbstractContextManager, ExitStack, contextmanager
+from contextvars import ContextVar
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+    from pipeswap.swap.groups import Group, SavedEntry, StorageEntry
+
+_remaking: ContextVar[bool] = ContextVar("pipeswap_swap_remaking", default=False)
+
+
+class Enough(Exception):  # noqa: N818 - a signal, not an error
+    """Raised by the recompute's save hook once every placeholder has its tensor: the rest
+    of the layer's forward would only make what nothing reads."""
+
+
+def remaking() -> bool:
+    """Whether a recompute runs here (the layer's own hooks must not record again)."""
+    return _remaking.get()
+
+
+class Placeholder:
+    """What autograd keeps for a tensor a recomputed layer's op saved: the frame, the
+    tensor's place among the layer's saves, and the group collecting then (its first read
+    loads the groups ahead, as a saved tensor's does)."""
+
+    __slots__ = ("frame", "index", "group")
+
+    def __init__(self, frame: Frame, index: int, group: Group | None) -> None:
+        self.frame, self.index, self.group = frame, index, group
+
+
+class Frame:
+    """One recomputed layer's forward: how to run it again and what that made.
+
+    The layer's call is ``leaves`` (each tensor a marker, each with whether it required
+    grad) in the structure ``spec``, its tensors kept by the saved entries ``kept`` of
+    ``group``; ``metas`` are the shape and dtype of every tensor its ops saved, in order;
+    ``slots`` what the last recompute saved, each taken once; ``remade`` the device bytes
+    that recompute made and counted."""
+
+    __slots__ = ("layer", "index", "group", "leaves", "spec", "grads", "kept", "rng",
+                 "autocast", "metas", "slots", "made", "fresh", "remade", "finished",
+                 "__weakref__")
+
+    def __init__(self, layer: torch.nn.Module, index: int, group: Group, call: Call,
+                 kept: list[SavedEntry]) -> None:
+        self.layer, self.index, self.group = layer, index, group
+        self.leaves, self.spec, self.grads = call.leaves, call.spec, call.grads
+        self.kept = kept
+        self.rng = RandomState(call.tensors)
+        self.autocast = autocast_state(call.tensors)
+        self.metas: list[tuple[torch.Size, torch.dtype]] = []
+        self.slots: list[SavedEntry | None] = []
+        self.made = 0  # slots the running recompute has filled
+        self.fresh: dict[int, StorageEntry] = {}  # storage key -> what a recompute counted
+        self.remade = 0
+        self.finished = False
+
+    def placeholder(self, tensor: torch.Tensor, group: Group | None) -> Placeholder:
+        self.metas.append((tensor.shape, tensor.dtype))
+        return Placeholder(self, len(self.metas) - 1, group)
+
+    def finish(self) -> None:
+        """Drop the kept inputs and whatever a recompute left (after the layer's backward):
+        a later read raises."""
+        self.finished = True
+        self.kept, self.slots, self.fresh = [], [], {}
+
+    def describe(self) -> str:
+        return f"recomputed layer {self.index} ({type(self.layer).__name__})"
+
+
+class RandomState:
+    """The random state a layer's forward started from: the CPU generator's and, for tensors
+    on an accelerator, its devices' (as ``torch.utils.checkpoint`` keeps them)."""
+
+    def __init__(self, tensors: list[torch.Tensor]) -> None:
+        import torch
+        from torch.utils.checkpoint import get_device_states
+
+        self.cpu = torch.get_rng_state()
+        accelerated = [t for t in tensors if t.device.type != "cpu"]
+        self.device_type = accelerated[0].device.type if accelerated else "cuda"
+        self.devices, self.states = (get_device_states(*accelerated) if accelerated
+                                     else ([], []))
+
+    @contextmanager
+    def restored(self) -> Iterator[None]:
+        """The state of the first run, and the caller's back afterwards."""
+        import torch
+        from torch.utils.checkpoint import set_device_states
+
+        with torch.random.fork_rng(devices=self.devices, device_type=self.device_type):
+            torch.set_rng_state(self.cpu)
+            if self.devices:
+                set_device_states(self.devices, self.states, device_type=self.device_type)
+            yield
+
+
+def autocast_state(tensors: list[torch.Tensor]) -> list[tuple[str, bool, Any]]:
+    """Whether autocast is on, and to which dtype, for the CPU and the tensors' device."""
+    import torch
+
+    kinds = {"cpu", *(t.device.type for t in tensors)}
+    return [(kind, torch.is_autocast_enabled(kind), torch.get_autocast_dtype(kind))
+            for kind in sorted(kinds)]
+
+
+def run_again(frame: Frame, inputs: list[torch.Tensor],
+              saving: Callable[[], AbstractContextManager[object]]) -> None:
+    """Call the frame's layer again on ``inputs`` (its kept tensors, read back) inside
+    ``saving`` (the hooks that fill its slots), as its first run went: same random state,
+    autocast and grad mode, its buffers put back afterwards."""
+    import torch
+    from torch.utils._pytree import tree_unflatten
+
+    leaves = []
+    tensors = iter(inputs)
+    for leaf, grad in zip(frame.leaves, frame.grads):
+        if leaf is _TENSOR:
+            tensor = next(tensors).detach()
+            leaves.append(tensor.requires_grad_(grad))
+        else:
+            leaves.append(leaf)
+    args, kwargs = tree_unflatten(leaves, frame.spec)
+    buffers = [(b, b.clone()) for b in frame.layer.buffers()]
+    token = _remaking.set(True)
+    try:
+        with ExitStack() as stack:
+            stack.enter_context(frame.rng.restored())
+            for kind, enabled, dtype in frame.autocast:
+                stack.enter_context(torch.autocast(kind, dtype=dtype, enabled=enabled))
+            stack.enter_context(torch.enable_grad())
+            stack.enter_context(saving())
+            try:
+                frame.layer(*args, **kwargs)
+            except Enough:
+                pass
+    finally:
+        _remaking.reset(token)
+        with torch.no_grad():
+            for buffer, before in buffers:
+                buffer.copy_(before)
+
+
+#: Stands for a tensor in :attr:`Frame.leaves` (the saved entries are kept beside it).
+_TENSOR = object()
+
+
+class Call:
+    """A layer call as leaves (each tensor replaced by a marker), whether each required
+    grad, its structure, and its tensors in order."""
+
+    def __init__(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        import torch
+        from torch.utils._pytree import tree_flatten
+
+        leaves, self.spec = tree_flatten((args, kwargs))
+        self.tensors = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
+        self.leaves = [_TENSOR if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
+        self.grads = [isinstance(leaf, torch.Tensor) and leaf.requires_grad for leaf in leaves]
+
+
+def recompute_hooks(manager: Any, layers: list[torch.nn.Module],
+                    chosen: Callable[[], Container[int] | None]) -> Callable[[], None]:
+    """Hooks on ``layers`` that make the layers whose indices ``chosen()`` holds (None: none)
+    record their forward for a recompute in ``manager`` (a
+    :class:`~pipeswap.swap.SwapManager`, inside one of its groups). Returns the function
+    that removes them."""
+    handles = []
+    for index, layer in enumerate(layers):
+        def before(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
+                   index: int = index) -> None:
+            picked = chosen()
+            if picked is not None and index in picked and not remaking():
+                manager.record_layer(module, index, args, kwargs)
+
+        def after(module: torch.nn.Module, args: tuple[Any, ...], output: object) -> None:
+            if not remaking():
+                manager.end_recording(module)
+
+        handles.append(layer.register_forward_pre_hook(before, with_kwargs=True))
+        handles.append(layer.register_forward_hook(after))
+
+    def remove() -> None:
+        for handle in handles:
+            handle.remove()
+
+    return remove
+
+
+def frames_of(group: Group) -> list[Frame]:
+    """The group's recomputed layers still alive."""
+    return [frame for ref in group.frames if (frame := ref()) is not None]
+
+
+def track(group: Group, frame: Frame) -> None:
+    """Remember ``frame`` in its group, weakly: it lives as long as autograd's nodes that
+    hold its placeholders."""
+    group.frames = [ref for ref in group.frames if ref() is not None]
+    group.frames.append(weakref.ref(frame))
