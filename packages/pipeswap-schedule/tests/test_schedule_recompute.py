@@ -100,19 +100,22 @@ def test_a_layer_the_chunk_does_not_have_is_refused() -> None:
 def test_a_whole_backward_runs_each_recomputed_layer_again_before_its_own() -> None:
     # Chunk 0 keeps 10 + 100 + 10 + 100 bytes; its backward, from layer 3 down, holds a
     # recomputed layer's 90 bytes from the recompute (a quarter of the forward, 0.25 s)
-    # to the end of the layer's part (a quarter of B, 0.5 s).
+    # to the end of the layer's part (a quarter of B, 0.5 s), and frees each layer's bytes
+    # as its part ends.
     result = _run("0RC0:0,2 0F0 0F1 0B0 0B1")
     (rank,) = result.ranks
-    assert rank.memory == ((1.0, 220), (2.0, 620), (2.75, 710), (3.25, 620), (4.0, 710),
-                           (4.5, 620), (4.5, 400), (6.5, 0))
-    assert rank.peak_activation_bytes == 710 and rank.peak_activation_bytes_no_swap == 800
+    assert rank.memory == ((1.0, 220), (2.0, 620), (2.5, 520), (2.75, 610), (3.25, 520),
+                           (3.25, 510), (3.75, 410), (4.0, 500), (4.5, 410), (4.5, 400),
+                           (6.5, 0))
+    assert rank.peak_activation_bytes == 620 and rank.peak_activation_bytes_no_swap == 800
     assert result.step_time == rank.busy == 6.5
     assert (rank.recomputed_layers, rank.recompute_s) == (2, 0.5)
 
 
 def test_a_recompute_that_takes_no_time_still_holds_what_it_makes() -> None:
     result = _run("0RC0:3 0F0 0B0", dataclasses.replace(COSTS, forward=0.0))
-    assert [held for _, held in result.ranks[0].memory] == [310, 400, 310, 0]
+    # made again at once, then each layer's bytes freed as its part of B ends
+    assert [held for _, held in result.ranks[0].memory] == [310, 400, 310, 300, 200, 100, 0]
     assert result.ranks[0].recompute_s == 0.0 and result.ranks[0].recomputed_layers == 1
 
 
@@ -144,8 +147,9 @@ def test_a_chunk_swapped_whole_moves_what_its_forward_kept() -> None:
                                 link=Link(400.0, 400.0))
     result = _run("0RC0:0-3 0F0 0LO0 0WO0 0LL0 0WL0 0B0", costs)
     (rank,) = result.ranks
-    assert [held for _, held in rank.memory] == [80, 40, 80, 160, 80, 160, 80, 160, 80,
-                                                 160, 80, 0]
+    # B, from layer 3 down: 80 made again, then freed with the layer's 20 kept
+    assert [held for _, held in rank.memory] == [80, 40, 80, 160, 80, 60, 140, 60, 40, 120,
+                                                 40, 20, 100, 20, 0]
     assert rank.exposed_copy == pytest.approx(0.2)  # nothing to hide the copies behind
     assert rank.recompute_s == 1.0 and rank.peak_activation_bytes_no_swap == 400
 
@@ -284,7 +288,8 @@ def test_a_measured_kept_size_is_what_a_recomputed_layer_keeps() -> None:
     layers = tuple(ChunkBytes(100, kept=30) for _ in range(4))
     costs = dataclasses.replace(COSTS, chunks={(0, 0): ChunkBytes(400, kept=120, layers=layers)})
     (rank,) = _run("0RC0:0 0F0 0B0", costs).ranks
-    assert [held for _, held in rank.memory] == [330, 400, 330, 0]  # 30 kept, 70 made again
+    # 30 kept, 70 made again once layers 3 to 1 are freed
+    assert [held for _, held in rank.memory] == [330, 230, 130, 30, 100, 30, 0]
     with pytest.raises(ScheduleError, match="the layers' kept bytes add up to 120, but the "
                        "chunk's kept is 100"):
         ChunkBytes(400, kept=100, layers=layers)

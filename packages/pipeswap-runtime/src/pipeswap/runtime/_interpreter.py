@@ -58,15 +58,17 @@ class StepState:
 
 class Interpreter:
     """Runs steps of one rank's order on its ``stages`` (by index); ``swapped``: the chunks
-    the schedule swaps (accounted even when the step does not account every chunk);
-    ``sharded``: the stages sharded with FSDP; ``autocast_dtype``: see :meth:`autocast`.
-    :attr:`active` holds, per stage, the chain of the streamed chunk whose forward runs
-    there, for the stage's layer hooks; :attr:`splits`, per stage, how its backwards split
-    into I and W."""
+    the schedule swaps and ``recomputed`` those with recomputed layers, by layer index (both
+    accounted even when the step does not account every chunk); ``sharded``: the stages
+    sharded with FSDP; ``autocast_dtype``: see :meth:`autocast`. :attr:`active` holds, per
+    stage, the chain of the streamed chunk whose forward runs there, for the stage's layer
+    hooks, and :attr:`recomputing` the layers its forward recomputes, for the stage's
+    recompute hooks; :attr:`splits`, per stage, how its backwards split into I and W."""
 
     def __init__(self, stages: Mapping[int, PipelineStage], *, rank: int, microbatches: int,
                  loss_fn: LossFn, manager: SwapManager, device: torch.device,
                  autocast_dtype: torch.dtype | None, swapped: set[ChunkKey],
+                 recomputed: Mapping[ChunkKey, frozenset[int]],
                  sharded: Mapping[int, ShardedStage]) -> None:
         self.stages = stages
         self.rank = rank
@@ -76,8 +78,10 @@ class Interpreter:
         self.device = device
         self.autocast_dtype = autocast_dtype
         self.swapped = swapped
+        self.recomputed = recomputed
         self.sharded = sharded
         self.active: dict[int, LayerChain] = {}
+        self.recomputing: dict[int, frozenset[int]] = {}
         self.splits = {index: SplitCache() for index in stages}
 
     def run(self, state: StepState, step: Step) -> None:
@@ -159,11 +163,15 @@ class Interpreter:
                       for leaf, grad in zip(received, meta.grads) if grad]
             x = meta.unflatten(received)
         target = state.micro_targets[micro] if stage.is_last else None
-        accounted = state.memory.every_chunk or key in self.swapped
+        redo = self.recomputed.get(key)
+        accounted = state.memory.every_chunk or key in self.swapped or redo is not None
         chain = state.session.chain(key)
         if chain is not None:  # streamed: the layers' groups offload as the forward goes
             chain.protect([x, target])
             self.active[stage_index] = chain
+        if redo is not None:  # these layers keep their inputs and run again in backward
+            self.recomputing[stage_index] = redo
+            state.memory.recomputed_layers += len(redo)
         try:
             with self.autocast():
                 chunk = forward_chunk(stage.forward, x, inputs=inputs,
@@ -172,6 +180,7 @@ class Interpreter:
                                       saving=state.session.forward(key) if accounted else None)
         finally:
             self.active.pop(stage_index, None)
+            self.recomputing.pop(stage_index, None)
         if chunk.loss is not None:
             state.losses[micro] = chunk.loss
         if accounted:
@@ -215,11 +224,21 @@ class Interpreter:
                 if grads is None:  # the next stage runs here
                     grads = self._gradients(state, stage_index, state.grads_in.pop(
                         (stage_index + 1, micro), None), f"stage {stage_index} micro {micro}")
-            grad_in = (chunk.backward(grads) if dw
-                       else chunk.backward_input(grads, self.splits[stage_index]))
+            redo = self.recomputed.get(key)
+            if dw:
+                grad_in = chunk.backward(grads)
+            else:  # a recomputed layer's weight gradients come from what I made again
+                grad_in = chunk.backward_input(
+                    grads, self.splits[stage_index], releasing=self.manager.releasing,
+                    recomputed=[] if redo is None else [
+                        p for k in sorted(redo) for p in stage.layers[k].parameters()])
             if not stage.is_first:
                 state.grads_in[key] = grad_in
+            if redo is not None:
+                state.memory.recomputed(key, state.session)
             if not dw:  # the chunk keeps what its W step needs, and only that
+                if redo is not None:
+                    state.session.release_remade(key)
                 state.memory.input_done(key, state.session)
                 return
         else:
@@ -323,6 +342,9 @@ class Interpreter:
             collective(state.transport, step, sharded.reshard)
             state.memory.parameters_changed(-sharded.gathered_bytes)
 
+    def _recompute(self, state: StepState, step: Step) -> None:
+        """RC: marks the chunk's recomputed layers (the executor read them at set-up)."""
+
     def _stream_offload(self, state: StepState, step: Step) -> None:
         """SO: the chunk's layers get a swap group each, which its forward offloads."""
         assert step.lag is not None
@@ -354,6 +376,7 @@ class Interpreter:
         StepType.BATCH_SEND_RECV: _batch,
         **dict.fromkeys(FSDP, _fsdp),
         StepType.SWAP_STREAM_OFFLOAD: _stream_offload,
+        StepType.RECOMPUTE: _recompute,
         **dict.fromkeys((StepType.SWAP_LAUNCH_OFFLOAD, StepType.SWAP_WAIT_OFFLOAD,
                          StepType.SWAP_LAUNCH_LOAD, StepType.SWAP_WAIT_LOAD,
                          StepType.SWAP_STREAM_LOAD), _swap),

@@ -41,8 +41,11 @@ from pipeswap.schedule import (
     validate,
 )
 from pipeswap.schedule.policies import PeakOutcome, PeakPolicy, default_swap_policy
-from pipeswap.schedule.steps import FSDP, SWAP, StepType
+from pipeswap.schedule.steps import FSDP, RECOMPUTE, SWAP, StepType
 from pipeswap.schedule.validation import TRANSPORTS
+
+#: The steps each rank plans for itself: which chunks it swaps and which layers it recomputes.
+OWN_PLAN = SWAP | RECOMPUTE
 
 if TYPE_CHECKING:
     import torch
@@ -214,12 +217,6 @@ def _check_stages(schedule: Schedule, stages: Sequence[PipelineStage], *, rank: 
         raise PipelineSetupError(
             f"the schedule has {schedule.num_stages} stages but the stages say "
             f"num_stages={num_stages}")
-    recompute = next((step for step in schedule.orders[rank]
-                      if step is not None and step.type is StepType.RECOMPUTE), None)
-    if recompute is not None:
-        raise PipelineSetupError(
-            f"rank {rank}'s order recomputes layers ({recompute}), which the executor does "
-            "not run yet: leave the RC steps out (pipeswap-schedule simulate predicts them)")
     micros = schedule.num_microbatches
     if micros != microbatches:
         raise PipelineSetupError(
@@ -235,6 +232,14 @@ def _check_stages(schedule: Schedule, stages: Sequence[PipelineStage], *, rank: 
     if any(stage.num_stages != num_stages or stage.group is not group for stage in stages):
         raise PipelineSetupError(
             "all stages of an executor need the same num_stages and process group")
+    layers = {stage.stage_index: len(stage.layers) for stage in stages}
+    for step in schedule.orders[rank]:
+        if step is not None and step.type is StepType.RECOMPUTE and step.layers and (
+                max(step.layers) >= layers[step.key[0]]):
+            raise PipelineSetupError(
+                f"rank {rank}'s step {step} recomputes layer {max(step.layers)} of stage "
+                f"{step.key[0]}, which has {layers[step.key[0]]} layer(s): plan on the "
+                "stages' layer counts (PipelineStage.layers)")
 
 
 def _kind(name: str) -> ScheduleKind:
@@ -257,9 +262,9 @@ def agree(schedule: Schedule | None, problem: PipelineSetupError | None, *,
             raise problem
         return
     fingerprint = 0
-    if schedule is not None:  # swap steps are each rank's own plan: the rest must agree
-        shared = schedule.map_orders(lambda _, order: tuple(
-            step for step in order if step is None or step.type not in SWAP))
+    if schedule is not None:  # swap and recompute steps are each rank's own plan: the rest
+        shared = schedule.map_orders(lambda _, order: tuple(  # must agree
+            step for step in order if step is None or step.type not in OWN_PLAN))
         text = f"{dumps_lines(shared)}|{schedule.stage_ranks}|{microbatches}"
         fingerprint = int.from_bytes(hashlib.sha256(text.encode()).digest()[:7], "big")
     everyone = all_gather_ints(fingerprint * 2 + (problem is not None), group)

@@ -157,20 +157,32 @@ class ChunkAutograd:
         return [x.grad for x in xs]
 
     def backward_input(self, grads: Sequence[torch.Tensor] | None,
-                       cache: SplitCache | None = None) -> list[torch.Tensor | None]:
+                       cache: SplitCache | None = None, *,
+                       recomputed: Sequence[torch.Tensor] = (),
+                       releasing: Callable[[], AbstractContextManager[object]] | None = None
+                       ) -> list[torch.Tensor | None]:
         """I: the inputs' gradients, accumulated into their ``.grad`` as B does and returned
         (None where the output does not depend on one). Keeps for W the gradients arriving
         at the weight nodes, and frees what W does not need. ``cache``: the stage's splits
-        (without one, each chunk's graph is analysed)."""
+        (without one, each chunk's graph is analysed).
+
+        ``recomputed``: the parameters of the chunk's recomputed layers, whose gradients I
+        computes too (from what the recompute made, which is gone before W); ``releasing``:
+        the swap manager's context for the backward that frees what only I needed."""
         import torch
 
         outputs, xs = self._take("I")
         root, grad = _root(outputs, grads)
         plan = _plan(root, xs, cache) if root is not None and xs else None
         if plan is None:  # no dx path: W does it all, as a B
+            if recomputed and root is not None and root.requires_grad:  # or I, for W
+                torch.autograd.backward(root, grad)  # could not read what I made again
+                return [None] * len(xs)
             self.output, self._grad = root, grad
             return [None] * len(xs)
         assert root is not None
+        if recomputed:
+            _weights_in_input(plan, recomputed)
         handles = [node.register_prehook(keep) for node, keep in zip(plan.nodes, plan.keepers)]
         try:  # keeps the graph: W runs the weight nodes again
             torch.autograd.backward(root, grad, inputs=[*xs, *plan.in_input],
@@ -178,8 +190,9 @@ class ChunkAutograd:
         finally:
             for handle in handles:
                 handle.remove()
-        for nodes, targets in plan.release:
-            _release(nodes, targets)
+        with releasing() if releasing is not None else nullcontext():
+            for nodes, targets in plan.release:
+                _release(nodes, targets)
         plan.release, plan.keepers = [], []
         self._plan = plan
         return [x.grad for x in xs]
@@ -255,6 +268,18 @@ def _plan(root: torch.Tensor, xs: Sequence[torch.Tensor], cache: SplitCache | No
     order, shape = _walk(root.grad_fn, {id(get_gradient_edge(x).node) for x in xs})
     split = cache.find(shape) if cache is not None else _analyse(shape)
     return None if split is None else split.bind(order)
+
+
+def _weights_in_input(plan: _Plan, params: Sequence[torch.Tensor]) -> None:
+    """Move the W groups that hold any of ``params`` into I (their nodes run once, in I)."""
+    wanted = {id(param) for param in params}
+    groups = []
+    for members, group in plan.groups:
+        if any(id(param) in wanted for param in group):
+            plan.in_input.extend(group)
+        else:
+            groups.append((members, group))
+    plan.groups = groups
 
 
 def _engine(roots: Sequence[GradientEdge], grads: Sequence[torch.Tensor],

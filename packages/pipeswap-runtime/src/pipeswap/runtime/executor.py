@@ -65,6 +65,7 @@ from pipeswap.schedule import (
 )
 from pipeswap.swap import PoolExhaustedError, SwapManager
 from pipeswap.swap.layers import layer_hooks
+from pipeswap.swap.recompute import recompute_hooks
 
 if TYPE_CHECKING:
     import torch
@@ -246,15 +247,24 @@ class PipelineExecutor:
         # the chunks that stream, with their layer lag
         self.streamed = {step.key: step.lag for step in self.schedule.orders[self.rank]
                          if step is not None and step.type is StepType.SWAP_STREAM_OFFLOAD}
+        # the chunks with recomputed layers, and which (RC steps, before their forwards)
+        self.recomputed = {step.key: frozenset(step.layers or ())
+                           for step in self.schedule.orders[self.rank]
+                           if step is not None and step.type is StepType.RECOMPUTE}
         self._interpreter = Interpreter(
             {stage.stage_index: stage for stage in self.stages}, rank=self.rank,
             microbatches=microbatches, loss_fn=loss_fn, manager=self.manager,
             device=self.platform.device, autocast_dtype=autocast_dtype, swapped=self.swapped,
-            sharded=self._sharded)
-        active = self._interpreter.active  # the hooks hold this, never the executor
+            recomputed=self.recomputed, sharded=self._sharded)
+        # the hooks hold these, never the executor
+        active, recomputing = self._interpreter.active, self._interpreter.recomputing
         self._hooks = [layer_hooks(stage.layers, partial(active.get, stage.stage_index))
                        for stage in self.stages
                        if any(key[0] == stage.stage_index for key in self.streamed)]
+        self._hooks += [recompute_hooks(self.manager, stage.layers,
+                                        partial(recomputing.get, stage.stage_index))
+                        for stage in self.stages
+                        if any(key[0] == stage.stage_index for key in self.recomputed)]
         self._hooks_finalizer = weakref.finalize(self, _remove_all, self._hooks)
         self._closed = False
 

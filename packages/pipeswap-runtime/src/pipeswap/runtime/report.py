@@ -57,6 +57,10 @@ class StepReport:
     # waited for copies (its WO and WL steps); empty and None otherwise
     compute_seconds: Mapping[tuple[StepType, int], float] = field(default_factory=dict)
     copy_wait_seconds: float | None = None
+    # layer forwards run again in backwards (the schedule's RC steps), and per chunk with
+    # recomputed layers, the device bytes each one's recompute made, by layer index
+    recomputed_layers: int = 0
+    remade_bytes: Mapping[ChunkKey, Mapping[int, int]] = field(default_factory=dict)
 
 
 @dataclass
@@ -75,6 +79,8 @@ class MemoryAccount:
     chunk_bytes_after_input: dict[ChunkKey, int] = field(default_factory=dict)
     layer_bytes: dict[ChunkKey, tuple[GroupBytes, ...]] = field(default_factory=dict)
     layer_bytes_after_input: dict[ChunkKey, tuple[int, ...]] = field(default_factory=dict)
+    remade_bytes: dict[ChunkKey, dict[int, int]] = field(default_factory=dict)
+    recomputed_layers: int = 0
     gathered: int = 0  # bytes of FSDP parameters gathered now
     peak_activations: int = 0  # the step's peaks so far (see flush)
     peak_memory: int = 0
@@ -117,12 +123,19 @@ class MemoryAccount:
         """After the I of a chunk: what its groups still hold for W, if it is accounted."""
         if key not in self.accounted:
             return
-        chain = session.chain(key)
-        names = chain.names if chain is not None else (session.name(key),)
+        names = session.names(key)
         held = tuple(self.manager.group_bytes(name).held for name in names)
         self.chunk_bytes_after_input[key] = sum(held)
-        if chain is not None:
+        if session.chain(key) is not None:
             self.layer_bytes_after_input[key] = held
+
+    def recomputed(self, key: ChunkKey, session: SwapSession) -> None:
+        """After the backward (B or I) of a chunk with recomputed layers: what each layer's
+        recompute made."""
+        made: dict[int, int] = {}
+        for name in session.names(key):
+            made.update(self.manager.remade_bytes(name))
+        self.remade_bytes[key] = made
 
     def report(self, *, losses: tuple[float, ...], seconds: float, swapped_chunks: int,
                peak_allocated_bytes: int | None) -> StepReport:
@@ -139,4 +152,6 @@ class MemoryAccount:
             layer_bytes=self.layer_bytes,
             layer_bytes_after_input=self.layer_bytes_after_input,
             peak_allocated_bytes=peak_allocated_bytes,
+            recomputed_layers=self.recomputed_layers,
+            remade_bytes=self.remade_bytes,
         )

@@ -58,6 +58,17 @@ class SwapSession:
         else:
             self.manager.protect_alias_tensors(self.name(key), tensors)
 
+    def names(self, key: ChunkKey) -> tuple[str, ...]:
+        """The chunk's group names: one per layer if it streams, else one."""
+        chain = self._chains.get(key)
+        return chain.names if chain is not None else (self.name(key),)
+
+    def release_remade(self, key: ChunkKey) -> None:
+        """The chunk's recomputed layers are done with (after its I, which computed their
+        weight gradients too): what they keep and what their recomputes left goes."""
+        for name in self.names(key):
+            self.manager.release_remade(name)
+
     def finish(self, key: ChunkKey) -> None:
         """The chunk's backward is complete: forget its group (or groups)."""
         chain = self._chains.pop(key, None)

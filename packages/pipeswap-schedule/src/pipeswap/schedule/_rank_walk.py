@@ -35,6 +35,10 @@ class Recomputed(NamedTuple):
     remade: tuple[int, ...]
     chunk: ChunkBytes  # the layers summed
     chosen: frozenset[int]  # which layers are recomputed
+    # the most a B holds above the whole chunk at once: a recompute's bytes less those of
+    # the layers after it, which the B has freed by then (an I of a split backward frees
+    # none: max(remade))
+    rise: int
 
 
 @dataclass
@@ -266,19 +270,19 @@ def recompute_backward(state: RankState, leaf: Step, redo: Recomputed, start: fl
                        duration: float, again: float) -> float:
     """The B or I of a chunk held whole, with recomputed layers: layer by layer from the
     last, each recomputed one run again first, what that makes alive until its own part
-    ends; the chunk's kept bytes go at the end, as for any backward. Returns its end.
-    Without a timeline only the peak is kept: one recomputed layer's bytes at a time."""
+    ends. A B frees each layer as its part ends, as autograd does (the caller frees nothing
+    more); a split backward's I keeps them all for W, and the caller frees what W does not
+    need. Returns its end."""
+    keeps = leaf.type is _I and leaf.key in state.split
+    part = duration / len(redo.layers)
+    state.compute = start
+    for k in reversed(range(len(redo.layers))):
+        _layer_part(state, redo, k, part, again)
+        if not keeps:
+            state.change(-redo.layers[k].total)
     end = start + duration + again * len(redo.chosen)
-    if state.timeline:  # each recomputed layer's bytes at their own time
-        part = duration / len(redo.layers)
-        state.compute = start
-        for k in reversed(range(len(redo.layers))):
-            _layer_part(state, redo, k, part, again)
+    if state.timeline:
         state.spans.append(Span("compute", str(leaf), start, end))
-    else:
-        bump = max(redo.remade)
-        state.change(bump)
-        state.change(-bump)
     state.compute = end
     return end
 

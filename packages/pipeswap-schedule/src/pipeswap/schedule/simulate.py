@@ -27,9 +27,11 @@ A chunk with recomputed layers (RC before its forward) keeps only each such laye
 (``CostModel.recomputed_layers``), whole or streamed alike. Its backward, layer by layer
 from the last, runs a recomputed layer's forward again (its share of the chunk's forward
 time) just before the layer's own part, and holds what that makes from then until the part
-ends; a split backward's I also does such a layer's share of W (its weight gradients, from
-what the recompute made), so W is shorter by as much. A layer the chunk does not have is
-refused.
+ends; a B frees each layer's bytes as its part ends (autograd frees a layer's saved tensors,
+and a recomputed layer's kept input, once its backward is done), while a split backward's I
+keeps them until it ends. Such an I also does a recomputed layer's share of W (its weight
+gradients, from what the recompute made), so W is shorter by as much. A layer the chunk
+does not have is refused.
 
 FSDP steps take no time here, but the parameters they gather count in memory: UNSHARD adds
 the stage's ``CostModel.gathered_bytes`` to the rank's gathered bytes, RESHARD takes the
@@ -273,8 +275,10 @@ def _walk(orders: list[tuple[int, Order]], stage_ranks: tuple[int, ...] | None,
             if stage_ranks and stage > 0 and stage_ranks[stage - 1] == state.rank:
                 publish(("B", stage, micro), end)
         state.change_plain(-_freed(kind, plain, split_input))
+        if streamed is not None or (redo is not None and kind is not _W and not split_input):
+            return  # freed layer by layer
         freed = _freed(kind, chunk, split_input)
-        if streamed is None and (freed or not split_input):  # streamed: freed layer by layer
+        if freed or not split_input:
             state.change(-freed)
 
     def advance(state: RankState) -> None:
@@ -383,8 +387,12 @@ class _ChunkBytesCache:
             chunk = ChunkBytes(sum(layer.total for layer in effective),
                                sum(layer.pinned for layer in effective),
                                sum(layer.held_after_input for layer in effective))
+            after = [0] * len(effective)  # per layer, the bytes of the layers after it
+            for k in reversed(range(len(effective) - 1)):
+                after[k] = after[k + 1] + effective[k + 1].total
+            rise = max(remade[k] - after[k] for k in layers)
             found = self._recomputed[shared] = Recomputed(effective, remade, chunk,
-                                                           frozenset(layers))
+                                                           frozenset(layers), rise)
         return found
 
     def layers(self, key: ChunkKey) -> tuple[ChunkBytes, ...]:
@@ -426,9 +434,10 @@ def peak_without_swap(order: Order, costs: CostModel,
             layers = None if recomputed is None else recomputed.get(key)
             if layers is None:
                 chunk, remade = bytes_of(key), 0
-            else:
+            else:  # a B frees the layers after a recompute before it runs
                 redo = bytes_of.recomputed(key, layers)
-                chunk, remade = redo.chunk, max(redo.remade)
+                chunk = redo.chunk
+                remade = max(redo.remade) if kind is _I and key in split else redo.rise
             if kind is _F:
                 held += chunk.total
                 peak = max(peak, held)

@@ -46,6 +46,7 @@ from pipeswap.runtime.train.preflight import (
 from pipeswap.runtime.train.report import render, summarize
 from pipeswap.runtime.train.trainer import run_rank
 from pipeswap.schedule import GRANULARITIES, ScheduleKind, parse_bytes
+from pipeswap.schedule.policies import RECOMPUTE_MODES
 from pipeswap.schedule.build import V_SHAPED
 
 
@@ -169,6 +170,12 @@ def parse_args(argv: list[str] | None) -> tuple[TrainConfig, argparse.Namespace]
                              "BYTES (e.g. 3MiB), exposing copies where needed, planned on the "
                              "chunk sizes the run without swap measures (so not with "
                              "--swap-only or --no-swap)")
+    parser.add_argument("--recompute", choices=RECOMPUTE_MODES,
+                        help="with --budget: auto (the default) lets the plan also recompute "
+                             "layers (keep a layer's input, run its forward again just before "
+                             "its backward) where that costs less than the copies it saves, "
+                             "as when the budget is below what swapping alone reaches; never "
+                             "only swaps")
     parser.add_argument("--swap-costs", choices=SWAP_COSTS,
                         help="what the peak policy weighs: measured (the default: the compute "
                              "times and chunk bytes the run without swap measured, and the "
@@ -255,7 +262,8 @@ def parse_args(argv: list[str] | None) -> tuple[TrainConfig, argparse.Namespace]
                                 dxdw_split=args.dxdw_split, batch_p2p=args.batch_p2p),
         swap=SwapConfig(policy=args.policy, granularity=args.swap_granularity,
                         budget=args.budget, modes=modes,
-                        costs=args.swap_costs or defaults.swap.costs),
+                        costs=args.swap_costs or defaults.swap.costs,
+                        recompute=args.recompute or defaults.swap.recompute),
         training=TrainingConfig(steps=args.steps, batch_size=args.batch_size, lr=args.lr,
                                 seed=args.seed, device=args.device),
         checkpoint=CheckpointConfig(save_dir=args.checkpoint_dir, every=args.checkpoint_every,
@@ -273,6 +281,9 @@ def parse_args(argv: list[str] | None) -> tuple[TrainConfig, argparse.Namespace]
         parser.error(f"--swap-costs applies to the peak policy, not --policy {args.policy}")
     if args.budget is not None and args.policy != "peak":
         parser.error(f"--budget applies to the peak policy, not --policy {args.policy}")
+    if args.recompute is not None and args.budget is None:
+        parser.error(f"--recompute {args.recompute} applies under a --budget (without one "
+                     "nothing is recomputed): give --budget BYTES")
     if args.tie_embeddings and args.model != "llama":
         parser.error("--tie-embeddings applies to --model llama")
     if args.budget is not None and modes != MODES:

@@ -78,6 +78,9 @@ class SwapConfig:
     # bytes, and the probed host link) or "layers" (layer counts alone: layers alike, a
     # backward twice a forward, a link of no limit; the same plan run after run)
     costs: str = "measured"
+    # under a budget, whether the peak policy may also recompute layers ("auto") or only
+    # swaps ("never")
+    recompute: str = "auto"
 
 
 @dataclass(frozen=True)

@@ -56,6 +56,9 @@ class ModeResult:
     predicted_step_seconds: float | None = None
     predicted_exposed_copy: float | None = None
     setup_seconds: float = 0.0  # from the mode's start to its first step: stages, schedule, plan
+    recomputed_layers: int = 0  # layer forwards a step runs again in backwards
+    # per chunk with recomputed layers: the device bytes each one's recompute made
+    remade_bytes: dict[tuple[int, int], dict[int, int]] = field(default_factory=dict)
 
     def record(self, report: StepReport, *, measured: bool, timed: bool) -> None:
         """Take in one step's report: ``measured`` when the allocator was measured in it,
@@ -69,6 +72,8 @@ class ModeResult:
         self.layer_bytes = {key: tuple((b.held, b.movable) for b in layers)
                             for key, layers in report.layer_bytes.items()}
         self.layer_bytes_after_input = dict(report.layer_bytes_after_input)
+        self.recomputed_layers = report.recomputed_layers
+        self.remade_bytes = {key: dict(made) for key, made in report.remade_bytes.items()}
         if timed:
             self.step_seconds.append(report.seconds)
         if report.compute_seconds:

@@ -1,5 +1,6 @@
 """Which swap plan a run uses: the policy ``--policy`` names, and the peak policy under a
-byte budget planned on what this rank measured without swap.
+byte budget planned on what this rank measured without swap, recomputing layers where
+swapping alone would cost more (``--recompute auto``).
 
 The runtime knows no chunk's bytes or compute times before it runs, so a plan rests on a
 uniform cost model (layers alike, a backward twice a forward) unless a run without swap
@@ -42,4 +43,9 @@ def budget_policy(config: TrainConfig, mine: Mapping[tuple[int, int], tuple[int,
     chunks = {key: ChunkBytes(held, pinned=held - movable) for key, (held, movable) in mine.items()}
     model = (CostModel(chunks=chunks, stages=uniform_layers(layer_counts)) if costs is None
              else replace(costs, chunks=chunks))
-    return PeakPolicy(model, config.swap.budget, granularity=config.swap.granularity)
+    # a recomputed layer keeps its input: one hidden state of a microbatch
+    parallel, width = config.parallel, config.model.width
+    tokens = config.training.batch_size // (parallel.microbatches * parallel.dp)
+    model = replace(model, boundary_bytes=tokens * config.model.seq_len * width * 4)
+    return PeakPolicy(model, config.swap.budget, granularity=config.swap.granularity,
+                      recompute=config.swap.recompute)

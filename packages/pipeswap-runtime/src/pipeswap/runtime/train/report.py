@@ -38,6 +38,7 @@ def summarize(config: TrainConfig, per_rank: list[dict[str, ModeResult]]) -> Sum
             "parameter_bytes": either.parameter_bytes if either else None,
             "swapped_chunks": either.swapped_chunks if either else 0,
             "streamed_chunks": swap.streamed_chunks if swap else 0,
+            "recomputed_layers": swap.recomputed_layers if swap else 0,
             "bytes_offloaded": swap.bytes_offloaded if swap else 0,
             "step_time_s_swap": statistics.median(swap.step_seconds) if swap else None,
             "step_time_s_no_swap": statistics.median(plain.step_seconds) if plain else None,
@@ -101,7 +102,7 @@ def render(summary: Summary) -> str:
     fsdp = summary["fsdp"]
     # column groups: a title over its column names (first the rank's own)
     groups: list[tuple[str, tuple[str, ...]]] = [
-        ("", ("rank", "swapped (streamed)")),
+        ("", ("rank", "swapped (streamed)", "recomputed")),
         ("peak activations (counted)", ("no swap", "with swap", "saving"))]
     if fsdp:
         groups.append(("+ gathered parameters (counted)", ("no swap", "with swap", "saving")))
@@ -116,7 +117,8 @@ def render(summary: Summary) -> str:
         rank = str(entry["rank"])
         if summary["dp"] > 1:
             rank += f" (pp {entry['pp_rank']}, dp {entry['dp_rank']})"
-        row = [rank, f"{entry['swapped_chunks']} ({entry['streamed_chunks']})"]
+        row = [rank, f"{entry['swapped_chunks']} ({entry['streamed_chunks']})",
+               str(entry["recomputed_layers"])]
         for key in ("peak_activation_bytes", *(("peak_memory_bytes",) if fsdp else ()),
                     "peak_allocated_bytes"):
             plain, swap = pair(key)
