@@ -85,13 +85,14 @@ def noisy_stack(layers: int = 4) -> torch.nn.Sequential:
     return torch.nn.Sequential(*(Noisy() for _ in range(layers)))
 
 
-def train_step(model: torch.nn.Module, x: torch.Tensor, manager: SwapManager | None,
+def train_step(model: torch.nn.Sequential, x: torch.Tensor, manager: SwapManager | None,
                recompute: Collection[int] = ()) -> list[torch.Tensor]:
     """Loss, input and parameter gradients and the buffers after one step from seed 1, the
     forward inside one group of ``manager`` with ``recompute`` layers recomputed."""
     model.zero_grad(set_to_none=True)
     x = x.detach().requires_grad_(True)
     torch.manual_seed(1)
+    loss: torch.Tensor
     if manager is None:
         loss = model(x).pow(2).mean()
     else:
@@ -159,7 +160,7 @@ def test_a_recompute_counts_what_it_makes_until_its_backward_frees_it() -> None:
     manager.protect_module(model)
     remove = recompute_hooks(manager, list(model), lambda: range(4))
     with input_bytes(list(model)) as sizes, manager.group_context("step"):
-        out = model(x)
+        out: torch.Tensor = model(x)
         loss = out.pow(2).mean()  # saves the output
     remove()
     held = manager.stats().device_bytes_held
@@ -206,7 +207,7 @@ def test_streamed_layers_offload_what_recomputed_layers_keep() -> None:
     xs = x.detach().requires_grad_(True)
     torch.manual_seed(1)
     with input_bytes(layers) as sizes, offload:
-        loss = model(xs).pow(2).mean()
+        loss: torch.Tensor = model(xs).pow(2).mean()
     chain = offload.chain
     assert chain is not None
     assert [b.held for b in chain.layer_bytes[1:5]] == sizes[1:5]
@@ -232,6 +233,7 @@ def test_a_second_backward_over_a_kept_graph_recomputes_again() -> None:
 
     def twice(manager: SwapManager | None) -> list[torch.Tensor]:
         model.zero_grad(set_to_none=True)
+        loss: torch.Tensor
         if manager is None:
             loss = model(x).pow(2).mean()
         else:
@@ -277,7 +279,7 @@ def test_a_layer_that_saves_other_tensors_when_run_again_fails_its_backward() ->
     remove = recompute_hooks(manager, [layer], lambda: {0})
     x = torch.randn(2, WIDTH, requires_grad=True)
     with manager.group_context("g"):
-        loss = layer(x).sum()
+        loss: torch.Tensor = layer(x).sum()
     remove()
     with pytest.raises(SwapError, match="must do the same work every time it runs"):
         loss.backward()  # type: ignore[no-untyped-call]

@@ -63,7 +63,8 @@ class Interpreter:
     sharded with FSDP; ``autocast_dtype``: see :meth:`autocast`. :attr:`active` holds, per
     stage, the chain of the streamed chunk whose forward runs there, for the stage's layer
     hooks, and :attr:`recomputing` the layers its forward recomputes, for the stage's
-    recompute hooks; :attr:`splits`, per stage, how its backwards split into I and W."""
+    recompute hooks (and :attr:`layer_starts` what its group held as each layer began, for a
+    chunk held whole); :attr:`splits`, per stage, how its backwards split into I and W."""
 
     def __init__(self, stages: Mapping[int, PipelineStage], *, rank: int, microbatches: int,
                  loss_fn: LossFn, manager: SwapManager, device: torch.device,
@@ -82,6 +83,8 @@ class Interpreter:
         self.sharded = sharded
         self.active: dict[int, LayerChain] = {}
         self.recomputing: dict[int, frozenset[int]] = {}
+        # per stage, for a recomputed chunk held whole: its group, what it held at each layer
+        self.layer_starts: dict[int, tuple[str, list[int]]] = {}
         self.splits = {index: SplitCache() for index in stages}
 
     def run(self, state: StepState, step: Step) -> None:
@@ -169,9 +172,13 @@ class Interpreter:
         if chain is not None:  # streamed: the layers' groups offload as the forward goes
             chain.protect([x, target])
             self.active[stage_index] = chain
+        starts: list[int] | None = None  # what its group held as each layer began
         if redo is not None:  # these layers keep their inputs and run again in backward
             self.recomputing[stage_index] = redo
             state.memory.recomputed_layers += len(redo)
+            if chain is None:
+                starts = []
+                self.layer_starts[stage_index] = (state.session.name(key), starts)
         try:
             with self.autocast():
                 chunk = forward_chunk(stage.forward, x, inputs=inputs,
@@ -181,13 +188,14 @@ class Interpreter:
         finally:
             self.active.pop(stage_index, None)
             self.recomputing.pop(stage_index, None)
+            self.layer_starts.pop(stage_index, None)
         if chunk.loss is not None:
             state.losses[micro] = chunk.loss
         if accounted:
             state.session.protect(key, [x, chunk.value, target])
             if chain is not None:
                 chain.forward_done()
-            state.memory.forward_done(key, state.session)
+            state.memory.forward_done(key, state.session, starts)
         state.chunks[key] = chunk
 
     def _carries(self, state: StepState, stage: PipelineStage

@@ -261,10 +261,12 @@ class PipelineExecutor:
         self._hooks = [layer_hooks(stage.layers, partial(active.get, stage.stage_index))
                        for stage in self.stages
                        if any(key[0] == stage.stage_index for key in self.streamed)]
-        self._hooks += [recompute_hooks(self.manager, stage.layers,
-                                        partial(recomputing.get, stage.stage_index))
-                        for stage in self.stages
-                        if any(key[0] == stage.stage_index for key in self.recomputed)]
+        starts = self._interpreter.layer_starts
+        self._hooks += [recompute_hooks(
+            self.manager, stage.layers, partial(recomputing.get, stage.stage_index),
+            partial(_layer_started, self.manager, starts, stage.stage_index))
+            for stage in self.stages
+            if any(key[0] == stage.stage_index for key in self.recomputed)]
         self._hooks_finalizer = weakref.finalize(self, _remove_all, self._hooks)
         self._closed = False
 
@@ -446,6 +448,15 @@ class PipelineExecutor:
             warnings.warn(f"rank {self.rank}: the host buffers of the swap plan were not "
                           f"reserved before the first step ({exc}); they are pinned as the "
                           "steps need them", stacklevel=3)
+
+
+def _layer_started(manager: SwapManager, starts: dict[int, tuple[str, list[int]]], stage: int,
+                   index: int) -> None:
+    """A layer of a recomputed chunk held whole began: note what its group holds."""
+    found = starts.get(stage)
+    if found is not None:
+        name, held = found
+        held.append(manager.group_bytes(name).held)
 
 
 def _remove_all(removers: list[Callable[[], None]]) -> None:

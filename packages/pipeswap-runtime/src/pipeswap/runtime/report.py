@@ -61,6 +61,9 @@ class StepReport:
     # recomputed layers, the device bytes each one's recompute made, by layer index
     recomputed_layers: int = 0
     remade_bytes: Mapping[ChunkKey, Mapping[int, int]] = field(default_factory=dict)
+    # per chunk with recomputed layers that does not stream, per layer: the device bytes
+    # its forward added to the chunk's group (a recomputed layer's: what it keeps)
+    layer_held: Mapping[ChunkKey, tuple[int, ...]] = field(default_factory=dict)
 
 
 @dataclass
@@ -80,6 +83,7 @@ class MemoryAccount:
     layer_bytes: dict[ChunkKey, tuple[GroupBytes, ...]] = field(default_factory=dict)
     layer_bytes_after_input: dict[ChunkKey, tuple[int, ...]] = field(default_factory=dict)
     remade_bytes: dict[ChunkKey, dict[int, int]] = field(default_factory=dict)
+    layer_held: dict[ChunkKey, tuple[int, ...]] = field(default_factory=dict)
     recomputed_layers: int = 0
     gathered: int = 0  # bytes of FSDP parameters gathered now
     peak_activations: int = 0  # the step's peaks so far (see flush)
@@ -108,8 +112,10 @@ class MemoryAccount:
         self.peak_memory = max(self.peak_memory,
                                self.manager.stats().device_bytes_held + self.gathered)
 
-    def forward_done(self, key: ChunkKey, session: SwapSession) -> None:
-        """After an accounted chunk's forward: what its group (or its layers' groups) holds."""
+    def forward_done(self, key: ChunkKey, session: SwapSession,
+                     starts: list[int] | None = None) -> None:
+        """After an accounted chunk's forward: what its group (or its layers' groups) holds;
+        ``starts``: what its one group held as each layer began, if measured."""
         self.accounted.add(key)
         chain = session.chain(key)
         if chain is not None:
@@ -118,6 +124,9 @@ class MemoryAccount:
                                                sum(b.movable for b in chain.layer_bytes))
         else:
             self.chunk_bytes[key] = self.manager.group_bytes(session.name(key))
+            if starts:
+                ends = [*starts[1:], self.chunk_bytes[key].held]
+                self.layer_held[key] = tuple(end - start for start, end in zip(starts, ends))
 
     def input_done(self, key: ChunkKey, session: SwapSession) -> None:
         """After the I of a chunk: what its groups still hold for W, if it is accounted."""
@@ -154,4 +163,5 @@ class MemoryAccount:
             peak_allocated_bytes=peak_allocated_bytes,
             recomputed_layers=self.recomputed_layers,
             remade_bytes=self.remade_bytes,
+            layer_held=self.layer_held,
         )

@@ -140,7 +140,7 @@ def run_again(frame: Frame, inputs: list[torch.Tensor],
     import torch
     from torch.utils._pytree import tree_unflatten
 
-    leaves = []
+    leaves: list[Any] = []
     tensors = iter(inputs)
     for leaf, grad in zip(frame.leaves, frame.grads):
         if leaf is _TENSOR:
@@ -188,17 +188,23 @@ class Call:
 
 
 def recompute_hooks(manager: Any, layers: list[torch.nn.Module],
-                    chosen: Callable[[], Container[int] | None]) -> Callable[[], None]:
+                    chosen: Callable[[], Container[int] | None],
+                    started: Callable[[int], None] | None = None) -> Callable[[], None]:
     """Hooks on ``layers`` that make the layers whose indices ``chosen()`` holds (None: none)
     record their forward for a recompute in ``manager`` (a
-    :class:`~pipeswap.swap.SwapManager`, inside one of its groups). Returns the function
-    that removes them."""
+    :class:`~pipeswap.swap.SwapManager`, inside one of its groups); ``started(index)`` is
+    called as each layer of such a forward starts (to measure what each layer saves).
+    Returns the function that removes them."""
     handles = []
     for index, layer in enumerate(layers):
         def before(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
                    index: int = index) -> None:
             picked = chosen()
-            if picked is not None and index in picked and not remaking():
+            if picked is None or remaking():
+                return
+            if started is not None:
+                started(index)
+            if index in picked:
                 manager.record_layer(module, index, args, kwargs)
 
         def after(module: torch.nn.Module, args: tuple[Any, ...], output: object) -> None:

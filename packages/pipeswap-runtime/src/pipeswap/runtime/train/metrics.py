@@ -57,8 +57,11 @@ class ModeResult:
     predicted_exposed_copy: float | None = None
     setup_seconds: float = 0.0  # from the mode's start to its first step: stages, schedule, plan
     recomputed_layers: int = 0  # layer forwards a step runs again in backwards
-    # per chunk with recomputed layers: the device bytes each one's recompute made
+    # per chunk with recomputed layers: the device bytes each one's recompute made, and for
+    # one held whole, per layer, the bytes its forward added to the group
     remade_bytes: dict[tuple[int, int], dict[int, int]] = field(default_factory=dict)
+    layer_held: dict[tuple[int, int], tuple[int, ...]] = field(default_factory=dict)
+    order: str = ""  # the order this rank ran, in the schedule's text form
 
     def record(self, report: StepReport, *, measured: bool, timed: bool) -> None:
         """Take in one step's report: ``measured`` when the allocator was measured in it,
@@ -74,6 +77,7 @@ class ModeResult:
         self.layer_bytes_after_input = dict(report.layer_bytes_after_input)
         self.recomputed_layers = report.recomputed_layers
         self.remade_bytes = {key: dict(made) for key, made in report.remade_bytes.items()}
+        self.layer_held = dict(report.layer_held)
         if timed:
             self.step_seconds.append(report.seconds)
         if report.compute_seconds:

@@ -31,6 +31,7 @@ from pipeswap.runtime.train.components import (
 from pipeswap.runtime.train.config import TrainConfig
 from pipeswap.runtime.train.metrics import ModeResult, write_metrics
 from pipeswap.runtime.train.policy import budget_policy, swap_policy
+from pipeswap.schedule.text import format_order
 from pipeswap.runtime.train.preflight import saved_model
 from pipeswap.runtime.train.report import mib
 
@@ -190,7 +191,8 @@ class Trainer:
         result = ModeResult(first_step=done + 1, swapped_chunks=len(executor.swapped),
                             streamed_chunks=len(executor.streamed),
                             parameter_bytes=None if built is None else built.held_bytes,
-                            gathered_bytes=executor.gathered_bytes)
+                            gathered_bytes=executor.gathered_bytes,
+                            order=format_order(executor.schedule.orders[executor.rank]))
         if costs is not None and executor.predicted is not None:
             result.predicted_exposed_copy = executor.predicted.exposed_copy
             result.predicted_step_seconds = self._predicted_step(executor, costs)

@@ -1,0 +1,134 @@
+"""End to end: pipeswap-train under a budget below what swapping alone reaches, so that its
+plan recomputes layers, across real gloo process groups.
+
+Each case trains without swap and then under the budget from the same weights, and checks
+that every loss and gradient bit is the same, that layers were recomputed on every rank and
+the allocator's peak fell, and that the simulator, fed what the runtime measured (each
+chunk's and layer's bytes, what each recompute made), predicts each rank's counted peak of
+saved activations to the byte: for a plain 1F1B, a V schedule with a split backward, and an
+interleaved one whose backwards overlap forwards and split.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from pipeswap.runtime.data import Corpus
+from pipeswap.runtime.train import ModeResult, TrainConfig, run_rank, stage_layer_counts
+from pipeswap.schedule import ChunkKey, Schedule, StepType
+from pipeswap.schedule.costs import ChunkBytes, CostModel, StageCosts
+from pipeswap.schedule.recompute import recomputed_in
+from pipeswap.schedule.simulate import simulate
+from pipeswap.schedule.text import parse_order
+from pipeswap_pool import POOL
+
+pytestmark = pytest.mark.multiprocess  # full tier only, unless also marked everyday
+
+# Layer counts alone weigh the plan (--swap-costs layers): the same plan run after run. A
+# budget of 1 KiB is below what any plan reaches, so the plan recomputes what it can.
+BASE = TrainConfig.of(steps=2, batch_size=8, seq_len=16, width=32, verbose=False,
+                      keep_grads=True, timeout_s=60, costs="layers", budget=1024)
+CASES = {
+    "1f1b P2 M4": BASE.but(schedule="1f1b", ranks=2, microbatches=4),
+    "zbv P2 M4": BASE.but(schedule="zbv", ranks=2, stages_per_rank=2, microbatches=4),
+    "interleaved P2 V2 M4 overlap dxdw": BASE.but(
+        schedule="interleaved-1f1b", ranks=2, stages_per_rank=2, microbatches=4,
+        overlap_b_f=True, dxdw_split=True),
+}
+
+
+@functools.lru_cache(maxsize=None)
+def _trained(case: str) -> list[dict[str, ModeResult]]:
+    config = CASES[case]
+    results: list[dict[str, ModeResult]] = POOL.run(run_rank, config.parallel.ranks, config,
+                                                    timeout_s=config.job.timeout_s)
+    return results
+
+
+@pytest.mark.parametrize("case", [pytest.param(
+    case, marks=[pytest.mark.everyday] if case == "zbv P2 M4" else []) for case in CASES])
+def test_recompute_changes_no_bit_and_lowers_the_allocators_peak(case: str) -> None:
+    for rank, result in enumerate(_trained(case)):
+        plain, swap = result["no-swap"], result["swap"]
+        assert swap.recomputed_layers > 0, rank
+        assert swap.losses == plain.losses, rank
+        assert plain.grads is not None and swap.grads is not None
+        assert plain.grads.keys() == swap.grads.keys()
+        for name, grad in plain.grads.items():
+            assert torch.equal(grad, swap.grads[name]), (rank, name)
+        assert swap.peak_activation_bytes < plain.peak_activation_bytes, rank
+        assert swap.peak_allocated_bytes is not None and plain.peak_allocated_bytes is not None
+        assert swap.peak_allocated_bytes < plain.peak_allocated_bytes, rank
+        assert swap.groups_alive_after_step == [0, 0], rank
+        assert swap.host_bytes_in_use_after_step == [0, 0], rank
+
+
+def _fill(amount: int, room: list[int]) -> list[int]:
+    """``amount`` bytes laid on layers, each taking at most its ``room``, first come first."""
+    laid = []
+    for space in room:
+        take = min(amount, space)
+        laid.append(take)
+        amount -= take
+    assert amount == 0, "more bytes than the layers hold"
+    return laid
+
+
+def _chunk(result: ModeResult, key: ChunkKey, redo: tuple[int, ...]) -> ChunkBytes:
+    """What the runtime measured of one chunk, as the cost model gives it: per layer where it
+    streamed or recomputed, a recomputed layer keeping what it held and making again what its
+    recompute made."""
+    held, movable = result.chunk_bytes[key]
+    after = result.chunk_bytes_after_input.get(key)
+    made = result.remade_bytes.get(key, {})
+    if key in result.layer_bytes:  # streamed: each layer's group measured
+        rests = result.layer_bytes_after_input.get(key, (None,) * len(result.layer_bytes[key]))
+        layers = tuple(
+            ChunkBytes(h + made.get(k, 0), pinned=h - m, after_input=0, kept=h) if k in redo
+            else ChunkBytes(h, pinned=h - m, after_input=rest)
+            for k, ((h, m), rest) in enumerate(zip(result.layer_bytes[key], rests)))
+    elif key in result.layer_held:  # held whole: what each layer's forward added
+        sizes = result.layer_held[key]
+        pinned = _fill(held - movable, list(sizes))
+        rests = (_fill(after, [0 if k in redo else size for k, size in enumerate(sizes)])
+                 if after is not None else [None] * len(sizes))
+        layers = tuple(
+            ChunkBytes(size + made.get(k, 0), pinned=pin, after_input=0, kept=size)
+            if k in redo else ChunkBytes(size, pinned=pin, after_input=rest)
+            for k, (size, pin, rest) in enumerate(zip(sizes, pinned, rests)))
+    else:
+        return ChunkBytes(held, pinned=held - movable, after_input=after)
+    return ChunkBytes(sum(layer.total for layer in layers),
+                      pinned=sum(layer.pinned for layer in layers),
+                      after_input=sum(layer.held_after_input for layer in layers),
+                      layers=layers)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_the_simulator_predicts_the_peak_counted_with_recompute(case: str) -> None:
+    """Fed what the runtime measured, the simulator's peak per rank is the runtime's counted
+    peak of saved activations, to the byte, recomputes included."""
+    config = CASES[case]
+    per_rank = [result["swap"] for result in _trained(case)]
+    schedule = Schedule.from_orders([parse_order(result.order) for result in per_rank])
+    chunks = {}
+    for result, order in zip(per_rank, schedule.orders):
+        redo = recomputed_in(order)
+        for key in result.chunk_bytes:
+            chunks[key] = _chunk(result, key, redo.get(key, ()))
+    assert all(recomputed_in(order) for order in schedule.orders)
+    split = any(leaf.type is StepType.BWD_WEIGHT for order in schedule.orders
+                for step in order if step is not None for leaf in step.compute_leaves)
+    assert split == (case != "1f1b P2 M4")  # the case tests the split backward it names
+    layer_counts = stage_layer_counts(config, len(Corpus.bundled().vocab))
+    costs = CostModel(chunks=chunks, stages={
+        index: StageCosts(1.0, 2.0, layers=count) for index, count in layer_counts.items()})
+    predicted = simulate(schedule, costs)
+    table = [(rank.rank, rank.peak_activation_bytes, result.peak_activation_bytes,
+              rank.recomputed_layers, result.recomputed_layers)
+             for rank, result in zip(predicted.ranks, per_rank)]
+    # (rank, simulated peak, counted peak, simulated recomputed layers, run's)
+    assert all(row[1] == row[2] and row[3] == row[4] for row in table), table
