@@ -93,12 +93,13 @@ def _chunk(result: ModeResult, key: ChunkKey, redo: tuple[int, ...]) -> ChunkByt
     elif key in result.layer_held:  # held whole: what each layer's forward added
         sizes = result.layer_held[key]
         pinned = _fill(held - movable, list(sizes))
-        rests = (_fill(after, [0 if k in redo else size for k, size in enumerate(sizes)])
-                 if after is not None else [None] * len(sizes))
+        remains: list[int | None] = [None] * len(sizes)
+        if after is not None:
+            remains = [*_fill(after, [0 if k in redo else size for k, size in enumerate(sizes)])]
         layers = tuple(
             ChunkBytes(size + made.get(k, 0), pinned=pin, after_input=0, kept=size)
             if k in redo else ChunkBytes(size, pinned=pin, after_input=rest)
-            for k, (size, pin, rest) in enumerate(zip(sizes, pinned, rests)))
+            for k, (size, pin, rest) in enumerate(zip(sizes, pinned, remains)))
     else:
         return ChunkBytes(held, pinned=held - movable, after_input=after)
     return ChunkBytes(sum(layer.total for layer in layers),

@@ -20,9 +20,11 @@ from torch.utils.flop_counter import FlopCounterMode
 from pipeswap.platform import get_platform
 from pipeswap.runtime import PipelineExecutor, PipelineStage
 from pipeswap.runtime import backward
-from pipeswap.runtime.backward import ChunkAutograd, SplitCache, forward_chunk
+from pipeswap.runtime import split as analysis
+from pipeswap.runtime.backward import ChunkAutograd, forward_chunk
 from pipeswap.runtime.model import GPTConfig, build_gpt, lm_loss, split_stages
 from pipeswap.runtime.session import SwapSession
+from pipeswap.runtime.split import SplitCache
 from pipeswap.schedule import MinGapPolicy, ScheduleKind, ScheduleSpec
 from pipeswap.swap import SwapManager
 
@@ -372,13 +374,13 @@ def test_parameters_reached_through_several_paths(module: type[torch.nn.Module])
 def _analyses(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """One entry (the shape's length) per graph the split analyses: a cache miss."""
     seen: list[int] = []
-    analyse = backward._analyse
+    analyse = analysis._analyse
 
     def counted(shape: tuple[object, ...]) -> object:
         seen.append(len(shape))
         return analyse(shape)
 
-    monkeypatch.setattr(backward, "_analyse", counted)
+    monkeypatch.setattr(analysis, "_analyse", counted)
     return seen
 
 

@@ -120,7 +120,7 @@ def test_the_replay_transport_makes_receives_and_drops_sends() -> None:
     assert torch.equal(same, values)  # one seed, one sequence: equal in both modes
 
 
-def test_an_order_that_recomputes_layers_is_refused_before_any_step() -> None:
+def test_an_order_that_recomputes_a_layer_the_stage_lacks_is_refused_before_any_step() -> None:
     import dataclasses
 
     from pipeswap.runtime import PipelineExecutor
@@ -131,9 +131,11 @@ def test_an_order_that_recomputes_layers_is_refused_before_any_step() -> None:
               enumerate(split_stages(build_gpt(GPTConfig(vocab=13, seq_len=8, width=16,
                                                          layers=4), 0), 2))]
     plain = build_schedule(ScheduleSpec(ScheduleKind.ONE_F_ONE_B, ranks=2, microbatches=2))
+    count = len(stages[0].layers)
     marked = dataclasses.replace(plain, orders=(
-        (Step(StepType.RECOMPUTE, 0, 0, layers=(0,)), *plain.orders[0]), plain.orders[1]))
+        (Step(StepType.RECOMPUTE, 0, 0, layers=(0, count)), *plain.orders[0]),
+        plain.orders[1]))
     replay = Replay(0, 2, {s.stage_index: len(s.layers) for s in stages}, {})
-    with pytest.raises(PipelineSetupError, match=r"rank 0's order recomputes layers "
-                       r"\(0RC0:0\), which the executor does not run yet"):
+    with pytest.raises(PipelineSetupError, match=rf"rank 0's step 0RC0:0,{count} recomputes "
+                       rf"layer {count} of stage 0, which has {count} layer\(s\)"):
         PipelineExecutor([stages[0]], marked, 2, lm_loss, replay=replay)

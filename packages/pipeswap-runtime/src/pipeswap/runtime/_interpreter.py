@@ -15,12 +15,13 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, ClassVar
 
 from pipeswap.runtime._failure import collective
-from pipeswap.runtime.backward import ChunkAutograd, SplitCache, forward_chunk
+from pipeswap.runtime.backward import ChunkAutograd, forward_chunk
 from pipeswap.runtime.comm import BoundaryMeta, PyTree, Transfer, Transport, flatten
 from pipeswap.runtime.errors import PipelineError, PipelineSetupError
 from pipeswap.runtime.microbatch import split_tree
 from pipeswap.runtime.report import MemoryAccount
 from pipeswap.runtime.session import SwapSession
+from pipeswap.runtime.split import SplitCache
 from pipeswap.schedule import ChunkKey, Step, StepType
 from pipeswap.schedule.steps import COMPUTE, FSDP, OVERLAPS, P2P, SENDS
 

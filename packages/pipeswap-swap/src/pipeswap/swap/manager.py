@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 from pipeswap.platform import Platform
 from pipeswap.swap.groups import Group, SavedEntry, StorageEntry, expect
 from pipeswap.swap.ledger import Ledger
-from pipeswap.swap.recompute import Call, Enough, Frame, Placeholder, frames_of, run_again, track
+from pipeswap.swap.recompute import Call, Frame, Placeholder, frames_of, track
 from pipeswap.swap.transfers import Transfers, drain
 from pipeswap.swap.values import (
     GroupBytes,
@@ -319,9 +319,8 @@ class SwapManager:
     @contextmanager
     def releasing(self) -> Iterator[None]:
         """Around a backward that runs nodes with no gradient only to free what they saved
-        (after a split backward's input part): a placeholder read again there, its tensor
-        taken already, gets a stand-in of its shape (nothing computes with it) instead of
-        a recompute."""
+        (after a split backward's I): a placeholder read again there gets a stand-in of its
+        shape (nothing computes with it) instead of a recompute."""
         with self._lock:
             self._releases += 1
         try:
@@ -360,65 +359,24 @@ class SwapManager:
             if self._releases and frame.made:  # taken already: read only to be freed
                 shape, dtype = frame.metas[holder.index]
                 return torch.zeros((), dtype=dtype, device=self._device).expand(shape)
-            self._recompute(frame)
+            frame.remake([self._unpack(saved) for saved in frame.kept],  # fills the slots
+                         lambda tensor: self._store(frame, tensor))
+            with self._lock:
+                frame.group.remade[frame.index] = frame.remade
             slot = frame.slots[holder.index]
             assert slot is not None
         frame.slots[holder.index] = None
         return slot.tensor
 
-    def _recompute(self, frame: Frame) -> None:
-        """Run the frame's layer again from what it kept, filling its slots."""
-        import torch
-
-        inputs = [self._unpack(saved) for saved in frame.kept]
-        frame.slots, frame.made = [None] * len(frame.metas), 0
-        frame.fresh, frame.remade = {}, 0
-        run_again(frame, inputs, lambda: torch.autograd.graph.saved_tensors_hooks(
-            lambda tensor: self._store(frame, tensor), _same))
-        if frame.made != len(frame.metas):
-            raise SwapError(
-                f"{frame.describe()} saved {len(frame.metas)} tensors for backward in its "
-                f"forward and {frame.made} when run again: a recomputed layer's forward must "
-                "do the same work every time it runs")
-        with self._lock:
-            frame.group.remade[frame.index] = frame.remade
-
     def _store(self, frame: Frame, tensor: torch.Tensor) -> torch.Tensor:
-        """The recompute's save hook: the next slot of ``frame``, its storage counted as
-        held unless something counted or kept holds it already (the kept input, a parameter,
-        a storage saved twice), until autograd frees the tensor."""
-        index = frame.made
-        if index >= len(frame.metas) or frame.metas[index] != (tensor.shape, tensor.dtype):
-            raise SwapError(
-                f"{frame.describe()} saves different tensors for backward when run again "
-                f"(save {index}: {tuple(tensor.shape)} {tensor.dtype}); a recomputed layer's "
-                "forward must do the same work every time it runs")
-        storage = tensor.untyped_storage()
-        key: int = storage._cdata
-        nbytes = storage.nbytes()
-        ledger = self._ledger
-        with self._lock:
-            if ledger.graveyard:
-                ledger.bury()
-            entry = None
-            if (self._skip_reason(tensor, nbytes) is None and key not in self._protected
-                    and self._live_entry(self._owner.get(key), key) is None):
-                entry = frame.fresh.get(key)
-                if entry is None or not entry.alive():
-                    entry = frame.fresh[key] = StorageEntry(nbytes, ledger.graveyard)
-                    ledger.held += nbytes
-                    frame.remade += nbytes
-                    ledger.note_peak()
-            saved = SavedEntry(None, entry, tensor)
-            if entry is not None:
-                entry.saved.add(saved)
-        frame.slots[index] = saved
-        frame.made += 1
-        if frame.made == len(frame.metas):
-            raise Enough  # everything the backward reads is made: the rest would be waste
-        # the recompute's own graph keeps the alias: the tensor itself, an op's own output,
-        # would close a cycle through its node that only the collector can break
-        return saved.tensor
+        with self._lock:  # the recompute's save hook
+            return frame.store(tensor, self._ledger, self._counted)
+
+    def _counted(self, tensor: torch.Tensor, key: int, nbytes: int) -> bool:
+        """Whether a storage a recompute saves is counted already, or never is: a parameter
+        or buffer, one a live group holds (the kept input), one left out of swap."""
+        return (self._skip_reason(tensor, nbytes) is not None or key in self._protected
+                or self._live_entry(self._owner.get(key), key) is not None)
 
     def link_groups(self, names: Sequence[str]) -> None:
         """Make ``names`` (one forward's per-layer groups, in order) one chain: a storage a
@@ -618,10 +576,6 @@ class SwapManager:
         with self._lock:
             self._ledger.bury()
             return self._ledger.stats(self._transfers.pool)
-
-
-def _same(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor
 
 
 def _storage_key(tensor: torch.Tensor) -> int:

@@ -22,14 +22,17 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable, Container, Iterator
-from contextlib import AbstractContextManager, ExitStack, contextmanager
+from contextlib import ExitStack, contextmanager
 from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any
+
+from pipeswap.swap.values import SwapError
 
 if TYPE_CHECKING:
     import torch
 
     from pipeswap.swap.groups import Group, SavedEntry, StorageEntry
+    from pipeswap.swap.ledger import Ledger
 
 _remaking: ContextVar[bool] = ContextVar("pipeswap_swap_remaking", default=False)
 
@@ -86,6 +89,84 @@ class Frame:
         self.metas.append((tensor.shape, tensor.dtype))
         return Placeholder(self, len(self.metas) - 1, group)
 
+    def remake(self, inputs: list[torch.Tensor],
+               store: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """Call the layer again on ``inputs`` (its kept tensors, read back), each tensor its
+        ops save going to ``store`` (:meth:`store`, counted), as its first run went: same
+        random state, autocast and grad mode, its buffers put back afterwards."""
+        import torch
+        from torch.utils._pytree import tree_unflatten
+
+        leaves: list[Any] = []
+        tensors = iter(inputs)
+        for leaf, grad in zip(self.leaves, self.grads):
+            leaves.append(next(tensors).detach().requires_grad_(grad) if leaf is _TENSOR
+                          else leaf)
+        args, kwargs = tree_unflatten(leaves, self.spec)
+        self.slots, self.made = [None] * len(self.metas), 0
+        self.fresh, self.remade = {}, 0
+        buffers = [(b, b.clone()) for b in self.layer.buffers()]
+        token = _remaking.set(True)
+        try:
+            with ExitStack() as stack:
+                stack.enter_context(self.rng.restored())
+                for kind, enabled, dtype in self.autocast:
+                    stack.enter_context(torch.autocast(kind, dtype=dtype, enabled=enabled))
+                stack.enter_context(torch.enable_grad())
+                stack.enter_context(torch.autograd.graph.saved_tensors_hooks(store, _same))
+                try:
+                    self.layer(*args, **kwargs)
+                except Enough:
+                    pass
+        finally:
+            _remaking.reset(token)
+            with torch.no_grad():
+                for buffer, before in buffers:
+                    buffer.copy_(before)
+        if self.made != len(self.metas):
+            raise SwapError(
+                f"{self.describe()} saved {len(self.metas)} tensors for backward in its "
+                f"forward and {self.made} when run again: a recomputed layer's forward must "
+                "do the same work every time it runs")
+
+    def store(self, tensor: torch.Tensor, ledger: Ledger,
+              counted: Callable[[torch.Tensor, int, int], bool]) -> torch.Tensor:
+        """A recompute's save hook: ``tensor`` fills the next slot, its storage counted in
+        ``ledger`` as held until autograd frees it, unless ``counted(tensor, key, nbytes)``
+        says it is counted already or never is. Raises :class:`Enough` once every slot is
+        filled."""
+        from pipeswap.swap.groups import SavedEntry, StorageEntry
+
+        index = self.made
+        if index >= len(self.metas) or self.metas[index] != (tensor.shape, tensor.dtype):
+            raise SwapError(
+                f"{self.describe()} saves different tensors for backward when run again "
+                f"(save {index}: {tuple(tensor.shape)} {tensor.dtype}); a recomputed layer's "
+                "forward must do the same work every time it runs")
+        storage = tensor.untyped_storage()
+        key: int = storage._cdata
+        nbytes = storage.nbytes()
+        if ledger.graveyard:
+            ledger.bury()
+        entry = None
+        if not counted(tensor, key, nbytes):
+            entry = self.fresh.get(key)
+            if entry is None or not entry.alive():
+                entry = self.fresh[key] = StorageEntry(nbytes, ledger.graveyard)
+                ledger.held += nbytes
+                self.remade += nbytes
+                ledger.note_peak()
+        saved = SavedEntry(None, entry, tensor)
+        if entry is not None:
+            entry.saved.add(saved)
+        self.slots[index] = saved
+        self.made += 1
+        if self.made == len(self.metas):
+            raise Enough  # everything the backward reads is made: the rest would be waste
+        # the recompute's own graph keeps the alias: the tensor itself, an op's own output,
+        # would close a cycle through its node that only the collector can break
+        return saved.tensor
+
     def finish(self) -> None:
         """Drop the kept inputs and whatever a recompute left (after the layer's backward):
         a later read raises."""
@@ -132,41 +213,8 @@ def autocast_state(tensors: list[torch.Tensor]) -> list[tuple[str, bool, Any]]:
             for kind in sorted(kinds)]
 
 
-def run_again(frame: Frame, inputs: list[torch.Tensor],
-              saving: Callable[[], AbstractContextManager[object]]) -> None:
-    """Call the frame's layer again on ``inputs`` (its kept tensors, read back) inside
-    ``saving`` (the hooks that fill its slots), as its first run went: same random state,
-    autocast and grad mode, its buffers put back afterwards."""
-    import torch
-    from torch.utils._pytree import tree_unflatten
-
-    leaves: list[Any] = []
-    tensors = iter(inputs)
-    for leaf, grad in zip(frame.leaves, frame.grads):
-        if leaf is _TENSOR:
-            tensor = next(tensors).detach()
-            leaves.append(tensor.requires_grad_(grad))
-        else:
-            leaves.append(leaf)
-    args, kwargs = tree_unflatten(leaves, frame.spec)
-    buffers = [(b, b.clone()) for b in frame.layer.buffers()]
-    token = _remaking.set(True)
-    try:
-        with ExitStack() as stack:
-            stack.enter_context(frame.rng.restored())
-            for kind, enabled, dtype in frame.autocast:
-                stack.enter_context(torch.autocast(kind, dtype=dtype, enabled=enabled))
-            stack.enter_context(torch.enable_grad())
-            stack.enter_context(saving())
-            try:
-                frame.layer(*args, **kwargs)
-            except Enough:
-                pass
-    finally:
-        _remaking.reset(token)
-        with torch.no_grad():
-            for buffer, before in buffers:
-                buffer.copy_(before)
+def _same(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor
 
 
 #: Stands for a tensor in :attr:`Frame.leaves` (the saved entries are kept beside it).
