@@ -27,6 +27,9 @@ BAD = [
     (["--swap-costs", "layers", "--policy", "cost"], ["--swap-costs applies to the peak policy"]),
     (["--swap-costs", "guessed"], ["--swap-costs", "invalid choice: 'guessed'"]),
     (["--budget", "1MiB", "--swap-only"], ["--budget plans on the chunk sizes", "--swap-only"]),
+    (["--recompute", "never"], ["--recompute never applies under a --budget"]),
+    (["--recompute", "auto"], ["without one nothing is recomputed", "give --budget BYTES"]),
+    (["--budget", "1MiB", "--recompute", "sometimes"], ["--recompute", "invalid choice"]),
     (["--device", "bogus"], ["--device", "cpu or cuda", "'bogus'"]),
     (["--device", "cuda:1"], ["--device", "cpu or cuda", "a GPU of its own"]),
     pytest.param(["--device", "cuda"], ["no CUDA device", "--device cpu"], marks=NO_GPU),
@@ -170,6 +173,8 @@ def test_the_defaults_parse_to_the_default_config(no_ranks: None) -> None:
     assert config == TrainConfig.of() and not args.json
     assert config.swap.costs == "measured"
     assert parse_args(["--swap-costs", "layers"])[0].swap.costs == "layers"
+    assert parse_args(["--budget", "1MiB"])[0].swap.recompute == "auto"
+    assert parse_args(["--budget", "1MiB", "--recompute", "never"])[0].swap.recompute == "never"
 
 
 @pytest.mark.parametrize("argv", [

@@ -62,6 +62,10 @@ class ModeResult:
     remade_bytes: dict[tuple[int, int], dict[int, int]] = field(default_factory=dict)
     layer_held: dict[tuple[int, int], tuple[int, ...]] = field(default_factory=dict)
     order: str = ""  # the order this rank ran, in the schedule's text form
+    # under a budget: the plan's predicted peak of saved activations on this rank, and the
+    # bytes by which it stays over the budget (0: met)
+    planned_peak_bytes: int | None = None
+    budget_shortfall_bytes: int | None = None
 
     def record(self, report: StepReport, *, measured: bool, timed: bool) -> None:
         """Take in one step's report: ``measured`` when the allocator was measured in it,

@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from dataclasses import replace
 
 from pipeswap.runtime.train.config import TrainConfig
-from pipeswap.schedule import CostModel, SwapPolicy
+from pipeswap.schedule import CostModel, PeakPolicy, SwapPolicy
 
 
 def swap_policy(name: str, layer_counts: Mapping[int, int] | None = None,
@@ -32,12 +32,12 @@ def swap_policy(name: str, layer_counts: Mapping[int, int] | None = None,
 
 def budget_policy(config: TrainConfig, mine: Mapping[tuple[int, int], tuple[int, int]],
                   layer_counts: Mapping[int, int], costs: CostModel | None = None
-                  ) -> SwapPolicy:
+                  ) -> PeakPolicy:
     """The peak policy under ``config.swap.budget``, on the chunk sizes this rank measured
     without swap (``mine``, as (held, movable) per chunk) and, where measured, the compute
     and link ``costs`` (else layers alike, a backward twice a forward, a link of no limit).
     Each rank plans only its own swap, so its own sizes are all it needs."""
-    from pipeswap.schedule import ChunkBytes, PeakPolicy, uniform_layers
+    from pipeswap.schedule import ChunkBytes, uniform_layers
 
     assert config.swap.budget is not None
     chunks = {key: ChunkBytes(held, pinned=held - movable) for key, (held, movable) in mine.items()}

@@ -39,6 +39,9 @@ def summarize(config: TrainConfig, per_rank: list[dict[str, ModeResult]]) -> Sum
             "swapped_chunks": either.swapped_chunks if either else 0,
             "streamed_chunks": swap.streamed_chunks if swap else 0,
             "recomputed_layers": swap.recomputed_layers if swap else 0,
+            # under a budget: the plan's predicted peak, and how far over the budget (0: met)
+            "planned_peak_bytes_swap": swap.planned_peak_bytes if swap else None,
+            "budget_shortfall_bytes": swap.budget_shortfall_bytes if swap else None,
             "bytes_offloaded": swap.bytes_offloaded if swap else 0,
             "step_time_s_swap": statistics.median(swap.step_seconds) if swap else None,
             "step_time_s_no_swap": statistics.median(plain.step_seconds) if plain else None,
@@ -74,6 +77,7 @@ def summarize(config: TrainConfig, per_rank: list[dict[str, ModeResult]]) -> Sum
         "stages_per_rank": config.parallel.stages_per_rank,
         "microbatches": config.parallel.microbatches,
         "steps": config.training.steps,
+        "budget_bytes": config.swap.budget,
         "per_rank": ranks,
         "losses": {name: [sum(s) / len(s) for s in steps if s] for name, steps in losses.items()},
         "max_abs_loss_diff": diff,
@@ -143,6 +147,12 @@ def render(summary: Summary) -> str:
                      "leaves out every wait for a peer"
                      + ("; losses are of those made-up inputs"
                         if summary["losses_match"] is not None else ""))
+    short = [entry for entry in summary["per_rank"] if entry["budget_shortfall_bytes"]]
+    if short:
+        lines.append(f"\nbudget of {summary['budget_bytes']:,} bytes not met on rank(s) "
+                     + ", ".join(f"{e['rank']} (planned {mib(e['planned_peak_bytes_swap'])})"
+                                 for e in short)
+                     + ": no plan of swaps and recomputes fits; raise --budget or add ranks")
     if summary["losses_match"] is not None:
         verdict = ("bit-identical" if summary["losses_match"]
                    else f"DIFFER (max |diff| {summary['max_abs_loss_diff']:.3g})")

@@ -31,9 +31,9 @@ from pipeswap.runtime.train.components import (
 from pipeswap.runtime.train.config import TrainConfig
 from pipeswap.runtime.train.metrics import ModeResult, write_metrics
 from pipeswap.runtime.train.policy import budget_policy, swap_policy
-from pipeswap.schedule.text import format_order
 from pipeswap.runtime.train.preflight import saved_model
 from pipeswap.runtime.train.report import mib
+from pipeswap.schedule.text import format_order
 
 if TYPE_CHECKING:
     import torch
@@ -174,9 +174,10 @@ class Trainer:
         # swap plan weighs what the mode without swap measured, where it ran.
         costs = self._measured_costs(earlier.get("no-swap")) if mode == "swap" else None
         policy = swap_policy(config.swap.policy, self.layer_counts, config.swap.granularity)
+        planner = None  # the peak policy under the budget
         if mode == "swap" and config.swap.budget is not None:
-            policy = budget_policy(config, earlier["no-swap"].chunk_bytes, self.layer_counts,
-                                   costs)
+            policy = planner = budget_policy(config, earlier["no-swap"].chunk_bytes,
+                                             self.layer_counts, costs)
         elif costs is not None and config.swap.policy == "peak":
             policy = None  # the executor's default, on the measured costs
         executor = PipelineExecutor(
@@ -193,6 +194,16 @@ class Trainer:
                             parameter_bytes=None if built is None else built.held_bytes,
                             gathered_bytes=executor.gathered_bytes,
                             order=format_order(executor.schedule.orders[executor.rank]))
+        outcome = None if planner is None else planner.outcomes.get(executor.rank)
+        if outcome is not None:
+            assert config.swap.budget is not None
+            result.planned_peak_bytes, result.budget_shortfall_bytes = (outcome.peak,
+                                                                        outcome.shortfall)
+            if outcome.shortfall:
+                log.warning("[%7s] the budget of %s bytes is not met: the plan's best peaks "
+                            "at %s (%s over), %d layers recomputed per step", mode,
+                            f"{config.swap.budget:,}", mib(outcome.peak),
+                            mib(outcome.shortfall), outcome.recomputed_layers)
         if costs is not None and executor.predicted is not None:
             result.predicted_exposed_copy = executor.predicted.exposed_copy
             result.predicted_step_seconds = self._predicted_step(executor, costs)
