@@ -18,7 +18,15 @@ import torch
 
 from pipeswap.runtime.data import Corpus
 from pipeswap.runtime.train import ModeResult, TrainConfig, run_rank, stage_layer_counts
-from pipeswap.schedule import ChunkKey, Schedule, StepType
+from pipeswap.runtime.train.policy import budget_policy
+from pipeswap.schedule import (
+    ChunkKey,
+    Schedule,
+    ScheduleKind,
+    ScheduleSpec,
+    StepType,
+    build_schedule,
+)
 from pipeswap.schedule.costs import ChunkBytes, CostModel, StageCosts
 from pipeswap.schedule.recompute import recomputed_in
 from pipeswap.schedule.simulate import simulate
@@ -40,9 +48,14 @@ CASES = {
 }
 
 
+# 64 KiB: below what swapping alone reaches, met once layers are recomputed
+WITHIN = {"1f1b P2 M4 64KiB": BASE.but(schedule="1f1b", ranks=2, microbatches=4,
+                                      budget=64 << 10)}
+
+
 @functools.lru_cache(maxsize=None)
 def _trained(case: str) -> list[dict[str, ModeResult]]:
-    config = CASES[case]
+    config = {**CASES, **WITHIN}[case]
     results: list[dict[str, ModeResult]] = POOL.run(run_rank, config.parallel.ranks, config,
                                                     timeout_s=config.job.timeout_s)
     return results
@@ -64,6 +77,33 @@ def test_recompute_changes_no_bit_and_lowers_the_allocators_peak(case: str) -> N
         assert swap.peak_allocated_bytes < plain.peak_allocated_bytes, rank
         assert swap.groups_alive_after_step == [0, 0], rank
         assert swap.host_bytes_in_use_after_step == [0, 0], rank
+
+
+def test_a_budget_swapping_alone_cannot_meet_is_met_by_recomputing() -> None:
+    """The plan that only swaps (--recompute never) stays over 64 KiB on the sizes the run
+    without swap measured; the default plan recomputes and the run's counted peak stays
+    under it on every rank."""
+    config = WITHIN["1f1b P2 M4 64KiB"]
+    layer_counts = stage_layer_counts(config, len(Corpus.bundled().vocab))
+    per_rank = _trained("1f1b P2 M4 64KiB")
+    swap_only = []
+    for rank, result in enumerate(per_rank):
+        never = budget_policy(config.but(recompute="never"), result["no-swap"],
+                              layer_counts)
+        build_schedule(_spec(config), never)
+        swap_only.append(never.outcomes[rank].shortfall)
+        swap = result["swap"]
+        assert swap.budget_shortfall_bytes == 0, rank
+        assert swap.peak_activation_bytes <= 64 << 10 < result["no-swap"].peak_activation_bytes
+        assert swap.losses == result["no-swap"].losses
+    assert swap_only[0] > 0, swap_only
+    assert per_rank[0]["swap"].recomputed_layers > 0
+
+
+def _spec(config: TrainConfig) -> ScheduleSpec:
+    parallel = config.parallel
+    return ScheduleSpec(ScheduleKind(parallel.schedule), ranks=parallel.ranks,
+                        microbatches=parallel.microbatches, swap=True)
 
 
 def _fill(amount: int, room: list[int]) -> list[int]:

@@ -19,7 +19,7 @@ from pipeswap.runtime.backward import ChunkAutograd, forward_chunk
 from pipeswap.runtime.comm import BoundaryMeta, PyTree, Transfer, Transport, flatten
 from pipeswap.runtime.errors import PipelineError, PipelineSetupError
 from pipeswap.runtime.microbatch import split_tree
-from pipeswap.runtime.report import MemoryAccount
+from pipeswap.runtime.report import LayerMarks, MemoryAccount
 from pipeswap.runtime.session import SwapSession
 from pipeswap.runtime.split import SplitCache
 from pipeswap.schedule import ChunkKey, Step, StepType
@@ -64,8 +64,8 @@ class Interpreter:
     sharded with FSDP; ``autocast_dtype``: see :meth:`autocast`. :attr:`active` holds, per
     stage, the chain of the streamed chunk whose forward runs there, for the stage's layer
     hooks, and :attr:`recomputing` the layers its forward recomputes, for the stage's
-    recompute hooks (and :attr:`layer_starts` what its group held as each layer began, for a
-    chunk held whole); :attr:`splits`, per stage, how its backwards split into I and W."""
+    recompute hooks (and :attr:`layer_marks` measures a chunk held whole layer by layer);
+    :attr:`splits`, per stage, how its backwards split into I and W."""
 
     def __init__(self, stages: Mapping[int, PipelineStage], *, rank: int, microbatches: int,
                  loss_fn: LossFn, manager: SwapManager, device: torch.device,
@@ -84,8 +84,7 @@ class Interpreter:
         self.sharded = sharded
         self.active: dict[int, LayerChain] = {}
         self.recomputing: dict[int, frozenset[int]] = {}
-        # per stage, for a recomputed chunk held whole: its group, what it held at each layer
-        self.layer_starts: dict[int, tuple[str, list[int]]] = {}
+        self.layer_marks: dict[int, LayerMarks] = {}  # per stage, a chunk held whole
         self.splits = {index: SplitCache() for index in stages}
 
     def run(self, state: StepState, step: Step) -> None:
@@ -173,13 +172,13 @@ class Interpreter:
         if chain is not None:  # streamed: the layers' groups offload as the forward goes
             chain.protect([x, target])
             self.active[stage_index] = chain
-        starts: list[int] | None = None  # what its group held as each layer began
         if redo is not None:  # these layers keep their inputs and run again in backward
-            self.recomputing[stage_index] = redo
             state.memory.recomputed_layers += len(redo)
-            if chain is None:
-                starts = []
-                self.layer_starts[stage_index] = (state.session.name(key), starts)
+        marks = None  # a chunk held whole is measured layer by layer where it is accounted
+        if chain is None and (redo is not None or state.memory.every_chunk):
+            marks = self.layer_marks[stage_index] = LayerMarks(state.session.name(key))
+        if redo is not None or marks is not None:
+            self.recomputing[stage_index] = redo or frozenset()
         try:
             with self.autocast():
                 chunk = forward_chunk(stage.forward, x, inputs=inputs,
@@ -189,14 +188,14 @@ class Interpreter:
         finally:
             self.active.pop(stage_index, None)
             self.recomputing.pop(stage_index, None)
-            self.layer_starts.pop(stage_index, None)
+            self.layer_marks.pop(stage_index, None)
         if chunk.loss is not None:
             state.losses[micro] = chunk.loss
         if accounted:
             state.session.protect(key, [x, chunk.value, target])
             if chain is not None:
                 chain.forward_done()
-            state.memory.forward_done(key, state.session, starts)
+            state.memory.forward_done(key, state.session, marks)
         state.chunks[key] = chunk
 
     def _carries(self, state: StepState, stage: PipelineStage

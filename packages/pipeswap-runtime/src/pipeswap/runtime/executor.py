@@ -49,7 +49,7 @@ from pipeswap.runtime.fsdp import ShardedStage
 from pipeswap.runtime.groups import group_timeout, only_gloo, operation_timeout, with_cpu_backend
 from pipeswap.runtime.host_reserve import SavedRecorder, host_reservation
 from pipeswap.runtime.replay import Replay
-from pipeswap.runtime.report import MemoryAccount, StepReport
+from pipeswap.runtime.report import LayerMarks, MemoryAccount, StepReport
 from pipeswap.runtime.session import SwapSession
 from pipeswap.runtime.stage import PipelineStage
 from pipeswap.runtime.watch import PeerWatch, stop_groups
@@ -261,12 +261,12 @@ class PipelineExecutor:
         self._hooks = [layer_hooks(stage.layers, partial(active.get, stage.stage_index))
                        for stage in self.stages
                        if any(key[0] == stage.stage_index for key in self.streamed)]
-        starts = self._interpreter.layer_starts
+        marks = self._interpreter.layer_marks  # accounted chunks are measured per layer
         self._hooks += [recompute_hooks(
             self.manager, stage.layers, partial(recomputing.get, stage.stage_index),
-            partial(_layer_started, self.manager, starts, stage.stage_index))
+            partial(_layer_started, self.manager, marks, stage.stage_index))
             for stage in self.stages
-            if any(key[0] == stage.stage_index for key in self.recomputed)]
+            if self.account or any(key[0] == stage.stage_index for key in self.recomputed)]
         self._hooks_finalizer = weakref.finalize(self, _remove_all, self._hooks)
         self._closed = False
 
@@ -450,13 +450,20 @@ class PipelineExecutor:
                           "steps need them", stacklevel=3)
 
 
-def _layer_started(manager: SwapManager, starts: dict[int, tuple[str, list[int]]], stage: int,
-                   index: int) -> None:
-    """A layer of a recomputed chunk held whole began: note what its group holds."""
-    found = starts.get(stage)
+def _layer_started(manager: SwapManager, marks: dict[int, LayerMarks], stage: int,
+                   index: int, args: tuple[object, ...], kwargs: dict[str, object]) -> None:
+    """A layer of a chunk held whole and measured began: note what its group holds, and the
+    bytes of the storages the layer is called with."""
+    import torch
+    from torch.utils._pytree import tree_leaves
+
+    found = marks.get(stage)
     if found is not None:
-        name, held = found
-        held.append(manager.group_bytes(name).held)
+        found.held.append(manager.group_bytes(found.group).held)
+        storages = {t.untyped_storage()._cdata: t.untyped_storage().nbytes()
+                    for t in tree_leaves((args, kwargs))
+                    if isinstance(t, torch.Tensor) and not isinstance(t, torch.nn.Parameter)}
+        found.inputs.append(sum(storages.values()))
 
 
 def _remove_all(removers: list[Callable[[], None]]) -> None:

@@ -61,9 +61,22 @@ class StepReport:
     # recomputed layers, the device bytes each one's recompute made, by layer index
     recomputed_layers: int = 0
     remade_bytes: Mapping[ChunkKey, Mapping[int, int]] = field(default_factory=dict)
-    # per chunk with recomputed layers that does not stream, per layer: the device bytes
-    # its forward added to the chunk's group (a recomputed layer's: what it keeps)
+    # per chunk held whole (accounted, not streamed), per layer: the device bytes its
+    # forward added to the chunk's group (a recomputed layer's: what it keeps; what the
+    # forward saves before the first layer counts in the first, after the last in the
+    # last), and the bytes of the storages the layer was called with
     layer_held: Mapping[ChunkKey, tuple[int, ...]] = field(default_factory=dict)
+    layer_inputs: Mapping[ChunkKey, tuple[int, ...]] = field(default_factory=dict)
+
+
+@dataclass
+class LayerMarks:
+    """A chunk held whole, measured as its forward goes: its group, what the group held as
+    each layer began, and the bytes of the storages each layer was called with."""
+
+    group: str
+    held: list[int] = field(default_factory=list)
+    inputs: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -84,6 +97,7 @@ class MemoryAccount:
     layer_bytes_after_input: dict[ChunkKey, tuple[int, ...]] = field(default_factory=dict)
     remade_bytes: dict[ChunkKey, dict[int, int]] = field(default_factory=dict)
     layer_held: dict[ChunkKey, tuple[int, ...]] = field(default_factory=dict)
+    layer_inputs: dict[ChunkKey, tuple[int, ...]] = field(default_factory=dict)
     recomputed_layers: int = 0
     gathered: int = 0  # bytes of FSDP parameters gathered now
     peak_activations: int = 0  # the step's peaks so far (see flush)
@@ -113,9 +127,9 @@ class MemoryAccount:
                                self.manager.stats().device_bytes_held + self.gathered)
 
     def forward_done(self, key: ChunkKey, session: SwapSession,
-                     starts: list[int] | None = None) -> None:
-        """After an accounted chunk's forward: what its group (or its layers' groups) holds;
-        ``starts``: what its one group held as each layer began, if measured."""
+                     marks: LayerMarks | None = None) -> None:
+        """After an accounted chunk's forward: what its group (or its layers' groups) holds,
+        and per layer, if ``marks`` measured them, what each added and was called with."""
         self.accounted.add(key)
         chain = session.chain(key)
         if chain is not None:
@@ -124,9 +138,11 @@ class MemoryAccount:
                                                sum(b.movable for b in chain.layer_bytes))
         else:
             self.chunk_bytes[key] = self.manager.group_bytes(session.name(key))
-            if starts:
+            if marks is not None and marks.held:
+                starts = [0, *marks.held[1:]]
                 ends = [*starts[1:], self.chunk_bytes[key].held]
                 self.layer_held[key] = tuple(end - start for start, end in zip(starts, ends))
+                self.layer_inputs[key] = tuple(marks.inputs)
 
     def input_done(self, key: ChunkKey, session: SwapSession) -> None:
         """After the I of a chunk: what its groups still hold for W, if it is accounted."""
@@ -164,4 +180,5 @@ class MemoryAccount:
             recomputed_layers=self.recomputed_layers,
             remade_bytes=self.remade_bytes,
             layer_held=self.layer_held,
+            layer_inputs=self.layer_inputs,
         )

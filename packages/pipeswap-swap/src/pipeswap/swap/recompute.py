@@ -237,11 +237,13 @@ class Call:
 
 def recompute_hooks(manager: Any, layers: list[torch.nn.Module],
                     chosen: Callable[[], Container[int] | None],
-                    started: Callable[[int], None] | None = None) -> Callable[[], None]:
+                    started: Callable[[int, tuple[Any, ...], dict[str, Any]], None] | None = None
+                    ) -> Callable[[], None]:
     """Hooks on ``layers`` that make the layers whose indices ``chosen()`` holds (None: none)
     record their forward for a recompute in ``manager`` (a
-    :class:`~pipeswap.swap.SwapManager`, inside one of its groups); ``started(index)`` is
-    called as each layer of such a forward starts (to measure what each layer saves).
+    :class:`~pipeswap.swap.SwapManager`, inside one of its groups); ``started(index, args,
+    kwargs)`` is called as each layer of such a forward starts (to measure what each layer
+    saves, and its input).
     Returns the function that removes them."""
     handles = []
     for index, layer in enumerate(layers):
@@ -251,7 +253,7 @@ def recompute_hooks(manager: Any, layers: list[torch.nn.Module],
             if picked is None or remaking():
                 return
             if started is not None:
-                started(index)
+                started(index, args, kwargs)
             if index in picked:
                 manager.record_layer(module, index, args, kwargs)
 

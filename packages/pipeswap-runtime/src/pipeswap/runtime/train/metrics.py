@@ -57,10 +57,12 @@ class ModeResult:
     predicted_exposed_copy: float | None = None
     setup_seconds: float = 0.0  # from the mode's start to its first step: stages, schedule, plan
     recomputed_layers: int = 0  # layer forwards a step runs again in backwards
-    # per chunk with recomputed layers: the device bytes each one's recompute made, and for
-    # one held whole, per layer, the bytes its forward added to the group
+    # per chunk with recomputed layers: the device bytes each one's recompute made; per
+    # chunk held whole, per layer: the bytes its forward added to the group, and the bytes
+    # of the storages it was called with
     remade_bytes: dict[tuple[int, int], dict[int, int]] = field(default_factory=dict)
     layer_held: dict[tuple[int, int], tuple[int, ...]] = field(default_factory=dict)
+    layer_inputs: dict[tuple[int, int], tuple[int, ...]] = field(default_factory=dict)
     order: str = ""  # the order this rank ran, in the schedule's text form
     # under a budget: the plan's predicted peak of saved activations on this rank, and the
     # bytes by which it stays over the budget (0: met)
@@ -82,6 +84,7 @@ class ModeResult:
         self.recomputed_layers = report.recomputed_layers
         self.remade_bytes = {key: dict(made) for key, made in report.remade_bytes.items()}
         self.layer_held = dict(report.layer_held)
+        self.layer_inputs = dict(report.layer_inputs)
         if timed:
             self.step_seconds.append(report.seconds)
         if report.compute_seconds:

@@ -9,11 +9,12 @@ measured them first.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
 
 from pipeswap.runtime.train.config import TrainConfig
-from pipeswap.schedule import CostModel, PeakPolicy, SwapPolicy
+from pipeswap.runtime.train.metrics import ModeResult
+from pipeswap.schedule import ChunkBytes, CostModel, PeakPolicy, SwapPolicy
 
 
 def swap_policy(name: str, layer_counts: Mapping[int, int] | None = None,
@@ -30,22 +31,34 @@ def swap_policy(name: str, layer_counts: Mapping[int, int] | None = None,
     return None if layer_counts is None else default_swap_policy(layer_counts, granularity)
 
 
-def budget_policy(config: TrainConfig, mine: Mapping[tuple[int, int], tuple[int, int]],
-                  layer_counts: Mapping[int, int], costs: CostModel | None = None
-                  ) -> PeakPolicy:
+def budget_policy(config: TrainConfig, plain: ModeResult, layer_counts: Mapping[int, int],
+                  costs: CostModel | None = None) -> PeakPolicy:
     """The peak policy under ``config.swap.budget``, on the chunk sizes this rank measured
-    without swap (``mine``, as (held, movable) per chunk) and, where measured, the compute
+    without swap (``plain``: each chunk's bytes held and movable, and per layer what it
+    added and was called with: what recomputing it keeps) and, where measured, the compute
     and link ``costs`` (else layers alike, a backward twice a forward, a link of no limit).
     Each rank plans only its own swap, so its own sizes are all it needs."""
-    from pipeswap.schedule import ChunkBytes, uniform_layers
+    from pipeswap.schedule import uniform_layers
 
     assert config.swap.budget is not None
-    chunks = {key: ChunkBytes(held, pinned=held - movable) for key, (held, movable) in mine.items()}
+    chunks = {key: _measured(held, movable, plain.layer_held.get(key, ()),
+                             plain.layer_inputs.get(key, ()))
+              for key, (held, movable) in plain.chunk_bytes.items()}
     model = (CostModel(chunks=chunks, stages=uniform_layers(layer_counts)) if costs is None
              else replace(costs, chunks=chunks))
-    # a recomputed layer keeps its input: one hidden state of a microbatch
-    parallel, width = config.parallel, config.model.width
-    tokens = config.training.batch_size // (parallel.microbatches * parallel.dp)
-    model = replace(model, boundary_bytes=tokens * config.model.seq_len * width * 4)
     return PeakPolicy(model, config.swap.budget, granularity=config.swap.granularity,
                       recompute=config.swap.recompute)
+
+
+def _measured(held: int, movable: int, sizes: Sequence[int], inputs: Sequence[int]
+              ) -> ChunkBytes:
+    """A chunk as measured; per layer where its layers were (the pinned bytes laid on the
+    first layers that hold them: where they sit is not measured)."""
+    if not sizes:
+        return ChunkBytes(held, pinned=held - movable)
+    pinned, layers = held - movable, []
+    for size, called in zip(sizes, inputs):
+        pin = min(pinned, size)
+        pinned -= pin
+        layers.append(ChunkBytes(size, pinned=pin, kept=min(called, size)))
+    return ChunkBytes(held, pinned=held - movable, layers=tuple(layers))

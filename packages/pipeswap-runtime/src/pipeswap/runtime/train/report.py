@@ -78,6 +78,7 @@ def summarize(config: TrainConfig, per_rank: list[dict[str, ModeResult]]) -> Sum
         "microbatches": config.parallel.microbatches,
         "steps": config.training.steps,
         "budget_bytes": config.swap.budget,
+        "recompute": config.swap.recompute if config.swap.budget is not None else None,
         "per_rank": ranks,
         "losses": {name: [sum(s) / len(s) for s in steps if s] for name, steps in losses.items()},
         "max_abs_loss_diff": diff,
@@ -152,7 +153,10 @@ def render(summary: Summary) -> str:
         lines.append(f"\nbudget of {summary['budget_bytes']:,} bytes not met on rank(s) "
                      + ", ".join(f"{e['rank']} (planned {mib(e['planned_peak_bytes_swap'])})"
                                  for e in short)
-                     + ": no plan of swaps and recomputes fits; raise --budget or add ranks")
+                     + (": no plan of swaps and recomputes fits; raise --budget or add ranks"
+                        if summary["recompute"] == "auto" else
+                        ": no swap plan fits; let it recompute layers too (--recompute auto), "
+                        "raise --budget or add ranks"))
     if summary["losses_match"] is not None:
         verdict = ("bit-identical" if summary["losses_match"]
                    else f"DIFFER (max |diff| {summary['max_abs_loss_diff']:.3g})")

@@ -17,7 +17,7 @@ import time
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TextIO
 
 from pipeswap.runtime.checkpoint_files import describe_skipped
 from pipeswap.runtime.launch import mark_step, pipeline_mesh
@@ -78,7 +78,8 @@ class Trainer:
                              f"ranks x {parallel.dp} replicas) but {world_size} were started")
         else:
             torch.set_num_threads(1)  # several ranks share the cores
-        setup_logging(rank, config.job.log_level)
+        setup_logging(rank, config.job.log_level,
+                      sys.stdout if config.job.verbose else sys.stderr)
         # torchrun and spawn both set LOCAL_RANK; a replay takes the first device
         local_rank = 0 if self.replaying else int(os.environ.get("LOCAL_RANK", rank))
         device = config.training.device
@@ -176,8 +177,8 @@ class Trainer:
         policy = swap_policy(config.swap.policy, self.layer_counts, config.swap.granularity)
         planner = None  # the peak policy under the budget
         if mode == "swap" and config.swap.budget is not None:
-            policy = planner = budget_policy(config, earlier["no-swap"].chunk_bytes,
-                                             self.layer_counts, costs)
+            policy = planner = budget_policy(config, earlier["no-swap"], self.layer_counts,
+                                             costs)
         elif costs is not None and config.swap.policy == "peak":
             policy = None  # the executor's default, on the measured costs
         executor = PipelineExecutor(
@@ -305,14 +306,15 @@ class Trainer:
                      f"{tokens / seconds:,.0f}", "  (allocator measured)" if measured else "")
 
 
-def setup_logging(rank: int, level: str) -> None:
-    """The job's ranks log through ``logging``: the ``pipeswap`` loggers to standard output,
-    each line prefixed with the rank that wrote it (a user's own configuration of the
-    ``pipeswap`` logger, made before, is kept)."""
+def setup_logging(rank: int, level: str, stream: TextIO) -> None:
+    """The job's ranks log through ``logging``: the ``pipeswap`` loggers to ``stream``
+    (standard error under --json, whose output is the summary alone), each line prefixed
+    with the rank that wrote it (a user's own configuration of the ``pipeswap`` logger,
+    made before, is kept)."""
     root = logging.getLogger("pipeswap")
     root.setLevel(level.upper())
     if not root.handlers:
-        handler = logging.StreamHandler(sys.stdout)
+        handler = logging.StreamHandler(stream)
         handler.setFormatter(logging.Formatter(f"[rank {rank}] %(message)s"))
         root.addHandler(handler)
         root.propagate = False
