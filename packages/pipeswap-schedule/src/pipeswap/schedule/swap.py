@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Collection
 
 from pipeswap.schedule._gc import gc_paused
-from pipeswap.schedule.policies.base import SwapPolicy
+from pipeswap.schedule.policies.base import PreparingPolicy, SwapPolicy
 from pipeswap.schedule.policies.defaults import default_policy
 from pipeswap.schedule.schedule import Schedule
 from pipeswap.schedule.steps import ChunkKey, StepType
@@ -27,6 +27,8 @@ def inject_swap(schedule: Schedule, policy: SwapPolicy | None = None, *,
     order alone may plan only itself: ``ranks={rank}`` leaves the other orders as they
     are, and costs one rank's planning instead of all of them."""
     chosen = default_policy() if policy is None else policy
+    if isinstance(chosen, PreparingPolicy):
+        chosen.prepare(schedule)
     return schedule.map_orders(
         lambda rank, order: order if ranks is not None and rank not in ranks
         else inject_swap_order(order, chosen, rank=rank))

@@ -60,6 +60,7 @@ class Trial(Generic[_Outcome]):
     recomputed: Mapping[ChunkKey, tuple[int, ...]]
     placements: dict[ChunkKey, SwapPlacement]
     outcome: _Outcome
+    finish: float = 0.0  # when the rank's order ends with this plan, run alone
 
     @property
     def free(self) -> bool:
@@ -68,10 +69,8 @@ class Trial(Generic[_Outcome]):
 
     @property
     def merit(self) -> tuple[int, float, float]:
-        """Smaller is better: the budget's shortfall, the time added, the recompute."""
-        outcome = self.outcome
-        return (outcome.shortfall, outcome.exposed_copy + outcome.recompute_s,
-                outcome.recompute_s)
+        """Smaller is better: the budget's shortfall, when the rank ends, the recompute."""
+        return self.outcome.shortfall, self.finish, self.outcome.recompute_s
 
 
 @dataclass(frozen=True)
@@ -118,11 +117,14 @@ def ladder(keys: Sequence[ChunkKey], layers_of: Callable[[ChunkKey], int], level
 
 def search(evaluate: Callable[[Mapping[ChunkKey, tuple[int, ...]], bool], Trial[_Outcome]],
            groups: Sequence[Sequence[ChunkKey]], layers_of: Callable[[ChunkKey], int],
-           levels: int, alone: Trial[_Outcome]) -> Trial[_Outcome]:
+           levels: int, alone: Trial[_Outcome],
+           pick: Callable[[list[Trial[_Outcome]]], Trial[_Outcome]] | None = None
+           ) -> Trial[_Outcome]:
     """The best of the mix, swap alone and recompute alone (``alone``); see the module
     docstring. ``evaluate(recomputed, stall)`` plans the swap around recomputed layers,
     taking copies that stall compute only with ``stall``; ``groups`` partition the rank's
-    chunks, each in forward order."""
+    chunks, each in forward order. ``pick`` chooses among the three where more than one
+    meets the budget (default: the best :attr:`Trial.merit`)."""
     swap_alone = evaluate({}, True)
     if swap_alone.free:
         return swap_alone
@@ -152,6 +154,9 @@ def search(evaluate: Callable[[Mapping[ChunkKey, tuple[int, ...]], bool], Trial[
         tried.append(at(tuple(current)))
     else:  # even everything recomputed needs stalls
         tried.append(evaluate(at(tuple(current)).recomputed, True))
+    meeting = [trial for trial in tried if trial.outcome.shortfall == 0]
+    if pick is not None and len(meeting) > 1:
+        return pick(meeting)
     return min(tried, key=lambda trial: trial.merit)
 
 

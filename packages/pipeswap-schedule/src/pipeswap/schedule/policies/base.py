@@ -9,10 +9,13 @@ from __future__ import annotations
 
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, NamedTuple, Protocol, runtime_checkable
 
 from pipeswap.schedule.errors import ScheduleError
 from pipeswap.schedule.steps import ChunkKey, Order, StepType
+
+if TYPE_CHECKING:
+    from pipeswap.schedule.schedule import Schedule
 
 #: The fewest compute slots between a forward and its backward that leave room for
 #: WO (after the first slot in between) to come before LL (before the last one).
@@ -81,6 +84,15 @@ class RecomputingPolicy(SwapPolicy, Protocol):
     rank, :meth:`recomputed` gives them per chunk, and the swap pass adds their RC steps."""
 
     def recomputed(self, rank: int) -> Mapping[ChunkKey, tuple[int, ...]]:
+        ...
+
+
+@runtime_checkable
+class PreparingPolicy(SwapPolicy, Protocol):
+    """A swap policy that looks at the whole schedule before it plans any rank: the swap
+    pass calls :meth:`prepare` once, with the schedule it is given."""
+
+    def prepare(self, schedule: Schedule) -> None:
         ...
 
 

@@ -23,7 +23,8 @@ from pipeswap.schedule.policies._slots import Timeline
 from pipeswap.schedule.policies.base import SwapCandidate, SwapPlacement
 from pipeswap.schedule.policies.recompute import fewest_first_layers
 from pipeswap.schedule.recompute import recomputed_in
-from pipeswap.schedule.simulate import simulate_alone
+from pipeswap.schedule.schedule import Schedule
+from pipeswap.schedule.simulate import simulate, simulate_alone
 from pipeswap.schedule.steps import ChunkKey, Order, StepType
 from pipeswap.schedule.swap_order import inject_swap_order
 
@@ -96,6 +97,7 @@ class PeakPolicy:
     granularity: str = "auto"
     recompute: str = "never"
     chosen_recompute: dict[int, dict[ChunkKey, tuple[int, ...]]] = field(default_factory=dict)
+    _given: Schedule | None = field(default=None, repr=False)  # the schedule prepared on
 
     def __post_init__(self) -> None:
         if self.granularity not in GRANULARITIES:
@@ -114,6 +116,13 @@ class PeakPolicy:
         if rank not in self.budget:
             raise ScheduleError(f"the memory budget gives no figure for rank {rank}")
         return self.budget[rank]
+
+    def prepare(self, schedule: Schedule) -> None:
+        """Before the swap pass plans any rank: where the policy chooses what to recompute,
+        keep ``schedule``, against which a rank weighs its plans in the whole pipeline (a
+        copy's stall where a later rank's slack absorbs it costs nothing there, a recompute
+        on the critical path costs in full)."""
+        self._given = schedule if self.recompute == "auto" and self.budget is not None else None
 
     def recomputed(self, rank: int) -> dict[ChunkKey, tuple[int, ...]]:
         """The layers :meth:`select` chose to recompute on ``rank``, per chunk."""
@@ -184,7 +193,7 @@ class PeakPolicy:
             own figures are estimates), as the simulator runs it."""
             run = simulate_alone(tuple(inject_swap_order(
                 order, Fixed(trial.placements, trial.recomputed), rank=rank)), rank, self.costs)
-            return replace(trial, outcome=replace(
+            return replace(trial, finish=run.step_time, outcome=replace(
                 trial.outcome, peak=run.peak_activation_bytes, exposed_copy=run.exposed_copy,
                 recompute_s=run.recompute_s))
 
@@ -199,9 +208,26 @@ class PeakPolicy:
             sum(len(layers) for layers in alone.layers.values()),
             sum(forward[key[0]] * len(layers) for key, layers in alone.layers.items())))
         alone_trial = exactly(alone_trial)
+        def in_pipeline(trials: list[Trial[PeakOutcome]]) -> Trial[PeakOutcome]:
+            """The trial whose order gives the whole schedule, the other ranks as given,
+            the shortest step (then the least recompute): a stall that a later rank's
+            slack absorbs costs nothing there, a recompute on the critical path does."""
+            assert self._given is not None
+            given = self._given
+
+            def step(trial: Trial[PeakOutcome]) -> tuple[float, float]:
+                orders = list(given.orders)
+                orders[rank] = tuple(inject_swap_order(
+                    order, Fixed(trial.placements, trial.recomputed), rank=rank))
+                run = simulate(replace(given, orders=tuple(orders)), self.costs, timeline=False)
+                return run.step_time, trial.outcome.recompute_s
+
+            return min(trials, key=step)
+
         layers_of = layer_counts(self.costs)
         best = search(evaluate, _groups(candidates), layers_of,
-                      levels_for([layers_of(key) for key in keys]), alone_trial)
+                      levels_for([layers_of(key) for key in keys]), alone_trial,
+                      in_pipeline if self._given is not None else None)
         # the peak without swap is the one without recompute either
         return replace(best, outcome=replace(best.outcome, peak_no_swap=alone.plain))
 
