@@ -98,6 +98,8 @@ class PeakPolicy:
     recompute: str = "never"
     chosen_recompute: dict[int, dict[ChunkKey, tuple[int, ...]]] = field(default_factory=dict)
     _given: Schedule | None = field(default=None, repr=False)  # the schedule prepared on
+    # the orders of the ranks planned against it so far, where weighed in the pipeline
+    _planned: dict[int, Order] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         if self.granularity not in GRANULARITIES:
@@ -123,6 +125,7 @@ class PeakPolicy:
         copy's stall where a later rank's slack absorbs it costs nothing there, a recompute
         on the critical path costs in full)."""
         self._given = schedule if self.recompute == "auto" and self.budget is not None else None
+        self._planned = {}
 
     def recomputed(self, rank: int) -> dict[ChunkKey, tuple[int, ...]]:
         """The layers :meth:`select` chose to recompute on ``rank``, per chunk."""
@@ -209,20 +212,24 @@ class PeakPolicy:
             sum(forward[key[0]] * len(layers) for key, layers in alone.layers.items())))
         alone_trial = exactly(alone_trial)
         def in_pipeline(trials: list[Trial[PeakOutcome]]) -> Trial[PeakOutcome]:
-            """The trial whose order gives the whole schedule, the other ranks as given,
-            the shortest step (then the least recompute): a stall that a later rank's
-            slack absorbs costs nothing there, a recompute on the critical path does."""
+            """The trial whose order gives the whole schedule (the ranks planned so far as
+            planned, the rest as given) the shortest step, then the least recompute: a
+            stall that another rank's slack absorbs costs nothing there, a recompute on
+            the critical path does."""
             assert self._given is not None
             given = self._given
 
             def step(trial: Trial[PeakOutcome]) -> tuple[float, float]:
-                orders = list(given.orders)
+                orders = [self._planned.get(r, order) for r, order in enumerate(given.orders)]
                 orders[rank] = tuple(inject_swap_order(
                     order, Fixed(trial.placements, trial.recomputed), rank=rank))
                 run = simulate(replace(given, orders=tuple(orders)), self.costs, timeline=False)
                 return run.step_time, trial.outcome.recompute_s
 
-            return min(trials, key=step)
+            chosen = min(trials, key=step)
+            self._planned[rank] = tuple(inject_swap_order(
+                order, Fixed(chosen.placements, chosen.recomputed), rank=rank))
+            return chosen
 
         layers_of = layer_counts(self.costs)
         best = search(evaluate, _groups(candidates), layers_of,
