@@ -173,9 +173,11 @@ class LayerPlan:
         offloads, loads = self._copies(self.chunks[key], way)
         strict = not allow_stall and not self.stall  # every copy hides, and must
         moved: dict[ChunkKey, dict[int, float]] = {}  # offload ends that change, by owner
+        replays: list[tuple[Stream, dict[int, float], list[Copy], list[float]]] = []
         for name, stream in self.streams.items():
             new = self._on(name, offloads, loads)
             changed, ends = stream.replay(key, new)
+            replays.append((stream, changed, new, ends))
             for queued, end in [*((stream.copies[i], e) for i, e in changed.items()),
                                 *zip(new, ends)]:
                 if queued.offload:
@@ -198,35 +200,52 @@ class LayerPlan:
                 return None
             if own or choice != self.chosen.get(owner):
                 changes[owner] = choice
-        stall = 0.0 if strict else self._stall(key, offloads, loads, changes)
+        stall = 0.0 if strict else self.stall + self._stall_change(key, replays, changes)
         return changes, stall
 
-    def _stall(self, key: ChunkKey, offloads: list[Copy], loads: list[Copy],
-               changes: Changes) -> float:
-        """Compute time all copies hold up once ``key``'s copies are these and ``changes``
-        made: each copy's lateness past the compute that waits for it (a load's, an
-        offload's a lag of layers later, or its WO)."""
-        chosen = {**self.chosen, **changes}
-        offloaded: dict[ChunkKey, dict[int, float]] = {}
-        total = 0.0
-        for name, stream in self.streams.items():
-            for queued, end in stream.with_replaced(key, self._on(name, offloads, loads)):
-                if queued.offload:
-                    offloaded.setdefault(queued.owner, {})[queued.layer] = end
-                else:
-                    total += max(0.0, end - queued.deadline)
-        points = self.points
-        for owner, ends in offloaded.items():
-            choice, c = chosen.get(owner), self.chunks[owner]
-            if choice is None:
-                continue
-            wait = points.ends[c.forward_slot + choice.offload_slots]
-            for layer, end in ends.items():
-                inside = choice.lag and layer + choice.lag < len(c.layers)
-                deadline = (points.times[c.forward_points + layer + choice.lag] if inside
-                            else wait)
-                total += max(0.0, end - deadline)
-        return total
+    def _stall_change(self, key: ChunkKey,
+                      replays: list[tuple[Stream, dict[int, float], list[Copy], list[float]]],
+                      changes: Changes) -> float:
+        """How much the compute time all copies hold up (each copy's lateness past the
+        compute that waits for it: a load's, an offload's a lag of layers later, or its WO)
+        changes once ``key``'s copies are replaced as ``replays`` found (per stream: the
+        ends of other copies that move, the new copies and their ends) and ``changes``
+        made. Only what moves is counted, so an option costs what it disturbs."""
+        chosen = self.chosen
+        delta = 0.0
+        for stream, changed, new, ends in replays:
+            copies, before = stream.copies, stream.ends
+            for index in stream.positions(key):
+                delta -= self._late(copies[index], before[index], chosen.get(key))
+            for index, end in changed.items():
+                queued = copies[index]
+                owner = queued.owner
+                delta += (self._late(queued, end, changes.get(owner, chosen.get(owner)))
+                          - self._late(queued, before[index], chosen.get(owner)))
+            after = changes.get(key) if key in changes else chosen.get(key)
+            for queued, end in zip(new, ends):
+                delta += self._late(queued, end, after)
+            for owner, choice in changes.items():  # an offload's deadline moved with its lag
+                if owner == key or choice == chosen.get(owner):
+                    continue
+                for index in stream.positions(owner):
+                    queued = copies[index]
+                    if queued.offload and index not in changed:
+                        delta += (self._late(queued, before[index], choice)
+                                  - self._late(queued, before[index], chosen.get(owner)))
+        return delta
+
+    def _late(self, queued: Copy, end: float, choice: Choice | None) -> float:
+        """How long compute waits for ``queued`` ending at ``end``, its owner swapped as
+        ``choice`` says (an offload's deadline follows from its lag and slots)."""
+        if not queued.offload:
+            return max(0.0, end - queued.deadline)
+        if choice is None:
+            return 0.0
+        c, points = self.chunks[queued.owner], self.points
+        if choice.lag and queued.layer + choice.lag < len(c.layers):
+            return max(0.0, end - points.times[c.forward_points + queued.layer + choice.lag])
+        return max(0.0, end - points.ends[c.forward_slot + choice.offload_slots])
 
     def deltas(self, changes: Changes) -> list[tuple[int, int, int]]:
         """How the bytes held change with ``changes``: (start, stop, change) point spans,
