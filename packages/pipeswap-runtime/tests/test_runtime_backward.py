@@ -11,7 +11,7 @@ import gc
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import pytest
 import torch
@@ -26,7 +26,7 @@ from pipeswap.runtime.model import GPTConfig, build_gpt, lm_loss, split_stages
 from pipeswap.runtime.session import SwapSession
 from pipeswap.runtime.split import SplitCache
 from pipeswap.schedule import MinGapPolicy, ScheduleKind, ScheduleSpec
-from pipeswap.swap import SwapManager
+from pipeswap.swap import SwapError, SwapManager
 
 CONFIG = GPTConfig(vocab=32, seq_len=16, width=32, heads=4, layers=3)
 MICRO = 3
@@ -585,3 +585,84 @@ def test_the_executor_analyses_each_stage_once(group: None,
         executor.step(torch.randint(0, 16, (8, 8), generator=generator),
                       torch.randint(0, 16, (8, 8), generator=generator))
     assert len(seen) == 1
+
+
+# -- recomputed layers -----------------------------------------------------------------------
+
+class _Gate(torch.nn.Module):
+    """A layer without parameters that saves tensors (tanh and sigmoid their outputs)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(x) * torch.sigmoid(x)
+
+
+def _recomputed_split(layers: list[torch.nn.Module], chosen: set[int], x: torch.Tensor,
+                      run: Callable[..., Any]) -> None:
+    """I then W of one chunk whose ``chosen`` layers are recomputed, as the executor runs
+    them: I with their parameters, then their frames dropped, then W."""
+    from pipeswap.swap.recompute import recompute_hooks
+
+    manager = SwapManager(get_platform("cpu"))
+    recording: list[set[int] | None] = [chosen]
+    remove = recompute_hooks(manager, layers, lambda: recording[0])
+    chunk = forward_chunk(run, x, saving=manager.group_context("chunk"))
+    recording[0] = None
+    remove()
+    out = chunk.outputs
+    assert out is not None
+    chunk.backward_input([torch.ones_like(out[0])], SplitCache(), releasing=manager.releasing,
+                         recomputed=[p for k in chosen for p in layers[k].parameters()])
+    manager.release_remade("chunk")
+    chunk.backward_weight()
+    manager.finish_group("chunk")
+    assert manager.stats().device_bytes_held == 0
+
+
+def test_a_first_stage_recomputing_a_layer_without_parameters_splits_exactly() -> None:
+    """The first stage has no input gradient, so its I does nothing and W a whole backward,
+    unless it recomputes: then I runs the whole backward while the recompute's tensors are
+    there, even when the recomputed layers have no parameters of their own."""
+    torch.manual_seed(0)
+    layers = [torch.nn.Linear(8, 8), _Gate(), torch.nn.Linear(8, 8)]
+
+    def run(x: torch.Tensor) -> torch.Tensor:
+        for layer in layers:
+            x = layer(x)
+        return x
+
+    x = torch.randn(4, 8)
+    run(x).sum().backward()  # type: ignore[no-untyped-call]
+    want = [p.grad.clone() for layer in layers for p in layer.parameters() if p.grad is not None]
+    for layer in layers:
+        layer.zero_grad(set_to_none=True)
+    _recomputed_split(layers, {1}, x, run)
+    got = [p.grad for layer in layers for p in layer.parameters() if p.grad is not None]
+    assert len(got) == len(want) and all(torch.equal(a, b) for a, b in zip(want, got))
+
+
+class _Scaled(torch.nn.Module):
+    """A layer scaled by a tensor it is given: another layer's parameter."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.linear(x)) * scale
+
+
+def test_w_reaching_a_recomputed_layer_through_a_parameter_it_does_not_own_says_so() -> None:
+    """A split backward computes a recomputed layer's weight gradients in I, from its own
+    parameters; a weight node in it that leads to another layer's parameter stays in W,
+    which cannot read the recomputed tensors any more: it fails, naming the way out."""
+    torch.manual_seed(0)
+    scale = torch.nn.Parameter(torch.randn(8))
+    owner, used = torch.nn.Linear(8, 8), _Scaled()
+
+    def run(x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = used(owner(x), scale)
+        return out
+
+    with pytest.raises(SwapError, match="reaches the layer through a parameter it does not "
+                       "own .* run the schedule without the I/W split"):
+        _recomputed_split([owner, used], {1}, torch.randn(2, 8, requires_grad=True), run)

@@ -284,3 +284,61 @@ def test_a_layer_that_saves_other_tensors_when_run_again_fails_its_backward() ->
     with pytest.raises(SwapError, match="must do the same work every time it runs"):
         loss.backward()  # type: ignore[no-untyped-call]
     manager.abort_group("g")
+
+
+def _grads_with(model: torch.nn.Sequential, x: torch.Tensor, recompute: Collection[int],
+                forwards: int = 1) -> list[torch.Tensor]:
+    """Parameter gradients of the first of ``forwards`` forwards (each in its own group of
+    one manager, the later ones never backward), ``recompute`` layers recomputed."""
+    model.zero_grad(set_to_none=True)
+    manager = SwapManager(get_platform(DEVICE))
+    manager.protect_module(model)
+    remove = recompute_hooks(manager, list(model), lambda: recompute)
+    losses: list[torch.Tensor] = []
+    for number in range(forwards):
+        with manager.group_context(f"f{number}"):
+            losses.append(model(x).pow(2).sum())
+    remove()
+    losses[0].backward()  # type: ignore[no-untyped-call]
+    return [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+
+def test_a_pre_hook_that_changes_the_call_changes_it_once() -> None:
+    """The layer's own pre-hooks run on the call as made, in the first run and in the
+    recompute alike: a hook that doubles the input doubles it once."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(Block(), Block(), Block())
+    model[1].register_forward_pre_hook(lambda module, args: (args[0] * 2,))
+    x = torch.randn(2, 8, WIDTH)
+    assert_bit_identical(_grads_with(model, x, ()), _grads_with(model, x, {1}))
+
+
+class Drifting(torch.nn.Module):
+    """A layer that reads a buffer and then moves it, as a forward's statistics do."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(WIDTH, WIDTH)
+        self.scale: torch.Tensor
+        self.register_buffer("scale", torch.ones(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.tanh(self.linear(x) * float(self.scale))
+        with torch.no_grad():
+            self.scale.add_(1)
+        return out
+
+
+def test_a_recompute_reads_the_buffers_its_first_run_read() -> None:
+    """Two forwards, then the first one's backward: the recompute runs on the buffer as the
+    first forward found it, not as the second left it, and leaves it as it was."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(Block(), Drifting(), Block())
+    x = torch.randn(2, 8, WIDTH)
+    want = _grads_with(model, x, (), forwards=2)
+    drifting = model[1]
+    assert isinstance(drifting, Drifting)
+    after = drifting.scale.clone()
+    drifting.scale.fill_(1)
+    assert_bit_identical(want, _grads_with(model, x, {1}, forwards=2))
+    assert torch.equal(drifting.scale, after)

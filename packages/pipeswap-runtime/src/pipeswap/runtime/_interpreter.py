@@ -238,7 +238,7 @@ class Interpreter:
             else:  # a recomputed layer's weight gradients come from what I made again
                 grad_in = chunk.backward_input(
                     grads, self.splits[stage_index], releasing=self.manager.releasing,
-                    recomputed=[] if redo is None else [
+                    recomputed=None if redo is None else [
                         p for k in sorted(redo) for p in stage.layers[k].parameters()])
             if not stage.is_first:
                 state.grads_in[key] = grad_in

@@ -150,7 +150,7 @@ class ChunkAutograd:
 
     def backward_input(self, grads: Sequence[torch.Tensor] | None,
                        cache: SplitCache | None = None, *,
-                       recomputed: Sequence[torch.Tensor] = (),
+                       recomputed: Sequence[torch.Tensor] | None = None,
                        releasing: Callable[[], AbstractContextManager[object]] | None = None
                        ) -> list[torch.Tensor | None]:
         """I: the inputs' gradients, accumulated into their ``.grad`` as B does and returned
@@ -158,8 +158,9 @@ class ChunkAutograd:
         at the weight nodes, and frees what W does not need. ``cache``: the stage's splits
         (without one, each chunk's graph is analysed).
 
-        ``recomputed``: the parameters of the chunk's recomputed layers, whose gradients I
-        computes too (from what the recompute made, which is gone before W); ``releasing``:
+        ``recomputed``: where the chunk recomputes layers, their parameters (maybe none),
+        whose gradients I computes too (from what the recompute made, which is gone before
+        W); ``releasing``:
         the swap manager's context for the backward that frees what only I needed."""
         import torch
 
@@ -167,15 +168,17 @@ class ChunkAutograd:
         root, grad = _root(outputs, grads)
         plan = find_plan(root, xs, cache) if root is not None and xs else None
         if plan is None:  # no dx path: W does it all, as a B
-            if recomputed and root is not None and root.requires_grad:  # or I, for W
-                torch.autograd.backward(root, grad)  # could not read what I made again
+            if recomputed is not None and root is not None and root.requires_grad:
+                torch.autograd.backward(root, grad)  # W could not read the recomputed
                 return [None] * len(xs)
             self.output, self._grad = root, grad
             return [None] * len(xs)
         assert root is not None
         if recomputed:
             _weights_in_input(plan, recomputed)
-        handles = [node.register_prehook(keep) for node, keep in zip(plan.nodes, plan.keepers)]
+        kept = {index for members, _ in plan.groups for index in members}  # what W runs
+        handles = [node.register_prehook(keep) for index, (node, keep)
+                   in enumerate(zip(plan.nodes, plan.keepers)) if index in kept]
         try:  # keeps the graph: W runs the weight nodes again
             torch.autograd.backward(root, grad, inputs=[*xs, *plan.in_input],
                                     retain_graph=True)

@@ -311,10 +311,8 @@ class SwapManager:
 
     def end_recording(self, layer: torch.nn.Module) -> None:
         """``layer``'s forward ended: if it was being recorded, its ops save normally again."""
-        frame = self._recording.get()
-        if frame is not None and frame.layer is layer:
+        if (frame := self._recording.get()) is not None and frame.layer is layer:
             self._recording.set(None)
-            frame.slots = [None] * len(frame.metas)
 
     @contextmanager
     def releasing(self) -> Iterator[None]:
@@ -350,11 +348,13 @@ class SwapManager:
         if frame.finished:
             raise SwapError(
                 f"backward read a tensor that {frame.describe()} saved after that layer's "
-                "backward was done (its weight gradients are computed with its input "
-                "gradients): a recomputed layer runs its backward once")
+                "backward was done: a split backward's I computes a recomputed layer's "
+                "weight gradients, and this W reaches the layer through a parameter it does "
+                "not own (a tensor made from another layer's parameters, passed in); "
+                "recompute other layers, or run the schedule without the I/W split")
         if group is not None and group.name in self._ahead:
             self._first_read(group)
-        slot = frame.slots[holder.index]
+        slot = frame.slots[holder.index] if frame.made else None  # made: slots filled
         if slot is None:
             if self._releases and frame.made:  # taken already: read only to be freed
                 shape, dtype = frame.metas[holder.index]

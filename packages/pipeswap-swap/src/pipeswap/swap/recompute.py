@@ -14,8 +14,10 @@ manager's device bytes held from the recompute until autograd frees it, to the b
 simulator's peaks are checked against that count), and torch keeps its recomputed tensors
 where nothing outside it can see them.
 
-Buffers: a layer whose forward updates buffers (BatchNorm's running statistics) has them
-copied before it runs again and put back after, so a recompute leaves no trace in them.
+Buffers: a recomputed layer runs again on its buffers as its first run found them (copied
+then: later forwards may change them before this one's backward), and its buffers are put
+back afterwards, so a recompute leaves no trace in them (BatchNorm's running statistics
+move once).
 """
 
 from __future__ import annotations
@@ -68,16 +70,18 @@ class Frame:
     that recompute made and counted."""
 
     __slots__ = ("layer", "index", "group", "leaves", "spec", "grads", "kept", "rng",
-                 "autocast", "metas", "slots", "made", "fresh", "remade", "finished",
-                 "__weakref__")
+                 "autocast", "buffers", "metas", "slots", "made", "fresh", "remade",
+                 "finished", "__weakref__")
 
     def __init__(self, layer: torch.nn.Module, index: int, group: Group, call: Call,
                  kept: list[SavedEntry]) -> None:
         self.layer, self.index, self.group = layer, index, group
         self.leaves, self.spec, self.grads = call.leaves, call.spec, call.grads
         self.kept = kept
-        self.rng = RandomState(call.tensors)
+        self.rng = RandomState([*call.tensors, *layer.parameters()])
         self.autocast = autocast_state(call.tensors)
+        # the buffers as the first run found them (later forwards may change them first)
+        self.buffers = [(b, b.clone()) for b in layer.buffers()]
         self.metas: list[tuple[torch.Size, torch.dtype]] = []
         self.slots: list[SavedEntry | None] = []
         self.made = 0  # slots the running recompute has filled
@@ -93,7 +97,7 @@ class Frame:
                store: Callable[[torch.Tensor], torch.Tensor]) -> None:
         """Call the layer again on ``inputs`` (its kept tensors, read back), each tensor its
         ops save going to ``store`` (:meth:`store`, counted), as its first run went: same
-        random state, autocast and grad mode, its buffers put back afterwards."""
+        random state, autocast, grad mode and buffers (theirs put back afterwards)."""
         import torch
         from torch.utils._pytree import tree_unflatten
 
@@ -105,7 +109,10 @@ class Frame:
         args, kwargs = tree_unflatten(leaves, self.spec)
         self.slots, self.made = [None] * len(self.metas), 0
         self.fresh, self.remade = {}, 0
-        buffers = [(b, b.clone()) for b in self.layer.buffers()]
+        buffers = [(b, b.clone()) for b, _ in self.buffers]
+        with torch.no_grad():
+            for buffer, first in self.buffers:
+                buffer.copy_(first)
         token = _remaking.set(True)
         try:
             with ExitStack() as stack:
@@ -171,15 +178,16 @@ class Frame:
         """Drop the kept inputs and whatever a recompute left (after the layer's backward):
         a later read raises."""
         self.finished = True
-        self.kept, self.slots, self.fresh = [], [], {}
+        self.kept, self.slots, self.fresh, self.buffers = [], [], {}, []
 
     def describe(self) -> str:
         return f"recomputed layer {self.index} ({type(self.layer).__name__})"
 
 
 class RandomState:
-    """The random state a layer's forward started from: the CPU generator's and, for tensors
-    on an accelerator, its devices' (as ``torch.utils.checkpoint`` keeps them)."""
+    """The random state a layer's forward started from: the CPU generator's and, for the
+    accelerators its inputs and parameters are on, theirs (as ``torch.utils.checkpoint``
+    keeps them)."""
 
     def __init__(self, tensors: list[torch.Tensor]) -> None:
         import torch
@@ -261,7 +269,10 @@ def recompute_hooks(manager: Any, layers: list[torch.nn.Module],
             if not remaking():
                 manager.end_recording(module)
 
-        handles.append(layer.register_forward_pre_hook(before, with_kwargs=True))
+        # first of the layer's pre-hooks: it records the call as made, and a recompute
+        # makes that call again, through the user's pre-hooks once more
+        handles.append(layer.register_forward_pre_hook(before, with_kwargs=True,
+                                                       prepend=True))
         handles.append(layer.register_forward_hook(after))
 
     def remove() -> None:
