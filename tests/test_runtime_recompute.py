@@ -103,8 +103,13 @@ def test_a_budget_swapping_alone_cannot_meet_is_met_by_recomputing() -> None:
     per_rank = _trained("1f1b P2 M4 64KiB")
     swap_only = []
     for rank, result in enumerate(per_rank):
-        never = budget_policy(config.but(recompute="never"), result["no-swap"],
-                              layer_counts)
+        plain = result["no-swap"]  # measured layer by layer: what the budget plans on
+        assert plain.layer_held.keys() == plain.chunk_bytes.keys()
+        assert all(sum(sizes) == plain.chunk_bytes[key][0] and len(sizes) == layer_counts[key[0]]
+                   for key, sizes in plain.layer_held.items())
+        assert all(len(plain.layer_inputs[key]) == len(sizes)
+                   for key, sizes in plain.layer_held.items())
+        never = budget_policy(config.but(recompute="never"), plain, layer_counts)
         build_schedule(_spec(config), never)
         swap_only.append(never.outcomes[rank].shortfall)
         swap = result["swap"]

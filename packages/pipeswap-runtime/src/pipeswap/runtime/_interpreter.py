@@ -85,6 +85,7 @@ class Interpreter:
         self.active: dict[int, LayerChain] = {}
         self.recomputing: dict[int, frozenset[int]] = {}
         self.layer_marks: dict[int, LayerMarks] = {}  # per stage, a chunk held whole
+        self.measure_layers = False  # measure every chunk held whole, layer by layer
         self.splits = {index: SplitCache() for index in stages}
 
     def run(self, state: StepState, step: Step) -> None:
@@ -174,8 +175,8 @@ class Interpreter:
             self.active[stage_index] = chain
         if redo is not None:  # these layers keep their inputs and run again in backward
             state.memory.recomputed_layers += len(redo)
-        marks = None  # a chunk held whole is measured layer by layer where it is accounted
-        if chain is None and (redo is not None or state.memory.every_chunk):
+        marks = None  # a chunk held whole, measured layer by layer where asked (or recomputed)
+        if chain is None and (redo is not None or self.measure_layers):
             marks = self.layer_marks[stage_index] = LayerMarks(state.session.name(key))
         if redo is not None or marks is not None:
             self.recomputing[stage_index] = redo or frozenset()

@@ -117,6 +117,9 @@ class PipelineExecutor:
     compute of a step and its waits for copies (:attr:`StepReport.compute_seconds`,
     :attr:`StepReport.copy_wait_seconds`), the device synchronized around each, so slower;
     what :func:`pipeswap.runtime.costs.measured_costs` makes a cost model of.
+    ``measure_layers`` (an attribute, off by default; with ``account_activations``): measure
+    every chunk held whole layer by layer (:attr:`StepReport.layer_held`, ``layer_inputs``),
+    what a budget plans recompute on; a chunk with recomputed layers is always measured.
 
     Data parallel: ``mesh``, a 2-D DeviceMesh with dimensions named ``"pp"`` and ``"dp"``
     (the stages' group must be ``mesh.get_group("pp")``), or ``dp_group``, the data-parallel
@@ -189,6 +192,7 @@ class PipelineExecutor:
         self.account = swap if account_activations is None else account_activations
         self.measure_allocator = measure_allocator
         self.measure_compute = False
+        self.measure_layers = False
         self.dp_group = _setup.data_parallel_group(mesh, dp_group, self.group)
         self.dp_size = 1 if self.dp_group is None else dist.get_world_size(self.dp_group)
         self._spans_world = replay is not None or self.world == dist.get_world_size()
@@ -261,7 +265,7 @@ class PipelineExecutor:
         self._hooks = [layer_hooks(stage.layers, partial(active.get, stage.stage_index))
                        for stage in self.stages
                        if any(key[0] == stage.stage_index for key in self.streamed)]
-        marks = self._interpreter.layer_marks  # accounted chunks are measured per layer
+        marks = self._interpreter.layer_marks  # chunks measured per layer (measure_layers)
         self._hooks += [recompute_hooks(
             self.manager, stage.layers, partial(recomputing.get, stage.stage_index),
             partial(_layer_started, self.manager, marks, stage.stage_index))
@@ -395,6 +399,7 @@ class PipelineExecutor:
                 if state.micro_inputs:
                     self._input_meta = BoundaryMeta.of(state.micro_inputs[0], "the inputs")[0]
             times = StepTimes() if self.measure_compute else None
+            self._interpreter.measure_layers = self.measure_layers and self.account
             for at in self.schedule.orders[self.rank]:
                 if at is None:
                     continue

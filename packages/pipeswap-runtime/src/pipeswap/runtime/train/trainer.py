@@ -190,6 +190,7 @@ class Trainer:
             autocast_dtype=torch.bfloat16 if config.model.dtype == "bf16" else None,
             failure_timeout_s=None if self.platform.device.type == "cpu" or self.replay
             else config.job.timeout_s)
+        executor.measure_layers = True  # each chunk's layers: what a budget plans on
         result = ModeResult(first_step=done + 1, swapped_chunks=len(executor.swapped),
                             streamed_chunks=len(executor.streamed),
                             parameter_bytes=None if built is None else built.held_bytes,
