@@ -123,8 +123,13 @@ class PeakPolicy:
         """Before the swap pass plans any rank: where the policy chooses what to recompute,
         keep ``schedule``, against which a rank weighs its plans in the whole pipeline (a
         copy's stall where a later rank's slack absorbs it costs nothing there, a recompute
-        on the critical path costs in full)."""
-        self._given = schedule if self.recompute == "auto" and self.budget is not None else None
+        on the critical path costs in full). Only where the cost model times every stage
+        (a rank's own measured costs leave the others at placeholder times, which would
+        make every stall look absorbed): else each rank weighs them on its own timeline."""
+        stages = self.costs.stages
+        timed = not stages or all(stage in stages for stage in range(schedule.num_stages))
+        self._given = (schedule if timed and self.recompute == "auto"
+                       and self.budget is not None else None)
         self._planned = {}
 
     def recomputed(self, rank: int) -> dict[ChunkKey, tuple[int, ...]]:
