@@ -167,9 +167,10 @@ def parse_args(argv: list[str] | None) -> tuple[TrainConfig, argparse.Namespace]
                              "the default)")
     parser.add_argument("--budget", type=_bytes, metavar="BYTES",
                         help="with the peak policy: keep each rank's saved activations under "
-                             "BYTES (e.g. 3MiB), exposing copies where needed, planned on the "
-                             "chunk sizes the run without swap measures (so not with "
-                             "--swap-only or --no-swap)")
+                             "BYTES (e.g. 3MiB), exposing copies or recomputing layers where "
+                             "needed (see --recompute), planned on the chunk and layer sizes "
+                             "the run without swap measures (so not with --swap-only or "
+                             "--no-swap); a budget no plan meets is reported per rank")
     parser.add_argument("--recompute", choices=RECOMPUTE_MODES,
                         help="with --budget: auto (the default) lets the plan also recompute "
                              "layers (keep a layer's input, run its forward again just before "
