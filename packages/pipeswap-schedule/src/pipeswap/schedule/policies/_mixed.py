@@ -60,7 +60,6 @@ class Trial(Generic[_Outcome]):
     recomputed: Mapping[ChunkKey, tuple[int, ...]]
     placements: dict[ChunkKey, SwapPlacement]
     outcome: _Outcome
-    finish: float = 0.0  # when the rank's order ends with this plan, run alone
 
     @property
     def free(self) -> bool:
@@ -69,8 +68,10 @@ class Trial(Generic[_Outcome]):
 
     @property
     def merit(self) -> tuple[int, float, float]:
-        """Smaller is better: the budget's shortfall, when the rank ends, the recompute."""
-        return self.outcome.shortfall, self.finish, self.outcome.recompute_s
+        """Smaller is better: the budget's shortfall, the time added, the recompute."""
+        outcome = self.outcome
+        return (outcome.shortfall, outcome.exposed_copy + outcome.recompute_s,
+                outcome.recompute_s)
 
 
 @dataclass(frozen=True)

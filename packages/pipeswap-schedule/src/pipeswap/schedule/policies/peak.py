@@ -98,7 +98,7 @@ class PeakPolicy:
     recompute: str = "never"
     chosen_recompute: dict[int, dict[ChunkKey, tuple[int, ...]]] = field(default_factory=dict)
     _given: Schedule | None = field(default=None, repr=False)  # the schedule prepared on
-    # the orders of the ranks planned against it so far, where weighed in the pipeline
+    # the orders of the ranks planned against it so far
     _planned: dict[int, Order] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
@@ -146,6 +146,9 @@ class PeakPolicy:
             trial = self._mixed(candidates, order, rank, budget)
             if trial.recomputed:
                 self.chosen_recompute[rank] = dict(trial.recomputed)
+            if self._given is not None:  # the later ranks weigh their plans against it
+                self._planned[rank] = tuple(inject_swap_order(
+                    order, Fixed(trial.placements, trial.recomputed), rank=rank))
             self.outcomes[rank] = trial.outcome
             return trial.placements
         placements, self.outcomes[rank] = self.plan(candidates, order, rank, budget, given)
@@ -201,7 +204,7 @@ class PeakPolicy:
             own figures are estimates), as the simulator runs it."""
             run = simulate_alone(tuple(inject_swap_order(
                 order, Fixed(trial.placements, trial.recomputed), rank=rank)), rank, self.costs)
-            return replace(trial, finish=run.step_time, outcome=replace(
+            return replace(trial, outcome=replace(
                 trial.outcome, peak=run.peak_activation_bytes, exposed_copy=run.exposed_copy,
                 recompute_s=run.recompute_s))
 
@@ -216,6 +219,7 @@ class PeakPolicy:
             sum(len(layers) for layers in alone.layers.values()),
             sum(forward[key[0]] * len(layers) for key, layers in alone.layers.items())))
         alone_trial = exactly(alone_trial)
+
         def in_pipeline(trials: list[Trial[PeakOutcome]]) -> Trial[PeakOutcome]:
             """The trial whose order gives the whole schedule (the ranks planned so far as
             planned, the rest as given) the shortest step, then the least recompute: a
@@ -231,10 +235,7 @@ class PeakPolicy:
                 run = simulate(replace(given, orders=tuple(orders)), self.costs, timeline=False)
                 return run.step_time, trial.outcome.recompute_s
 
-            chosen = min(trials, key=step)
-            self._planned[rank] = tuple(inject_swap_order(
-                order, Fixed(chosen.placements, chosen.recomputed), rank=rank))
-            return chosen
+            return min(trials, key=step)
 
         layers_of = layer_counts(self.costs)
         best = search(evaluate, _groups(candidates), layers_of,
