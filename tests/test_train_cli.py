@@ -113,6 +113,9 @@ def test_a_budget_keeps_every_rank_under_it_with_bit_identical_losses() -> None:
     for entry in summary["per_rank"]:
         assert entry["peak_activation_bytes_no_swap"] > budget
         assert entry["peak_activation_bytes_swap"] <= budget, entry
+        # what the plan expects of the step, the simulator's on the measured costs
+        assert entry["step_time_s_swap_predicted"] > 0
+        assert entry["exposed_copy_s_swap_predicted"] >= 0
 
 
 def test_under_torchrun_dp_makes_replicas_of_the_pipeline() -> None:
@@ -237,3 +240,21 @@ def test_a_replayed_rank_reports_itself_alone(tmp_path: Path) -> None:
     assert "[   swap] step 1/1" in caught.getvalue() and "peak activations" in caught.getvalue()
     assert "rank 0 of 2 replayed alone" in table
     assert "losses with and without swap" not in table
+
+
+def test_a_replayed_rank_plans_a_budget_as_the_full_run_would() -> None:
+    """--replay-rank with --budget: the rank plans on its own measured sizes, recomputes
+    layers where swap alone cannot reach the budget, lands on the plan's peak to the byte
+    and under the budget, with bit-identical losses and a predicted step time."""
+    budget = 100_000  # rank 1 of GPipe P=2 M=4 holds about 650 KB without swap
+    config, _ = parse_args(["--replay-rank", "1", "--ranks", "2", *SMALL,
+                            "--budget", str(budget), "--json"])
+    summary = summarize(config, [run_rank(1, 1, config)])
+    assert summary["losses_match"] is True and summary["max_abs_loss_diff"] == 0.0
+    (entry,) = summary["per_rank"]
+    assert entry["rank"] == 1 and entry["recomputed_layers"] > 0
+    assert entry["peak_activation_bytes_no_swap"] > budget
+    assert entry["peak_activation_bytes_swap"] == entry["planned_peak_bytes_swap"] <= budget
+    assert entry["budget_shortfall_bytes"] == 0
+    assert entry["step_time_s_swap_predicted"] > 0
+    assert entry["exposed_copy_s_swap_predicted"] >= 0

@@ -55,7 +55,6 @@ BAD = [
     (["--replay-rank", "4"], ["--replay-rank 4", "ranks 0 to 3"]),
     (["--replay-rank", "-1"], ["--replay-rank -1", "ranks 0 to 3"]),
     (["--replay-rank", "0", "--dp", "2", "--fsdp"], ["--replay-rank", "drop --dp and --fsdp"]),
-    (["--replay-rank", "0", "--budget", "1MiB"], ["--replay-rank without --budget"]),
     (["--replay-rank", "0", "--checkpoint-dir", "x"], ["no --checkpoint-dir or --resume"]),
     (["--seed", str(2**64)], ["--seed must be at most 18446744073709551615", "64-bit"]),
     (["--batch-size", "0"], ["--batch-size must be at least 1, got 0"]),

@@ -321,9 +321,6 @@ def _check_replay(parser: argparse.ArgumentParser, config: TrainConfig, torchrun
     if config.parallel.meshed:
         parser.error("--replay-rank replays one rank of one pipeline: drop --dp and --fsdp "
                      "(FSDP's collectives need the other ranks)")
-    if config.swap.budget is not None:
-        parser.error("--budget plans on every rank's measured chunk sizes, which a replay "
-                     "of one rank does not have: give --replay-rank without --budget")
     if config.checkpoint.save_dir is not None or config.checkpoint.resume is not None:
         parser.error("--replay-rank trains fresh weights of one rank for a few steps to "
                      "measure it: no --checkpoint-dir or --resume")

@@ -206,9 +206,13 @@ class Trainer:
                             "at %s (%s over), %d layers recomputed per step", mode,
                             f"{config.swap.budget:,}", mib(outcome.peak),
                             mib(outcome.shortfall), outcome.recomputed_layers)
-        if costs is not None and executor.predicted is not None:
-            result.predicted_exposed_copy = executor.predicted.exposed_copy
-            result.predicted_step_seconds = self._predicted_step(executor, costs)
+        # what the plan expects: the default policy's, or the budget's (planned on the
+        # measured layer sizes too, which its recomputed layers need)
+        predicted = executor.predicted if planner is None else outcome
+        if costs is not None and predicted is not None:
+            result.predicted_exposed_copy = predicted.exposed_copy
+            result.predicted_step_seconds = self._predicted_step(
+                executor, costs if planner is None else planner.costs)
         result.setup_seconds = time.perf_counter() - begun
         if config.job.verbose and (self.replaying or self.rank == 0):
             log.info("[%7s] set up in %.2f s (stages, schedule, swap plan)", mode,
