@@ -179,6 +179,11 @@ class Trainer:
         if mode == "swap" and config.swap.budget is not None:
             policy = planner = budget_policy(config, earlier["no-swap"], self.layer_counts,
                                              costs)
+            if config.job.verbose and (self.replaying or self.rank == 0):
+                log.info("[%7s] planning swap%s under the budget of %s bytes a rank "
+                         "(a search over plans: seconds at 8 stages, minutes at 64)", mode,
+                         " and recompute" if config.swap.recompute == "auto" else "",
+                         f"{config.swap.budget:,}")
         elif costs is not None and config.swap.policy == "peak":
             policy = None  # the executor's default, on the measured costs
         executor = PipelineExecutor(
