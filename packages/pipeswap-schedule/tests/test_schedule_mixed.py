@@ -119,23 +119,26 @@ def test_the_mix_is_never_slower_than_swap_alone_or_recompute_alone(chunks: floa
 @pytest.mark.parametrize("bandwidth", [55e9, 80e9])
 def test_where_a_stalled_swap_costs_less_than_recompute_the_mix_swaps_alone(
         bandwidth: float) -> None:
-    """A faster link, two chunks' budget: swap alone meets it with a short stall. At 55 GB/s
-    the stall is cheaper than any recompute that would hide every copy, on the rank's own
-    timeline too. At 80 GB/s rank 0's 18 ms stall costs more there than two recomputed
-    layers, but falls where the pipeline waits anyway and the recompute does not: weighed
-    in the whole schedule, the mix swaps alone and is as fast as no swap (without that it
-    was 1.5% slower)."""
+    """A faster link, two chunks' budget: swap alone meets it with a short stall, cheaper
+    than any recompute, so the mix swaps only. At 80 GB/s rank 0's 18 ms stall costs more on
+    its own timeline than two recomputed layers, but falls where the pipeline waits anyway
+    and the recompute does not: weighed in the whole schedule, the mix is as fast as no swap
+    (without that it was 1.5% slower). At 55 GB/s the plan alike on every chunk (each
+    streamed, one slot a copy) stalls where the pipeline absorbs much of it: 2.4% over no
+    swap, where the greedy swap alone is 9% over."""
     fast = replace(GEN4, link=Link(bandwidth, bandwidth))
     plain = simulate(build_schedule(replace(SPEC, swap=False)), fast)
     budget = int(max(r.peak_activation_bytes for r in plain.ranks) / 2)
     mixed = PeakPolicy(fast, budget, recompute="auto")
     result = simulate(build_schedule(SPEC, mixed), fast)
     alone = simulate(build_schedule(SPEC, PeakPolicy(fast, budget)), fast)
-    assert result.step_time == alone.step_time
     assert mixed.outcomes[0].exposed_copy > 0 and mixed.outcomes[0].met
+    assert all(rank.peak_activation_bytes <= budget for rank in result.ranks)
     assert all(rank.recomputed_layers == 0 for rank in result.ranks)
     if bandwidth == 80e9:
-        assert alone.step_time == pytest.approx(plain.step_time)
+        assert result.step_time == alone.step_time == pytest.approx(plain.step_time)
+    else:
+        assert result.step_time < alone.step_time * 0.95
 
 
 def test_a_mixed_plan_on_one_rank_predicts_its_peak_exactly() -> None:

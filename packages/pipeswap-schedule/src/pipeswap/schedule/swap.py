@@ -28,7 +28,7 @@ def inject_swap(schedule: Schedule, policy: SwapPolicy | None = None, *,
     are, and costs one rank's planning instead of all of them."""
     chosen = default_policy() if policy is None else policy
     if isinstance(chosen, PreparingPolicy):
-        chosen.prepare(schedule)
+        chosen.prepare(schedule, ranks)
     return schedule.map_orders(
         lambda rank, order: order if ranks is not None and rank not in ranks
         else inject_swap_order(order, chosen, rank=rank))

@@ -16,9 +16,11 @@ kept input too) with copies that hide.
 More recompute holds less, so the search starts with every layer recomputed and lowers one
 group's level at a time, by bisection, as far as the swap plan still meets the budget with
 every copy hidden. The plan kept is the fastest (the stall plus the recompute seconds) of
-that mix, swap alone (copies stalling where the budget needs them) and recompute alone,
-among those that meet the budget, or the one that comes closest; so, on the rank's own
-timeline, the mix is never slower than either alone.
+that mix, swap alone (copies stalling where the budget needs them), recompute alone and the
+plans alike on every chunk (:func:`alike`: the same layers recomputed and the same
+streaming, copies stalling where the link falls short), among those that meet the budget,
+or the one that comes closest; so, on the rank's own timeline, the mix is never slower than
+either alone.
 """
 
 from __future__ import annotations
@@ -119,13 +121,15 @@ def ladder(keys: Sequence[ChunkKey], layers_of: Callable[[ChunkKey], int], level
 def search(evaluate: Callable[[Mapping[ChunkKey, tuple[int, ...]], bool], Trial[_Outcome]],
            groups: Sequence[Sequence[ChunkKey]], layers_of: Callable[[ChunkKey], int],
            levels: int, alone: Trial[_Outcome],
-           pick: Callable[[list[Trial[_Outcome]]], Trial[_Outcome]] | None = None
+           pick: Callable[[list[Trial[_Outcome]]], Trial[_Outcome]] | None = None,
+           others: Callable[[], list[Trial[_Outcome]]] | None = None
            ) -> Trial[_Outcome]:
-    """The best of the mix, swap alone and recompute alone (``alone``); see the module
+    """The best of the mix, swap alone, recompute alone (``alone``) and ``others`` (made
+    only where swap alone does not meet the budget with its copies hidden); see the module
     docstring. ``evaluate(recomputed, stall)`` plans the swap around recomputed layers,
     taking copies that stall compute only with ``stall``; ``groups`` partition the rank's
-    chunks, each in forward order. ``pick`` chooses among the three where more than one
-    meets the budget (default: the best :attr:`Trial.merit`)."""
+    chunks, each in forward order. ``pick`` chooses among those that meet the budget where
+    more than one does (default: the best :attr:`Trial.merit`)."""
     swap_alone = evaluate({}, True)
     if swap_alone.free:
         return swap_alone
@@ -155,10 +159,41 @@ def search(evaluate: Callable[[Mapping[ChunkKey, tuple[int, ...]], bool], Trial[
         tried.append(at(tuple(current)))
     else:  # even everything recomputed needs stalls
         tried.append(evaluate(at(tuple(current)).recomputed, True))
+    if others is not None:
+        tried += others()
     meeting = [trial for trial in tried if trial.outcome.shortfall == 0]
     if pick is not None and len(meeting) > 1:
         return pick(meeting)
     return min(tried, key=lambda trial: trial.merit)
+
+
+def alike(candidates: Sequence[SwapCandidate], layers_of: Callable[[ChunkKey], int],
+          granularity: str
+          ) -> list[tuple[dict[ChunkKey, tuple[int, ...]], dict[ChunkKey, SwapPlacement]]]:
+    """The rank's plans alike on every chunk: its first ``k`` layers recomputed (``k`` from
+    0 to one short of its layers), the rest streamed with a lag of ``d`` layers (whole where
+    it has one layer or ``granularity`` is chunk), one compute slot for each copy (none for
+    the load where the backward comes two slots after the forward; a chunk whose backward
+    comes right after its forward is not swapped). Their copies may stall where a slow link
+    cannot keep up, which the greedy plans never take where the budget can be met without:
+    in a pipeline another rank's slack may absorb such a stall, and one recomputed layer a
+    chunk instead of two saves more than it costs."""
+    most = max((layers_of(c.key) for c in candidates), default=1)
+    lags = [0] if granularity == "chunk" or most == 1 else list(range(1, most + 1))
+    plans = []
+    for k in range(most):
+        for lag in lags:
+            recomputed: dict[ChunkKey, tuple[int, ...]] = {}
+            placements: dict[ChunkKey, SwapPlacement] = {}
+            for c in candidates:
+                count = layers_of(c.key)
+                if 0 < k < count:
+                    recomputed[c.key] = tuple(range(k))
+                if c.gap >= 2:
+                    placements[c.key] = SwapPlacement(
+                        1, min(1, c.gap - 2), min(lag, count) if count > 1 else 0)
+            plans.append((recomputed, placements))
+    return plans
 
 
 def layer_counts(costs: CostModel) -> Callable[[ChunkKey], int]:

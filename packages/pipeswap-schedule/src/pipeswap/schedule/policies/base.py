@@ -90,9 +90,10 @@ class RecomputingPolicy(SwapPolicy, Protocol):
 @runtime_checkable
 class PreparingPolicy(SwapPolicy, Protocol):
     """A swap policy that looks at the whole schedule before it plans any rank: the swap
-    pass calls :meth:`prepare` once, with the schedule it is given."""
+    pass calls :meth:`prepare` once, with the schedule it is given and the ranks it will
+    plan (None: all)."""
 
-    def prepare(self, schedule: Schedule) -> None:
+    def prepare(self, schedule: Schedule, ranks: Collection[int] | None = None) -> None:
         ...
 
 

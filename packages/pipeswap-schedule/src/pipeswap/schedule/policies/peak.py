@@ -9,7 +9,8 @@ with a short gap.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+import math
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from functools import partial
 
@@ -17,7 +18,15 @@ from pipeswap.schedule.costs import CostModel
 from pipeswap.schedule.errors import ScheduleError
 from pipeswap.schedule.policies._chunk_plan import ChunkPlan
 from pipeswap.schedule.policies._layer_plan import LayerPlan, Way
-from pipeswap.schedule.policies._mixed import Fixed, Trial, layer_counts, levels_for, search
+from pipeswap.schedule.policies._mixed import (
+    Fixed,
+    Trial,
+    alike,
+    layer_counts,
+    levels_for,
+    search,
+)
+from pipeswap.schedule.policies._pipeline import choose
 from pipeswap.schedule.policies._points import Points, Redo
 from pipeswap.schedule.policies._slots import Timeline
 from pipeswap.schedule.policies.base import SwapCandidate, SwapPlacement
@@ -26,7 +35,7 @@ from pipeswap.schedule.recompute import recomputed_in
 from pipeswap.schedule.schedule import Schedule
 from pipeswap.schedule.simulate import simulate, simulate_alone
 from pipeswap.schedule.steps import ChunkKey, Order, StepType
-from pipeswap.schedule.swap_order import inject_swap_order
+from pipeswap.schedule.swap_order import inject_swap_order, swap_candidates
 
 
 @dataclass(frozen=True)
@@ -87,8 +96,10 @@ class PeakPolicy:
     holds (and a swap of it moves) only what its forward kept, and its backward runs its
     forward again. With ``recompute="auto"`` and a budget, the policy also chooses what to
     recompute, rank by rank (:mod:`pipeswap.schedule.policies._mixed`): the fastest of swap
-    alone, recompute alone and mixes of the two, and :func:`~pipeswap.schedule.swap.inject_swap`
-    adds the RC steps (:meth:`recomputed`).
+    alone, recompute alone, mixes of the two and plans alike on every chunk, weighed in the
+    whole pipeline where the cost model times every stage
+    (:mod:`pipeswap.schedule.policies._pipeline`), and
+    :func:`~pipeswap.schedule.swap.inject_swap` adds the RC steps (:meth:`recomputed`).
     """
 
     costs: CostModel
@@ -98,8 +109,8 @@ class PeakPolicy:
     recompute: str = "never"
     chosen_recompute: dict[int, dict[ChunkKey, tuple[int, ...]]] = field(default_factory=dict)
     _given: Schedule | None = field(default=None, repr=False)  # the schedule prepared on
-    # the orders of the ranks planned against it so far
-    _planned: dict[int, Order] = field(default_factory=dict, repr=False)
+    # each rank's plan, chosen in the whole pipeline by prepare
+    _decided: dict[int, Trial[PeakOutcome]] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         if self.granularity not in GRANULARITIES:
@@ -119,18 +130,59 @@ class PeakPolicy:
             raise ScheduleError(f"the memory budget gives no figure for rank {rank}")
         return self.budget[rank]
 
-    def prepare(self, schedule: Schedule) -> None:
-        """Before the swap pass plans any rank: where the policy chooses what to recompute,
-        keep ``schedule``, against which a rank weighs its plans in the whole pipeline (a
-        copy's stall where a later rank's slack absorbs it costs nothing there, a recompute
-        on the critical path costs in full). Only where the cost model times every stage
-        (a rank's own measured costs leave the others at placeholder times, which would
-        make every stall look absorbed): else each rank weighs them on its own timeline."""
+    def prepare(self, schedule: Schedule, ranks: Collection[int] | None = None) -> None:
+        """Before the swap pass plans any rank (of ``ranks``, default all): where the policy
+        chooses what to recompute and the cost model times every stage, find each rank's
+        plans that meet its budget and choose among them in the whole pipeline
+        (:mod:`pipeswap.schedule.policies._pipeline`): a copy's stall where another rank's
+        slack absorbs it costs nothing there, a recompute on the critical path costs in
+        full. The ranks choose in turn from two starts: the other ranks as given, and each
+        rank over its budget planned alike on every chunk (:meth:`_alike_start`). A cost
+        model that times some stages only (a rank's own measurements) would leave the
+        others at placeholder times and make every stall look absorbed: there each rank
+        weighs its plans on its own timeline, in :meth:`select`."""
         stages = self.costs.stages
         timed = not stages or all(stage in stages for stage in range(schedule.num_stages))
         self._given = (schedule if timed and self.recompute == "auto"
                        and self.budget is not None else None)
-        self._planned = {}
+        self._decided = {}
+        if self._given is None:
+            return
+        options: dict[int, list[Trial[PeakOutcome]]] = {}
+        for rank in range(len(schedule.orders)) if ranks is None else sorted(ranks):
+            order, budget = schedule.orders[rank], self.budget_for(rank)
+            candidates = swap_candidates(order, rank)
+            if budget is not None and candidates and not recomputed_in(order):
+                options[rank] = self._mixed(candidates, order, rank, budget, every=True)
+        self._decided = choose(schedule, self.costs, options,
+                               [{}, self._alike_start(schedule, options)],
+                               lambda trial: trial.outcome.recompute_s)
+
+    def _alike_start(self, schedule: Schedule, ranks: Collection[int]) -> dict[int, Order]:
+        """The orders of those of ``ranks`` over their budget without swap, each planned
+        alike on every chunk (:func:`~pipeswap.schedule.policies._mixed.alike`, the same
+        choice on each), the choice giving the shortest step among those that keep every
+        one of them within its budget; none where no choice does."""
+        plain = simulate(schedule, self.costs, timeline=False)
+        over = [rank for rank in sorted(ranks) if plain.ranks[rank].peak_activation_bytes
+                > (self.budget_for(rank) or 0)]
+        layers_of = layer_counts(self.costs)
+        plans = {rank: alike(swap_candidates(schedule.orders[rank], rank), layers_of,
+                             self.granularity) for rank in over}
+        best: tuple[float, dict[int, Order]] = (math.inf, {})
+        for choice in range(min((len(found) for found in plans.values()), default=0)):
+            orders: dict[int, Order] = {}
+            for rank in over:
+                recomputed, placements = plans[rank][choice]
+                orders[rank] = tuple(inject_swap_order(
+                    schedule.orders[rank], Fixed(placements, recomputed), rank=rank))
+            every = tuple(orders.get(rank, order) for rank, order in enumerate(schedule.orders))
+            run = simulate(replace(schedule, orders=every), self.costs, timeline=False)
+            if run.step_time < best[0] and all(
+                    run.ranks[rank].peak_activation_bytes <= (self.budget_for(rank) or 0)
+                    for rank in over):
+                best = (run.step_time, orders)
+        return best[1]
 
     def recomputed(self, rank: int) -> dict[ChunkKey, tuple[int, ...]]:
         """The layers :meth:`select` chose to recompute on ``rank``, per chunk."""
@@ -142,15 +194,15 @@ class PeakPolicy:
         budget = self.budget_for(rank)
         given = recomputed_in(order)
         self.chosen_recompute.pop(rank, None)
-        if self.recompute == "auto" and budget is not None and not given and candidates:
-            trial = self._mixed(candidates, order, rank, budget)
-            if trial.recomputed:
-                self.chosen_recompute[rank] = dict(trial.recomputed)
-            if self._given is not None:  # the later ranks weigh their plans against it
-                self._planned[rank] = tuple(inject_swap_order(
-                    order, Fixed(trial.placements, trial.recomputed), rank=rank))
-            self.outcomes[rank] = trial.outcome
-            return trial.placements
+        decided = self._decided.get(rank)
+        if decided is None and self.recompute == "auto" and budget is not None and not given \
+                and candidates:
+            (decided,) = self._mixed(candidates, order, rank, budget)
+        if decided is not None:
+            if decided.recomputed:
+                self.chosen_recompute[rank] = dict(decided.recomputed)
+            self.outcomes[rank] = decided.outcome
+            return decided.placements
         placements, self.outcomes[rank] = self.plan(candidates, order, rank, budget, given)
         return placements
 
@@ -193,8 +245,10 @@ class PeakPolicy:
         return out
 
     def _mixed(self, candidates: Sequence[SwapCandidate], order: Order, rank: int,
-               budget: int) -> Trial[PeakOutcome]:
-        """Keep, offload or recompute (see :mod:`pipeswap.schedule.policies._mixed`)."""
+               budget: int, every: bool = False) -> list[Trial[PeakOutcome]]:
+        """Keep, offload or recompute (see :mod:`pipeswap.schedule.policies._mixed`): the
+        rank's best plan on its own timeline, or (``every``) each of its plans that meets
+        the budget, where more than one does, for the pipeline to choose from."""
         keys = [c.key for c in candidates]
         forward = {stage: self.costs.compute_time(StepType.FWD, stage, rank)
                    / self.costs.stage_layers(stage) for stage in {key[0] for key in keys}}
@@ -220,29 +274,26 @@ class PeakPolicy:
             sum(forward[key[0]] * len(layers) for key, layers in alone.layers.items())))
         alone_trial = exactly(alone_trial)
 
-        def in_pipeline(trials: list[Trial[PeakOutcome]]) -> Trial[PeakOutcome]:
-            """The trial whose order gives the whole schedule (the ranks planned so far as
-            planned, the rest as given) the shortest step, then the least recompute: a
-            stall that another rank's slack absorbs costs nothing there, a recompute on
-            the critical path does."""
-            assert self._given is not None
-            given = self._given
-
-            def step(trial: Trial[PeakOutcome]) -> tuple[float, float]:
-                orders = [self._planned.get(r, order) for r, order in enumerate(given.orders)]
-                orders[rank] = tuple(inject_swap_order(
-                    order, Fixed(trial.placements, trial.recomputed), rank=rank))
-                run = simulate(replace(given, orders=tuple(orders)), self.costs, timeline=False)
-                return run.step_time, trial.outcome.recompute_s
-
-            return min(trials, key=step)
-
         layers_of = layer_counts(self.costs)
+
+        def alike_trials() -> list[Trial[PeakOutcome]]:
+            return [exactly(Trial(recomputed, placements, PeakOutcome(
+                rank, 0, alone.plain, 0.0, budget,
+                sum(len(layers) for layers in recomputed.values()))))
+                for recomputed, placements in alike(candidates, layers_of, self.granularity)]
+
+        meeting: list[Trial[PeakOutcome]] = []
+
+        def keep(trials: list[Trial[PeakOutcome]]) -> Trial[PeakOutcome]:
+            meeting.extend(trials)
+            return trials[0]
+
         best = search(evaluate, _groups(candidates), layers_of,
                       levels_for([layers_of(key) for key in keys]), alone_trial,
-                      in_pipeline if self._given is not None else None)
+                      keep if every else None, alike_trials)
         # the peak without swap is the one without recompute either
-        return replace(best, outcome=replace(best.outcome, peak_no_swap=alone.plain))
+        return [replace(trial, outcome=replace(trial.outcome, peak_no_swap=alone.plain))
+                for trial in meeting or [best]]
 
     def _by_layer(self, candidates: Sequence[SwapCandidate]) -> bool:
         """Whether to plan at layer resolution: streaming asked for, or allowed and some

@@ -1,0 +1,74 @@
+"""Choosing each rank's plan in the whole pipeline, where the cost model times every stage.
+
+A rank's own timeline cannot tell a copy's stall that another rank's slack absorbs (it costs
+nothing) from one on the critical path, nor a recompute off that path from one on it. So
+where a rank has more than one plan that meets its budget, it keeps the one that gives the
+whole schedule the shortest step, every other rank as its plan stands. The ranks choose in
+turn, so each choice depends on where the others start: ranks left as given (no swap, no
+recompute) make a rank's stalls look cheaper than they will be once the ranks after it
+swap too, while ranks that already meet their budgets make them look as they will be. Both
+starts are tried, and the pipeline keeps the one whose last step is shorter.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
+from typing import TypeVar
+
+from pipeswap.schedule.costs import CostModel
+from pipeswap.schedule.policies._mixed import Fixed, Outcome, Trial
+from pipeswap.schedule.schedule import Schedule
+from pipeswap.schedule.simulate import simulate
+from pipeswap.schedule.steps import Order
+from pipeswap.schedule.swap_order import inject_swap_order
+
+_Outcome = TypeVar("_Outcome", bound=Outcome)
+
+
+def order_of(order: Order, rank: int, trial: Trial[_Outcome]) -> Order:
+    """``order`` with ``trial``'s swap and recompute steps."""
+    return tuple(inject_swap_order(order, Fixed(trial.placements, trial.recomputed),
+                                   rank=rank))
+
+
+def step_time(given: Schedule, costs: CostModel, orders: Mapping[int, Order]) -> float:
+    """The whole schedule's step with ``orders`` in place of the given ones."""
+    every = tuple(orders.get(rank, order) for rank, order in enumerate(given.orders))
+    return simulate(replace(given, orders=every), costs, timeline=False).step_time
+
+
+def choose(given: Schedule, costs: CostModel,
+           options: Mapping[int, Sequence[Trial[_Outcome]]],
+           starts: Sequence[Mapping[int, Order]],
+           recompute_s: Callable[[Trial[_Outcome]], float]) -> dict[int, Trial[_Outcome]]:
+    """Each rank of ``options`` (its plans that meet its budget, or its one best) in turn
+    takes the plan that gives the shortest step with the other ranks as they stand (then
+    the least recompute), from each of ``starts`` (orders of some ranks; the rest as
+    given); the choices of the start whose last step is shortest (the first of equals)."""
+    made: dict[tuple[int, int], Order] = {}
+
+    def made_order(rank: int, index: int) -> Order:
+        if (rank, index) not in made:
+            made[rank, index] = order_of(given.orders[rank], rank, options[rank][index])
+        return made[rank, index]
+
+    best: tuple[float, dict[int, Trial[_Outcome]]] = (math.inf, {})
+    for start in starts:
+        current = dict(start)
+        chosen: dict[int, Trial[_Outcome]] = {}
+        for rank in sorted(options):
+            plans = options[rank]
+
+            def key(index: int) -> tuple[float, float]:
+                return (step_time(given, costs, {**current, rank: made_order(rank, index)}),
+                        recompute_s(plans[index]))
+
+            index = 0 if len(plans) == 1 else min(range(len(plans)), key=key)
+            chosen[rank] = plans[index]
+            current[rank] = made_order(rank, index)
+        finished = step_time(given, costs, current)
+        if finished < best[0]:
+            best = (finished, chosen)
+    return best[1]
