@@ -29,7 +29,7 @@ def write_section(title: str, report: str) -> None:
     """Put ``report`` under the ``title`` heading of BENCHMARKS.md, replacing what was there."""
     text = BENCHMARKS_MD.read_text() if BENCHMARKS_MD.exists() else "# Benchmarks\n"
     pattern = re.compile(rf"{re.escape(title)}\n.*?(?=\n## |\Z)", re.S)
-    section = f"{title}\n\n{report}\n"
+    section = f"{title}\n\n{report.rstrip()}\n"
     text = pattern.sub(lambda _: section, text) if pattern.search(text) else (
         text.rstrip("\n") + "\n\n" + section)
     BENCHMARKS_MD.write_text(text)
