@@ -109,8 +109,9 @@ class PeakPolicy:
     recompute: str = "never"
     chosen_recompute: dict[int, dict[ChunkKey, tuple[int, ...]]] = field(default_factory=dict)
     _given: Schedule | None = field(default=None, repr=False)  # the schedule prepared on
-    # each rank's plan, chosen in the whole pipeline by prepare
-    _decided: dict[int, Trial[PeakOutcome]] = field(default_factory=dict, repr=False)
+    # each rank's order and its plan, chosen in the whole pipeline by prepare
+    _decided: dict[int, tuple[Order, Trial[PeakOutcome]]] = field(default_factory=dict,
+                                                                  repr=False)
 
     def __post_init__(self) -> None:
         if self.granularity not in GRANULARITIES:
@@ -154,9 +155,10 @@ class PeakPolicy:
             candidates = swap_candidates(order, rank)
             if budget is not None and candidates and not recomputed_in(order):
                 options[rank] = self._mixed(candidates, order, rank, budget, every=True)
-        self._decided = choose(schedule, self.costs, options,
-                               [{}, self._alike_start(schedule, options)],
-                               lambda trial: trial.outcome.recompute_s)
+        chosen = choose(schedule, self.costs, options,
+                        [{}, self._alike_start(schedule, options)],
+                        lambda trial: trial.outcome.recompute_s)
+        self._decided = {rank: (schedule.orders[rank], trial) for rank, trial in chosen.items()}
 
     def _alike_start(self, schedule: Schedule, ranks: Collection[int]) -> dict[int, Order]:
         """The orders of those of ``ranks`` over their budget without swap, each planned
@@ -194,7 +196,8 @@ class PeakPolicy:
         budget = self.budget_for(rank)
         given = recomputed_in(order)
         self.chosen_recompute.pop(rank, None)
-        decided = self._decided.get(rank)
+        prepared = self._decided.get(rank)  # for this order: the policy may plan others
+        decided = prepared[1] if prepared is not None and prepared[0] == order else None
         if decided is None and self.recompute == "auto" and budget is not None and not given \
                 and candidates:
             (decided,) = self._mixed(candidates, order, rank, budget)
