@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from dataclasses import replace
+from typing import Any
 
 import pytest
 
@@ -27,6 +28,8 @@ from pipeswap.schedule.policies import (
     PeakPolicy,
     RecomputePolicy,
 )
+from pipeswap.schedule.policies import _pipeline
+from pipeswap.schedule.policies import peak as peak_policy
 from pipeswap.schedule.recompute import inject_recompute, recomputed_in
 from pipeswap.schedule.simulate import SimulationResult, simulate, simulate_alone
 
@@ -139,6 +142,34 @@ def test_where_a_stalled_swap_costs_less_than_recompute_the_mix_swaps_alone(
         assert result.step_time == alone.step_time == pytest.approx(plain.step_time)
     else:
         assert result.step_time < alone.step_time * 0.95
+
+
+@pytest.mark.parametrize("share", [0.5, 0.2])
+def test_the_pipeline_keeps_the_faster_of_its_two_starts(
+        share: float, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The ranks choose their plans in the whole pipeline twice: from the other ranks as
+    given, and from every rank over its budget planned alike on every chunk. Neither start
+    is always the better (under half the peak the first is, under a fifth the second), and
+    the plan kept is that of the faster."""
+    finished: list[float] = []
+
+    def each_start(given: Schedule, costs: CostModel, options: Any, starts: Any,
+                   recompute_s: Any) -> Any:
+        for start in starts:
+            chosen = _pipeline.choose(given, costs, options, [start], recompute_s)
+            finished.append(_pipeline.step_time(given, costs, {
+                rank: _pipeline.order_of(given.orders[rank], rank, trial)
+                for rank, trial in chosen.items()}))
+        return _pipeline.choose(given, costs, options, starts, recompute_s)
+
+    monkeypatch.setattr(peak_policy, "choose", each_start)
+    plain = simulate(build_schedule(replace(SPEC, swap=False)), GEN4)
+    budget = int(max(r.peak_activation_bytes for r in plain.ranks) * share)
+    result = simulate(build_schedule(SPEC, PeakPolicy(GEN4, budget, recompute="auto")), GEN4)
+    assert len(finished) == 2 and finished[0] != finished[1]
+    assert result.step_time == min(finished)
+    assert (finished[0] < finished[1]) == (share == 0.5)
+    assert all(rank.peak_activation_bytes <= budget for rank in result.ranks)
 
 
 def test_a_mixed_plan_on_one_rank_predicts_its_peak_exactly() -> None:
