@@ -21,7 +21,7 @@ from pipeswap.schedule import (
     inject_swap,
     parse_order,
 )
-from pipeswap.schedule.costs import CostModel, Link, TransformerShape, from_preset
+from pipeswap.schedule.costs import CostModel, Link, StageCosts, TransformerShape, from_preset
 from pipeswap.schedule.policies import (
     CostModelPolicy,
     MemoryBudgetPolicy,
@@ -32,6 +32,7 @@ from pipeswap.schedule.policies import _pipeline
 from pipeswap.schedule.policies import peak as peak_policy
 from pipeswap.schedule.recompute import inject_recompute, recomputed_in
 from pipeswap.schedule.simulate import SimulationResult, simulate, simulate_alone
+from pipeswap.schedule.swap_order import inject_swap_order
 
 Cli = Callable[..., tuple[int, str, str]]  # the `cli` fixture of conftest.py
 #: Four layers of 100 bytes a chunk; a recomputed layer keeps its 10-byte input.
@@ -170,6 +171,56 @@ def test_the_pipeline_keeps_the_faster_of_its_two_starts(
     assert result.step_time == min(finished)
     assert (finished[0] < finished[1]) == (share == 0.5)
     assert all(rank.peak_activation_bytes <= budget for rank in result.ranks)
+
+
+def test_a_plan_chosen_in_the_pipeline_serves_only_its_order_and_budget() -> None:
+    """What prepare chose for rank 0 under one budget is not handed out once the budget
+    changes (the policy plans the rank again), nor by a copy made with another budget."""
+    fast = replace(GEN4, link=Link(55e9, 55e9))
+    given = build_schedule(replace(SPEC, swap=False))
+    peak = max(r.peak_activation_bytes for r in simulate(given, fast).ranks)
+    loose, tight = int(peak * 0.5), int(peak * 0.2)
+    policy = PeakPolicy(fast, loose, recompute="auto")
+    build_schedule(SPEC, policy)  # prepare chooses every rank's plan for the loose budget
+    for other in (replace(policy, budget=tight), policy):
+        other.budget = tight
+        order = tuple(inject_swap_order(given.orders[0], other, rank=0))
+        assert other.outcomes[0].budget == tight
+        assert simulate_alone(order, 0, fast).peak_activation_bytes <= tight
+
+
+def test_the_alike_start_pairs_ranks_of_other_layer_counts_by_what_they_do() -> None:
+    """Stages of four layers a chunk and stages of two: the start planned alike on every
+    chunk gives every rank over its budget a plan, the nearest choice where a rank's chunks
+    have fewer layers, and every such rank meets its budget there."""
+    layers = {0: 4, 1: 4, 2: 2, 3: 2}
+    costs = replace(GEN4, link=Link(55e9, 55e9), stages={
+        stage: StageCosts(GEN4.forward * count / 4, GEN4.backward * count / 4,
+                          activation_bytes=GEN4.activation_bytes * count // 4, layers=count)
+        for stage, count in layers.items()})
+    given = build_schedule(replace(SPEC, swap=False))
+    plain = simulate(given, costs)
+    budget = int(max(r.peak_activation_bytes for r in plain.ranks) * 0.2)
+    over = [r.rank for r in plain.ranks if r.peak_activation_bytes > budget]
+    policy = PeakPolicy(costs, budget, recompute="auto")
+    start = policy._alike_start(given, range(4))
+    assert sorted(start) == over and len(over) >= 3
+    orders = tuple(start.get(rank, order) for rank, order in enumerate(given.orders))
+    run = simulate(replace(given, orders=orders), costs)
+    assert all(run.ranks[rank].peak_activation_bytes <= budget for rank in over)
+
+
+def test_a_policy_prepared_on_the_schedule_alone_still_plans_every_rank() -> None:
+    """A policy whose prepare takes the schedule only (as before the swap pass named the
+    ranks it plans) serves a pass over every rank."""
+    seen: list[int] = []
+
+    class Counting(MinGapPolicy):
+        def prepare(self, schedule: Schedule) -> None:
+            seen.append(schedule.num_ranks)
+
+    planned = inject_swap(build_schedule(replace(SPEC, swap=False)), Counting())
+    assert seen == [4] and _swapped(simulate(planned, SMALL)) > 0
 
 
 def test_a_mixed_plan_on_one_rank_predicts_its_peak_exactly() -> None:

@@ -27,8 +27,11 @@ def inject_swap(schedule: Schedule, policy: SwapPolicy | None = None, *,
     order alone may plan only itself: ``ranks={rank}`` leaves the other orders as they
     are, and costs one rank's planning instead of all of them."""
     chosen = default_policy() if policy is None else policy
-    if isinstance(chosen, PreparingPolicy):
-        chosen.prepare(schedule, ranks)
+    if isinstance(chosen, PreparingPolicy):  # told the ranks only where it plans some
+        if ranks is None:
+            chosen.prepare(schedule)
+        else:
+            chosen.prepare(schedule, ranks=ranks)
     return schedule.map_orders(
         lambda rank, order: order if ranks is not None and rank not in ranks
         else inject_swap_order(order, chosen, rank=rank))

@@ -169,10 +169,12 @@ def search(evaluate: Callable[[Mapping[ChunkKey, tuple[int, ...]], bool], Trial[
 
 def alike(candidates: Sequence[SwapCandidate], layers_of: Callable[[ChunkKey], int],
           granularity: str
-          ) -> list[tuple[dict[ChunkKey, tuple[int, ...]], dict[ChunkKey, SwapPlacement]]]:
-    """The rank's plans alike on every chunk: its first ``k`` layers recomputed (``k`` from
-    0 to one short of its layers), the rest streamed with a lag of ``d`` layers (whole where
-    it has one layer or ``granularity`` is chunk), one compute slot for each copy (none for
+          ) -> dict[tuple[int, int], tuple[dict[ChunkKey, tuple[int, ...]],
+                                           dict[ChunkKey, SwapPlacement]]]:
+    """The rank's plans alike on every chunk, by ``(k, d)``: its first ``k`` layers
+    recomputed (``k`` from 0 to one short of its layers), the rest streamed with a lag of
+    ``d`` layers (0: whole, where every chunk has one layer or ``granularity`` is chunk;
+    a chunk of one layer goes whole), one compute slot for each copy (none for
     the load where the backward comes two slots after the forward; a chunk whose backward
     comes right after its forward is not swapped). Their copies may stall where a slow link
     cannot keep up, which the greedy plans never take where the budget can be met without:
@@ -180,7 +182,7 @@ def alike(candidates: Sequence[SwapCandidate], layers_of: Callable[[ChunkKey], i
     chunk instead of two saves more than it costs."""
     most = max((layers_of(c.key) for c in candidates), default=1)
     lags = [0] if granularity == "chunk" or most == 1 else list(range(1, most + 1))
-    plans = []
+    plans = {}
     for k in range(most):
         for lag in lags:
             recomputed: dict[ChunkKey, tuple[int, ...]] = {}
@@ -192,7 +194,7 @@ def alike(candidates: Sequence[SwapCandidate], layers_of: Callable[[ChunkKey], i
                 if c.gap >= 2:
                     placements[c.key] = SwapPlacement(
                         1, min(1, c.gap - 2), min(lag, count) if count > 1 else 0)
-            plans.append((recomputed, placements))
+            plans[k, lag] = (recomputed, placements)
     return plans
 
 

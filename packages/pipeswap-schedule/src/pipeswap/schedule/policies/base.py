@@ -90,8 +90,9 @@ class RecomputingPolicy(SwapPolicy, Protocol):
 @runtime_checkable
 class PreparingPolicy(SwapPolicy, Protocol):
     """A swap policy that looks at the whole schedule before it plans any rank: the swap
-    pass calls :meth:`prepare` once, with the schedule it is given and the ranks it will
-    plan (None: all)."""
+    pass calls :meth:`prepare` once, with the schedule it is given and, where it plans only
+    some ranks, ``ranks=`` those (a ``prepare(schedule)`` of one argument serves a pass over
+    every rank)."""
 
     def prepare(self, schedule: Schedule, ranks: Collection[int] | None = None) -> None:
         ...

@@ -108,10 +108,10 @@ class PeakPolicy:
     granularity: str = "auto"
     recompute: str = "never"
     chosen_recompute: dict[int, dict[ChunkKey, tuple[int, ...]]] = field(default_factory=dict)
-    _given: Schedule | None = field(default=None, repr=False)  # the schedule prepared on
-    # each rank's order and its plan, chosen in the whole pipeline by prepare
-    _decided: dict[int, tuple[Order, Trial[PeakOutcome]]] = field(default_factory=dict,
-                                                                  repr=False)
+    _given: Schedule | None = field(default=None, init=False, repr=False)  # the schedule
+    # prepared on; each rank's order and its plan, chosen in the whole pipeline by prepare
+    _decided: dict[int, tuple[Order, Trial[PeakOutcome]]] = field(
+        default_factory=dict, init=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.granularity not in GRANULARITIES:
@@ -172,10 +172,12 @@ class PeakPolicy:
         plans = {rank: alike(swap_candidates(schedule.orders[rank], rank), layers_of,
                              self.granularity) for rank in over}
         best: tuple[float, dict[int, Order]] = (math.inf, {})
-        for choice in range(min((len(found) for found in plans.values()), default=0)):
+        for choice in sorted({choice for found in plans.values() for choice in found}):
             orders: dict[int, Order] = {}
-            for rank in over:
-                recomputed, placements = plans[rank][choice]
+            for rank in over:  # a rank with fewer layers a chunk: its nearest choice
+                found = plans[rank]
+                recomputed, placements = found[min(found, key=lambda mine: (
+                    abs(mine[0] - choice[0]), abs(mine[1] - choice[1])))]
                 orders[rank] = tuple(inject_swap_order(
                     schedule.orders[rank], Fixed(placements, recomputed), rank=rank))
             every = tuple(orders.get(rank, order) for rank, order in enumerate(schedule.orders))
@@ -196,8 +198,9 @@ class PeakPolicy:
         budget = self.budget_for(rank)
         given = recomputed_in(order)
         self.chosen_recompute.pop(rank, None)
-        prepared = self._decided.get(rank)  # for this order: the policy may plan others
-        decided = prepared[1] if prepared is not None and prepared[0] == order else None
+        prepared = self._decided.get(rank)  # for this order and budget only
+        decided = (prepared[1] if prepared is not None and prepared[0] == order
+                   and prepared[1].outcome.budget == budget else None)
         if decided is None and self.recompute == "auto" and budget is not None and not given \
                 and candidates:
             (decided,) = self._mixed(candidates, order, rank, budget)
@@ -283,7 +286,8 @@ class PeakPolicy:
             return [exactly(Trial(recomputed, placements, PeakOutcome(
                 rank, 0, alone.plain, 0.0, budget,
                 sum(len(layers) for layers in recomputed.values()))))
-                for recomputed, placements in alike(candidates, layers_of, self.granularity)]
+                for recomputed, placements in alike(candidates, layers_of,
+                                                    self.granularity).values()]
 
         meeting: list[Trial[PeakOutcome]] = []
 
