@@ -113,7 +113,9 @@ def test_a_budget_keeps_every_rank_under_it_with_bit_identical_losses() -> None:
     for entry in summary["per_rank"]:
         assert entry["peak_activation_bytes_no_swap"] > budget
         assert entry["peak_activation_bytes_swap"] <= budget, entry
-        # what the plan expects of the step, the simulator's on the measured costs
+        # what the plan expects of the step, the simulator's on the measured costs, every
+        # rank's gathered: the plan was weighed in the whole pipeline
+        assert entry["planned_in_pipeline"] is True
         assert entry["step_time_s_swap_predicted"] > 0
         assert entry["exposed_copy_s_swap_predicted"] >= 0
 
@@ -256,5 +258,6 @@ def test_a_replayed_rank_plans_a_budget_as_the_full_run_would() -> None:
     assert entry["peak_activation_bytes_no_swap"] > budget
     assert entry["peak_activation_bytes_swap"] == entry["planned_peak_bytes_swap"] <= budget
     assert entry["budget_shortfall_bytes"] == 0
+    assert entry["planned_in_pipeline"] is False  # the other ranks' costs are not there
     assert entry["step_time_s_swap_predicted"] > 0
     assert entry["exposed_copy_s_swap_predicted"] >= 0

@@ -68,6 +68,7 @@ class ModeResult:
     # bytes by which it stays over the budget (0: met)
     planned_peak_bytes: int | None = None
     budget_shortfall_bytes: int | None = None
+    planned_in_pipeline: bool | None = None  # weighed in the whole pipeline, not alone
 
     def record(self, report: StepReport, *, measured: bool, timed: bool) -> None:
         """Take in one step's report: ``measured`` when the allocator was measured in it,

@@ -9,7 +9,7 @@ measured them first.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 
 from pipeswap.runtime.train.config import TrainConfig
@@ -32,12 +32,15 @@ def swap_policy(name: str, layer_counts: Mapping[int, int] | None = None,
 
 
 def budget_policy(config: TrainConfig, plain: ModeResult, layer_counts: Mapping[int, int],
-                  costs: CostModel | None = None) -> PeakPolicy:
+                  costs: CostModel | None = None,
+                  everyone: Callable[[CostModel], CostModel] | None = None) -> PeakPolicy:
     """The peak policy under ``config.swap.budget``, on the chunk sizes this rank measured
     without swap (``plain``: each chunk's bytes held and movable, and per layer what it
     added and was called with: what recomputing it keeps) and, where measured, the compute
     and link ``costs`` (else layers alike, a backward twice a forward, a link of no limit).
-    Each rank plans only its own swap, so its own sizes are all it needs."""
+    Each rank plans only its own swap; ``everyone`` adds the other ranks' stages and chunks
+    to the model (gathered from them), so that it weighs its plans in the whole pipeline
+    (:meth:`PeakPolicy.prepare`) rather than on its own timeline."""
     from pipeswap.schedule import uniform_layers
 
     assert config.swap.budget is not None
@@ -46,6 +49,8 @@ def budget_policy(config: TrainConfig, plain: ModeResult, layer_counts: Mapping[
               for key, (held, movable) in plain.chunk_bytes.items()}
     model = (CostModel(chunks=chunks, stages=uniform_layers(layer_counts)) if costs is None
              else replace(costs, chunks=chunks))
+    if everyone is not None:
+        model = everyone(model)
     return PeakPolicy(model, config.swap.budget, granularity=config.swap.granularity,
                       recompute=config.swap.recompute)
 

@@ -42,6 +42,9 @@ def summarize(config: TrainConfig, per_rank: list[dict[str, ModeResult]]) -> Sum
             # under a budget: the plan's predicted peak, and how far over the budget (0: met)
             "planned_peak_bytes_swap": swap.planned_peak_bytes if swap else None,
             "budget_shortfall_bytes": swap.budget_shortfall_bytes if swap else None,
+            # whether the plan was weighed in the whole pipeline (every rank's measured
+            # costs) or on the rank's own timeline (a replay)
+            "planned_in_pipeline": swap.planned_in_pipeline if swap else None,
             "bytes_offloaded": swap.bytes_offloaded if swap else 0,
             "step_time_s_swap": statistics.median(swap.step_seconds) if swap else None,
             "step_time_s_no_swap": statistics.median(plain.step_seconds) if plain else None,

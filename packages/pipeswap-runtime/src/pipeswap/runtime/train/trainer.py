@@ -42,7 +42,7 @@ if TYPE_CHECKING:
     from pipeswap.runtime.executor import PipelineExecutor
     from pipeswap.runtime.stage import PipelineStage
     from pipeswap.runtime.tied import TiedGradients
-    from pipeswap.schedule import CostModel, Link, StageCosts
+    from pipeswap.schedule import ChunkBytes, CostModel, Link, StageCosts
 
 log = logging.getLogger("pipeswap.runtime.train")
 
@@ -178,12 +178,14 @@ class Trainer:
         planner = None  # the peak policy under the budget
         if mode == "swap" and config.swap.budget is not None:
             policy = planner = budget_policy(config, earlier["no-swap"], self.layer_counts,
-                                             costs)
+                                             costs, None if self.replaying else _everyone)
             if config.job.verbose and (self.replaying or self.rank == 0):
-                log.info("[%7s] planning swap%s under the budget of %s bytes a rank "
-                         "(a search over plans: seconds at 8 stages, minutes at 64)", mode,
+                log.info("[%7s] planning swap%s under the budget of %s bytes a rank, weighed "
+                         "%s (a search over plans: seconds at 8 stages, minutes at 64)", mode,
                          " and recompute" if config.swap.recompute == "auto" else "",
-                         f"{config.swap.budget:,}")
+                         f"{config.swap.budget:,}",
+                         "on this rank's own timeline" if self.replaying else
+                         "in the whole pipeline on every rank's measured costs")
         elif costs is not None and config.swap.policy == "peak":
             policy = None  # the executor's default, on the measured costs
         executor = PipelineExecutor(
@@ -203,7 +205,8 @@ class Trainer:
                             order=format_order(executor.schedule.orders[executor.rank]))
         outcome = None if planner is None else planner.outcomes.get(executor.rank)
         if outcome is not None:
-            assert config.swap.budget is not None
+            assert config.swap.budget is not None and planner is not None
+            result.planned_in_pipeline = planner.weighs_pipeline
             result.planned_peak_bytes, result.budget_shortfall_bytes = (outcome.peak,
                                                                         outcome.shortfall)
             if outcome.shortfall:
@@ -314,6 +317,26 @@ class Trainer:
             log.info("[%7s%s] step %d/%d  loss %.4f  %.2f s  %s tokens/s%s", mode, replica,
                      number, steps, sum(losses) / len(losses), seconds,
                      f"{tokens / seconds:,.0f}", "  (allocator measured)" if measured else "")
+
+
+def _everyone(model: CostModel) -> CostModel:
+    """``model`` with every rank's stages and chunks, gathered from all ranks (the first
+    rank to give a stage or chunk counts: data-parallel replicas give the same ones), so
+    that the plan can weigh the whole pipeline."""
+    import torch.distributed as dist
+
+    gathered: list[object] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, (dict(model.stages), dict(model.chunks)))
+    stages: dict[int, StageCosts] = {}
+    chunks: dict[tuple[int, int], ChunkBytes] = {}
+    for given in gathered:
+        assert isinstance(given, tuple)
+        their_stages, their_chunks = given
+        for stage, found in their_stages.items():
+            stages.setdefault(stage, found)
+        for key, chunk in their_chunks.items():
+            chunks.setdefault(key, chunk)
+    return replace(model, stages=stages, chunks=chunks)
 
 
 def setup_logging(rank: int, level: str, stream: TextIO) -> None:

@@ -160,6 +160,11 @@ class PeakPolicy:
                         lambda trial: trial.outcome.recompute_s)
         self._decided = {rank: (schedule.orders[rank], trial) for rank, trial in chosen.items()}
 
+    @property
+    def weighs_pipeline(self) -> bool:
+        """Whether the last :meth:`prepare` chose the plans in the whole pipeline."""
+        return self._given is not None
+
     def _alike_start(self, schedule: Schedule, ranks: Collection[int]) -> dict[int, Order]:
         """The orders of those of ``ranks`` over their budget without swap, each planned
         alike on every chunk (:func:`~pipeswap.schedule.policies._mixed.alike`, the same
