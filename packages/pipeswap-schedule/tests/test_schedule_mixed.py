@@ -28,6 +28,7 @@ from pipeswap.schedule.policies import (
     PeakPolicy,
     RecomputePolicy,
 )
+from pipeswap.schedule import simulate_cli
 from pipeswap.schedule.policies import _pipeline
 from pipeswap.schedule.policies import peak as peak_policy
 from pipeswap.schedule.recompute import inject_recompute, recomputed_in
@@ -262,6 +263,23 @@ def test_the_command_line_recomputes_under_a_budget_unless_told_never(cli: Cli) 
     assert auto["step_time_s"] < never["step_time_s"]
     code, grid, _ = cli("orders", *SMALL_ARGS)
     assert code == 0 and "RC" in grid
+
+
+@pytest.mark.parametrize("recompute", ["auto", "never"])
+def test_a_plan_under_a_budget_says_how_far_it_is(
+        cli: Cli, monkeypatch: pytest.MonkeyPatch, recompute: str) -> None:
+    """Planning under a budget reports each rank as it is planned (in the whole pipeline
+    with auto, rank by rank with never), on stderr once it has taken a while (here at
+    once), never on stdout; without the wait it stays quiet."""
+    monkeypatch.setattr(simulate_cli, "PROGRESS_AFTER_S", 0.0)
+    code, out, err = cli("simulate", *SMALL_ARGS, "--recompute", recompute, "--format", "json")
+    assert code == 0 and json.loads(out)["per_rank"]
+    lines = err.splitlines()
+    assert [line.split(", ")[1] for line in lines] == [
+        f"{done} of {len(lines)} ranks" for done in range(1, len(lines) + 1)]
+    assert len(lines) == json.loads(out)["per_rank"][-1]["rank"] + 1
+    monkeypatch.setattr(simulate_cli, "PROGRESS_AFTER_S", 3600.0)
+    assert cli("simulate", *SMALL_ARGS, "--recompute", recompute)[2] == ""
 
 
 @pytest.mark.parametrize(("extra", "message"), [

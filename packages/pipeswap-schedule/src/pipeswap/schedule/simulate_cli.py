@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
+import time
 from collections.abc import Callable
 from dataclasses import replace
 from typing import NoReturn, TypeVar
@@ -311,11 +313,30 @@ def choose_policy(args: argparse.Namespace, costs: CostModel
         return budget, budget
     if name == "peak":
         peak = PeakPolicy(costs, args.budget, granularity=granularity or "auto",
-                          recompute="never" if args.budget is None else mode or "auto")
+                          recompute="never" if args.budget is None else mode or "auto",
+                          progress=None if args.budget is None else _Progress())
         return peak, peak
     if name == "cost":
         return CostModelPolicy(costs), None
     return None, None  # gap: the builder applies --swap-min-gap
+
+
+#: After how many seconds a plan under a budget starts saying how far it is.
+PROGRESS_AFTER_S = 5.0
+
+
+class _Progress:
+    """Lines on stderr as the ranks' plans under a budget are made, once the search has
+    taken :data:`PROGRESS_AFTER_S` (a few ranks stay quiet; 16 and more take minutes)."""
+
+    def __init__(self) -> None:
+        self.start = time.perf_counter()
+
+    def __call__(self, rank: int, done: int, total: int) -> None:
+        spent = time.perf_counter() - self.start
+        if spent >= PROGRESS_AFTER_S:
+            print(f"planning under the budget: rank {rank} done, {done} of {total} ranks, "
+                  f"{spent:.0f} s", file=sys.stderr, flush=True)
 
 
 def recomputed(schedule: Schedule, outcomes: Outcomes | None) -> Schedule:

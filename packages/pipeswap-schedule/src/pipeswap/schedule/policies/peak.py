@@ -108,10 +108,15 @@ class PeakPolicy:
     granularity: str = "auto"
     recompute: str = "never"
     chosen_recompute: dict[int, dict[ChunkKey, tuple[int, ...]]] = field(default_factory=dict)
+    # told (rank, ranks planned so far, ranks to plan) as each rank's plans under a budget
+    # are made: a search that takes minutes at 64 stages can say how far it is
+    progress: Callable[[int, int, int], None] | None = field(default=None, repr=False)
     _given: Schedule | None = field(default=None, init=False, repr=False)  # the schedule
     # prepared on; each rank's order and its plan, chosen in the whole pipeline by prepare
     _decided: dict[int, tuple[Order, Trial[PeakOutcome]]] = field(
         default_factory=dict, init=False, repr=False)
+    _ranks: int = field(default=0, init=False, repr=False)  # ranks the pass plans
+    _done: int = field(default=0, init=False, repr=False)  # ranks select has planned
 
     def __post_init__(self) -> None:
         if self.granularity not in GRANULARITIES:
@@ -147,14 +152,18 @@ class PeakPolicy:
         self._given = (schedule if timed and self.recompute == "auto"
                        and self.budget is not None else None)
         self._decided = {}
+        planning = list(range(len(schedule.orders))) if ranks is None else sorted(ranks)
+        self._ranks, self._done = len(planning), 0
         if self._given is None:
             return
         options: dict[int, list[Trial[PeakOutcome]]] = {}
-        for rank in range(len(schedule.orders)) if ranks is None else sorted(ranks):
+        for done, rank in enumerate(planning, 1):
             order, budget = schedule.orders[rank], self.budget_for(rank)
             candidates = swap_candidates(order, rank)
             if budget is not None and candidates and not recomputed_in(order):
                 options[rank] = self._mixed(candidates, order, rank, budget, every=True)
+            if self.progress is not None:
+                self.progress(rank, done, len(planning))
         chosen = choose(schedule, self.costs, options,
                         [{}, self._alike_start(schedule, options)],
                         lambda trial: trial.outcome.recompute_s)
@@ -206,15 +215,20 @@ class PeakPolicy:
         prepared = self._decided.get(rank)  # for this order and budget only
         decided = (prepared[1] if prepared is not None and prepared[0] == order
                    and prepared[1].outcome.budget == budget else None)
-        if decided is None and self.recompute == "auto" and budget is not None and not given \
+        fresh = decided is None  # planned here, not in prepare
+        if fresh and self.recompute == "auto" and budget is not None and not given \
                 and candidates:
             (decided,) = self._mixed(candidates, order, rank, budget)
-        if decided is not None:
+        if decided is None:
+            placements, self.outcomes[rank] = self.plan(candidates, order, rank, budget, given)
+        else:
             if decided.recomputed:
                 self.chosen_recompute[rank] = dict(decided.recomputed)
             self.outcomes[rank] = decided.outcome
-            return decided.placements
-        placements, self.outcomes[rank] = self.plan(candidates, order, rank, budget, given)
+            placements = decided.placements
+        if self.progress is not None and budget is not None and fresh:
+            self._done += 1
+            self.progress(rank, self._done, max(self._ranks, self._done))
         return placements
 
     def plan(self, candidates: Sequence[SwapCandidate], order: Order, rank: int,
