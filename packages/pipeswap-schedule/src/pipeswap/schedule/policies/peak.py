@@ -26,7 +26,7 @@ from pipeswap.schedule.policies._mixed import (
     levels_for,
     search,
 )
-from pipeswap.schedule.policies._pipeline import choose
+from pipeswap.schedule.policies._pipeline import choose, order_of
 from pipeswap.schedule.policies._points import Points, Redo
 from pipeswap.schedule.policies._slots import Timeline
 from pipeswap.schedule.policies.base import SwapCandidate, SwapPlacement
@@ -281,8 +281,7 @@ class PeakPolicy:
         def exactly(trial: Trial[PeakOutcome]) -> Trial[PeakOutcome]:
             """``trial`` with the peak and stall of its order run alone (the plans'
             own figures are estimates), as the simulator runs it."""
-            run = simulate_alone(tuple(inject_swap_order(
-                order, Fixed(trial.placements, trial.recomputed), rank=rank)), rank, self.costs)
+            run = simulate_alone(order_of(order, rank, trial), rank, self.costs)
             return replace(trial, outcome=replace(
                 trial.outcome, peak=run.peak_activation_bytes, exposed_copy=run.exposed_copy,
                 recompute_s=run.recompute_s))
