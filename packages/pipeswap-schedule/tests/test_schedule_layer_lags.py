@@ -58,6 +58,18 @@ def test_validate_refuses_a_lag_beyond_the_layers_it_is_given() -> None:
         assert caught.value.rank == 1
 
 
+def test_validate_refuses_a_load_depth_beyond_the_layers() -> None:
+    schedule = Schedule.from_orders(parse_rank_lines(PLAN.replace("1SO0:3", "1SO0").replace(
+        "1SL0", "1SL0:3")))
+    validate(schedule, layers=3)  # SL loads all three layers
+    with pytest.raises(SwapLifecycleError) as caught:
+        validate(schedule, layers=2)
+    assert str(caught.value) == (
+        "rank 1: 1SL0:3 (position 4) streams (stage 1, micro 0) with a layer lag of 3, but "
+        "one chunk of stage 1 has 2 layer(s); give a lag from 1 to 2 (1SL0:2), or swap the "
+        "chunk whole (1LO0 ... 1LL0)")
+
+
 @pytest.mark.parametrize("layers", [0, -1, True, 2.0, "2", {1: 0}, {"1": 2}, [2, 2]])
 def test_a_layer_count_is_a_whole_number_from_one(layers: object) -> None:
     with pytest.raises(ValidationError, match="layers must be an integer >= 1 or a mapping"):

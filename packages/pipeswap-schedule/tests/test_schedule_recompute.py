@@ -55,7 +55,7 @@ def test_rc_text_reads_and_writes_its_layers(text: str, layers: tuple[int, ...])
     ("0RC3:1,1", "must ascend without repeats"),
     ("0RC3:1,,2", "are not indices and runs"),
     ("0RC3:0-999999999", "name more than 4096 layers"),
-    ("0F3:0-1", "only RC names layers (0RC3:0-1); after F a colon gives SO's layer lag"),
+    ("0F3:0-1", "only RC names layers (0RC3:0-1); after F a colon gives SO's or SL's layer lag"),
     ("0SO3:1,2", "only RC names layers"),
 ])
 def test_bad_rc_text_says_what_is_wrong(text: str, message: str) -> None:

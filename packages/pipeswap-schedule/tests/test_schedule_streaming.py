@@ -42,7 +42,7 @@ from pipeswap.schedule.costs import (
 from pipeswap.schedule.policies import GRANULARITIES, PeakPolicy
 from pipeswap.schedule.simulate import simulate
 from pipeswap.schedule.steps import OVERLAPS, ChunkKey, Order
-from pipeswap.schedule.text import format_rank_lines, parse_rank_lines
+from pipeswap.schedule.text import format_rank_lines, parse_rank_lines, parse_step
 
 PROPERTY_SETTINGS = settings(
     max_examples=120, deadline=None, database=None,
@@ -119,6 +119,35 @@ def test_a_streamed_chunk_by_hand() -> None:
     assert chunk.layer_lag == 1 and chunk.streamed and not chunk.hidden
 
 
+def test_a_load_depth_by_hand() -> None:
+    # Three layers of 100 bytes; a layer's forward and backward take 1 s each, a load 2 s
+    # (longer than a layer's backward), an offload no time. SL comes a compute before B0.
+    costs = CostModel(forward=3.0, backward=3.0, activation_bytes=300, layers=3,
+                      link=Link(1e12, 50.0))
+    order = "0SO0 0F0 0WO0 0SL0{} 0F1 0WL0 0B0 0B1"
+    one = simulate(_one_rank(order.format("")), costs).ranks[0]
+    two = simulate(_one_rank(order.format(":2")), costs).ranks[0]
+    # 0SL0:2 at 3 loads layers 2 and 1 behind F1 (3-5, 5-7); B0's layer 2 (6-7) loads
+    # layer 0 (7-9), so layer 1 (7-8) finds its load done and layer 0 waits 8-9.
+    def spans(stream: str) -> list[tuple[str, float, float]]:  # offloads take 1e-10 s
+        return [(s.label, round(s.start, 6), round(s.end, 6)) for s in two.spans
+                if (s.stream == "compute") == (stream == "compute") and s.stream != "d2h"]
+
+    assert spans("h2d") == [("0LL0.l2", 3.0, 5.0), ("0LL0.l1", 5.0, 7.0),
+                            ("0LL0.l0", 7.0, 9.0)]
+    assert spans("compute")[-4:] == [("0B0", 6.0, 8.0), ("wait layer", 8.0, 9.0),
+                                     ("0B0", 9.0, 10.0), ("0B1", 10.0, 13.0)]
+    # One layer ahead, layer 1's load starts only with B0 (6-8) and layer 0's after it
+    # (8-10): a second wait.
+    assert (round(one.exposed_copy, 6), round(two.exposed_copy, 6)) == (2.0, 1.0)
+    # Two layers ahead holds one layer more: SL's two layers with F1's 300 bytes, and
+    # layer 0 as B0 starts.
+    assert (one.peak_activation_bytes, two.peak_activation_bytes) == (500, 600)
+    (chunk,) = two.swapped
+    assert (chunk.layer_lag, chunk.load_depth, round(chunk.load[1], 6)) == (1, 2, 9.0)
+    assert one.swapped[0].load_depth == 1
+
+
 def test_a_forward_waits_for_the_copy_a_lag_back() -> None:
     # Copies of 2 s behind layers of 1 s: with lag 1 the forward waits at the end of each
     # layer from the second on; the compute span is cut around the wait.
@@ -160,9 +189,9 @@ class _RandomPlacements:
                 continue
             off = self.rng.randint(0, c.gap - 1)
             load = self.rng.randint(0, c.gap - 1 - off)
-            lag = 0 if way == "whole" else self.rng.randint(
-                1, len(self.costs.layer_bytes(c.key)))  # a longer lag is refused
-            chosen[c.key] = SwapPlacement(off, load, lag)
+            count = len(self.costs.layer_bytes(c.key))
+            lag = 0 if way == "whole" else self.rng.randint(1, count)  # longer is refused
+            chosen[c.key] = SwapPlacement(off, load, lag, self.rng.randint(1, count))
         return chosen
 
 
@@ -171,6 +200,7 @@ def _recount(order: Order, costs: CostModel) -> tuple[int, int]:
     order by the streaming rules, with no notion of time."""
     split = {s.key for s in order if s is not None and s.type is StepType.BWD_WEIGHT}
     lags: dict[ChunkKey, int] = {}
+    depths: dict[ChunkKey, int] = {}
     held = peak = 0
     for step in order:
         if step is None:
@@ -197,14 +227,16 @@ def _recount(order: Order, costs: CostModel) -> tuple[int, int]:
                 changes.append(-sum(x.movable for x in gone))
             elif kind is StepType.SWAP_LAUNCH_LOAD:
                 changes.append(chunk.movable)
-            elif kind is StepType.SWAP_STREAM_LOAD:
-                changes.append(layers[-1].movable)
+            elif kind is StepType.SWAP_STREAM_LOAD:  # the last ``depth`` layers
+                depth = depths[key] = leaf.lag or 1
+                changes += [x.movable for x in reversed(layers[len(layers) - depth:])]
             elif kind in (StepType.BWD, StepType.BWD_INPUT):
                 keeps = kind is StepType.BWD_INPUT and key in split
                 if lag:
+                    depth = depths.get(key, 1)
                     for k in reversed(range(len(layers))):
-                        if k >= 1:
-                            changes.append(layers[k - 1].movable)
+                        if k >= depth:  # layer k's start loads the layer ``depth`` below
+                            changes.append(layers[k - depth].movable)
                         if not keeps:  # B frees as it goes, a split I only at its end
                             changes.append(-layers[k].total)
                     if keeps:
@@ -269,6 +301,9 @@ def test_the_simulator_counts_what_the_program_order_says(spec: ScheduleSpec,
         streamed = {s.key: s.lag for s in order if s is not None
                     and s.type is StepType.SWAP_STREAM_OFFLOAD}
         assert {(c.stage, c.micro): c.layer_lag for c in rank.swapped if c.streamed} == streamed
+        depths = {s.key: s.lag for s in order if s is not None
+                  and s.type is StepType.SWAP_STREAM_LOAD}
+        assert {(c.stage, c.micro): c.load_depth for c in rank.swapped if c.streamed} == depths
     # Both text forms give back the same schedule, layer lags included.
     assert Schedule.from_orders(parse_rank_lines(format_rank_lines(schedule.orders))) == schedule
     assert from_json(to_json(schedule)) == schedule
@@ -305,11 +340,18 @@ def test_validation_names_the_chunk_a_streaming_swap_gets_wrong(order: str,
     assert message in str(caught.value)
 
 
-def test_a_layer_lag_belongs_to_so_only() -> None:
-    assert str(Step(StepType.SWAP_STREAM_OFFLOAD, 0, 3, lag=2)) == "0SO3:2"
-    assert str(Step(StepType.SWAP_STREAM_OFFLOAD, 0, 3)) == "0SO3"
-    with pytest.raises(ScheduleError, match="LO3:2|takes no layer lag"):
-        parse_rank_lines("rank 0: 0LO3:2")
+def test_a_layer_lag_belongs_to_so_and_sl_only() -> None:
+    for kind in (StepType.SWAP_STREAM_OFFLOAD, StepType.SWAP_STREAM_LOAD):
+        code = kind.value
+        assert str(Step(kind, 0, 3, lag=2)) == f"0{code}3:2"
+        assert str(Step(kind, 0, 3)) == f"0{code}3"
+        assert Step(kind, 0, 3) == Step(kind, 0, 3, lag=1) == parse_step(f"0{code}3:1")
+        assert parse_step(f"0{code}3:2").lag == 2
+        with pytest.raises(ScheduleError, match=f"{code}'s layer lag is a whole number >= 1"):
+            Step(kind, 0, 3, lag=0)
+    for text in ("0LO3:2", "0LL3:2", "0WL3:2"):
+        with pytest.raises(ScheduleError, match="takes no layer lag .only SO and SL"):
+            parse_rank_lines(f"rank 0: {text}")
 
 
 # -- the peak policy --------------------------------------------------------------------------

@@ -128,6 +128,19 @@ def test_gradients_are_bit_identical_over_two_steps(
     offload.close()
 
 
+@pytest.mark.parametrize("depth", [2, 3, 6])
+def test_loads_further_ahead_keep_every_gradient_bit(depth: int) -> None:
+    torch.manual_seed(0)
+    model = stack(Block, 6)
+    offload = LayerOffload(list(model), load_depth=depth, platform=get_platform(DEVICE))
+    x = torch.randn(2, 16, WIDTH)
+    assert_bit_identical(step(model, x, None), step(model, x, offload))
+    stats = offload.manager.stats()
+    assert stats.bytes_offloaded > 0 and stats.bytes_reloaded == stats.bytes_offloaded
+    assert_clean(offload)
+    offload.close()
+
+
 class Scale(torch.nn.Module):
     """Multiplies by a constant: autograd saves nothing."""
 
@@ -160,29 +173,32 @@ def test_layers_that_save_nothing_keep_the_loads_going() -> None:
 # -- memory ----------------------------------------------------------------------------------
 
 
-def expected_peak(layer_bytes: Sequence[GroupBytes], lag: int) -> int:
+def expected_peak(layer_bytes: Sequence[GroupBytes], lag: int, depth: int = 1) -> int:
     """The most device bytes a chain's rules let it hold, from what each layer's group held
     (``held``) and could move (``movable``) when its layer closed.
 
     Forward: the end of layer ``k`` frees layer ``k - lag``, so just before that, layers
     ``k - lag`` to ``k`` are whole on the device and each earlier one holds what it could not
-    move (the caller's input). Backward: the first read of layer ``k`` loads layer ``k - 1``;
-    by then the backward has freed all of layer ``k + 1``, so layers ``k - 1`` and ``k`` are
-    whole and the earlier ones as before. The peak is the largest of these sums.
+    move (the caller's input). Backward: the first read of layer ``k`` loads layer
+    ``k - depth``; by then the backward has freed all of layer ``k + 1``, so layers
+    ``k - depth`` to ``k`` are whole and the earlier ones as before. The peak is the largest
+    of these sums.
     """
     held = [b.held for b in layer_bytes]
     kept = [b.held - b.movable for b in layer_bytes]
     forward = [sum(kept[:max(0, k - lag)]) + sum(held[max(0, k - lag):k + 1])
                for k in range(len(held))]
-    backward = [sum(kept[:k - 1]) + held[k - 1] + held[k] for k in range(1, len(held))]
+    backward = [sum(kept[:k - depth]) + sum(held[k - depth:k + 1])
+                for k in range(depth, len(held))]
     return max(forward + backward)
 
 
-@pytest.mark.parametrize("lag", [1, 2, 3])
-def test_the_peak_held_is_what_the_lag_allows(lag: int) -> None:
+@pytest.mark.parametrize(("lag", "depth"), [(1, 1), (2, 1), (3, 1), (1, 2), (2, 3)])
+def test_the_peak_held_is_what_the_lag_allows(lag: int, depth: int) -> None:
     """A uniform stack of 8 blocks: the manager's peak is exactly the rules' bound, which
-    here is the caller's input, ``lag`` layers and the last one (it also holds the loss):
-    under 3 layers at lag 1, far below what a whole forward saves."""
+    here is the caller's input, ``lag`` layers (or the load depth's, if more) and the last
+    one (it also holds the loss): under 3 layers at lag 1, far below what a whole forward
+    saves."""
     torch.manual_seed(0)
     model = stack(Block, 8)
     x = torch.randn(4, 32, WIDTH, requires_grad=True)
@@ -194,7 +210,8 @@ def test_the_peak_held_is_what_the_lag_allows(lag: int) -> None:
     backward(loss)
     plain.finish_group("all")
 
-    offload = LayerOffload(list(model), lag=lag, platform=get_platform(DEVICE))
+    offload = LayerOffload(list(model), lag=lag, load_depth=depth,
+                           platform=get_platform(DEVICE))
     with offload:
         loss = loss_of(model(x))
     chain = offload.chain
@@ -208,8 +225,9 @@ def test_the_peak_held_is_what_the_lag_allows(lag: int) -> None:
     assert all(b.held == layer for b in layer_bytes[:-1]) and last > layer  # uniform
     assert layer_bytes[0].held - layer_bytes[0].movable == given  # the caller's input stays
     assert all(b.held == b.movable for b in layer_bytes[1:])
-    assert peak == expected_peak(layer_bytes, lag) == given + lag * layer + last
-    assert peak < (lag + 2) * layer and 8 * peak < (lag + 2) * total
+    most = max(lag, depth)
+    assert peak == expected_peak(layer_bytes, lag, depth) == given + most * layer + last
+    assert peak < (most + 2) * layer and 8 * peak < (most + 2) * total
     assert_clean(offload)
 
 
@@ -373,6 +391,21 @@ def test_fewer_than_two_layers_is_refused() -> None:
     for layers in ([], [torch.nn.Linear(4, 4)]):
         with pytest.raises(SwapError, match="at least 2 layers"):
             LayerOffload(layers, platform=get_platform(DEVICE))
+
+
+@pytest.mark.parametrize("depth", [0, 4, True, 1.0])
+def test_a_load_depth_outside_the_layers_is_refused(depth: object) -> None:
+    layers = [torch.nn.Linear(4, 4) for _ in range(3)]
+    with pytest.raises(SwapError, match=r"load_depth is the whole number of layers a load "
+                                        r"runs ahead of the backward, from 1 to 3, got"):
+        LayerOffload(layers, load_depth=depth,  # type: ignore[arg-type]
+                     platform=get_platform(DEVICE))
+    manager = SwapManager(get_platform(DEVICE))
+    for name in ("a", "b", "c"):
+        manager.ensure_group(name)
+    with pytest.raises(SwapError, match=r"load_ahead: depth is the whole number of layers"):
+        manager.load_ahead(["a", "b", "c"], depth)  # type: ignore[arg-type]
+    manager.close()
 
 
 class Shared(torch.nn.Module):

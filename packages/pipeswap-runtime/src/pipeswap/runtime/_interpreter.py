@@ -365,8 +365,11 @@ class Interpreter:
         kind = step.type
         chain = state.session.chain(step.key)
         if chain is not None:
+            if kind is StepType.SWAP_STREAM_LOAD:
+                assert step.lag is not None  # Step gives every SL a lag >= 1
+                chain.launch_load(step.lag)
+                return
             {StepType.SWAP_WAIT_OFFLOAD: chain.wait_offload,
-             StepType.SWAP_STREAM_LOAD: chain.launch_load,
              StepType.SWAP_WAIT_LOAD: chain.wait_load}[kind]()
             return
         name = state.session.name(step.key)

@@ -44,10 +44,11 @@ class Recomputed(NamedTuple):
 @dataclass
 class Streamed:
     """A streamed chunk's layers and its copies so far: D2H ends in layer order, H2D ends
-    by layer."""
+    by layer; ``depth``: how many layers ahead of its backward the loads run (SL's lag)."""
 
     lag: int
     layers: tuple[ChunkBytes, ...]
+    depth: int = 1
     offloaded: list[float] = field(default_factory=list)
     loaded: dict[int, float] = field(default_factory=dict)
 
@@ -181,12 +182,17 @@ def stream_swap(state: RankState, leaf: Step, streamed: Streamed) -> None:
         tail = streamed.tail  # never empty: the lag is at least 1
         wait(state, max(streamed.offloaded[k] for k in tail), record, "wait_offload")
         state.change(-sum(streamed.layers[k].movable for k in tail))
-    elif kind is _SL:
-        state.change(streamed.layers[last].movable)
+    elif kind is _SL:  # the last ``depth`` layers, the last first
+        streamed.depth = depth = leaf.lag or 1
         record["off_until"] = state.compute
-        start, end = copy(state, False, streamed.layers[last].movable, key, "LL", last)
-        streamed.loaded[last] = end
-        record.update(load_start=start, load_end=end)
+        record["depth"] = float(depth)
+        for k in range(last, last - depth, -1):
+            state.change(streamed.layers[k].movable)
+            start, end = copy(state, False, streamed.layers[k].movable, key, "LL", k)
+            streamed.loaded[k] = end
+            if k == last:
+                record["load_start"] = start
+        record["load_end"] = streamed.loaded[last]
     else:
         wait(state, streamed.loaded[last], record, "wait_load")
 
@@ -231,7 +237,7 @@ def stream_backward(state: RankState, leaf: Step, streamed: Streamed, start: flo
     """A streamed chunk's B or I, layer by layer from the last (see the module docstring),
     a recomputed layer run again first (``again`` seconds, what it makes alive until its own
     part ends); returns its end."""
-    key, layers = leaf.key, streamed.layers
+    key, layers, depth = leaf.key, streamed.layers, streamed.depth
     record = state.copies.setdefault(key, {})
     keeps = leaf.type is _I and key in state.split  # I leaves W what it needs
     part = duration / len(layers)
@@ -239,10 +245,10 @@ def stream_backward(state: RankState, leaf: Step, streamed: Streamed, start: flo
     for k in reversed(range(len(layers))):
         if k < len(layers) - 1:
             piece = _stall(state, streamed.loaded[k], record, leaf, piece)
-        if k >= 1:
-            state.change(layers[k - 1].movable)
-            _, end = copy(state, False, layers[k - 1].movable, key, "LL", k - 1)
-            streamed.loaded[k - 1] = end
+        if k >= depth:  # SL loaded the last ``depth`` layers
+            state.change(layers[k - depth].movable)
+            _, end = copy(state, False, layers[k - depth].movable, key, "LL", k - depth)
+            streamed.loaded[k - depth] = end
         _layer_part(state, redo, k, part, again)
         if not keeps:  # autograd frees each layer's activations as it goes
             state.change(-layers[k].total)

@@ -56,7 +56,8 @@ A schedule is one order of steps per rank. Steps are written {stage}{CODE}{micro
   SO / SL             stream a chunk layer by layer instead of LO / LL: SO (before the
                       forward) offloads each layer as it ends, freeing it a lag of layers
                       later (0SO3:2, lag 2; 0SO3 is lag 1); SL loads the last layer, and the
-                      backward loads each layer while computing the one after it
+                      backward loads each layer while computing the one after it (0SL3:2:
+                      the last two, and each layer two ahead, one more layer resident)
   RC                  recompute layers of a chunk (before its forward): 0RC3:0-1,3 keeps
                       only the input of layers 0, 1 and 3, and the backward runs each one's
                       forward again just before the layer's own backward
@@ -213,10 +214,10 @@ def _parser() -> Parser:
                             "schedules built with --lowering deferred need it)")
     check.add_argument("--layers-per-stage", type=LAYERS, metavar="L",
                        help=f"layers in one chunk of every stage (1 to {MAX_LAYERS}): a "
-                            "streamed swap's layer lag (0SO3:2 is lag 2) must then be 1 to L. "
-                            "A schedule file holds no layer counts, so without this option a "
-                            "lag is only checked to be at least 1; give the model's count to "
-                            "catch a schedule made for another model")
+                            "streamed swap's layer lag (0SO3:2 or 0SL3:2 is lag 2) must then "
+                            "be 1 to L. A schedule file holds no layer counts, so without this "
+                            "option a lag is only checked to be at least 1; give the model's "
+                            "count to catch a schedule made for another model")
 
     convert = commands.add_parser(
         "convert", parents=[policies, costs],

@@ -17,9 +17,10 @@ A streamed chunk (SO before its forward, lag D) moves layer by layer, each layer
 equal share of the chunk's compute and its own bytes (``CostModel.layer_bytes``). Its
 forward counts each layer when it ends, starts that layer's D2H copy and, from layer D on,
 waits for the copy of the layer D back and frees it; WO waits for the last D layers' copies
-and frees them. SL allocates the last layer and starts its H2D copy, WL waits for it, and
-the backward, layer by layer from the last, waits for the layer's load, allocates the layer
-below and starts its load, then frees the layer it computed; a split backward's I keeps
+and frees them. SL (lag E, its load depth) allocates the last E layers and starts their H2D
+copies, the last first; WL waits for the last layer's, and the backward, layer by layer from
+the last, waits for the layer's load, allocates the layer E below and starts its load, then
+frees the layer it computed; a split backward's I keeps
 every layer until it ends (it keeps the graph for W) and then frees all but what W needs.
 A lag beyond the chunk's layers is refused: it counts layers the chunk does not have.
 
@@ -93,6 +94,7 @@ class SwappedChunk:
     off_device: float  # seconds its movable bytes were not on the device
     hidden: bool  # no wait for its copies stalled compute
     layer_lag: int = 0  # 0: swapped whole; from 1: streamed layer by layer with this lag
+    load_depth: int = 0  # a streamed chunk's: how many layers ahead of its backward it loads
 
     @property
     def streamed(self) -> bool:
@@ -351,7 +353,8 @@ def _result(state: RankState, step_time: float) -> RankResult:
             (rec["load_start"], rec["load_end"]), rec["wait_load"],
             lifespan=state.lifespans[(stage, micro)],
             off_device=rec["off_until"] - rec["wait_offload"],
-            hidden=not rec.get("stalled"), layer_lag=int(rec.get("lag", 0))))
+            hidden=not rec.get("stalled"), layer_lag=int(rec.get("lag", 0)),
+            load_depth=int(rec.get("depth", 0))))
     return RankResult(
         rank=state.rank, step_time=state.compute, busy=state.busy,
         bubble_fraction=1 - state.busy / step_time if step_time > 0 else 0.0,

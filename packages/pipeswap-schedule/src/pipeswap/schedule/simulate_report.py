@@ -25,6 +25,7 @@ class ChunkReport(TypedDict):
     lifespan_s: float
     off_device_s: float
     layer_lag: int
+    load_depth: int
 
 
 class BudgetReport(TypedDict):
@@ -89,7 +90,7 @@ def report(result: SimulationResult, budget: Outcomes | None, *, fsdp: bool) -> 
             "recompute_s": rank.recompute_s,
             "chunks": [{"stage": c.stage, "micro": c.micro, "hidden": c.hidden,
                         "lifespan_s": c.lifespan, "off_device_s": c.off_device,
-                        "layer_lag": c.layer_lag}
+                        "layer_lag": c.layer_lag, "load_depth": c.load_depth}
                        for c in rank.swapped],
         }
         outcome = budget.outcomes.get(rank.rank) if budget is not None else None

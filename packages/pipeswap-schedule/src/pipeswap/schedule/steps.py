@@ -67,10 +67,10 @@ SWAP = frozenset(
     }
 )
 #: The launches of a streaming (layer by layer) swap: SO arms the chunk's forward to offload
-#: each layer as it finishes, SL loads its last layer and arms the backward to load each
-#: layer one ahead of the layer it is computing.
+#: each layer as it finishes, SL loads its last layers and arms the backward to load each
+#: layer ahead of the layer it is computing (one ahead by default; its lag says how many).
 STREAMING = frozenset({StepType.SWAP_STREAM_OFFLOAD, StepType.SWAP_STREAM_LOAD})
-#: The layer lag of an SO step when its text gives none.
+#: The layer lag of an SO or SL step when its text gives none.
 DEFAULT_LAYER_LAG = 1
 #: RC marks layers of a chunk recomputed: their forward keeps only each layer's input, and
 #: the backward runs the layer's forward again just before the layer's own backward.
@@ -79,6 +79,7 @@ RECOMPUTE = frozenset({StepType.RECOMPUTE})
 #: Passes that look for "the P2P right after a compute" see through them.
 ZERO_WIDTH = FSDP | SWAP | RECOMPUTE
 _WITH_MICRO = COMPUTE | P2P | SWAP | RECOMPUTE
+_LAGGED = STREAMING
 
 #: A chunk: (stage, microbatch).
 ChunkKey = tuple[int, int]
@@ -90,11 +91,15 @@ class Step:
 
     Leaves carry ``stage`` and ``micro`` (FSDP control steps have no micro); composites carry
     only ``sub_steps``: an overlap holds one forward and one backward leaf (in the order its
-    name says), a P2P batch holds P2P leaves. ``lag`` belongs to SO steps only: layer ``k``
-    of the chunk leaves the device when the forward ends layer ``k + lag`` (the copy hides
-    behind those ``lag`` layers; the last ``lag`` layers leave at the chunk's WO). It defaults
-    to :data:`DEFAULT_LAYER_LAG`. ``layers`` belongs to RC steps only: the chunk's layers
-    that are recomputed, ascending (layer 0 is the first the chunk's forward runs).
+    name says), a P2P batch holds P2P leaves. ``lag`` belongs to SO and SL steps only. SO's:
+    layer ``k`` of the chunk leaves the device when the forward ends layer ``k + lag`` (the
+    copy hides behind those ``lag`` layers; the last ``lag`` layers leave at the chunk's WO).
+    SL's: how far ahead of the backward the loads run; SL loads the last ``lag`` layers, and
+    the backward's start of layer ``k`` loads layer ``k - lag`` (each copy hides behind
+    ``lag`` layers' backward, and one more layer is resident for each beyond the first).
+    Either defaults to :data:`DEFAULT_LAYER_LAG`. ``layers`` belongs to RC steps only: the
+    chunk's layers that are recomputed, ascending (layer 0 is the first the chunk's forward
+    runs).
     """
 
     type: StepType
@@ -109,19 +114,20 @@ class Step:
         if (  # the common case, a leaf of a chunk, checked first and fast
             self.type in _WITH_MICRO and type(stage) is int and type(micro) is int
             and stage >= 0 and micro >= 0 and not self.sub_steps and self.lag is None
-            and self.layers is None and self.type is not StepType.SWAP_STREAM_OFFLOAD
+            and self.layers is None and self.type not in _LAGGED
             and self.type is not StepType.RECOMPUTE
         ):
             return
         kind = self.type
         self._check_layers()
-        if kind is StepType.SWAP_STREAM_OFFLOAD:
+        if kind in _LAGGED:
             if self.lag is None:
                 object.__setattr__(self, "lag", DEFAULT_LAYER_LAG)
             elif not _is_index(self.lag) or self.lag < 1:
-                raise StepError(f"SO's layer lag is a whole number >= 1, got {self.lag!r}")
+                raise StepError(f"{kind.value}'s layer lag is a whole number >= 1, got "
+                                f"{self.lag!r}")
         elif self.lag is not None and isinstance(kind, StepType):
-            raise StepError(f"{kind.name} takes no layer lag (only SO steps have one)")
+            raise StepError(f"{kind.name} takes no layer lag (only SO and SL steps have one)")
         if not isinstance(kind, StepType):
             raise StepError(f"a step's type is a StepType, got {kind!r}")
         if not isinstance(self.sub_steps, tuple):
@@ -220,8 +226,8 @@ _SET = tuple(Step.__dict__[name].__set__
 def chunk_leaf(kind: StepType, stage: int, micro: int) -> Step:
     """``Step(kind, stage, micro)`` without the checks, for passes that build hundreds of
     thousands of leaves from stages and micros of steps already checked (the checks are
-    half of a step's cost). ``kind`` takes a microbatch and is neither SO nor RC (whose lag
-    and layers are set)."""
+    half of a step's cost). ``kind`` takes a microbatch and is none of SO, SL and RC (whose
+    lag and layers are set)."""
     step = _new_step(Step)
     set_type, set_stage, set_micro, set_subs, set_lag, set_layers = _SET
     set_type(step, kind)

@@ -28,7 +28,9 @@ A placement may stream the chunk layer by layer instead (``layer_lag`` >= 1): ``
 right before the forward, and the forward offloads each layer as it finishes it, freeing
 layer ``k`` when it ends layer ``k + layer_lag``; ``WO`` frees what is left; ``SL`` takes
 ``LL``'s place, loads the last layer and arms the backward to load each layer while it
-computes the one after it; ``WL`` waits for the last layer.
+computes the one after it (or, with ``load_depth`` d > 1, loads the last d layers and arms
+the backward to load each layer d ahead of the one it computes); ``WL`` waits for the last
+layer.
 
 Compute slots count containers: an overlap of a backward and a forward is one slot.
 Differences from MindSpore hyper-parallel: local control steps (FSDP, swap) are transparent when
@@ -167,7 +169,11 @@ def inject_swap_order(order: Order, policy: SwapPolicy, *, rank: int = 0) -> lis
         placement = selected.get((stage, micro))
         if placement is None:
             continue
-        off, load, lag = placement
+        off, load, lag, depth = placement
+        if depth < 1:
+            raise ScheduleError(
+                f"the swap policy selected chunk {(stage, micro)} on rank {rank} with a load "
+                f"depth of {depth}; a streamed load runs at least one layer ahead (>= 1)")
         if min(off, load, lag) < 0 or b_slot - f_slot < off + load + 1:
             raise ScheduleError(
                 f"the swap policy selected chunk {(stage, micro)} on rank {rank} with "
@@ -189,8 +195,8 @@ def inject_swap_order(order: Order, policy: SwapPolicy, *, rank: int = 0) -> lis
         else:
             add((f_container, 2, chunk_leaf(StepType.SWAP_LAUNCH_OFFLOAD, stage, micro)))
         add((wait_offload_at, 3, chunk_leaf(StepType.SWAP_WAIT_OFFLOAD, stage, micro)))
-        add((load_at, 0, chunk_leaf(
-            StepType.SWAP_STREAM_LOAD if lag else StepType.SWAP_LAUNCH_LOAD, stage, micro)))
+        add((load_at, 0, Step(StepType.SWAP_STREAM_LOAD, stage, micro, lag=depth) if lag
+             else chunk_leaf(StepType.SWAP_LAUNCH_LOAD, stage, micro)))
         add((b_container, 1, chunk_leaf(StepType.SWAP_WAIT_LOAD, stage, micro)))
     placed_steps.sort(key=itemgetter(0, 1))
 

@@ -1,9 +1,9 @@
 """The canonical text form of steps, orders and schedules.
 
 A leaf is ``{stage}{CODE}{micro}`` (``0F3``, ``2LO5``, ``3SEND_F1``), or ``{stage}{CODE}`` for
-FSDP control (``1UNSHARD``); a streaming offload may add its layer lag (``0SO3:2``), and a
-recompute names its layers (``0RC3:0-1,3``); a composite is ``(a;b;...)NAME``
-(``(0B4;0F7)OVERLAP_B_F``). An
+FSDP control (``1UNSHARD``); a streaming offload or load may add its layer lag (``0SO3:2``,
+``0SL3:2``), and a recompute names its layers (``0RC3:0-1,3``); a composite is
+``(a;b;...)NAME`` (``(0B4;0F7)OVERLAP_B_F``). An
 order is whitespace-separated steps with ``_`` for an idle slot; a schedule is one
 ``rank N: <order>`` line per rank. PyTorch pipelining's action strings for the kinds it has
 parse unchanged. Numbers are ASCII digits, at most :data:`MAX_DIGITS` of them.
@@ -38,9 +38,9 @@ _QUOTED = 60
 
 EXPECTED_STEP = (
     "expected {stage}{CODE}{micro} with CODE one of F B I W SEND_F RECV_F SEND_B RECV_B "
-    "LO WO LL WL SO SL RC (e.g. 0F3, 2LO5; SO may add its layer lag: 0SO3:2; RC names the "
-    "layers it recomputes: 0RC3:0-1,3), {stage}UNSHARD|RESHARD|REDUCE_GRAD (e.g. 1UNSHARD), "
-    "or (a;b;...)OVERLAP_F_B|OVERLAP_B_F|BATCH_P2P (e.g. (0B4;0F7)OVERLAP_B_F)"
+    "LO WO LL WL SO SL RC (e.g. 0F3, 2LO5; SO and SL may add their layer lag: 0SO3:2; RC "
+    "names the layers it recomputes: 0RC3:0-1,3), {stage}UNSHARD|RESHARD|REDUCE_GRAD (e.g. "
+    "1UNSHARD), or (a;b;...)OVERLAP_F_B|OVERLAP_B_F|BATCH_P2P (e.g. (0B4;0F7)OVERLAP_B_F)"
 )
 
 
@@ -92,7 +92,7 @@ def _parse_leaf(token: str, whole: str) -> Step:
                              f"{stage}RC{micro}:0-1")
         if suffix and kind is not StepType.RECOMPUTE and not suffix.isdigit():
             raise ParseError(f"only RC names layers ({stage}RC{micro}:{suffix}); after "
-                             f"{code} a colon gives SO's layer lag, one number")
+                             f"{code} a colon gives SO's or SL's layer lag, one number")
         layers = parse_layers(suffix) if suffix and kind is StepType.RECOMPUTE else None
         lag_value = parse_number(suffix, "layer lag") if suffix and layers is None else None
     except ParseError as exc:

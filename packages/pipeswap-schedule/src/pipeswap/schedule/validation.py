@@ -115,10 +115,11 @@ def _layer_counts(layers: int | Mapping[int, int] | None) -> Callable[[int], int
 
 def check_layer_counts(schedule: Schedule, layers: Callable[[ChunkKey], int | None],
                        counted: str) -> None:
-    """Refuse a streamed swap (SO) whose layer lag exceeds its chunk's ``layers`` (None: not
-    known), and a recompute (RC) naming a layer the chunk does not have. A lag counts layers
-    of the chunk (layer k leaves when the forward ends layer k + lag, the last lag at WO), so
-    either is a schedule made for another model. ``counted`` says where the count comes
+    """Refuse a streamed swap (SO or SL) whose layer lag exceeds its chunk's ``layers``
+    (None: not known), and a recompute (RC) naming a layer the chunk does not have. A lag
+    counts layers of the chunk (SO: layer k leaves when the forward ends layer k + lag, the
+    last lag at WO; SL: the backward loads layer k - lag as it starts layer k), so either is
+    a schedule made for another model. ``counted`` says where the count comes
     from, with ``{stage}`` and ``{layers}`` in it. One look at each step."""
     for rank, order in enumerate(schedule.orders):
         check_order_layer_counts(rank, order, layers, counted)
@@ -127,9 +128,11 @@ def check_layer_counts(schedule: Schedule, layers: Callable[[ChunkKey], int | No
 def check_order_layer_counts(rank: int, order: Order,
                              layers: Callable[[ChunkKey], int | None], counted: str) -> None:
     """:func:`check_layer_counts` of one rank's order."""
-    stream, recompute = StepType.SWAP_STREAM_OFFLOAD, StepType.RECOMPUTE
+    stream, load, recompute = (StepType.SWAP_STREAM_OFFLOAD, StepType.SWAP_STREAM_LOAD,
+                               StepType.RECOMPUTE)
     for position, step in enumerate(order):
-        if step is None or (step.type is not stream and step.type is not recompute):
+        if step is None or (step.type is not stream and step.type is not recompute
+                            and step.type is not load):
             continue
         count = layers(step.key)
         if count is None:
@@ -145,14 +148,15 @@ def check_order_layer_counts(rank: int, order: Order,
                     + f"; name layers from 0 to {count - 1}", rank=rank)
             continue
         lag = step.lag
-        assert lag is not None  # Step gives every SO a lag >= 1
+        assert lag is not None  # Step gives every SO and SL a lag >= 1
         if lag > count:
+            code = step.type.value
             raise SwapLifecycleError(
                 f"rank {rank}: {step} (position {position}) streams (stage {stage}, micro "
                 f"{micro}) with a layer lag of {lag}, but "
                 + counted.format(stage=stage, layers=count)
-                + f"; give a lag from 1 to {count} ({stage}SO{micro}:{count}), or swap the "
-                f"chunk whole ({stage}LO{micro} ... {stage}LL{micro})", rank=rank)
+                + f"; give a lag from 1 to {count} ({stage}{code}{micro}:{count}), or swap "
+                f"the chunk whole ({stage}LO{micro} ... {stage}LL{micro})", rank=rank)
 
 
 def _check_complete(schedule: Schedule, forwards: list[dict[ChunkKey, int]],

@@ -6,8 +6,9 @@ copy had ``lag`` layers of compute to hide behind); the last layer's group, whic
 what the forward saves after its last layer (a loss), closes when the forward ends. For the
 backward, the last layer's group is loaded first, and reading layer ``k``'s activations loads
 layer ``k - 1`` (:meth:`~pipeswap.swap.SwapManager.load_ahead`), so each copy overlaps the
-backward of the layer after it. What the forward saves before its first layer joins the first
-layer's group.
+backward of the layer after it; a load depth ``d`` > 1 loads the last ``d`` layers first and
+layer ``k - d`` at layer ``k``, for a copy slower than one layer's backward. What the forward
+saves before its first layer joins the first layer's group.
 
 Every guarantee of the manager's groups holds per layer: storages are moved whole, nothing
 still referenced is freed, backward never reads a storage that is not resident. A storage
@@ -30,10 +31,11 @@ if TYPE_CHECKING:
 
 class LayerChain:
     """The per-layer groups ``names`` of one forward (layer ``k`` saves into ``names[k]``),
-    their offloads ``lag`` layers behind the forward and their loads one layer ahead of the
-    backward. Steps, in order: :meth:`forward` (with :meth:`layer_done` at each layer's end,
-    which :func:`layer_hooks` calls), :meth:`forward_done`, :meth:`wait_offload`,
-    :meth:`launch_load`, :meth:`wait_load`, the backward, :meth:`finish`."""
+    their offloads ``lag`` layers behind the forward and their loads one layer (or
+    :meth:`launch_load`'s ``depth``) ahead of the backward. Steps, in order:
+    :meth:`forward` (with :meth:`layer_done` at each layer's end, which :func:`layer_hooks`
+    calls), :meth:`forward_done`, :meth:`wait_offload`, :meth:`launch_load`,
+    :meth:`wait_load`, the backward, :meth:`finish`."""
 
     def __init__(self, manager: SwapManager, names: Sequence[str], lag: int = 1) -> None:
         if not names:
@@ -123,12 +125,13 @@ class LayerChain:
             self.manager.release_deferred(self.names[index])
         self._freed = []
 
-    def launch_load(self) -> None:
-        """Start loading the last layer, and arm the backward to load each layer ahead."""
-        self.manager.load_ahead(self.names)
-        last = self.names[-1]
-        if self.manager.group_state(last) is GroupState.OFFLOADED:
-            self.manager.launch_load(last)
+    def launch_load(self, depth: int = 1) -> None:
+        """Start loading the last ``depth`` layers (the last first), and arm the backward to
+        load each layer ``depth`` ahead of the one it reaches."""
+        self.manager.load_ahead(self.names, depth)
+        for name in reversed(self.names[-depth:]):
+            if self.manager.group_state(name) is GroupState.OFFLOADED:
+                self.manager.launch_load(name)
 
     def wait_load(self) -> None:
         """Make compute wait for the last layer's load (the backward's first)."""

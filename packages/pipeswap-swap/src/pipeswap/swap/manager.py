@@ -409,18 +409,24 @@ class SwapManager:
         group.storages[key] = entry
         self._owner[key] = group.name
 
-    def load_ahead(self, names: Sequence[str]) -> None:
+    def load_ahead(self, names: Sequence[str], depth: int = 1) -> None:
         """Stream a backward's loads: when backward first reads a saved activation of
         ``names[k]``, that group is made resident (its load waited for, or done then if none
-        was launched) and the load of ``names[k - 1]`` is launched, so each group's copy
-        overlaps the backward of the group after it. ``names`` are a forward's groups in the
-        order it saved them (one per layer); launch the last one's load yourself. All or
-        nothing: with one of ``names`` missing, it raises and arms none."""
+        was launched) and the load of ``names[k - depth]`` is launched, so each group's copy
+        overlaps the backward of the ``depth`` groups after it (each ``depth`` beyond 1 keeps
+        one more group resident). ``names`` are a forward's groups in the order it saved
+        them (one per layer); launch the last ``depth`` ones' loads yourself. All or
+        nothing: with one of ``names`` missing, or a ``depth`` that is not a whole number
+        from 1 to ``len(names)``, it raises and arms none."""
+        if isinstance(depth, bool) or not isinstance(depth, int) or not 1 <= depth <= max(
+                1, len(names)):
+            raise SwapError(f"load_ahead: depth is the whole number of layers a load runs "
+                            f"ahead, from 1 to {len(names)}, got {depth!r}")
         with self._lock:
             for name in names:
                 self._group(name, "load_ahead")
             for index, name in enumerate(names):
-                self._ahead[name] = names[index - 1] if index > 0 else None
+                self._ahead[name] = names[index - depth] if index >= depth else None
 
     def _first_read(self, group: Group) -> None:
         """Backward reached ``group`` for the first time (see :meth:`load_ahead`)."""

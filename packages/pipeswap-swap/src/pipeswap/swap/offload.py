@@ -42,7 +42,9 @@ class LayerOffload:
     layer ahead during its backward.
 
     ``lag``: layer ``k`` leaves the device when the forward ends layer ``k + lag`` (its copy
-    hides behind ``lag`` layers). ``protect``: modules whose parameters and buffers never
+    hides behind ``lag`` layers). ``load_depth``: how many layers ahead of the backward the
+    loads run (a load slower than one layer's backward hides behind more; each layer
+    beyond one stays resident). ``protect``: modules whose parameters and buffers never
     move (default: the layers). ``manager``: a :class:`SwapManager` to share (default: a new
     one on ``platform``). ``recompute``: indices of layers that keep only their inputs and
     run again in backward (the random state, autocast and buffers of their first run
@@ -53,10 +55,14 @@ class LayerOffload:
     def __init__(self, layers: Sequence[torch.nn.Module], *, lag: int = 1,
                  manager: SwapManager | None = None, platform: Platform | None = None,
                  protect: Sequence[torch.nn.Module] | None = None,
-                 recompute: Collection[int] = ()) -> None:
+                 recompute: Collection[int] = (), load_depth: int = 1) -> None:
         if isinstance(lag, bool) or not isinstance(lag, int) or lag < 1:
             raise SwapError(f"lag is the whole number of layers a copy hides behind (>= 1), "
                             f"got {lag!r}")
+        if isinstance(load_depth, bool) or not isinstance(load_depth, int) or not (
+                1 <= load_depth <= max(1, len(layers))):
+            raise SwapError(f"load_depth is the whole number of layers a load runs ahead of "
+                            f"the backward, from 1 to {len(layers)}, got {load_depth!r}")
         if len(layers) < 2:
             raise SwapError(f"streaming offload needs at least 2 layers, got {len(layers)}: "
                             "with one, nothing can leave the device before its backward")
@@ -69,7 +75,7 @@ class LayerOffload:
         self.manager = manager or SwapManager(platform or get_platform())
         self.layers = list(layers)
         self.recompute = frozenset(recompute)
-        self.lag = lag
+        self.lag, self.load_depth = lag, load_depth
         for module in self.layers if protect is None else protect:
             self.manager.protect_module(module)
         self._prefix = f"offload{next(_ids)}"
@@ -130,7 +136,7 @@ class LayerOffload:
         try:
             chain.forward_done(offload_last=False)
             chain.wait_offload()
-            chain.launch_load()  # arms the backward; the last layer never left
+            chain.launch_load(self.load_depth)  # arms the backward; the last layer never left
         except BaseException:
             self.finish()  # whatever left the device comes back; nothing stays half-done
             raise

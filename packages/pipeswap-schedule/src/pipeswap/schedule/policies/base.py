@@ -53,11 +53,15 @@ class SwapPlacement(NamedTuple):
     slots frees (or loads) the chunk right at its compute, and compute waits for the whole
     copy. ``layer_lag`` 0 swaps the chunk whole; from 1 it streams the chunk layer by layer
     (see :mod:`pipeswap.schedule.swap`), and the slots then bound what the forward's last
-    layers and the backward's last layer have to hide their copies behind."""
+    layers and the backward's last layer have to hide their copies behind. A streamed
+    chunk's ``load_depth`` says how many layers ahead of its backward its loads run (SL's
+    lag): each load hides behind that many layers' backward, at the cost of one more layer
+    resident for each beyond the first; a chunk swapped whole ignores it."""
 
     offload_slots: int = 1
     load_slots: int = 1
     layer_lag: int = 0
+    load_depth: int = 1
 
     @property
     def streaming(self) -> bool:
