@@ -3,6 +3,8 @@ one, real autograd. Multi-process runs are in the root suite (tests/test_runtime
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import pytest
 import torch
 
@@ -18,13 +20,21 @@ from pipeswap.runtime.microbatch import split_microbatches
 from pipeswap.runtime.model import GPTConfig, build_gpt, lm_loss, split_stages
 from pipeswap.runtime.train import parse_args
 from pipeswap.schedule import (
+    ChunkBytes,
+    CostModel,
     Lowering,
     MinGapPolicy,
     ScheduleKind,
     ScheduleSpec,
+    StageCosts,
+    StepType,
+    SwapCandidate,
+    SwapPlacement,
     build_schedule,
     loads,
 )
+from pipeswap.schedule.simulate import simulate
+from pipeswap.schedule.steps import ChunkKey, Order
 
 
 
@@ -350,3 +360,56 @@ def test_the_allocator_peak_is_measured_on_request(group: None) -> None:
     assert with_swap is not None and without is not None and with_swap < without
     off = PipelineExecutor([PipelineStage(build_gpt(CONFIG, seed=0), 0, 1)], spec, 4, lm_loss)
     assert off.measure_allocator is False and off.step(*_batch(7)).peak_allocated_bytes is None
+
+
+class _StreamEvery:
+    """Streams every chunk with room for its copies, its loads ``depth`` layers ahead."""
+
+    def __init__(self, depth: int) -> None:
+        self.depth = depth
+
+    def select(self, candidates: Sequence[SwapCandidate], order: Order
+               ) -> dict[ChunkKey, SwapPlacement]:
+        return {c.key: SwapPlacement(1, min(1, c.gap - 2), 1, self.depth)
+                for c in candidates if c.gap >= 2}
+
+
+def test_loads_further_ahead_change_no_bit_and_hold_what_the_simulator_says(
+        group: None) -> None:
+    """Streamed loads two or three layers ahead (``0SL3:2``) on real autograd: no loss or
+    gradient bit changes, and the simulator, fed the layer bytes the step measured, predicts
+    the peak the swap manager counted to the byte; a deeper load holds more. A depth past a
+    stage's layers is refused before anything runs."""
+    peaks: dict[int, int] = {}
+    plain, plain_model = _executor(swap=False)
+    want = plain.step(*_batch(5))
+    for depth in (1, 2, 3):
+        model = build_gpt(CONFIG, seed=0)
+        first, second = split_stages(model, 2)
+        executor = PipelineExecutor([PipelineStage(first, 0, 2), PipelineStage(second, 1, 2)],
+                                    SPEC, 4, lm_loss, swap=True,
+                                    swap_policy=_StreamEvery(depth))
+        loads = [s for s in executor.schedule.orders[0] if s is not None
+                 and s.type is StepType.SWAP_STREAM_LOAD]
+        assert loads and all(s.lag == depth for s in loads)
+        report = executor.step(*_batch(5))
+        assert report.losses == want.losses and report.bytes_offloaded > 0
+        for got, expected in zip(_grads(model), _grads(plain_model), strict=True):
+            assert torch.equal(got, expected)
+        assert executor.manager.active_group_count() == 0
+        counted = report.peak_activation_bytes
+        assert counted is not None
+        chunks = {key: ChunkBytes(held.held, pinned=held.held - held.movable, layers=tuple(
+            ChunkBytes(layer.held, pinned=layer.held - layer.movable)
+            for layer in report.layer_bytes.get(key, ())))
+            for key, held in report.chunk_bytes.items()}
+        predicted = simulate(executor.schedule, CostModel(chunks=chunks, stages={
+            stage: StageCosts(1.0, 2.0, layers=3) for stage in (0, 1)}))
+        assert predicted.ranks[0].peak_activation_bytes == counted
+        peaks[depth] = counted
+    assert peaks[1] < peaks[2] < peaks[3]
+    with pytest.raises(PipelineSetupError, match=r"0SL0:4 .* layer lag of 4, but stage 0 "
+                                                 r"has 3 layer.s. .PipelineStage.layers."):
+        PipelineExecutor([PipelineStage(part, index, 2) for index, part in
+                          enumerate(split_stages(build_gpt(CONFIG, seed=0), 2))],
+                         SPEC, 4, lm_loss, swap=True, swap_policy=_StreamEvery(4))

@@ -42,7 +42,7 @@ from pipeswap.schedule import (
 )
 from pipeswap.schedule.policies import PeakOutcome, PeakPolicy, default_swap_policy
 from pipeswap.schedule.steps import FSDP, RECOMPUTE, SWAP, StepType
-from pipeswap.schedule.validation import TRANSPORTS
+from pipeswap.schedule.validation import TRANSPORTS, check_order_layer_counts
 
 #: The steps each rank plans for itself: which chunks it swaps and which layers it recomputes.
 OWN_PLAN = SWAP | RECOMPUTE
@@ -240,6 +240,11 @@ def _check_stages(schedule: Schedule, stages: Sequence[PipelineStage], *, rank: 
                 f"rank {rank}'s step {step} recomputes layer {max(step.layers)} of stage "
                 f"{step.key[0]}, which has {layers[step.key[0]]} layer(s): plan on the "
                 "stages' layer counts (PipelineStage.layers)")
+    try:  # a streamed swap's lags (SO's, SL's load depth) count the stage's layers too
+        check_order_layer_counts(rank, schedule.orders[rank], lambda key: layers.get(key[0]),
+                                 "stage {stage} has {layers} layer(s) (PipelineStage.layers)")
+    except ScheduleError as exc:
+        raise PipelineSetupError(f"the schedule cannot run: {exc}") from exc
 
 
 def _kind(name: str) -> ScheduleKind:
