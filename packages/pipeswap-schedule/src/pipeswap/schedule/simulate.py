@@ -176,11 +176,13 @@ def simulate(schedule: Schedule, costs: CostModel, *, timeline: bool = True) -> 
     return SimulationResult(step_time, tuple(_result(s, step_time) for s in ranks))
 
 
-def simulate_alone(order: Order, rank: int, costs: CostModel) -> RankResult:
+def simulate_alone(order: Order, rank: int, costs: CostModel,
+                   timeline: bool = False) -> RankResult:
     """One rank's valid ``order`` run on its own, as :func:`simulate` runs it but with every
     other rank's output there whenever it is wanted (compute back to back, as the swap
-    policies plan): its peak, and the compute it waits for its own copies. No timeline."""
-    state, = _walk([(rank, order)], None, -1, costs, False, _AllReady())
+    policies plan): its peak, and the compute it waits for its own copies; its memory and
+    spans only with ``timeline``."""
+    state, = _walk([(rank, order)], None, -1, costs, timeline, _AllReady())
     return _result(state, state.compute)
 
 

@@ -17,6 +17,7 @@ from functools import partial
 from pipeswap.schedule.costs import CostModel
 from pipeswap.schedule.errors import ScheduleError
 from pipeswap.schedule.policies._chunk_plan import ChunkPlan
+from pipeswap.schedule.policies._fit import fit
 from pipeswap.schedule.policies._layer_plan import LayerPlan, Way
 from pipeswap.schedule.policies._mixed import (
     Fixed,
@@ -190,8 +191,8 @@ class PeakPolicy:
             orders: dict[int, Order] = {}
             for rank in over:  # a rank with fewer layers a chunk: its nearest choice
                 found = plans[rank]
-                recomputed, placements = found[min(found, key=lambda mine: (
-                    abs(mine[0] - choice[0]), abs(mine[1] - choice[1])))]
+                recomputed, placements = found[min(found, key=lambda mine: tuple(
+                    abs(m - c) for m, c in zip(mine, choice)))]
                 orders[rank] = tuple(inject_swap_order(
                     schedule.orders[rank], Fixed(placements, recomputed), rank=rank))
             every = tuple(orders.get(rank, order) for rank, order in enumerate(schedule.orders))
@@ -301,11 +302,20 @@ class PeakPolicy:
         layers_of = layer_counts(self.costs)
 
         def alike_trials() -> list[Trial[PeakOutcome]]:
-            return [exactly(Trial(recomputed, placements, PeakOutcome(
-                rank, 0, alone.plain, 0.0, budget,
-                sum(len(layers) for layers in recomputed.values()))))
-                for recomputed, placements in alike(candidates, layers_of,
-                                                    self.granularity).values()]
+            out = []
+            for recomputed, placements in alike(candidates, layers_of,
+                                                self.granularity).values():
+                trial = exactly(Trial(recomputed, placements, PeakOutcome(
+                    rank, 0, alone.plain, 0.0, budget,
+                    sum(len(layers) for layers in recomputed.values()))))
+                if trial.outcome.shortfall:  # over at a few points, perhaps: fit it
+                    fitted = fit(placements, lambda chosen, trial=trial: order_of(
+                        order, rank, replace(trial, placements=dict(chosen))),
+                        rank, self.costs, budget)
+                    if fitted is not None:
+                        trial = exactly(replace(trial, placements=fitted))
+                out.append(trial)
+            return out
 
         meeting: list[Trial[PeakOutcome]] = []
 

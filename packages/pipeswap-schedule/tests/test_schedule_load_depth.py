@@ -1,0 +1,96 @@
+"""Streamed loads more than one layer ahead, as the peak policy plans them under a budget.
+
+A load slower than a layer's backward stalls every layer of a backward that loads one layer
+ahead; two ahead hides it behind two layers, for one more layer on the device. The policy's
+plans alike on every chunk try both, and a plan over the budget at a few points only is
+fitted chunk by chunk (:mod:`pipeswap.schedule.policies._fit`) rather than dropped.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import replace
+
+import pytest
+
+from pipeswap.schedule import ScheduleKind, ScheduleSpec, build_schedule
+from pipeswap.schedule.costs import Link, TransformerShape, from_preset
+from pipeswap.schedule.policies import PeakPolicy, SwapPlacement, _mixed
+from pipeswap.schedule.policies import peak as peak_policy
+from pipeswap.schedule.policies._fit import fit
+from pipeswap.schedule.policies._mixed import Fixed, alike, layer_counts
+from pipeswap.schedule.simulate import simulate, simulate_alone
+from pipeswap.schedule.steps import ChunkKey, Order
+from pipeswap.schedule.swap_order import inject_swap_order, swap_candidates
+
+#: hidden 8192 on a PCIe Gen4 link: a layer's load (46 ms) outlasts its backward (36 ms).
+GEN4 = replace(from_preset("h100-pcie5", TransformerShape(hidden=8192, seq_len=4096, layers=4)),
+               link=Link(25e9, 25e9))
+SPEC = ScheduleSpec(ScheduleKind.ONE_F_ONE_B, ranks=4, microbatches=8)
+
+
+def _budget(share: float) -> int:
+    plain = simulate(build_schedule(SPEC), GEN4)
+    return int(max(rank.peak_activation_bytes for rank in plain.ranks) * share)
+
+
+def test_loads_two_layers_ahead_where_the_budget_allows(monkeypatch: pytest.MonkeyPatch
+                                                         ) -> None:
+    """Under half the peak: loads one layer ahead leave the step 9% over no swap; two ahead,
+    fitted to the budget, 2%. Without the fit, loads two ahead never meet the budget, and
+    the plan is the one-ahead plan."""
+    budget = _budget(0.5)
+    swapped = replace(SPEC, swap=True)
+
+    def planned() -> tuple[float, set[int]]:
+        result = simulate(build_schedule(swapped, PeakPolicy(GEN4, budget, recompute="auto")),
+                          GEN4)
+        assert all(rank.peak_activation_bytes <= budget for rank in result.ranks)
+        return result.step_time, {c.load_depth for r in result.ranks for c in r.swapped}
+
+    both, depths = planned()
+    assert 2 in depths
+    with monkeypatch.context() as patch:
+        patch.setattr(_mixed, "DEEPEST_LOAD", 1)
+        one_ahead, depths = planned()
+    assert depths <= {0, 1} and both < one_ahead * 0.95
+    monkeypatch.setattr(peak_policy, "fit", lambda *args: None)
+    assert planned() == (one_ahead, {1})
+
+
+def _orders(given: Order, recomputed: Mapping[ChunkKey, tuple[int, ...]]
+            ) -> Callable[[Mapping[ChunkKey, SwapPlacement]], Order]:
+    def order_of(chosen: Mapping[ChunkKey, SwapPlacement]) -> Order:
+        return tuple(inject_swap_order(given, Fixed(chosen, recomputed), rank=0))
+
+    return order_of
+
+
+def test_a_fit_lowers_lags_and_depths_only_where_the_plan_goes_over() -> None:
+    """Rank 0's plans alike on every chunk that go over half its peak: each fitted plan
+    meets the budget by lowering some chunks' lags or load depths (never raising one, never
+    dropping a chunk), and one over at a single point changes in one chunk. A budget no
+    lowering reaches gets no plan."""
+    budget = _budget(0.5)
+    given = build_schedule(SPEC).orders[0]
+    candidates = swap_candidates(given, 0)
+    plans = alike(candidates, layer_counts(GEN4), "auto")
+    changes = []
+    for recomputed, placements in plans.values():
+        order_of = _orders(given, recomputed)
+        if simulate_alone(order_of(placements), 0, GEN4).peak_activation_bytes <= budget:
+            continue
+        found = fit(placements, order_of, 0, GEN4, budget)
+        if found is None:
+            continue
+        assert found.keys() == placements.keys()
+        changed = [key for key in found if found[key] != placements[key]]
+        assert changed and all(
+            found[key].layer_lag <= placements[key].layer_lag
+            and found[key].load_depth <= placements[key].load_depth
+            and found[key][:2] == placements[key][:2] for key in changed)
+        assert simulate_alone(order_of(found), 0, GEN4).peak_activation_bytes <= budget
+        changes.append(len(changed))
+    assert len(changes) >= 3 and min(changes) == 1
+    recomputed, deep = plans[0, 4, 2]
+    assert fit(deep, _orders(given, recomputed), 0, GEN4, budget // 8) is None
