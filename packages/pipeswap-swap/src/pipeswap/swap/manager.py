@@ -29,14 +29,8 @@ from pipeswap.swap.groups import Group, SavedEntry, StorageEntry, expect
 from pipeswap.swap.ledger import Ledger
 from pipeswap.swap.recompute import Call, Frame, Placeholder, frames_of, track
 from pipeswap.swap.transfers import Transfers, drain
-from pipeswap.swap.values import (
-    GroupBytes,
-    GroupState,
-    InPlaceModificationError,
-    SwapError,
-    SwapResidencyError,
-    SwapStats,
-)
+from pipeswap.swap.values import (GroupBytes, GroupState, InPlaceModificationError, SwapError,
+                                  SwapResidencyError, SwapStats, check_load_depth)
 
 if TYPE_CHECKING:
     import torch
@@ -412,16 +406,12 @@ class SwapManager:
     def load_ahead(self, names: Sequence[str], depth: int = 1) -> None:
         """Stream a backward's loads: when backward first reads a saved activation of
         ``names[k]``, that group is made resident (its load waited for, or done then if none
-        was launched) and the load of ``names[k - depth]`` is launched, so each group's copy
-        overlaps the backward of the ``depth`` groups after it (each ``depth`` beyond 1 keeps
-        one more group resident). ``names`` are a forward's groups in the order it saved
-        them (one per layer); launch the last ``depth`` ones' loads yourself. All or
-        nothing: with one of ``names`` missing, or a ``depth`` that is not a whole number
-        from 1 to ``len(names)``, it raises and arms none."""
-        if isinstance(depth, bool) or not isinstance(depth, int) or not 1 <= depth <= max(
-                1, len(names)):
-            raise SwapError(f"load_ahead: depth is the whole number of layers a load runs "
-                            f"ahead, from 1 to {len(names)}, got {depth!r}")
+        was launched) and the load of ``names[k - depth]`` is launched, so each copy overlaps
+        the backward of the ``depth`` groups after it (one more resident per ``depth`` over
+        1). ``names``: a forward's groups in the order it saved them (one per layer); launch
+        the last ``depth`` loads yourself. With a name missing or ``depth`` not 1 to
+        ``len(names)``, it raises and arms none."""
+        check_load_depth(depth, len(names), "load_ahead: depth")
         with self._lock:
             for name in names:
                 self._group(name, "load_ahead")

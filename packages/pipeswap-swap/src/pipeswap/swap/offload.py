@@ -28,7 +28,7 @@ from pipeswap.platform import Platform, get_platform
 from pipeswap.swap.layers import LayerChain, layer_hooks
 from pipeswap.swap.manager import SwapManager
 from pipeswap.swap.recompute import recompute_hooks
-from pipeswap.swap.values import SwapError
+from pipeswap.swap.values import SwapError, check_load_depth
 
 if TYPE_CHECKING:
     import torch
@@ -59,10 +59,7 @@ class LayerOffload:
         if isinstance(lag, bool) or not isinstance(lag, int) or lag < 1:
             raise SwapError(f"lag is the whole number of layers a copy hides behind (>= 1), "
                             f"got {lag!r}")
-        if isinstance(load_depth, bool) or not isinstance(load_depth, int) or not (
-                1 <= load_depth <= max(1, len(layers))):
-            raise SwapError(f"load_depth is the whole number of layers a load runs ahead of "
-                            f"the backward, from 1 to {len(layers)}, got {load_depth!r}")
+        check_load_depth(load_depth, len(layers), "load_depth")
         if len(layers) < 2:
             raise SwapError(f"streaming offload needs at least 2 layers, got {len(layers)}: "
                             "with one, nothing can leave the device before its backward")

@@ -63,3 +63,11 @@ class GroupBytes:
 
     held: int
     movable: int
+
+
+def check_load_depth(depth: object, layers: int, what: str) -> None:
+    """Refuse a load depth (how many layers ahead of a backward loads run) that is not a
+    whole number from 1 to ``layers`` (at least 1)."""
+    if type(depth) is not int or not 1 <= depth <= max(1, layers):
+        raise SwapError(f"{what} is the whole number of layers a load runs ahead of the "
+                        f"backward, from 1 to {max(1, layers)}, got {depth!r}")

@@ -309,9 +309,8 @@ class PeakPolicy:
                     rank, 0, alone.plain, 0.0, budget,
                     sum(len(layers) for layers in recomputed.values()))))
                 if trial.outcome.shortfall:  # over at a few points, perhaps: fit it
-                    fitted = fit(placements, lambda chosen, trial=trial: order_of(
-                        order, rank, replace(trial, placements=dict(chosen))),
-                        rank, self.costs, budget)
+                    fitted = fit(placements, partial(_placed, order, rank, recomputed), rank,
+                                 self.costs, budget)
                     if fitted is not None:
                         trial = exactly(replace(trial, placements=fitted))
                 out.append(trial)
@@ -406,6 +405,12 @@ class PeakPolicy:
         plan.take({key: Way(False, p.load_slots, None, p.offload_slots if stalls else None)
                    for key, p in chunk_level.chosen.items()}, allow_stall=stalls)
         return plan
+
+
+def _placed(order: Order, rank: int, recomputed: Mapping[ChunkKey, tuple[int, ...]],
+            placements: Mapping[ChunkKey, SwapPlacement]) -> Order:
+    """``order`` with ``placements``' swap steps and ``recomputed``'s RC steps."""
+    return tuple(inject_swap_order(order, Fixed(placements, recomputed), rank=rank))
 
 
 def _groups(candidates: Sequence[SwapCandidate]) -> list[list[ChunkKey]]:
