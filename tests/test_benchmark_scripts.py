@@ -131,3 +131,4 @@ def test_keep_offload_recompute_plans_a_budget_three_ways() -> None:
     assert offload["recomputed_layers_rank0"] == 0 < recompute["recomputed_layers_rank0"]
     assert recompute["exposed_copy_s"] == 0.0 and recompute["ratio"] > 1.0
     assert mixed["ratio"] <= min(offload["ratio"], recompute["ratio"]) and row["mixed_plan_s"] > 0
+    assert list(json.loads(out.stdout)["setup_s"]) == ["8"]

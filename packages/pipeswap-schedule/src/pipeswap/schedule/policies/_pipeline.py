@@ -36,7 +36,8 @@ def order_of(order: Order, rank: int, trial: Trial[_Outcome]) -> Order:
 def step_time(given: Schedule, costs: CostModel, orders: Mapping[int, Order]) -> float:
     """The whole schedule's step with ``orders`` in place of the given ones."""
     every = tuple(orders.get(rank, order) for rank, order in enumerate(given.orders))
-    return simulate(replace(given, orders=every), costs, timeline=False).step_time
+    return simulate(replace(given, orders=every), costs, timeline=False,
+                    check=False).step_time
 
 
 def choose(given: Schedule, costs: CostModel,
@@ -46,7 +47,8 @@ def choose(given: Schedule, costs: CostModel,
     """Each rank of ``options`` (its plans that meet its budget, or its one best) in turn
     takes the plan that gives the shortest step with the other ranks as they stand (then
     the least recompute), from each of ``starts`` (orders of some ranks; the rest as
-    given); the choices of the start whose last step is shortest (the first of equals)."""
+    given; a start given twice runs once); the choices of the start whose last step is
+    shortest (the first of equals)."""
     made: dict[tuple[int, int], Order] = {}
 
     def made_order(rank: int, index: int) -> Order:
@@ -55,7 +57,11 @@ def choose(given: Schedule, costs: CostModel,
         return made[rank, index]
 
     best: tuple[float, dict[int, Trial[_Outcome]]] = (math.inf, {})
+    tried: list[Mapping[int, Order]] = []
     for start in starts:
+        if start in tried:  # the same start chooses the same
+            continue
+        tried.append(start)
         current = dict(start)
         chosen: dict[int, Trial[_Outcome]] = {}
         for rank in sorted(options):
