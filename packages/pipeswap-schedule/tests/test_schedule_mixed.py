@@ -156,7 +156,7 @@ def test_the_pipeline_keeps_the_faster_of_its_two_starts(
     finished: list[float] = []
 
     def each_start(given: Schedule, costs: CostModel, options: Any, starts: Any,
-                   recompute_s: Any) -> Any:
+                   recompute_s: Any, progress: Any) -> Any:
         for start in starts:
             chosen = _pipeline.choose(given, costs, options, [start], recompute_s)
             finished.append(_pipeline.step_time(given, costs, {
@@ -270,15 +270,26 @@ def test_the_command_line_recomputes_under_a_budget_unless_told_never(cli: Cli) 
 def test_a_plan_under_a_budget_says_how_far_it_is(
         cli: Cli, monkeypatch: pytest.MonkeyPatch, recompute: str) -> None:
     """Planning under a budget reports each rank as it is planned (in the whole pipeline
-    with auto, rank by rank with never), on stderr once it has taken a while (here at
-    once), never on stdout; without the wait it stays quiet."""
+    with auto, rank by rank with never), and with auto then each rank's choice of plan in
+    the whole pipeline from each start, on stderr once it has taken a while (here at once),
+    never on stdout; without the wait it stays quiet."""
     monkeypatch.setattr(simulate_cli, "PROGRESS_AFTER_S", 0.0)
     code, out, err = cli("simulate", *SMALL_ARGS, "--recompute", recompute, "--format", "json")
     assert code == 0 and json.loads(out)["per_rank"]
-    lines = err.splitlines()
-    assert [line.split(", ")[1] for line in lines] == [
-        f"{done} of {len(lines)} ranks" for done in range(1, len(lines) + 1)]
-    assert len(lines) == json.loads(out)["per_rank"][-1]["rank"] + 1
+    ranks = json.loads(out)["per_rank"][-1]["rank"] + 1
+    planned = [line for line in err.splitlines() if line.startswith("planning")]
+    assert [line.split(", ")[1] for line in planned] == [
+        f"{done} of {ranks} ranks" for done in range(1, ranks + 1)]
+    chosen = err.splitlines()[ranks:]
+    if recompute == "never":
+        assert chosen == []
+    else:  # the ranks over their budget choose, once from each of the two starts
+        total = len(chosen)
+        assert total > 0 and total % 2 == 0 and [line.split(": ")[1].split(",")[0] for line
+                                                 in chosen] == [
+            f"{done} of {total} choices" for done in range(1, total + 1)]
+        assert all(line.startswith("choosing the plans in the whole pipeline: ")
+                   for line in chosen)
     monkeypatch.setattr(simulate_cli, "PROGRESS_AFTER_S", 3600.0)
     assert cli("simulate", *SMALL_ARGS, "--recompute", recompute)[2] == ""
 

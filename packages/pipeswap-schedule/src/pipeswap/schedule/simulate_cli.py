@@ -312,9 +312,10 @@ def choose_policy(args: argparse.Namespace, costs: CostModel
         budget = MemoryBudgetPolicy(costs, args.budget)
         return budget, budget
     if name == "peak":
+        told = None if args.budget is None else _Progress()
         peak = PeakPolicy(costs, args.budget, granularity=granularity or "auto",
                           recompute="never" if args.budget is None else mode or "auto",
-                          progress=None if args.budget is None else _Progress())
+                          progress=told, choosing=None if told is None else told.choosing)
         return peak, peak
     if name == "cost":
         return CostModelPolicy(costs), None
@@ -336,6 +337,13 @@ class _Progress:
         spent = time.perf_counter() - self.start
         if spent >= PROGRESS_AFTER_S:
             print(f"planning under the budget: rank {rank} done, {done} of {total} ranks, "
+                  f"{spent:.0f} s", file=sys.stderr, flush=True)
+
+    def choosing(self, done: int, total: int) -> None:
+        """Each rank's plan chosen in the whole pipeline (each rank once a start)."""
+        spent = time.perf_counter() - self.start
+        if spent >= PROGRESS_AFTER_S:
+            print(f"choosing the plans in the whole pipeline: {done} of {total} choices, "
                   f"{spent:.0f} s", file=sys.stderr, flush=True)
 
 

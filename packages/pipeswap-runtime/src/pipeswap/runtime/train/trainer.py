@@ -181,7 +181,8 @@ class Trainer:
                                              costs, None if self.replaying else _everyone)
             if config.job.verbose and (self.replaying or self.rank == 0):
                 log.info("[%7s] planning swap%s under the budget of %s bytes a rank, weighed "
-                         "%s (a search over plans: seconds at 8 stages, minutes at 64)", mode,
+                         "%s (a search over plans: under a second at 8 stages, about 10 s "
+                         "at 64)", mode,
                          " and recompute" if config.swap.recompute == "auto" else "",
                          f"{config.swap.budget:,}",
                          "on this rank's own timeline" if self.replaying else

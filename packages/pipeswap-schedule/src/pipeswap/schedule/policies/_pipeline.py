@@ -43,12 +43,14 @@ def step_time(given: Schedule, costs: CostModel, orders: Mapping[int, Order]) ->
 def choose(given: Schedule, costs: CostModel,
            options: Mapping[int, Sequence[Trial[_Outcome]]],
            starts: Sequence[Mapping[int, Order]],
-           recompute_s: Callable[[Trial[_Outcome]], float]) -> dict[int, Trial[_Outcome]]:
+           recompute_s: Callable[[Trial[_Outcome]], float],
+           progress: Callable[[int, int], None] | None = None) -> dict[int, Trial[_Outcome]]:
     """Each rank of ``options`` (its plans that meet its budget, or its one best) in turn
     takes the plan that gives the shortest step with the other ranks as they stand (then
     the least recompute), from each of ``starts`` (orders of some ranks; the rest as
     given; a start given twice runs once); the choices of the start whose last step is
-    shortest (the first of equals)."""
+    shortest (the first of equals). ``progress`` is told (choices made, choices to make)
+    after each."""
     made: dict[tuple[int, int], Order] = {}
 
     def made_order(rank: int, index: int) -> Order:
@@ -57,11 +59,9 @@ def choose(given: Schedule, costs: CostModel,
         return made[rank, index]
 
     best: tuple[float, dict[int, Trial[_Outcome]]] = (math.inf, {})
-    tried: list[Mapping[int, Order]] = []
-    for start in starts:
-        if start in tried:  # the same start chooses the same
-            continue
-        tried.append(start)
+    distinct = [start for k, start in enumerate(starts) if start not in starts[:k]]
+    made_so_far, to_make = 0, len(distinct) * len(options)
+    for start in distinct:  # the same start would choose the same
         current = dict(start)
         chosen: dict[int, Trial[_Outcome]] = {}
         for rank in sorted(options):
@@ -74,6 +74,9 @@ def choose(given: Schedule, costs: CostModel,
             index = 0 if len(plans) == 1 else min(range(len(plans)), key=key)
             chosen[rank] = plans[index]
             current[rank] = made_order(rank, index)
+            made_so_far += 1
+            if progress is not None:
+                progress(made_so_far, to_make)
         finished = step_time(given, costs, current)
         if finished < best[0]:
             best = (finished, chosen)

@@ -112,6 +112,9 @@ class PeakPolicy:
     # told (rank, ranks planned so far, ranks to plan) as each rank's plans under a budget
     # are made: a search that takes minutes at 64 stages can say how far it is
     progress: Callable[[int, int, int], None] | None = field(default=None, repr=False)
+    # told (choices made, choices to make) as the ranks choose their plans in the whole
+    # pipeline (each rank once from each start; see prepare)
+    choosing: Callable[[int, int], None] | None = field(default=None, repr=False)
     _given: Schedule | None = field(default=None, init=False, repr=False)  # the schedule
     # prepared on; each rank's order and its plan, chosen in the whole pipeline by prepare
     _decided: dict[int, tuple[Order, Trial[PeakOutcome]]] = field(
@@ -167,7 +170,7 @@ class PeakPolicy:
                 self.progress(rank, done, len(planning))
         chosen = choose(schedule, self.costs, options,
                         [{}, self._alike_start(schedule, options)],
-                        lambda trial: trial.outcome.recompute_s)
+                        lambda trial: trial.outcome.recompute_s, self.choosing)
         self._decided = {rank: (schedule.orders[rank], trial) for rank, trial in chosen.items()}
 
     @property
