@@ -8,7 +8,9 @@ is fitted instead: at the first point over the budget, each streamed chunk whose
 in flight or whose layers wait on the device then is tried with its load depth, or its
 lag, one lower; the change that leaves the least excess over the whole order (then the
 shortest step) is kept, and the fitting goes on from the next point over, until the plan
-meets the budget or no change lowers the excess.
+meets the budget or no change lowers the excess. A plan over in many stretches would need
+as many changes; the search has plans with lower lags or depths everywhere for that, so a
+fit gives up on it at once, and after a few changes.
 """
 
 from __future__ import annotations
@@ -20,8 +22,14 @@ from pipeswap.schedule.policies.base import SwapPlacement
 from pipeswap.schedule.simulate import RankResult, SwappedChunk, simulate_alone
 from pipeswap.schedule.steps import ChunkKey, Order, StepType
 
-#: The most changes a fit makes (a bound on its time: each costs a few runs of the order).
-MAX_CHANGES = 256
+#: The most changes a fit makes, per chunk the plan swaps (and at least
+#: :data:`FEWEST_CHANGES`): each costs a few runs of the rank's order. A change mends two or
+#: three stretches over the budget where those recur in the steady state, so a plan over in
+#: more than :data:`STRETCHES_PER_CHANGE` times as many stretches is given up at once: it
+#: would need a lower lag or depth on most chunks, and the search has such plans of its own.
+CHANGES_PER_CHUNK = 1 / 8
+FEWEST_CHANGES = 8
+STRETCHES_PER_CHANGE = 3
 
 
 def excess(run: RankResult, budget: int) -> int:
@@ -29,14 +37,24 @@ def excess(run: RankResult, budget: int) -> int:
     return sum(held - budget for _, held in run.memory if held > budget)
 
 
+def stretches(run: RankResult, budget: int) -> int:
+    """How many separate stretches of ``run``'s memory go over ``budget``."""
+    held = [amount > budget for _, amount in run.memory]
+    return sum(1 for k, over in enumerate(held) if over and (k == 0 or not held[k - 1]))
+
+
 def fit(placements: Mapping[ChunkKey, SwapPlacement], order_of: Callable[
         [Mapping[ChunkKey, SwapPlacement]], Order], rank: int, costs: CostModel,
         budget: int) -> dict[ChunkKey, SwapPlacement] | None:
     """``placements`` with lags and load depths lowered chunk by chunk until the rank's
-    order (``order_of(placements)``) meets ``budget``; None if no such change gets there."""
+    order (``order_of(placements)``) meets ``budget``; None if no such change gets there
+    within :data:`CHANGES_PER_CHUNK` of them."""
     current = dict(placements)
     run = simulate_alone(order_of(current), rank, costs, timeline=True)
-    for _ in range(MAX_CHANGES):
+    changes = max(FEWEST_CHANGES, int(len(placements) * CHANGES_PER_CHUNK))
+    if stretches(run, budget) > changes * STRETCHES_PER_CHANGE:
+        return None
+    for _ in range(changes):
         over = next((time for time, held in run.memory if held > budget), None)
         if over is None:
             return current
@@ -63,8 +81,9 @@ def _changes(placements: Mapping[ChunkKey, SwapPlacement], swapped: tuple[Swappe
         placement = placements.get(key)
         if placement is None or not placement.layer_lag:
             continue
-        if placement.load_depth > 1 and chunk.load[0] <= at <= chunk.load[1] + \
-                costs.compute_time(StepType.BWD, chunk.stage, rank):
+        loaded_at = chunk.wait_offload + chunk.off_device  # its SL
+        if placement.load_depth > 1 and loaded_at <= at <= chunk.load[1] + costs.compute_time(
+                StepType.BWD, chunk.stage, rank):
             yield key, placement._replace(load_depth=placement.load_depth - 1)
         if placement.layer_lag > 1 and chunk.offload[0] - costs.compute_time(
                 StepType.FWD, chunk.stage, rank) <= at <= chunk.wait_offload:
