@@ -18,7 +18,7 @@ from pipeswap.schedule.costs import Link, TransformerShape, from_preset
 from pipeswap.schedule.policies import PeakPolicy, SwapPlacement, _mixed
 from pipeswap.schedule.policies import peak as peak_policy
 from pipeswap.schedule.policies._fit import fit
-from pipeswap.schedule.policies._mixed import Fixed, alike, layer_counts
+from pipeswap.schedule.policies._mixed import Fixed, alike, layer_counts, spread
 from pipeswap.schedule.simulate import simulate, simulate_alone
 from pipeswap.schedule.steps import ChunkKey, Order
 from pipeswap.schedule.swap_order import inject_swap_order, swap_candidates
@@ -37,8 +37,8 @@ def _budget(share: float) -> int:
 def test_loads_two_layers_ahead_where_the_budget_allows(monkeypatch: pytest.MonkeyPatch
                                                          ) -> None:
     """Under half the peak: loads one layer ahead leave the step 9% over no swap; two ahead,
-    fitted to the budget, 2%. Without the fit, loads two ahead never meet the budget, and
-    the plan is the one-ahead plan."""
+    fitted to the budget, 2%. Without the fit, the plans that load two ahead and meet the
+    budget as they are recompute layers: 5%."""
     budget = _budget(0.5)
     swapped = replace(SPEC, swap=True)
 
@@ -55,7 +55,8 @@ def test_loads_two_layers_ahead_where_the_budget_allows(monkeypatch: pytest.Monk
         one_ahead, depths = planned()
     assert depths <= {0, 1} and both < one_ahead * 0.95
     monkeypatch.setattr(peak_policy, "fit", lambda *args: None)
-    assert planned() == (one_ahead, {1})
+    unfitted, depths = planned()
+    assert both * 1.02 < unfitted < one_ahead
 
 
 def _orders(given: Order, recomputed: Mapping[ChunkKey, tuple[int, ...]]
@@ -92,5 +93,33 @@ def test_a_fit_lowers_lags_and_depths_only_where_the_plan_goes_over() -> None:
         assert simulate_alone(order_of(found), 0, GEN4).peak_activation_bytes <= budget
         changes.append(len(changed))
     assert len(changes) >= 3 and min(changes) == 1
-    recomputed, deep = plans[0, 4, 2]
+    recomputed, deep = plans[0, 4, 2, 0]
     assert fit(deep, _orders(given, recomputed), 0, GEN4, budget // 8) is None
+
+
+@pytest.mark.parametrize(("count", "k", "layers"), [
+    (4, 1, (3,)), (4, 2, (1, 3)), (4, 3, (1, 2, 3)), (8, 2, (3, 7)), (8, 4, (1, 3, 5, 7)),
+    (3, 2, (1, 2))])
+def test_layers_spread_end_with_the_last(count: int, k: int, layers: tuple[int, ...]) -> None:
+    assert spread(count, k) == layers
+
+
+def test_recomputing_layers_spread_hides_the_loads_of_those_between(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under a quarter of the peak: with the first layers of each chunk recomputed the plan
+    is 20% over no swap; with layers 1 and 3 recomputed each streamed layer's load hides
+    behind the recompute and backward of the layer after it, and fewer layers need
+    recomputing: 14%."""
+    budget = _budget(0.25)
+    swapped = replace(SPEC, swap=True)
+
+    def planned() -> tuple[float, int]:
+        result = simulate(build_schedule(swapped, PeakPolicy(GEN4, budget, recompute="auto")),
+                          GEN4)
+        assert all(rank.peak_activation_bytes <= budget for rank in result.ranks)
+        return result.step_time, sum(rank.recomputed_layers for rank in result.ranks)
+
+    spread_out, recomputed = planned()
+    monkeypatch.setattr(_mixed, "spread", lambda count, k: tuple(range(k)))
+    first_only, more = planned()
+    assert spread_out < first_only * 0.96 and recomputed < more

@@ -146,13 +146,13 @@ def test_where_a_stalled_swap_costs_less_than_recompute_the_mix_swaps_alone(
         assert result.step_time < alone.step_time * 0.95
 
 
-@pytest.mark.parametrize(("bandwidth", "share"), [(25e9, 0.5), (55e9, 0.45)])
+@pytest.mark.parametrize(("bandwidth", "share"), [(20e9, 0.2), (55e9, 0.45)])
 def test_the_pipeline_keeps_the_faster_of_its_two_starts(
         bandwidth: float, share: float, monkeypatch: pytest.MonkeyPatch) -> None:
     """The ranks choose their plans in the whole pipeline twice: from the other ranks as
     given, and from every rank over its budget planned alike on every chunk. Neither start
-    is always the better (under half the peak on a 25 GB/s link the first is, under 45% of
-    it on a 55 GB/s link the second), and the plan kept is that of the faster."""
+    is always the better (under a fifth of the peak on a 20 GB/s link the first is, under
+    45% of it on a 55 GB/s link the second), and the plan kept is that of the faster."""
     finished: list[float] = []
 
     def each_start(given: Schedule, costs: CostModel, options: Any, starts: Any,
@@ -171,7 +171,7 @@ def test_the_pipeline_keeps_the_faster_of_its_two_starts(
     result = simulate(build_schedule(SPEC, PeakPolicy(costs, budget, recompute="auto")), costs)
     assert len(finished) == 2 and finished[0] != finished[1]
     assert result.step_time == min(finished)
-    assert (finished[0] < finished[1]) == (share == 0.5)
+    assert (finished[0] < finished[1]) == (share == 0.2)
     assert all(rank.peak_activation_bytes <= budget for rank in result.ranks)
 
 

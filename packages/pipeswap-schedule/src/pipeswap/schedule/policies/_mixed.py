@@ -169,38 +169,48 @@ def search(evaluate: Callable[[Mapping[ChunkKey, tuple[int, ...]], bool], Trial[
     return min(tried, key=lambda trial: trial.merit)
 
 
+def spread(count: int, k: int) -> tuple[int, ...]:
+    """``k`` of a chunk's ``count`` layers spread evenly, the last among them: each
+    streamed layer then has a recomputed one after it, whose recompute in the backward
+    hides the streamed layer's load (of four layers, two: 1 and 3)."""
+    return tuple(sorted({count - 1 - (i * count) // k for i in range(k)}))
+
+
 def alike(candidates: Sequence[SwapCandidate], layers_of: Callable[[ChunkKey], int],
           granularity: str
-          ) -> dict[tuple[int, int, int], tuple[dict[ChunkKey, tuple[int, ...]],
-                                                dict[ChunkKey, SwapPlacement]]]:
-    """The rank's plans alike on every chunk, by ``(k, d, e)``: its first ``k`` layers
-    recomputed (``k`` from 0 to one short of its layers), the rest streamed with a lag of
-    ``d`` layers (0: whole, where every chunk has one layer or ``granularity`` is chunk;
-    a chunk of one layer goes whole) and loads ``e`` layers ahead of its backward (1 or
-    :data:`DEEPEST_LOAD`; 0 where whole), one compute slot for each copy (none for the load
-    where the backward comes two slots after the forward; a chunk whose backward comes
-    right after its forward is not swapped). Their copies may stall where a slow link
-    cannot keep up, which the greedy plans never take where the budget can be met without:
-    in a pipeline another rank's slack may absorb such a stall, and one recomputed layer a
-    chunk instead of two saves more than it costs. Loads further ahead hide a load slower
-    than a layer's backward for one more layer on the device."""
+          ) -> dict[tuple[int, int, int, int], tuple[dict[ChunkKey, tuple[int, ...]],
+                                                     dict[ChunkKey, SwapPlacement]]]:
+    """The rank's plans alike on every chunk, by ``(k, d, e, s)``: ``k`` of its layers
+    recomputed (``k`` from 0 to one short of its layers; the first ``k`` for ``s`` 0, or
+    for ``s`` 1, where that differs, ``k`` spread evenly, the last among them:
+    :func:`spread`), the rest streamed with a lag of ``d`` layers (0: whole, where every
+    chunk has one layer or ``granularity`` is chunk; a chunk of one layer goes whole) and
+    loaded ``e`` layers ahead of its backward (1 or :data:`DEEPEST_LOAD`; 0 where whole),
+    one compute slot for each copy (none for the load where the backward comes two slots
+    after the forward; a chunk whose backward comes right after its forward is not
+    swapped). Their copies may stall where a slow link cannot keep up, which the greedy
+    plans never take where the budget can be met without: in a pipeline another rank's
+    slack may absorb such a stall, and one recomputed layer a chunk instead of two saves
+    more than it costs. Loads further ahead hide a load slower than a layer's backward for
+    one more layer on the device."""
     most = max((layer_counts_of := [layers_of(c.key) for c in candidates]), default=1)
     lags = [0] if granularity == "chunk" or most == 1 else list(range(1, most + 1))
     plans = {}
     for k in range(most):
-        for lag in lags:
-            for depth in range(1, DEEPEST_LOAD + 1) if lag else (0,):
-                recomputed: dict[ChunkKey, tuple[int, ...]] = {}
-                placements: dict[ChunkKey, SwapPlacement] = {}
-                for c, count in zip(candidates, layer_counts_of):
-                    if 0 < k < count:
-                        recomputed[c.key] = tuple(range(k))
-                    if c.gap >= 2:
-                        streams = count > 1 and lag > 0
-                        placements[c.key] = SwapPlacement(
-                            1, min(1, c.gap - 2), min(lag, count) if streams else 0,
-                            min(depth, count) if streams else 1)
-                plans[k, lag, depth] = (recomputed, placements)
+        for shape in (0, 1) if spread(most, k) != tuple(range(k)) else (0,):
+            for lag in lags:
+                for depth in range(1, DEEPEST_LOAD + 1) if lag else (0,):
+                    recomputed: dict[ChunkKey, tuple[int, ...]] = {}
+                    placements: dict[ChunkKey, SwapPlacement] = {}
+                    for c, count in zip(candidates, layer_counts_of):
+                        if 0 < k < count:
+                            recomputed[c.key] = spread(count, k) if shape else tuple(range(k))
+                        if c.gap >= 2:
+                            streams = count > 1 and lag > 0
+                            placements[c.key] = SwapPlacement(
+                                1, min(1, c.gap - 2), min(lag, count) if streams else 0,
+                                min(depth, count) if streams else 1)
+                    plans[k, lag, depth, shape] = (recomputed, placements)
     return plans
 
 
