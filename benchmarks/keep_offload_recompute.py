@@ -161,7 +161,9 @@ def main(argv: list[str] | None = None) -> int:
         "PCIe Gen4 link under 8.5 GiB, for example, nothing is recomputed: every chunk "
         "streams with a lag of 2 or 3 layers and loads two layers ahead (a layer's load, 46 "
         "ms, outlasts its backward, 36 ms), fitted chunk by chunk where that goes over the "
-        "budget.\n\n"
+        "budget. Under 4.25 GiB on that link every chunk recomputes layers 1 and 3 of its "
+        "four (a layer's recompute and backward, 54 ms, hide the load of the layer before "
+        "it) and streams the rest.\n\n"
         "Set-up one rank pays at scale (1F1B, PCIe Gen4, 8.5 GiB, M = 2P, rank 0 planning "
         "only itself, as each rank of `pipeswap-train --budget` does): "
         + ", ".join(f"P={ranks} {took:.1f} s" for ranks, took in scale) + ".")

@@ -31,6 +31,7 @@ from pipeswap.schedule import (
     to_json,
     validate,
 )
+from pipeswap.schedule._rank_walk import RankState, wait
 from pipeswap.schedule.costs import (
     ChunkBytes,
     CostModel,
@@ -586,3 +587,17 @@ def test_show_marks_streaming_steps_and_counts_them(cli: Cli) -> None:
     code, orders, _ = cli("orders", *TARGET[1:], "--swap-granularity", "layer")
     assert code == 0 and re.search(r"\b0SO[0-9]+:[2-9]\b", orders)
     validate(Schedule.from_orders(parse_rank_lines(orders)))
+
+
+def test_a_copy_ending_a_rounding_error_after_compute_is_hidden() -> None:
+    """The plans and the simulator sum the same times in other orders: a copy that ends
+    1e-16 s after compute reaches its wait (0.1 + 0.2 against 0.3) stalls nothing; one a
+    microsecond later does."""
+    state = RankState(0, [], Link(1.0, 1.0), timeline=True)
+    state.compute = 0.3
+    record: dict[str, float] = {}
+    wait(state, 0.1 + 0.2, record, "wait_offload")
+    assert (state.exposed, state.compute, "stalled" in record, state.spans) == (
+        0.0, 0.3, False, [])
+    wait(state, 0.3 + 1e-6, record, "wait_offload")
+    assert state.exposed == pytest.approx(1e-6) and record["stalled"] == 1.0

@@ -138,9 +138,20 @@ def swap_whole(state: RankState, leaf: Step, key: ChunkKey, movable: int) -> Non
         wait(state, record["load_end"], record, "wait_load")
 
 
+#: How far past compute a copy may end, relative to the time, and still count as hidden: the
+#: plans and the simulator sum the same times in other orders, which leaves copies ending a
+#: rounding error (1e-16 s) after compute reaches them.
+ROUNDING = 1e-12
+
+
+def later(until: float, reached: float) -> bool:
+    """Whether ``until`` is past ``reached`` by more than a rounding error."""
+    return until - reached > ROUNDING * max(1.0, abs(until))
+
+
 def wait(state: RankState, until: float, record: dict[str, float], name: str) -> None:
     reached = state.compute
-    if until > reached:
+    if later(until, reached):
         state.exposed += until - reached
         if state.timeline:
             state.spans.append(Span("compute", f"wait {name.removeprefix('wait_')}", reached,
@@ -202,7 +213,7 @@ def _stall(state: RankState, until: float, record: dict[str, float], leaf: Step,
     """Compute waits inside a streamed compute until ``until``; returns where the compute's
     next piece starts (the compute's span is cut around the wait)."""
     reached = state.compute
-    if until <= reached:
+    if not later(until, reached):
         return piece
     if state.timeline:
         state.spans.append(Span("compute", str(leaf), piece, reached))

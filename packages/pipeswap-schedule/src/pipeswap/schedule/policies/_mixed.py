@@ -17,10 +17,10 @@ More recompute holds less, so the search starts with every layer recomputed and 
 group's level at a time, by bisection, as far as the swap plan still meets the budget with
 every copy hidden. The plan kept is the fastest (the stall plus the recompute seconds) of
 that mix, swap alone (copies stalling where the budget needs them), recompute alone and the
-plans alike on every chunk (:func:`alike`: the same layers recomputed and the same
-streaming, copies stalling where the link falls short), among those that meet the budget,
-or the one that comes closest; so, on the rank's own timeline, the mix is never slower than
-either alone.
+plans alike on every chunk (:func:`alike`: the same layers recomputed, the first or some
+spread out, and the same streaming, copies stalling where the link falls short), among
+those that meet the budget, or the one that comes closest; so, on the rank's own timeline,
+the mix is never slower than either alone.
 """
 
 from __future__ import annotations
