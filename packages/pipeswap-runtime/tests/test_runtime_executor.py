@@ -363,23 +363,30 @@ def test_the_allocator_peak_is_measured_on_request(group: None) -> None:
 
 
 class _StreamEvery:
-    """Streams every chunk with room for its copies, its loads ``depth`` layers ahead."""
+    """Streams every chunk with room for its copies, its loads ``depth`` layers ahead, and
+    recomputes ``recompute`` of every chunk's layers."""
 
-    def __init__(self, depth: int) -> None:
-        self.depth = depth
+    def __init__(self, depth: int, recompute: tuple[int, ...] = ()) -> None:
+        self.depth, self.recompute = depth, recompute
+        self.keys: list[ChunkKey] = []
 
     def select(self, candidates: Sequence[SwapCandidate], order: Order
                ) -> dict[ChunkKey, SwapPlacement]:
+        self.keys = [c.key for c in candidates]
         return {c.key: SwapPlacement(1, min(1, c.gap - 2), 1, self.depth)
                 for c in candidates if c.gap >= 2}
+
+    def recomputed(self, rank: int) -> dict[ChunkKey, tuple[int, ...]]:
+        return {key: self.recompute for key in self.keys} if self.recompute else {}
 
 
 def test_loads_further_ahead_change_no_bit_and_hold_what_the_simulator_says(
         group: None) -> None:
     """Streamed loads two or three layers ahead (``0SL3:2``) on real autograd: no loss or
     gradient bit changes, and the simulator, fed the layer bytes the step measured, predicts
-    the peak the swap manager counted to the byte; a deeper load holds more. A depth past a
-    stage's layers is refused before anything runs."""
+    the peak the swap manager counted to the byte; a deeper load holds more. With the last
+    or a middle layer recomputed as well, still no bit changes. A depth past a stage's
+    layers is refused before anything runs."""
     peaks: dict[int, int] = {}
     plain, plain_model = _executor(swap=False)
     want = plain.step(*_batch(5))
@@ -408,6 +415,18 @@ def test_loads_further_ahead_change_no_bit_and_hold_what_the_simulator_says(
         assert predicted.ranks[0].peak_activation_bytes == counted
         peaks[depth] = counted
     assert peaks[1] < peaks[2] < peaks[3]
+    # the last layer, or the middle one, recomputed under loads two ahead: still exact
+    for layers in ((2,), (1,)):
+        model = build_gpt(CONFIG, seed=0)
+        first, second = split_stages(model, 2)
+        executor = PipelineExecutor([PipelineStage(first, 0, 2), PipelineStage(second, 1, 2)],
+                                    SPEC, 4, lm_loss, swap=True,
+                                    swap_policy=_StreamEvery(2, layers))
+        report = executor.step(*_batch(5))
+        assert report.recomputed_layers > 0 and report.losses == want.losses
+        for got, expected in zip(_grads(model), _grads(plain_model), strict=True):
+            assert torch.equal(got, expected)
+        assert executor.manager.active_group_count() == 0
     with pytest.raises(PipelineSetupError, match=r"0SL0:4 .* layer lag of 4, but stage 0 "
                                                  r"has 3 layer.s. .PipelineStage.layers."):
         PipelineExecutor([PipelineStage(part, index, 2) for index, part in
