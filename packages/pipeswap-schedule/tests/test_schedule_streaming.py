@@ -40,6 +40,7 @@ from pipeswap.schedule.costs import (
     TransformerShape,
     from_preset,
 )
+from pipeswap.schedule.formats import swap_summary
 from pipeswap.schedule.policies import GRANULARITIES, PeakPolicy
 from pipeswap.schedule.simulate import simulate
 from pipeswap.schedule.steps import OVERLAPS, ChunkKey, Order
@@ -587,6 +588,9 @@ def test_show_marks_streaming_steps_and_counts_them(cli: Cli) -> None:
     code, orders, _ = cli("orders", *TARGET[1:], "--swap-granularity", "layer")
     assert code == 0 and re.search(r"\b0SO[0-9]+:[2-9]\b", orders)
     validate(Schedule.from_orders(parse_rank_lines(orders)))
+    deeper = Schedule.from_orders(parse_rank_lines(orders.replace("0SL0 ", "0SL0:2 ")))
+    assert "13 of them streamed layer by layer (1 loading more than one layer ahead)" in (
+        swap_summary(deeper).splitlines()[0])
 
 
 def test_a_copy_ending_a_rounding_error_after_compute_is_hidden() -> None:

@@ -150,7 +150,8 @@ def dumps_lines(schedule: Schedule) -> str:
 
 def swap_summary(schedule: Schedule) -> str:
     """One line per rank: which (stage, micro) chunks are swapped, grouped by stage, how
-    many of them are streamed, and how many chunks recompute layers (RC)."""
+    many of them are streamed (and load more than one layer ahead), and how many chunks
+    recompute layers (RC)."""
     lines = []
     for rank, chunks in enumerate(swapped_chunks(schedule)):
         by_stage: dict[int, list[int]] = {}
@@ -164,12 +165,15 @@ def swap_summary(schedule: Schedule) -> str:
                             for s, m in sorted(by_stage.items()))
         streamed = sum(1 for s in schedule.orders[rank]
                        if s is not None and s.type is StepType.SWAP_STREAM_OFFLOAD)
+        ahead = sum(1 for s in schedule.orders[rank] if s is not None
+                    and s.type is StepType.SWAP_STREAM_LOAD and (s.lag or 1) > 1)
         recomputes = [s.layers for s in schedule.orders[rank]
                       if s is not None and s.layers is not None]
         lines.append(
             f"rank {rank}: {len(chunks)} of {forwards} chunks swapped"
             + (f" ({listing})" if listing else "")
             + (f", {streamed} of them streamed layer by layer" if streamed else "")
+            + (f" ({ahead} loading more than one layer ahead)" if ahead else "")
             + (f"; {len(recomputes)} chunks recompute {sum(map(len, recomputes))} layers"
                if recomputes else "")
         )
