@@ -147,7 +147,8 @@ class PeakPolicy:
         (:mod:`pipeswap.schedule.policies._pipeline`): a copy's stall where another rank's
         slack absorbs it costs nothing there, a recompute on the critical path costs in
         full. The ranks choose in turn from two starts: the other ranks as given, and each
-        rank over its budget planned alike on every chunk (:meth:`_alike_start`). A cost
+        rank over its budget planned alike on every chunk (:meth:`_alike_start`; not where
+        one rank chooses, whose own order the start cannot change). A cost
         model that times some stages only (a rank's own measurements) would leave the
         others at placeholder times and make every stall look absorbed: there each rank
         weighs its plans on its own timeline, in :meth:`select`."""
@@ -168,8 +169,10 @@ class PeakPolicy:
                 options[rank] = self._mixed(candidates, order, rank, budget, every=True)
             if self.progress is not None:
                 self.progress(rank, done, len(planning))
-        chosen = choose(schedule, self.costs, options,
-                        [{}, self._alike_start(schedule, options)],
+        # one rank choosing (each rank of pipeswap-train plans itself) replaces its own
+        # order whatever the start: the start planned alike would only cost its search
+        starts = [{}] if len(options) < 2 else [{}, self._alike_start(schedule, options)]
+        chosen = choose(schedule, self.costs, options, starts,
                         lambda trial: trial.outcome.recompute_s, self.choosing)
         self._decided = {rank: (schedule.orders[rank], trial) for rank, trial in chosen.items()}
 
