@@ -13,7 +13,7 @@ from dataclasses import replace
 
 import pytest
 
-from pipeswap.schedule import ScheduleKind, ScheduleSpec, build_schedule
+from pipeswap.schedule import ScheduleError, ScheduleKind, ScheduleSpec, build_schedule
 from pipeswap.schedule.costs import Link, TransformerShape, from_preset
 from pipeswap.schedule.policies import PeakPolicy, SwapPlacement, _mixed
 from pipeswap.schedule.policies import peak as peak_policy
@@ -123,3 +123,40 @@ def test_recomputing_layers_spread_hides_the_loads_of_those_between(
     monkeypatch.setattr(_mixed, "spread", lambda count, k: tuple(range(k)))
     first_only, more = planned()
     assert spread_out < first_only * 0.96 and recomputed < more
+
+
+def test_long_chunks_get_a_bounded_number_of_plans_alike() -> None:
+    """Every recompute count and lag for four layers a chunk; for 32, counts below 8 and
+    every fourth, lags up to 4 and a quarter, half, three quarters and all of the chunk:
+    the plans grow with the layers' logarithm, not their square."""
+    given = build_schedule(SPEC).orders[0]
+    candidates = swap_candidates(given, 0)
+
+    def choices(layers: int) -> tuple[set[int], set[int]]:
+        plans = alike(candidates, lambda key: layers, "auto")
+        return {k for k, _, _, _ in plans}, {lag for _, lag, _, _ in plans}
+
+    assert choices(4) == ({0, 1, 2, 3}, {1, 2, 3, 4})
+    counts, lags = choices(32)
+    assert counts == set(range(8)) | {8, 12, 16, 20, 24, 28}
+    assert lags == {1, 2, 3, 4, 8, 16, 24, 32}
+    assert len(alike(candidates, lambda key: 32, "auto")) <= 14 * 8 * 2 * 2
+
+
+def test_placements_of_three_numbers_and_whole_chunks_of_no_depth_place() -> None:
+    """A policy's plain (offload, load, lag) tuple still places (load depth 1), a whole
+    chunk ignores its load depth, and a streamed chunk's depth below 1 is refused."""
+    given = build_schedule(SPEC).orders[0]
+    key = swap_candidates(given, 0)[0].key
+
+    def placed(placement: object) -> list[str]:
+        order = inject_swap_order(given, Fixed({key: placement}, {}),  # type: ignore[dict-item]
+                                  rank=0)
+        return [str(step) for step in order if step is not None and step.key == key
+                and step.type.name.startswith("SWAP")]
+
+    assert placed((1, 1, 2)) == placed(SwapPlacement(1, 1, 2, 1)) == [
+        "0SO0:2", "0WO0", "0SL0", "0WL0"]
+    assert placed(SwapPlacement(1, 1, 0, 0)) == ["0LO0", "0WO0", "0LL0", "0WL0"]
+    with pytest.raises(ScheduleError, match="with a load depth of 0; a streamed load runs"):
+        placed(SwapPlacement(1, 1, 2, 0))

@@ -169,8 +169,8 @@ def inject_swap_order(order: Order, policy: SwapPolicy, *, rank: int = 0) -> lis
         placement = selected.get((stage, micro))
         if placement is None:
             continue
-        off, load, lag, depth = placement
-        if depth < 1:
+        off, load, lag, depth = SwapPlacement(*placement)  # a plain tuple of three works
+        if lag and depth < 1:
             raise ScheduleError(
                 f"the swap policy selected chunk {(stage, micro)} on rank {rank} with a load "
                 f"depth of {depth}; a streamed load runs at least one layer ahead (>= 1)")

@@ -39,6 +39,14 @@ LEVELS_PER_LAYER = 8
 MAX_LEVELS = 64
 #: How far ahead of its backward a streamed plan alike on every chunk may load.
 DEEPEST_LOAD = 2
+#: The layer lags plans alike on every chunk try: these (up to the chunk's layers), and
+#: a quarter, half, three quarters and all of a longer chunk's layers (a plan is a
+#: simulation, and their number grows with the square of a chunk's layers otherwise).
+LAGS = (1, 2, 3, 4)
+#: The recompute counts plans alike on every chunk try: each below this, and as many
+#: spread evenly over a longer chunk's layers (few recomputed layers are where the
+#: fastest plans are, and where one more layer counts most).
+RECOMPUTE_COUNTS = 8
 
 
 class Outcome(Protocol):
@@ -181,22 +189,26 @@ def alike(candidates: Sequence[SwapCandidate], layers_of: Callable[[ChunkKey], i
           ) -> dict[tuple[int, int, int, int], tuple[dict[ChunkKey, tuple[int, ...]],
                                                      dict[ChunkKey, SwapPlacement]]]:
     """The rank's plans alike on every chunk, by ``(k, d, e, s)``: ``k`` of its layers
-    recomputed (``k`` from 0 to one short of its layers; the first ``k`` for ``s`` 0, or
-    for ``s`` 1, where that differs, ``k`` spread evenly, the last among them:
-    :func:`spread`), the rest streamed with a lag of ``d`` layers (0: whole, where every
-    chunk has one layer or ``granularity`` is chunk; a chunk of one layer goes whole) and
-    loaded ``e`` layers ahead of its backward (1 or :data:`DEEPEST_LOAD`; 0 where whole),
-    one compute slot for each copy (none for the load where the backward comes two slots
-    after the forward; a chunk whose backward comes right after its forward is not
-    swapped). Their copies may stall where a slow link cannot keep up, which the greedy
+    recomputed (``k`` from 0 to one short of its layers: each below
+    :data:`RECOMPUTE_COUNTS`, and as many spread over a longer chunk; the first ``k`` for
+    ``s`` 0, or for ``s`` 1, where that differs, ``k`` spread evenly, the last among them:
+    :func:`spread`), the rest streamed with a lag of ``d`` layers (:data:`LAGS` and shares
+    of the chunk; 0: whole, where every chunk has one layer or ``granularity`` is chunk; a
+    chunk of one layer goes whole) and loaded ``e`` layers
+    ahead of its backward (1 or :data:`DEEPEST_LOAD`; 0 where whole), one compute slot for
+    each copy (none for the load where the backward comes two slots after the forward; a
+    chunk whose backward comes right after its forward is not swapped). Their copies may stall where a slow link cannot keep up, which the greedy
     plans never take where the budget can be met without: in a pipeline another rank's
     slack may absorb such a stall, and one recomputed layer a chunk instead of two saves
     more than it costs. Loads further ahead hide a load slower than a layer's backward for
     one more layer on the device."""
     most = max((layer_counts_of := [layers_of(c.key) for c in candidates]), default=1)
-    lags = [0] if granularity == "chunk" or most == 1 else list(range(1, most + 1))
+    lags = [0] if granularity == "chunk" or most == 1 else sorted(
+        {d for d in LAGS if d <= most} | {-(-most * share // 4) for share in range(1, 5)})
+    counts = sorted({k for k in range(min(most, RECOMPUTE_COUNTS))}
+                    | {(i * most) // RECOMPUTE_COUNTS for i in range(RECOMPUTE_COUNTS)})
     plans = {}
-    for k in range(most):
+    for k in counts:
         for shape in (0, 1) if spread(most, k) != tuple(range(k)) else (0,):
             for lag in lags:
                 for depth in range(1, DEEPEST_LOAD + 1) if lag else (0,):
