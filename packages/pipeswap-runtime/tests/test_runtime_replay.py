@@ -136,6 +136,8 @@ def test_an_order_that_recomputes_a_layer_the_stage_lacks_is_refused_before_any_
         (Step(StepType.RECOMPUTE, 0, 0, layers=(0, count)), *plain.orders[0]),
         plain.orders[1]))
     replay = Replay(0, 2, {s.stage_index: len(s.layers) for s in stages}, {})
-    with pytest.raises(PipelineSetupError, match=rf"rank 0's step 0RC0:0,{count} recomputes "
-                       rf"layer {count} of stage 0, which has {count} layer\(s\)"):
+    with pytest.raises(PipelineSetupError, match=rf"rank 0: 0RC0:0,{count} \(position 0\) "
+                       rf"recomputes layer {count} of \(stage 0, micro 0\), but stage 0 has "
+                       rf"{count} layer\(s\) \(PipelineStage.layers\); name layers from 0 to "
+                       rf"{count - 1}"):
         PipelineExecutor([stages[0]], marked, 2, lm_loss, replay=replay)

@@ -8,8 +8,8 @@ fitted chunk by chunk (:mod:`pipeswap.schedule.policies._fit`) rather than dropp
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
 from dataclasses import replace
+from functools import partial
 
 import pytest
 
@@ -19,8 +19,8 @@ from pipeswap.schedule.policies import PeakPolicy, SwapPlacement, _mixed
 from pipeswap.schedule.policies import peak as peak_policy
 from pipeswap.schedule.policies._fit import fit
 from pipeswap.schedule.policies._mixed import Fixed, alike, layer_counts, spread
+from pipeswap.schedule.policies._pipeline import placed
 from pipeswap.schedule.simulate import simulate, simulate_alone
-from pipeswap.schedule.steps import ChunkKey, Order
 from pipeswap.schedule.swap_order import inject_swap_order, swap_candidates
 
 #: hidden 8192 on a PCIe Gen4 link: a layer's load (46 ms) outlasts its backward (36 ms).
@@ -59,14 +59,6 @@ def test_loads_two_layers_ahead_where_the_budget_allows(monkeypatch: pytest.Monk
     assert both * 1.02 < unfitted < one_ahead
 
 
-def _orders(given: Order, recomputed: Mapping[ChunkKey, tuple[int, ...]]
-            ) -> Callable[[Mapping[ChunkKey, SwapPlacement]], Order]:
-    def order_of(chosen: Mapping[ChunkKey, SwapPlacement]) -> Order:
-        return tuple(inject_swap_order(given, Fixed(chosen, recomputed), rank=0))
-
-    return order_of
-
-
 def test_a_fit_lowers_lags_and_depths_only_where_the_plan_goes_over() -> None:
     """Rank 0's plans alike on every chunk that go over half its peak: each fitted plan
     meets the budget by lowering some chunks' lags or load depths (never raising one, never
@@ -78,7 +70,7 @@ def test_a_fit_lowers_lags_and_depths_only_where_the_plan_goes_over() -> None:
     plans = alike(candidates, layer_counts(GEN4), "auto")
     changes = []
     for recomputed, placements in plans.values():
-        order_of = _orders(given, recomputed)
+        order_of = partial(placed, given, 0, recomputed)
         if simulate_alone(order_of(placements), 0, GEN4).peak_activation_bytes <= budget:
             continue
         found = fit(placements, order_of, 0, GEN4, budget)
@@ -94,7 +86,7 @@ def test_a_fit_lowers_lags_and_depths_only_where_the_plan_goes_over() -> None:
         changes.append(len(changed))
     assert len(changes) >= 3 and min(changes) == 1
     recomputed, deep = plans[0, 4, 2, 0]
-    assert fit(deep, _orders(given, recomputed), 0, GEN4, budget // 8) is None
+    assert fit(deep, partial(placed, given, 0, recomputed), 0, GEN4, budget // 8) is None
 
 
 @pytest.mark.parametrize(("count", "k", "layers"), [
@@ -149,14 +141,14 @@ def test_placements_of_three_numbers_and_whole_chunks_of_no_depth_place() -> Non
     given = build_schedule(SPEC).orders[0]
     key = swap_candidates(given, 0)[0].key
 
-    def placed(placement: object) -> list[str]:
+    def steps_of(placement: object) -> list[str]:
         order = inject_swap_order(given, Fixed({key: placement}, {}),  # type: ignore[dict-item]
                                   rank=0)
         return [str(step) for step in order if step is not None and step.key == key
                 and step.type.name.startswith("SWAP")]
 
-    assert placed((1, 1, 2)) == placed(SwapPlacement(1, 1, 2, 1)) == [
+    assert steps_of((1, 1, 2)) == steps_of(SwapPlacement(1, 1, 2, 1)) == [
         "0SO0:2", "0WO0", "0SL0", "0WL0"]
-    assert placed(SwapPlacement(1, 1, 0, 0)) == ["0LO0", "0WO0", "0LL0", "0WL0"]
+    assert steps_of(SwapPlacement(1, 1, 0, 0)) == ["0LO0", "0WO0", "0LL0", "0WL0"]
     with pytest.raises(ScheduleError, match="with a load depth of 0; a streamed load runs"):
-        placed(SwapPlacement(1, 1, 2, 0))
+        steps_of(SwapPlacement(1, 1, 2, 0))

@@ -41,7 +41,7 @@ from pipeswap.schedule import (
     validate,
 )
 from pipeswap.schedule.policies import PeakOutcome, PeakPolicy, default_swap_policy
-from pipeswap.schedule.steps import FSDP, RECOMPUTE, SWAP, StepType
+from pipeswap.schedule.steps import FSDP, RECOMPUTE, SWAP
 from pipeswap.schedule.validation import TRANSPORTS, check_order_layer_counts
 
 #: The steps each rank plans for itself: which chunks it swaps and which layers it recomputes.
@@ -233,14 +233,7 @@ def _check_stages(schedule: Schedule, stages: Sequence[PipelineStage], *, rank: 
         raise PipelineSetupError(
             "all stages of an executor need the same num_stages and process group")
     layers = {stage.stage_index: len(stage.layers) for stage in stages}
-    for step in schedule.orders[rank]:
-        if step is not None and step.type is StepType.RECOMPUTE and step.layers and (
-                max(step.layers) >= layers[step.key[0]]):
-            raise PipelineSetupError(
-                f"rank {rank}'s step {step} recomputes layer {max(step.layers)} of stage "
-                f"{step.key[0]}, which has {layers[step.key[0]]} layer(s): plan on the "
-                "stages' layer counts (PipelineStage.layers)")
-    try:  # a streamed swap's lags (SO's, SL's load depth) count the stage's layers too
+    try:  # recomputed layers and a streamed swap's lags (SO's, SL's) count stage layers
         check_order_layer_counts(rank, schedule.orders[rank], lambda key: layers.get(key[0]),
                                  "stage {stage} has {layers} layer(s) (PipelineStage.layers)")
     except ScheduleError as exc:

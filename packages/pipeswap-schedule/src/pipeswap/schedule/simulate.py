@@ -20,8 +20,8 @@ waits for the copy of the layer D back and frees it; WO waits for the last D lay
 and frees them. SL (lag E, its load depth) allocates the last E layers and starts their H2D
 copies, the last first; WL waits for the last layer's, and the backward, layer by layer from
 the last, waits for the layer's load, allocates the layer E below and starts its load, then
-frees the layer it computed; a split backward's I keeps
-every layer until it ends (it keeps the graph for W) and then frees all but what W needs.
+frees the layer it computed; a split backward's I keeps every layer until it ends (it keeps
+the graph for W) and then frees all but what W needs.
 A lag beyond the chunk's layers is refused: it counts layers the chunk does not have.
 
 A chunk with recomputed layers (RC before its forward) keeps only each such layer's input

@@ -334,17 +334,16 @@ class _Progress:
         self.start = time.perf_counter()
 
     def __call__(self, rank: int, done: int, total: int) -> None:
-        spent = time.perf_counter() - self.start
-        if spent >= PROGRESS_AFTER_S:
-            print(f"planning under the budget: rank {rank} done, {done} of {total} ranks, "
-                  f"{spent:.0f} s", file=sys.stderr, flush=True)
+        self._say(f"planning under the budget: rank {rank} done, {done} of {total} ranks")
 
     def choosing(self, done: int, total: int) -> None:
         """Each rank's plan chosen in the whole pipeline (each rank once a start)."""
+        self._say(f"choosing the plans in the whole pipeline: {done} of {total} choices")
+
+    def _say(self, what: str) -> None:
         spent = time.perf_counter() - self.start
         if spent >= PROGRESS_AFTER_S:
-            print(f"choosing the plans in the whole pipeline: {done} of {total} choices, "
-                  f"{spent:.0f} s", file=sys.stderr, flush=True)
+            print(f"{what}, {spent:.0f} s", file=sys.stderr, flush=True)
 
 
 def recomputed(schedule: Schedule, outcomes: Outcomes | None) -> Schedule:

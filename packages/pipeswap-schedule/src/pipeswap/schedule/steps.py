@@ -79,7 +79,6 @@ RECOMPUTE = frozenset({StepType.RECOMPUTE})
 #: Passes that look for "the P2P right after a compute" see through them.
 ZERO_WIDTH = FSDP | SWAP | RECOMPUTE
 _WITH_MICRO = COMPUTE | P2P | SWAP | RECOMPUTE
-_LAGGED = STREAMING
 
 #: A chunk: (stage, microbatch).
 ChunkKey = tuple[int, int]
@@ -114,13 +113,13 @@ class Step:
         if (  # the common case, a leaf of a chunk, checked first and fast
             self.type in _WITH_MICRO and type(stage) is int and type(micro) is int
             and stage >= 0 and micro >= 0 and not self.sub_steps and self.lag is None
-            and self.layers is None and self.type not in _LAGGED
+            and self.layers is None and self.type not in STREAMING
             and self.type is not StepType.RECOMPUTE
         ):
             return
         kind = self.type
         self._check_layers()
-        if kind in _LAGGED:
+        if kind in STREAMING:
             if self.lag is None:
                 object.__setattr__(self, "lag", DEFAULT_LAYER_LAG)
             elif not _is_index(self.lag) or self.lag < 1:

@@ -194,18 +194,18 @@ def alike(candidates: Sequence[SwapCandidate], layers_of: Callable[[ChunkKey], i
     ``s`` 0, or for ``s`` 1, where that differs, ``k`` spread evenly, the last among them:
     :func:`spread`), the rest streamed with a lag of ``d`` layers (:data:`LAGS` and shares
     of the chunk; 0: whole, where every chunk has one layer or ``granularity`` is chunk; a
-    chunk of one layer goes whole) and loaded ``e`` layers
-    ahead of its backward (1 or :data:`DEEPEST_LOAD`; 0 where whole), one compute slot for
-    each copy (none for the load where the backward comes two slots after the forward; a
-    chunk whose backward comes right after its forward is not swapped). Their copies may stall where a slow link cannot keep up, which the greedy
-    plans never take where the budget can be met without: in a pipeline another rank's
-    slack may absorb such a stall, and one recomputed layer a chunk instead of two saves
-    more than it costs. Loads further ahead hide a load slower than a layer's backward for
-    one more layer on the device."""
+    chunk of one layer goes whole) and loaded ``e`` layers ahead of its backward (1 or
+    :data:`DEEPEST_LOAD`; 0 where whole), one compute slot for each copy (none for the load
+    where the backward comes two slots after the forward; a chunk whose backward comes
+    right after its forward is not swapped). Their copies may stall where a slow link
+    cannot keep up, which the greedy plans never take where the budget can be met without:
+    in a pipeline another rank's slack may absorb such a stall, and one recomputed layer a
+    chunk instead of two saves more than it costs. Loads further ahead hide a load slower
+    than a layer's backward for one more layer on the device."""
     most = max((layer_counts_of := [layers_of(c.key) for c in candidates]), default=1)
     lags = [0] if granularity == "chunk" or most == 1 else sorted(
         {d for d in LAGS if d <= most} | {-(-most * share // 4) for share in range(1, 5)})
-    counts = sorted({k for k in range(min(most, RECOMPUTE_COUNTS))}
+    counts = sorted(set(range(min(most, RECOMPUTE_COUNTS)))
                     | {(i * most) // RECOMPUTE_COUNTS for i in range(RECOMPUTE_COUNTS)})
     plans = {}
     for k in counts:

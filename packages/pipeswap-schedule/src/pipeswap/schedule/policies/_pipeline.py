@@ -20,24 +20,36 @@ from typing import TypeVar
 from pipeswap.schedule.costs import CostModel
 from pipeswap.schedule.policies._mixed import Fixed, Outcome, Trial
 from pipeswap.schedule.schedule import Schedule
-from pipeswap.schedule.simulate import simulate
-from pipeswap.schedule.steps import Order
+from pipeswap.schedule.policies.base import SwapPlacement
+from pipeswap.schedule.simulate import SimulationResult, simulate
+from pipeswap.schedule.steps import ChunkKey, Order
 from pipeswap.schedule.swap_order import inject_swap_order
 
 _Outcome = TypeVar("_Outcome", bound=Outcome)
 
 
+def placed(order: Order, rank: int, recomputed: Mapping[ChunkKey, tuple[int, ...]],
+           placements: Mapping[ChunkKey, SwapPlacement]) -> Order:
+    """``order`` with ``placements``' swap steps and ``recomputed``'s RC steps."""
+    return tuple(inject_swap_order(order, Fixed(placements, recomputed), rank=rank))
+
+
 def order_of(order: Order, rank: int, trial: Trial[_Outcome]) -> Order:
     """``order`` with ``trial``'s swap and recompute steps."""
-    return tuple(inject_swap_order(order, Fixed(trial.placements, trial.recomputed),
-                                   rank=rank))
+    return placed(order, rank, trial.recomputed, trial.placements)
+
+
+def run_with(given: Schedule, costs: CostModel, orders: Mapping[int, Order]
+             ) -> SimulationResult:
+    """The whole schedule simulated with ``orders`` in place of the given ones (made by the
+    swap pass from valid orders: not validated again)."""
+    every = tuple(orders.get(rank, order) for rank, order in enumerate(given.orders))
+    return simulate(replace(given, orders=every), costs, timeline=False, check=False)
 
 
 def step_time(given: Schedule, costs: CostModel, orders: Mapping[int, Order]) -> float:
     """The whole schedule's step with ``orders`` in place of the given ones."""
-    every = tuple(orders.get(rank, order) for rank, order in enumerate(given.orders))
-    return simulate(replace(given, orders=every), costs, timeline=False,
-                    check=False).step_time
+    return run_with(given, costs, orders).step_time
 
 
 def choose(given: Schedule, costs: CostModel,

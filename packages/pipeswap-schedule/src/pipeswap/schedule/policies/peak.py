@@ -19,15 +19,8 @@ from pipeswap.schedule.errors import ScheduleError
 from pipeswap.schedule.policies._chunk_plan import ChunkPlan
 from pipeswap.schedule.policies._fit import fit
 from pipeswap.schedule.policies._layer_plan import LayerPlan, Way
-from pipeswap.schedule.policies._mixed import (
-    Fixed,
-    Trial,
-    alike,
-    layer_counts,
-    levels_for,
-    search,
-)
-from pipeswap.schedule.policies._pipeline import choose, order_of
+from pipeswap.schedule.policies._mixed import Trial, alike, layer_counts, levels_for, search
+from pipeswap.schedule.policies._pipeline import choose, order_of, placed, run_with
 from pipeswap.schedule.policies._points import Points, Redo
 from pipeswap.schedule.policies._slots import Timeline
 from pipeswap.schedule.policies.base import SwapCandidate, SwapPlacement
@@ -36,7 +29,7 @@ from pipeswap.schedule.recompute import recomputed_in
 from pipeswap.schedule.schedule import Schedule
 from pipeswap.schedule.simulate import simulate, simulate_alone
 from pipeswap.schedule.steps import ChunkKey, Order, StepType
-from pipeswap.schedule.swap_order import inject_swap_order, swap_candidates
+from pipeswap.schedule.swap_order import swap_candidates
 
 
 @dataclass(frozen=True)
@@ -199,11 +192,8 @@ class PeakPolicy:
                 found = plans[rank]
                 recomputed, placements = found[min(found, key=lambda mine: tuple(
                     abs(m - c) for m, c in zip(mine, choice)))]
-                orders[rank] = tuple(inject_swap_order(
-                    schedule.orders[rank], Fixed(placements, recomputed), rank=rank))
-            every = tuple(orders.get(rank, order) for rank, order in enumerate(schedule.orders))
-            run = simulate(replace(schedule, orders=every), self.costs, timeline=False,
-                           check=False)
+                orders[rank] = placed(schedule.orders[rank], rank, recomputed, placements)
+            run = run_with(schedule, self.costs, orders)
             if run.step_time < best[0] and all(
                     run.ranks[rank].peak_activation_bytes <= (self.budget_for(rank) or 0)
                     for rank in over):
@@ -321,7 +311,7 @@ class PeakPolicy:
                     rank, 0, alone.plain, 0.0, budget,
                     sum(len(layers) for layers in recomputed.values()))))
                 if trial.outcome.shortfall:  # over at a few points, perhaps: fit it
-                    fitted = fit(placements, partial(_placed, order, rank, recomputed), rank,
+                    fitted = fit(placements, partial(placed, order, rank, recomputed), rank,
                                  self.costs, budget)
                     if fitted is not None:
                         trial = exactly(replace(trial, placements=fitted))
@@ -423,12 +413,6 @@ class PeakPolicy:
         plan.take({key: Way(False, p.load_slots, None, p.offload_slots if stalls else None)
                    for key, p in chunk_level.chosen.items()}, allow_stall=stalls)
         return plan
-
-
-def _placed(order: Order, rank: int, recomputed: Mapping[ChunkKey, tuple[int, ...]],
-            placements: Mapping[ChunkKey, SwapPlacement]) -> Order:
-    """``order`` with ``placements``' swap steps and ``recomputed``'s RC steps."""
-    return tuple(inject_swap_order(order, Fixed(placements, recomputed), rank=rank))
 
 
 def _groups(candidates: Sequence[SwapCandidate]) -> list[list[ChunkKey]]:
