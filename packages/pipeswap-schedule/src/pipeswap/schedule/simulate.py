@@ -53,6 +53,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from pipeswap.schedule._gc import gc_paused
+from pipeswap.schedule._messages import Message, MessageLog
 from pipeswap.schedule._rank_walk import (
     RankState,
     Recomputed,
@@ -190,28 +191,82 @@ def simulate_alone(order: Order, rank: int, costs: CostModel,
     return _result(state, state.compute)
 
 
-class _AllReady(dict[tuple[str, int, int], float]):
+class Logged(NamedTuple):
+    """A whole schedule's run, kept to bound the step of the same schedule with one rank's
+    order changed (see :mod:`pipeswap.schedule._messages`)."""
+
+    step_time: float
+    finishes: tuple[float, ...]  # per rank, when its last step ended
+    arrivals: dict[Message, float]  # when each message got where it is wanted
+    tails: dict[Message, float]  # per message, the least time the step needs after it
+
+
+@gc_paused
+def simulate_logged(schedule: Schedule, costs: CostModel, changing: int) -> Logged:
+    """Run a schedule a pass made from a valid one (not validated again) and keep its
+    messages' arrivals, and their tails for any order of rank ``changing`` that adds swap
+    or recompute steps to its own."""
+    arrivals: dict[Message, float] = {}
+    log = MessageLog()
+    ranks = _walk(list(enumerate(schedule.orders)), schedule.stage_ranks,
+                  schedule.num_stages - 1, costs, False, arrivals, log)
+    finishes = tuple(s.compute for s in ranks)
+    return Logged(max(finishes, default=0.0), finishes, arrivals, log.tails(costs.p2p_time(), changing))
+
+
+def simulate_against(logged: Logged, schedule: Schedule, rank: int, order: Order,
+                     costs: CostModel) -> tuple[float, dict[Message, float]]:
+    """``order`` run as ``rank`` against ``logged``'s messages from the other ranks: when
+    it ends, and when each message it sends arrives."""
+    sent = _Against(logged.arrivals, {stage for stage, on in enumerate(schedule.stage_ranks)
+                                      if on == rank})
+    state, = _walk([(rank, order)], schedule.stage_ranks, schedule.num_stages - 1, costs,
+                   False, sent)
+    return state.compute, sent
+
+
+class _Against(dict[Message, float]):
+    """The messages a rank run alone finds: its own as it sends them, the others' as
+    ``arrivals`` has them."""
+
+    def __init__(self, arrivals: Mapping[Message, float], own: set[int]) -> None:
+        super().__init__()
+        self.arrivals, self.own = arrivals, own
+
+    def __contains__(self, key: object) -> bool:
+        return dict.__contains__(self, key) or (
+            isinstance(key, tuple) and key[1] not in self.own and key in self.arrivals)
+
+    def __missing__(self, key: Message) -> float:
+        if key[1] in self.own:
+            raise KeyError(key)
+        return self.arrivals[key]
+
+
+class _AllReady(dict[Message, float]):
     """What a rank run alone finds: every message there from the start."""
 
     def __contains__(self, key: object) -> bool:
         return True
 
-    def __missing__(self, key: tuple[str, int, int]) -> float:
+    def __missing__(self, key: Message) -> float:
         return 0.0
 
 
 def _walk(orders: list[tuple[int, Order]], stage_ranks: tuple[int, ...] | None,
           last_stage: int, costs: CostModel, timeline: bool,
-          ready: dict[tuple[str, int, int], float]) -> list[RankState]:
-    """Run ``orders`` (rank, order) together, each rank's output published in ``ready``;
-    without ``stage_ranks`` (a rank alone) no stage hands off to another on its rank."""
+          ready: dict[Message, float], log: MessageLog | None = None) -> list[RankState]:
+    """Run ``orders`` (rank, order) together, each rank's output published in ``ready``
+    (and its computes and messages in ``log``); without ``stage_ranks`` (a rank alone) no
+    stage hands off to another on its rank."""
     flat = [_flatten(order) for _, order in orders]
     ranks = [RankState(r, f.leaves, costs.rank_link(r), timeline, split=f.split,
                        recomputed=f.recomputed) for (r, _), f in zip(orders, flat)]
     # ("F", s, m): stage s's output for micro m is where stage s + 1 runs; ("B", s, m): the
     # gradient of stage s's input is where stage s - 1 runs. Value: the time it got there.
-    waiting: dict[tuple[str, int, int], list[int]] = defaultdict(list)
-    runnable = list(range(len(ranks)))
+    waiting: dict[Message, list[int]] = defaultdict(list)
+    runnable = list(range(len(ranks)))  # positions in ranks
+    position = {rank: k for k, (rank, _) in enumerate(orders)}
     transfer = costs.p2p_time()
     bytes_of = _ChunkBytesCache(costs)
     if any(f.streams or f.recomputed for f in flat):
@@ -229,13 +284,15 @@ def _walk(orders: list[tuple[int, Order]], stage_ranks: tuple[int, ...] | None,
             found = times[(kind, stage, rank)] = costs.compute_time(kind, stage, rank)
         return found
 
-    def publish(key: tuple[str, int, int], at: float) -> None:
+    def publish(rank: int, key: Message, at: float) -> None:
         ready[key] = at
+        if log is not None:
+            log.published(rank, key)
         for rank in waiting.pop(key, ()):
             heapq.heappush(runnable, rank)
 
     def compute(state: RankState, leaf: Step, kind: StepType, key: ChunkKey,
-                wanted: tuple[str, int, int] | None) -> None:
+                wanted: Message | None) -> None:
         stage, micro = key
         start = state.compute if wanted is None else max(state.compute, ready[wanted])
         duration = duration_of(kind, stage, state.rank)
@@ -257,7 +314,10 @@ def _walk(orders: list[tuple[int, Order]], stage_ranks: tuple[int, ...] | None,
                     again = forward + (w_share if split_input else 0.0)
                     state.recomputed_layers += redone
                     state.recompute_s += forward * redone
-        state.busy += duration + again * (0 if redo is None else len(redo.chosen))
+        seconds = duration + again * (0 if redo is None else len(redo.chosen))
+        state.busy += seconds
+        if log is not None:
+            log.computed(state.rank, wanted, seconds, kind is _W)
         streamed = state.streams.get(key) if kind is not _W else None
         if streamed is not None:
             if kind is _F:
@@ -276,12 +336,12 @@ def _walk(orders: list[tuple[int, Order]], stage_ranks: tuple[int, ...] | None,
                 state.change(chunk.total)
             state.forwarded[key] = end
             if stage_ranks and stage < last_stage and stage_ranks[stage + 1] == state.rank:
-                publish(("F", stage, micro), end)  # local hand-off
+                publish(state.rank, ("F", stage, micro), end)  # local hand-off
             return
         if kind is not _W:
             state.lifespans[key] = start - state.forwarded[key]
             if stage_ranks and stage > 0 and stage_ranks[stage - 1] == state.rank:
-                publish(("B", stage, micro), end)
+                publish(state.rank, ("B", stage, micro), end)
         state.change_plain(-_freed(kind, plain, split_input))
         if streamed is not None or (redo is not None and kind is not _W and not split_input):
             return  # freed layer by layer
@@ -298,7 +358,7 @@ def _walk(orders: list[tuple[int, Order]], stage_ranks: tuple[int, ...] | None,
             if kind in COMPUTE:
                 stage, micro = leaf.stage, leaf.micro
                 assert stage is not None and micro is not None  # a leaf of a chunk
-                wanted: tuple[str, int, int] | None
+                wanted: Message | None
                 if kind is _F:
                     wanted = None if stage == 0 else ("F", stage - 1, micro)
                 elif kind is _W or stage == last_stage:
@@ -306,13 +366,14 @@ def _walk(orders: list[tuple[int, Order]], stage_ranks: tuple[int, ...] | None,
                 else:
                     wanted = ("B", stage + 1, micro)
                 if wanted is not None and wanted not in ready:
-                    waiting[wanted].append(state.rank)
+                    waiting[wanted].append(position[state.rank])
                     break
                 compute(state, leaf, kind, (stage, micro), wanted)
             elif kind is _SEND_F or kind is _SEND_B:
                 stage, micro = leaf.stage, leaf.micro
                 assert stage is not None and micro is not None  # a leaf of a chunk
-                publish(("F" if kind is _SEND_F else "B", stage, micro), state.compute + transfer)
+                publish(state.rank, ("F" if kind is _SEND_F else "B", stage, micro),
+                        state.compute + transfer)
             elif kind in _SWAPS:
                 stage, micro = leaf.stage, leaf.micro
                 assert stage is not None and micro is not None  # a leaf of a chunk
