@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -261,7 +262,23 @@ def policy_arguments() -> Parser:
              "kept, and their forward runs again in the backward), the rest and the kept "
              "inputs swapped where the link hides the copies. never: swap only, stalling "
              "compute for copies where the budget needs it")
+    group.add_argument(
+        "--jobs", type=count(MAX_JOBS), default=None, metavar="N",
+        help="processes that make the ranks' plans under --budget at once (default: one per "
+             "CPU core this process may use). Each rank's plans depend on its own order "
+             "alone, so any N gives the same plans; a pipeline of 64 stages makes them in "
+             "minutes on one core")
     return parent
+
+
+#: The most processes --jobs starts.
+MAX_JOBS = 256
+
+
+def usable_cores() -> int:
+    """The CPU cores this process may run on (its affinity where the system tells it)."""
+    affinity = getattr(os, "sched_getaffinity", None)
+    return len(affinity(0)) if affinity is not None else os.cpu_count() or 1
 
 
 def choose_policy(args: argparse.Namespace, costs: CostModel
@@ -286,6 +303,12 @@ def choose_policy(args: argparse.Namespace, costs: CostModel
         raise ScheduleError(f"--recompute auto applies to the peak policy; the {args.policy} "
                             "policy plans on whole chunks: drop --recompute, or use --policy "
                             "peak")
+    jobs = getattr(args, "jobs", None)
+    if jobs is not None and (args.budget is None or mode == "never"
+                             or args.policy not in (None, "peak")):
+        raise ScheduleError(f"--jobs {jobs} makes the peak policy's plans under --budget, "
+                            "where it may recompute: give --budget BYTES (with --policy peak, "
+                            "the default, and --recompute auto), or drop --jobs")
     if args.policy == "recompute":
         if args.budget is None:
             raise ScheduleError("--policy recompute needs --budget BYTES: it recomputes as "
@@ -315,7 +338,8 @@ def choose_policy(args: argparse.Namespace, costs: CostModel
         told = None if args.budget is None else _Progress()
         peak = PeakPolicy(costs, args.budget, granularity=granularity or "auto",
                           recompute="never" if args.budget is None else mode or "auto",
-                          progress=told, choosing=None if told is None else told.choosing)
+                          progress=told, choosing=None if told is None else told.choosing,
+                          jobs=jobs or usable_cores())
         return peak, peak
     if name == "cost":
         return CostModelPolicy(costs), None

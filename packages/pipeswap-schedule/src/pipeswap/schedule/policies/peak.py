@@ -20,6 +20,7 @@ from pipeswap.schedule.policies._chunk_plan import ChunkPlan
 from pipeswap.schedule.policies._fit import fit
 from pipeswap.schedule.policies._layer_plan import LayerPlan, Way
 from pipeswap.schedule.policies._mixed import Trial, alike, layer_counts, levels_for, search
+from pipeswap.schedule.policies._parallel import plan_ranks
 from pipeswap.schedule.policies._pipeline import choose, order_of, placed, run_with
 from pipeswap.schedule.policies._points import Points, Redo
 from pipeswap.schedule.policies._slots import Timeline
@@ -108,6 +109,9 @@ class PeakPolicy:
     # told (choices made, choices to make) as the ranks choose their plans in the whole
     # pipeline (each rank once from each start; see prepare)
     choosing: Callable[[int, int], None] | None = field(default=None, repr=False)
+    # processes that make the ranks' plans under a budget in prepare (1: this one; each
+    # rank's plans depend on its own order alone, so any number gives the same plans)
+    jobs: int = 1
     _given: Schedule | None = field(default=None, init=False, repr=False)  # the schedule
     # prepared on; each rank's order and its plan, chosen in the whole pipeline by prepare
     _decided: dict[int, tuple[Order, Trial[PeakOutcome]]] = field(
@@ -125,6 +129,8 @@ class PeakPolicy:
             raise ScheduleError(
                 f"unknown recompute mode {self.recompute!r}; use auto (recompute layers "
                 "where that meets the budget faster than swapping) or never")
+        if self.jobs < 1:
+            raise ScheduleError(f"jobs must be 1 or more processes, not {self.jobs}")
 
     def budget_for(self, rank: int) -> int | None:
         if self.budget is None or isinstance(self.budget, int):
@@ -154,20 +160,34 @@ class PeakPolicy:
         self._ranks, self._done = len(planning), 0
         if self._given is None:
             return
-        options: dict[int, list[Trial[PeakOutcome]]] = {}
-        for done, rank in enumerate(planning, 1):
-            order, budget = schedule.orders[rank], self.budget_for(rank)
-            candidates = swap_candidates(order, rank)
-            if budget is not None and candidates and not recomputed_in(order):
-                options[rank] = self._mixed(candidates, order, rank, budget, every=True)
+        def done(rank: int, count: int) -> None:
             if self.progress is not None:
-                self.progress(rank, done, len(planning))
+                self.progress(rank, count, len(planning))
+
+        if self.jobs > 1 and len(planning) > 1:
+            made = plan_ranks(replace(self, progress=None, choosing=None), schedule,
+                              planning, self.jobs, done)
+        else:
+            made = {}
+            for count, rank in enumerate(planning, 1):
+                made[rank] = self.options_for(schedule, rank)
+                done(rank, count)
+        options = {rank: made[rank] for rank in planning if made[rank] is not None}
         # one rank choosing (each rank of pipeswap-train plans itself) replaces its own
         # order whatever the start: the start planned alike would only cost its search
         starts = [{}] if len(options) < 2 else [{}, self._alike_start(schedule, options)]
         chosen = choose(schedule, self.costs, options, starts,
                         lambda trial: trial.outcome.recompute_s, self.choosing)
         self._decided = {rank: (schedule.orders[rank], trial) for rank, trial in chosen.items()}
+
+    def options_for(self, schedule: Schedule, rank: int) -> list[Trial[PeakOutcome]] | None:
+        """``rank``'s plans that meet its budget (or its one best) for the pipeline to
+        choose from; None where it has no budget, nothing to swap, or recomputes already."""
+        order, budget = schedule.orders[rank], self.budget_for(rank)
+        candidates = swap_candidates(order, rank)
+        if budget is None or not candidates or recomputed_in(order):
+            return None
+        return self._mixed(candidates, order, rank, budget, every=True)
 
     @property
     def weighs_pipeline(self) -> bool:
