@@ -17,7 +17,10 @@ the layers rank 0 recomputes a step. Each row also says how long the mixed plan 
 
 Then the set-up each rank pays at scale: 1F1B on the PCIe Gen4 link under 8.5 GiB, M = 2P,
 rank 0 planning only itself (as each rank of ``pipeswap-train --budget`` does), timed at
-P = 8, 16, 32 and 64.
+P = 8, 16, 32 and 64. Last, the whole command's planning (every rank planned, then each
+rank's plan chosen in the whole pipeline, as ``simulate --budget`` does) at 16, 32 and 64
+ranks, in one process and in one worker process per core (``--jobs``), with the step each
+plan gives (the same, whatever the processes).
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from pipeswap.schedule import ScheduleKind, ScheduleSpec, build_schedule, parse_
 from pipeswap.schedule.costs import CostModel, Link, TransformerShape, from_preset
 from pipeswap.schedule.policies import PeakPolicy, RecomputePolicy
 from pipeswap.schedule.simulate import SimulationResult, simulate
+from pipeswap.schedule.simulate_cli import usable_cores
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _report import machine, publish  # noqa: E402
@@ -126,6 +130,31 @@ def plan_times(sizes: tuple[int, ...]) -> list[tuple[int, float]]:
     return out
 
 
+#: (P, M) for the whole command's planning
+WHOLE = ((16, 64), (32, 64), (64, 128))
+
+
+def whole_times(sizes: tuple[tuple[int, int], ...]) -> list[tuple[int, int, int, float, float]]:
+    """(P, M, jobs, seconds, step time) for every rank planned under 8.5 GiB on the Gen4
+    link, in one process and in one per usable core."""
+    costs: CostModel = replace(from_preset("h100-pcie5", SHAPE),
+                               link=Link(25e9, 25e9, duplex=True))
+    out = []
+    for ranks, micros in sizes:
+        spec = ScheduleSpec(ScheduleKind.ONE_F_ONE_B, ranks=ranks, microbatches=micros,
+                            swap=True)
+        for jobs in sorted({1, usable_cores()}):
+            print(f"every rank at P={ranks} M={micros}, {jobs} process(es) ...",
+                  file=sys.stderr, flush=True)
+            started = time.perf_counter()
+            planned = build_schedule(spec, PeakPolicy(costs, parse_bytes("8.5GiB"),
+                                                      recompute="auto", jobs=jobs))
+            took = time.perf_counter() - started
+            out.append((ranks, micros, jobs, took,
+                        simulate(planned, costs, timeline=False).step_time))
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -136,9 +165,12 @@ def main(argv: list[str] | None = None) -> int:
     links = dict(list(LINKS.items())[:1]) if args.quick else LINKS
     rows = measure(links, BUDGETS[1:2] if args.quick else BUDGETS)
     scale = plan_times(SCALE[:1] if args.quick else SCALE)
+    whole = whole_times(((8, 16),) if args.quick else WHOLE)
     if args.json:
         print(json.dumps({"rows": [asdict(row) for row in rows],
-                          "setup_s": {str(ranks): took for ranks, took in scale}}))
+                          "setup_s": {str(ranks): took for ranks, took in scale},
+                          "whole": [{"ranks": p, "microbatches": m, "jobs": j, "s": took,
+                                     "step_time_s": step} for p, m, j, took, step in whole]}))
         return 0
     table = "\n".join(f"| {row.link} | {row.budget} | {row.offload.cell()} | "
                       f"{row.recompute.cell()} | {row.mixed.cell()} | {row.mixed_plan_s:.1f} s |"
@@ -166,7 +198,13 @@ def main(argv: list[str] | None = None) -> int:
         "it) and streams the rest.\n\n"
         "Set-up one rank pays at scale (1F1B, PCIe Gen4, 8.5 GiB, M = 2P, rank 0 planning "
         "only itself, as each rank of `pipeswap-train --budget` does): "
-        + ", ".join(f"P={ranks} {took:.1f} s" for ranks, took in scale) + ".")
+        + ", ".join(f"P={ranks} {took:.1f} s" for ranks, took in scale) + ".\n\n"
+        "The whole command's planning (every rank planned, then each rank's plan chosen in "
+        "the whole pipeline from two starts, as `simulate --budget` does; same link and "
+        "budget):\n\n"
+        "| P | M | processes (`--jobs`) | planning | step of the plan |\n|---|---|---|---|---|\n"
+        + "\n".join(f"| {p} | {m} | {j} | {took:.1f} s | {step:.4f} s |"
+                    for p, m, j, took, step in whole))
     return publish(SECTION, report, args.write)
 
 

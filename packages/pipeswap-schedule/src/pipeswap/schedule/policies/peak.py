@@ -95,6 +95,8 @@ class PeakPolicy:
     whole pipeline where the cost model times every stage
     (:mod:`pipeswap.schedule.policies._pipeline`), and
     :func:`~pipeswap.schedule.swap.inject_swap` adds the RC steps (:meth:`recomputed`).
+    ``jobs`` worker processes make the ranks' plans there (:meth:`prepare`), each rank's
+    depending on its own order alone: any number gives the same plans.
     """
 
     costs: CostModel
