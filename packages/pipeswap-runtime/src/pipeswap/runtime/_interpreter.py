@@ -54,6 +54,7 @@ class StepState:
     micro_inputs: list[PyTree] = field(default_factory=list)
     micro_targets: list[PyTree] = field(default_factory=list)
     losses: dict[int, torch.Tensor] = field(default_factory=dict)  # read once, at the end
+    outputs: dict[int, PyTree] = field(default_factory=dict)  # the last stage's, if kept
     times: StepTimes | None = None  # what a measured step's computes took
 
 
@@ -68,7 +69,8 @@ class Interpreter:
     :attr:`splits`, per stage, how its backwards split into I and W."""
 
     def __init__(self, stages: Mapping[int, PipelineStage], *, rank: int, microbatches: int,
-                 loss_fn: LossFn, manager: SwapManager, device: torch.device,
+                 loss_fn: LossFn | None, mean_loss: bool, manager: SwapManager,
+                 device: torch.device,
                  autocast_dtype: torch.dtype | None, swapped: set[ChunkKey],
                  recomputed: Mapping[ChunkKey, frozenset[int]],
                  sharded: Mapping[int, ShardedStage]) -> None:
@@ -76,6 +78,8 @@ class Interpreter:
         self.rank = rank
         self.microbatches = microbatches
         self.loss_fn = loss_fn
+        self.loss_scale = microbatches if mean_loss else 1  # what each loss is divided by
+        self.keep_outputs = False  # keep the last stage's outputs (StepState.outputs)
         self.manager = manager
         self.device = device
         self.autocast_dtype = autocast_dtype
@@ -184,14 +188,17 @@ class Interpreter:
             with self.autocast():
                 chunk = forward_chunk(stage.forward, x, inputs=inputs,
                                       carries=self._carries(state, stage), target=target,
-                                      loss_fn=self.loss_fn, scale=self.microbatches,
-                                      saving=state.session.forward(key) if accounted else None)
+                                      loss_fn=self.loss_fn, scale=self.loss_scale,
+                                      saving=state.session.forward(key) if accounted else None,
+                                      keep=self.keep_outputs)
         finally:
             self.active.pop(stage_index, None)
             self.recomputing.pop(stage_index, None)
             self.layer_marks.pop(stage_index, None)
         if chunk.loss is not None:
             state.losses[micro] = chunk.loss
+            if chunk.value is not None:  # kept: nothing reads it in the step
+                state.outputs[micro] = chunk.value
         if accounted:
             state.session.protect(key, [x, chunk.value, target])
             if chain is not None:

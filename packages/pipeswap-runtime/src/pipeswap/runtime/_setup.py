@@ -69,6 +69,29 @@ def own_layer_counts(stages: Sequence[PipelineStage], replay: Replay | None) -> 
     return mine
 
 
+def check_stages_run_here(stages: Sequence[PipelineStage], device: torch.device,
+                          loss_fn: object) -> None:
+    """Each stage that says where it lives is on ``device`` (the platform's), and the rank of
+    the last stage has a loss function."""
+    import torch
+
+    for stage in stages:
+        if stage.device is None:
+            continue
+        given = torch.device(stage.device)
+        if given.type != device.type or (given.index is not None and device.index is not None
+                                         and given.index != device.index):
+            raise PipelineSetupError(
+                f"stage {stage.stage_index} is on {given} but this rank computes on {device}: "
+                f"build the stage on {device} (e.g. torch.device('{device}')), or give the "
+                "executor that device's platform")
+    if loss_fn is None and any(stage.is_last for stage in stages):
+        last = max(stage.stage_index for stage in stages)
+        raise PipelineSetupError(
+            f"stage {last} is the last stage, and no loss_fn was given: pass the loss "
+            "function (output, target) -> loss on this rank")
+
+
 def data_parallel_group(mesh: DeviceMesh | None, dp_group: dist.ProcessGroup | None,
                         group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
     """The data-parallel group, from ``mesh`` or as given; the stages' ``group`` must be

@@ -84,6 +84,7 @@ def forward_chunk(
     loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
     scale: int = 1,
     saving: AbstractContextManager[object] | None = None,
+    keep: bool = False,
 ) -> ChunkAutograd:
     """Run the stage on ``x`` (a tensor or a pytree of them; ``inputs``: its tensors that
     carry a gradient back, by default ``x`` itself where it is a tensor that requires grad)
@@ -91,8 +92,9 @@ def forward_chunk(
     saves). ``carries`` picks the output's tensors that carry a gradient (default: the
     output itself, one tensor). With a ``target`` (the last stage) the output goes through
     ``loss_fn`` and is divided by ``scale`` (the microbatch count), so the gradients are the
-    mean loss's."""
+    mean loss's; with ``keep`` the output itself stays too (``value``, detached)."""
     import torch
+    from torch.utils._pytree import tree_map_only
 
     if inputs is None:
         inputs = [x] if isinstance(x, torch.Tensor) and x.requires_grad else []
@@ -110,8 +112,10 @@ def forward_chunk(
         if loss_fn is None:
             raise ValueError("a target needs a loss_fn")
         value = loss_fn(out, target)
+        kept = tree_map_only(torch.Tensor, torch.Tensor.detach, out) if keep else None
         # the loss is read by the caller once a step: no host sync per chunk
-        return ChunkAutograd(tuple(inputs), (value / scale,), None, value.detach())
+        return ChunkAutograd(tuple(inputs), (value if scale == 1 else value / scale,), kept,
+                             value.detach())
 
 
 @dataclass(eq=False)

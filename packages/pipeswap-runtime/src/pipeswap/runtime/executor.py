@@ -2,8 +2,9 @@
 
 Gradients are those of the **mean** of the microbatch losses: each microbatch's loss is
 scaled by 1/M before its backward, so with equal microbatches and a loss that averages over
-its batch, ``.grad`` equals that of the whole batch's loss on one device. Gradients
-accumulate in ``.grad``; zero them between steps as usual.
+its batch, ``.grad`` equals that of the whole batch's loss on one device (``mean_loss=False``:
+of their sum, each loss backpropagated as it is). Gradients accumulate in ``.grad``; zero
+them between steps as usual.
 
 With a data-parallel dimension (a 2-D device mesh, or a data-parallel group), each pipeline
 replica runs the same schedule on its own data, and stages sharded with FSDP2's
@@ -120,6 +121,9 @@ class PipelineExecutor:
     ``measure_layers`` (an attribute, off by default; with ``account_activations``): measure
     every chunk held whole layer by layer (:attr:`StepReport.layer_held`, ``layer_inputs``),
     what a budget plans recompute on; a chunk with recomputed layers is always measured.
+    ``keep_outputs`` (an attribute, off by default): keep the last stage's output of each
+    microbatch (detached), in :attr:`outputs` after the step, as :attr:`losses` keeps each
+    microbatch's loss (unscaled, detached) always.
 
     Data parallel: ``mesh``, a 2-D DeviceMesh with dimensions named ``"pp"`` and ``"dp"``
     (the stages' group must be ``mesh.get_group("pp")``), or ``dp_group``, the data-parallel
@@ -152,7 +156,7 @@ class PipelineExecutor:
         stages: Sequence[PipelineStage],
         schedule: Schedule | ScheduleSpec | str,
         microbatches: int,
-        loss_fn: LossFn,
+        loss_fn: LossFn | None,
         *,
         swap: bool = False,
         swap_policy: SwapPolicy | None = None,
@@ -168,6 +172,7 @@ class PipelineExecutor:
         replay: Replay | None = None,
         failure_timeout_s: float | None = None,
         cost_model: CostModel | None = None,
+        mean_loss: bool = True,
     ) -> None:
         import torch.distributed as dist
 
@@ -193,6 +198,11 @@ class PipelineExecutor:
         self.measure_allocator = measure_allocator
         self.measure_compute = False
         self.measure_layers = False
+        self.keep_outputs = False
+        # the last step's per-microbatch losses (unscaled, detached) and, with keep_outputs,
+        # the last stage's outputs (detached): on the rank of the last stage
+        self.losses: list[torch.Tensor] = []
+        self.outputs: list[PyTree] = []
         self.dp_group = _setup.data_parallel_group(mesh, dp_group, self.group)
         self.dp_size = 1 if self.dp_group is None else dist.get_world_size(self.dp_group)
         self._spans_world = replay is not None or self.world == dist.get_world_size()
@@ -206,6 +216,7 @@ class PipelineExecutor:
         self.predicted: PeakOutcome | None = None
         problem: PipelineSetupError | None = None
         try:
+            _setup.check_stages_run_here(self.stages, self.platform.device, loss_fn)
             layer_counts = _setup.own_layer_counts(self.stages, replay)
             _setup.check_transport(check_transport, self.group, replay)
             self._sharded = _setup.find_sharded(self.stages, self.dp_group, self.dp_size, replay)
@@ -257,7 +268,8 @@ class PipelineExecutor:
                            if step is not None and step.type is StepType.RECOMPUTE}
         self._interpreter = Interpreter(
             {stage.stage_index: stage for stage in self.stages}, rank=self.rank,
-            microbatches=microbatches, loss_fn=loss_fn, manager=self.manager,
+            microbatches=microbatches, loss_fn=loss_fn, mean_loss=mean_loss,
+            manager=self.manager,
             device=self.platform.device, autocast_dtype=autocast_dtype, swapped=self.swapped,
             recomputed=self.recomputed, sharded=self._sharded)
         # the hooks hold these, never the executor
@@ -296,12 +308,12 @@ class PipelineExecutor:
         return {index: sharded.gathered_bytes for index, sharded in self._sharded.items()}
 
     @property
-    def loss_fn(self) -> LossFn:
+    def loss_fn(self) -> LossFn | None:
         """The loss function of the last stage's output and the targets."""
         return self._interpreter.loss_fn
 
     @loss_fn.setter
-    def loss_fn(self, loss_fn: LossFn) -> None:
+    def loss_fn(self, loss_fn: LossFn | None) -> None:
         self._interpreter.loss_fn = loss_fn
 
     @property
@@ -352,6 +364,8 @@ class PipelineExecutor:
         # The step's device work included (nothing else waits for it on a rank without the
         # last stage, whose end-of-step agreement runs on the host).
         self.platform.current_stream().synchronize()
+        self.losses = [state.losses[m] for m in sorted(state.losses)]
+        self.outputs = [state.outputs[m] for m in sorted(state.outputs)]
         losses: list[float] = []
         if state.losses:  # one host sync for all of them
             import torch
@@ -400,6 +414,7 @@ class PipelineExecutor:
                     self._input_meta = BoundaryMeta.of(state.micro_inputs[0], "the inputs")[0]
             times = StepTimes() if self.measure_compute else None
             self._interpreter.measure_layers = self.measure_layers and self.account
+            self._interpreter.keep_outputs = self.keep_outputs
             for at in self.schedule.orders[self.rank]:
                 if at is None:
                     continue

@@ -31,6 +31,9 @@ class PipelineStage:
     for streaming swap (one swap group per layer). Default: the children of an
     ``nn.Sequential``, else the entries of a ``layers`` ModuleList or ModuleDict, else the
     whole module as one layer (see :func:`pipeswap.swap.layers.find_layers`).
+
+    ``device``: where the module lives, where the caller says (PyTorch's stages do); the
+    executor refuses a stage on another device than its platform's.
     """
 
     def __init__(
@@ -40,6 +43,7 @@ class PipelineStage:
         num_stages: int,
         group: dist.ProcessGroup | None = None,
         layers: Sequence[torch.nn.Module] | None = None,
+        device: torch.device | str | None = None,
     ) -> None:
         from pipeswap.swap.layers import find_layers
 
@@ -50,6 +54,7 @@ class PipelineStage:
         self.stage_index = stage_index
         self.num_stages = num_stages
         self.group = group
+        self.device = device
         self.layers = list(find_layers(module) if layers is None else layers)
         if not self.layers:
             raise PipelineSetupError(f"stage {stage_index}: layers is empty; give the stage's "

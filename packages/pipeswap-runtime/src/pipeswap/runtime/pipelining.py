@@ -1,0 +1,249 @@
+"""pipeswap behind ``torch.distributed.pipelining``'s schedule classes.
+
+A script written for PyTorch's pipelining (or torchtitan, which builds on it) holds
+``PipelineStage`` objects and calls ``ScheduleX(stages, n_microbatches, loss_fn).step(...)``.
+The classes here take the same arguments and keep the same ``step`` contract, so such a
+script switches by changing its import::
+
+    from pipeswap.runtime.pipelining import Schedule1F1B   # was torch.distributed.pipelining
+
+    schedule = Schedule1F1B(stage, n_microbatches=8, loss_fn=loss_fn, swap=True)
+    losses = []
+    output = schedule.step(x, target=y, losses=losses)  # x on the first stage's rank, y on
+                                                        # the last's; output returned there
+
+They take PyTorch's ``PipelineStage`` objects (their submodule, stage index, stage count,
+device and group) or pipeswap's own, and run pipeswap's executor
+(:class:`~pipeswap.runtime.executor.PipelineExecutor`) on the same compute order as PyTorch's
+class, with swap steps where ``swap=True`` asks (the default peak policy, or ``policy=``).
+
+Gradients follow PyTorch's ``scale_grads``: each microbatch's loss is backpropagated as it
+is, and with ``scale_grads=True`` (the default) every gradient of the rank's stages is
+divided by ``n_microbatches`` once the step is done, as PyTorch does. The executor is built
+(one collective of the stages' group) when the schedule is: every rank constructs its
+schedule, as with PyTorch's classes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from pipeswap.runtime.errors import PipelineSetupError
+from pipeswap.runtime.executor import PipelineExecutor
+from pipeswap.runtime.stage import PipelineStage
+
+if TYPE_CHECKING:
+    import torch
+
+    from pipeswap.runtime.comm import PyTree
+    from pipeswap.schedule import SwapPolicy
+
+__all__ = [
+    "ScheduleDualPipeV",
+    "ScheduleGPipe",
+    "ScheduleInterleaved1F1B",
+    "ScheduleInterleavedZeroBubble",
+    "ScheduleLoopedBFS",
+    "ScheduleZBVZeroBubble",
+    "Schedule1F1B",
+]
+
+
+def _first_stage_module(module: torch.nn.Module) -> torch.nn.Module:
+    """``module`` behind a module called with ``args`` and ``kwargs`` (the executor passes a
+    dict as keyword arguments), so that ``step(*args, **kwargs)`` reaches it as PyTorch's
+    schedules call it: ``module(*args, **kwargs)``."""
+    import torch
+
+    class FirstStage(torch.nn.Module):
+        def __init__(self, inner: torch.nn.Module) -> None:
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+            return self.inner(*args, **kwargs)
+
+    return FirstStage(module)
+
+
+class _PipelineSchedule:
+    """A pipeswap schedule with the constructor and ``step`` of PyTorch's class of the same
+    name; see the module docstring."""
+
+    #: pipeswap's name of the schedule (ScheduleSpec's kind)
+    _kind: ClassVar[str]
+    #: one stage a rank (stage r on rank r); else several, looped (r, r + P, ...) or in a V
+    #: (r and 2P - 1 - r), as PyTorch places them and the executor checks
+    _single: ClassVar[bool] = False
+
+    def __init__(
+        self,
+        stages: Any,
+        n_microbatches: int,
+        loss_fn: Callable[..., torch.Tensor] | None = None,
+        args_chunk_spec: Any = None,
+        kwargs_chunk_spec: Any = None,
+        output_merge_spec: Any = None,
+        scale_grads: bool = True,
+        *,
+        swap: bool = False,
+        policy: SwapPolicy | None = None,
+        swap_granularity: str = "auto",
+        check_transport: str = "nccl",
+        failure_timeout_s: float | None = None,
+    ) -> None:
+        name = type(self).__name__
+        given = list(stages) if isinstance(stages, (list, tuple)) else [stages]
+        if self._single and len(given) != 1:
+            raise PipelineSetupError(f"{name} runs one stage a rank; got {len(given)}: give "
+                                     "the rank's one stage, or use a multi-stage schedule")
+        for spec, what in ((args_chunk_spec, "args_chunk_spec"),
+                           (kwargs_chunk_spec, "kwargs_chunk_spec"),
+                           (output_merge_spec, "output_merge_spec")):
+            if not _along_batch(spec):
+                raise PipelineSetupError(
+                    f"{name}: pipeswap splits every input and merges every output along "
+                    f"dimension 0; drop {what} (or give TensorChunkSpec(0) only)")
+        self._n_microbatches = n_microbatches
+        self._loss_fn = loss_fn
+        self.scale_grads = scale_grads
+        self._stages = [_pipeswap_stage(stage) for stage in given]
+        self._modules = [stage.module for stage in self._stages]  # as the user built them
+        self._stages = [_callable_with_kwargs(stage) for stage in self._stages]
+        try:
+            self.executor = PipelineExecutor(
+                self._stages, self._kind, n_microbatches, loss_fn,
+                swap=swap or policy is not None, swap_policy=policy,
+                swap_granularity=swap_granularity, check_transport=check_transport,
+                failure_timeout_s=failure_timeout_s, mean_loss=False)
+        except PipelineSetupError as exc:
+            raise PipelineSetupError(f"{name}: {exc}") from exc
+        self.executor.keep_outputs = True
+
+    @property
+    def report(self) -> Any:
+        """The last step's :class:`~pipeswap.runtime.report.StepReport` (None before one)."""
+        return getattr(self, "_report", None)
+
+    def step(self, *args: Any, target: Any = None, losses: list[Any] | None = None,
+             return_outputs: bool = True, **kwargs: Any) -> Any:
+        """One step of the whole batch: ``args`` and ``kwargs`` (the first stage's module's
+        arguments, split into microbatches along dimension 0) on the first stage's rank,
+        ``target`` on the last's, where ``losses`` (if given) is filled with each
+        microbatch's loss and the last stage's output is returned (merged along dimension
+        0; None elsewhere, or without ``return_outputs``)."""
+        import torch
+
+        if not torch.is_grad_enabled():
+            raise PipelineSetupError(
+                "step() runs the backward: call it with gradients enabled (not under "
+                "torch.no_grad())")
+        first = any(stage.is_first for stage in self._stages)
+        inputs: PyTree | None = {"args": tuple(args), "kwargs": dict(kwargs)} if first \
+            else None
+        self.executor.keep_outputs = return_outputs
+        self._report = self.executor.step(inputs, target)
+        if self.scale_grads and self._n_microbatches != 1:
+            for module in self._modules:
+                for parameter in module.parameters():
+                    if parameter.grad is not None:
+                        parameter.grad.div_(self._n_microbatches)
+        if not any(stage.is_last for stage in self._stages):
+            return None
+        if losses is not None:
+            losses.clear()
+            losses.extend(self.executor.losses)
+        return _merged(self.executor.outputs) if return_outputs else None
+
+
+def _along_batch(spec: Any) -> bool:
+    """Whether a chunk or merge spec says what pipeswap does anyway: dimension 0."""
+    if spec is None:
+        return True
+    values = spec.values() if isinstance(spec, dict) else spec if isinstance(
+        spec, (list, tuple)) else [spec]
+    return all(getattr(value, "split_dim", None) == 0 for value in values)
+
+
+def _pipeswap_stage(stage: Any) -> PipelineStage:
+    """pipeswap's stage for a PyTorch ``PipelineStage`` (its submodule, index, stage count,
+    group and device), or the pipeswap stage itself."""
+    if isinstance(stage, PipelineStage):
+        return stage
+    missing = [name for name in ("submod", "stage_index", "num_stages", "device")
+               if not hasattr(stage, name)]
+    if missing:
+        raise PipelineSetupError(
+            f"{stage!r} is neither torch.distributed.pipelining's PipelineStage nor "
+            f"pipeswap's (it has no {', '.join(missing)})")
+    return PipelineStage(stage.submod, stage.stage_index, stage.num_stages,
+                         group=getattr(stage, "group", None), device=stage.device)
+
+
+def _callable_with_kwargs(stage: PipelineStage) -> PipelineStage:
+    """The first stage with its module behind :func:`_first_stage_module`; others as
+    they are."""
+    if not stage.is_first:
+        return stage
+    return PipelineStage(_first_stage_module(stage.module), stage.stage_index,
+                         stage.num_stages, group=stage.group, layers=stage.layers,
+                         device=stage.device)
+
+
+def _merged(outputs: Sequence[PyTree]) -> Any:
+    """The microbatches' outputs joined along dimension 0, as PyTorch's default merge."""
+    import torch
+    from torch.utils._pytree import tree_flatten, tree_unflatten
+
+    if not outputs:
+        return None
+    flat = [tree_flatten(output) for output in outputs]
+    spec = flat[0][1]
+    leaves = [torch.cat([leaves[k] for leaves, _ in flat])
+              if isinstance(flat[0][0][k], torch.Tensor) else flat[0][0][k]
+              for k in range(len(flat[0][0]))]
+    return tree_unflatten(leaves, spec)
+
+
+class ScheduleGPipe(_PipelineSchedule):
+    """PyTorch's ``ScheduleGPipe``: every forward, then every backward."""
+
+    _kind, _single = "gpipe", True
+
+
+class Schedule1F1B(_PipelineSchedule):
+    """PyTorch's ``Schedule1F1B``: one forward, one backward in the steady state."""
+
+    _kind, _single = "1f1b", True
+
+
+class ScheduleInterleaved1F1B(_PipelineSchedule):
+    """PyTorch's ``ScheduleInterleaved1F1B``: rank r runs stages r, r + P, ..."""
+
+    _kind = "interleaved-1f1b"
+
+
+class ScheduleLoopedBFS(_PipelineSchedule):
+    """PyTorch's ``ScheduleLoopedBFS``: rank r runs stages r, r + P, ..., breadth first."""
+
+    _kind = "looped-bfs"
+
+
+class ScheduleInterleavedZeroBubble(_PipelineSchedule):
+    """PyTorch's ``ScheduleInterleavedZeroBubble``: looped stages, backward split into the
+    input's gradient and the weights'."""
+
+    _kind = "interleaved-zb"
+
+
+class ScheduleZBVZeroBubble(_PipelineSchedule):
+    """PyTorch's ``ScheduleZBVZeroBubble``: rank r runs stages r and 2P - 1 - r (a V)."""
+
+    _kind = "zbv"
+
+
+class ScheduleDualPipeV(_PipelineSchedule):
+    """PyTorch's ``ScheduleDualPipeV``: stages in a V, as ZBV."""
+
+    _kind = "dualpipev"

@@ -1,0 +1,104 @@
+"""Rank functions that run PyTorch's pipelining schedule classes and pipeswap's drop-ins
+(``pipeswap.runtime.pipelining``) side by side, on the same PyTorch ``PipelineStage``
+objects' modules and weights."""
+
+from __future__ import annotations
+
+import copy
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.pipelining as torch_pipelining
+
+import pipeswap.runtime.pipelining as pipeswap_pipelining
+
+WIDTH, BATCH, MICRO = 8, 16, 8
+SINGLE = {"ScheduleGPipe", "Schedule1F1B"}
+V_SHAPED = {"ScheduleZBVZeroBubble", "ScheduleDualPipeV"}
+CLASSES = ["ScheduleGPipe", "Schedule1F1B", "ScheduleInterleaved1F1B", "ScheduleLoopedBFS",
+           "ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble", "ScheduleDualPipeV"]
+
+
+def stage_indices(name: str, rank: int, world: int) -> list[int]:
+    """Where PyTorch's class places stages: one a rank, looped, or in a V."""
+    if name in SINGLE:
+        return [rank]
+    if name in V_SHAPED:
+        return [rank, 2 * world - 1 - rank]
+    return [rank, rank + world]
+
+
+def model(stages: int) -> list[torch.nn.Sequential]:
+    """The same weights on every rank: a stage of two layers (Linear, tanh, Linear)."""
+    torch.manual_seed(0)
+    return [torch.nn.Sequential(torch.nn.Linear(WIDTH, WIDTH), torch.nn.Tanh(),
+                                torch.nn.Linear(WIDTH, WIDTH)) for _ in range(stages)]
+
+
+def batch() -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(1)
+    return (torch.randn(BATCH, WIDTH, generator=generator),
+            torch.randn(BATCH, WIDTH, generator=generator))
+
+
+def loss_fn(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.mse_loss(output, target)
+
+
+def _run(schedule_of: Any, name: str, rank: int, world: int, **options: Any
+         ) -> dict[str, Any]:
+    """One step of ``name`` from ``schedule_of`` (a module of schedule classes) on fresh
+    copies of the model: this rank's losses, output, gradients (and pipeswap's report)."""
+    count = world if name in SINGLE else 2 * world
+    modules = model(count)
+    indices = stage_indices(name, rank, world)
+    stages = [torch_pipelining.PipelineStage(copy.deepcopy(modules[index]), index, count,
+                                             torch.device("cpu")) for index in indices]
+    schedule = getattr(schedule_of, name)(stages[0] if name in SINGLE else stages,
+                                          n_microbatches=MICRO, loss_fn=loss_fn, **options)
+    x, y = batch()
+    losses: list[torch.Tensor] = []
+    output = schedule.step(x if 0 in indices else None, target=y if count - 1 in indices
+                           else None, losses=losses)
+    grads = {f"{stage.stage_index}.{n}": p.grad.clone()
+             for stage in stages for n, p in stage.submod.named_parameters()}
+    report = getattr(schedule, "report", None)
+    return {"losses": [loss.detach().clone() for loss in losses], "output": output,
+            "grads": grads, "swapped": 0 if report is None else report.swapped_chunks}
+
+
+def side_by_side(rank: int, world: int, name: str) -> dict[str, Any]:
+    """PyTorch's class, pipeswap's without swap and pipeswap's with swap, one after the
+    other on the same ranks."""
+    return {"torch": _run(torch_pipelining, name, rank, world),
+            "pipeswap": _run(pipeswap_pipelining, name, rank, world),
+            "swap": _run(pipeswap_pipelining, name, rank, world, swap=True)}
+
+
+def refused(rank: int, world: int, case: str) -> str:
+    """The error a bad construction or step raises on this rank (every rank raises)."""
+    name = "ScheduleZBVZeroBubble" if case == "layout" else "Schedule1F1B"
+    count = world if name in SINGLE else 2 * world
+    modules = model(count)
+    indices = [rank, rank + world] if case == "layout" else stage_indices(name, rank, world)
+    stages: list[Any] = [torch_pipelining.PipelineStage(modules[index], index, count,
+                                                        torch.device("cpu"))
+                         for index in indices]
+    if case == "device" and rank == 0:  # a stage built for another device
+        stages = [SimpleNamespace(submod=modules[0], stage_index=0, num_stages=count,
+                                  device=torch.device("cuda", 1), group=None)]
+    last = count - 1 in indices
+    try:
+        schedule = getattr(pipeswap_pipelining, name)(
+            stages[0] if name in SINGLE else stages, n_microbatches=MICRO,
+            loss_fn=None if case == "loss" and last else loss_fn)
+        x, y = batch()
+        if case == "batch":
+            x = x[:BATCH - 1]  # 15 rows do not split into 8 microbatches
+        schedule.step(x if 0 in indices else None, target=y if last else None)
+    except Exception as exc:  # noqa: BLE001 - what the test reads
+        dist.barrier()  # every rank got here: none hangs
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"

@@ -1,0 +1,78 @@
+"""pipeswap behind torch.distributed.pipelining's schedule classes: every class, side by side
+with PyTorch's own on the same stages' modules and weights (gloo, 2 and 4 ranks): losses,
+output and gradients bit-identical to PyTorch's, without swap and with it; and one
+clear error on every rank for a stage on another device, a last stage without a loss, stages
+that do not match the class's layout, and a batch that does not split."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import pytest
+import torch
+
+from pipeswap_pool import POOL
+
+pytestmark = pytest.mark.multiprocess  # full tier only, unless also marked everyday
+
+pytest.importorskip("torch.distributed.pipelining")
+
+from pipeswap_dropin_workers import CLASSES, MICRO  # noqa: E402
+
+EVERYDAY = {("Schedule1F1B", 2), ("ScheduleZBVZeroBubble", 2)}
+
+
+@functools.lru_cache(maxsize=None)
+def _ranks(name: str, world: int) -> list[dict[str, Any]]:
+    from pipeswap_dropin_workers import side_by_side
+
+    results: list[dict[str, Any]] = POOL.run(side_by_side, world, name, timeout_s=120)
+    return results
+
+
+def _cases() -> list[Any]:
+    return [pytest.param(name, world, id=f"{name}-{world}",
+                         marks=[pytest.mark.everyday] if (name, world) in EVERYDAY else [])
+            for world in (2, 4) for name in CLASSES]
+
+
+@pytest.mark.parametrize(("name", "world"), _cases())
+def test_each_class_matches_pytorchs_and_swap_changes_no_bit(name: str, world: int) -> None:
+    ranks = _ranks(name, world)
+    last = [rank for rank in ranks if rank["torch"]["losses"]]
+    assert len(last) == 1 and len(last[0]["torch"]["losses"]) == MICRO
+    for mine in ("pipeswap", "swap"):
+        for rank in ranks:  # only the last stage's rank has losses and an output
+            assert (rank[mine]["output"] is None) == (rank["torch"]["output"] is None)
+            assert rank[mine]["grads"].keys() == rank["torch"]["grads"].keys()
+    theirs, ours, swapped = (last[0][mode] for mode in ("torch", "pipeswap", "swap"))
+    # the same compute order, losses backpropagated unscaled and gradients divided by the
+    # microbatch count afterwards, as PyTorch does: the very same numbers
+    assert all(torch.equal(a, b) for a, b in zip(ours["losses"], theirs["losses"]))
+    assert torch.equal(ours["output"], theirs["output"])
+    for rank in ranks:
+        for key, grad in rank["torch"]["grads"].items():
+            assert torch.equal(rank["pipeswap"]["grads"][key], grad), key
+    # swap: the very same numbers as without it, and something was swapped
+    assert all(torch.equal(a, b) for a, b in zip(swapped["losses"], ours["losses"]))
+    assert torch.equal(swapped["output"], ours["output"])
+    for rank in ranks:
+        for key, grad in rank["pipeswap"]["grads"].items():
+            assert torch.equal(rank["swap"]["grads"][key], grad), key
+    assert sum(rank["swap"]["swapped"] for rank in ranks) > 0
+
+
+@pytest.mark.parametrize(("case", "message"), [
+    ("device", "stage 0 is on cuda:1 but this rank computes on cpu"),
+    ("loss", "is the last stage, and no loss_fn was given"),
+    ("layout", "ScheduleZBVZeroBubble: rank 0 runs stages [0, 3] in this schedule but was "
+               "given stages [0, 2]"),
+    ("batch", "does not split into 8 equal microbatches"),
+])
+def test_bad_input_gets_one_clear_error_on_every_rank(case: str, message: str) -> None:
+    from pipeswap_dropin_workers import refused
+
+    said = POOL.run(refused, 2, case, timeout_s=60)
+    assert all(text != "no error" for text in said), said
+    assert any(message in text for text in said), said
