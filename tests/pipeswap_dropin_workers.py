@@ -63,7 +63,8 @@ def _run(schedule_of: Any, name: str, rank: int, world: int, **options: Any
     output = schedule.step(x if 0 in indices else None, target=y if count - 1 in indices
                            else None, losses=losses)
     grads = {f"{stage.stage_index}.{n}": p.grad.clone()
-             for stage in stages for n, p in stage.submod.named_parameters()}
+             for stage in stages for n, p in stage.submod.named_parameters()
+             if p.grad is not None}
     report = getattr(schedule, "report", None)
     return {"losses": [loss.detach().clone() for loss in losses], "output": output,
             "grads": grads, "swapped": 0 if report is None else report.swapped_chunks}
