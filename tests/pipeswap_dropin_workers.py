@@ -30,11 +30,12 @@ def stage_indices(name: str, rank: int, world: int) -> list[int]:
     return [rank, rank + world]
 
 
-def model(stages: int) -> list[torch.nn.Sequential]:
-    """The same weights on every rank: a stage of two layers (Linear, tanh, Linear)."""
+def model(stages: int, inner: int = WIDTH) -> list[torch.nn.Sequential]:
+    """The same weights on every rank: a stage of Linear, tanh, Linear (``inner`` wide
+    between them: what the stage saves for its backward)."""
     torch.manual_seed(0)
-    return [torch.nn.Sequential(torch.nn.Linear(WIDTH, WIDTH), torch.nn.Tanh(),
-                                torch.nn.Linear(WIDTH, WIDTH)) for _ in range(stages)]
+    return [torch.nn.Sequential(torch.nn.Linear(WIDTH, inner), torch.nn.Tanh(),
+                                torch.nn.Linear(inner, WIDTH)) for _ in range(stages)]
 
 
 def batch() -> tuple[torch.Tensor, torch.Tensor]:
@@ -103,3 +104,38 @@ def refused(rank: int, world: int, case: str) -> str:
         dist.barrier()  # every rank got here: none hangs
         return f"{type(exc).__name__}: {exc}"
     return "no error"
+
+
+def budgeted(rank: int, world: int) -> dict[str, Any]:
+    """Two steps of Schedule1F1B with no budget to speak of, then two under 60% of what
+    the first step held on this rank: each step's losses, gradients and counted peak, what
+    the plan under the budget expected, and what it warned."""
+    import warnings
+
+    x, y = batch()
+    runs = {}
+    budget = 10**15
+    for run in ("roomy", "tight"):
+        modules = model(world, inner=256)  # saved activations that move, not boundaries
+        stage = torch_pipelining.PipelineStage(modules[rank], rank, world, torch.device("cpu"))
+        steps = []
+        with warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always")
+            schedule = pipeswap_pipelining.Schedule1F1B(stage, n_microbatches=MICRO,
+                                                        loss_fn=loss_fn, budget=budget)
+            for _ in range(2):
+                losses: list[torch.Tensor] = []
+                schedule.step(x if rank == 0 else None,
+                              target=y if rank == world - 1 else None, losses=losses)
+                report = schedule.report
+                steps.append({"losses": losses, "peak": report.peak_activation_bytes,
+                              "swapped": report.swapped_chunks,
+                              "grads": {n: p.grad.clone()
+                                        for n, p in modules[rank].named_parameters()
+                                        if p.grad is not None}})
+                modules[rank].zero_grad()
+        runs[run] = {"steps": steps, "budget": budget,
+                     "planned": None if schedule.planned is None else schedule.planned.peak,
+                     "warned": [str(w.message) for w in said]}
+        budget = steps[0]["peak"] * 6 // 10
+    return runs

@@ -76,3 +76,29 @@ def test_bad_input_gets_one_clear_error_on_every_rank(case: str, message: str) -
     said = POOL.run(refused, 2, case, timeout_s=60)
     assert all(text != "no error" for text in said), said
     assert any(message in text for text in said), said
+
+
+def test_a_budget_is_planned_on_what_the_first_step_measured() -> None:
+    """budget=: the first step runs without swap and measures each chunk; from the second
+    the plan runs, holding what it predicted to the byte, under the budget (60% of what the
+    first step held) where a plan can reach it and with a warning where none can, with the
+    same numbers as the run with room to spare."""
+    from pipeswap_dropin_workers import budgeted
+
+    ranks = POOL.run(budgeted, 2, timeout_s=120)
+    met = 0
+    for rank in ranks:
+        roomy, tight = rank["roomy"], rank["tight"]
+        first, second = tight["steps"]
+        assert first["swapped"] == 0 and second["peak"] == tight["planned"]
+        if tight["planned"] <= tight["budget"]:
+            met += 1
+            assert second["swapped"] > 0 and second["peak"] < first["peak"]
+            assert not tight["warned"]
+        else:
+            assert [w for w in tight["warned"] if "no plan meets the budget" in w]
+        for mine, theirs in zip(tight["steps"], roomy["steps"]):
+            assert all(torch.equal(a, b) for a, b in zip(mine["losses"], theirs["losses"]))
+            assert mine["grads"].keys() == theirs["grads"].keys()
+            assert all(torch.equal(mine["grads"][n], g) for n, g in theirs["grads"].items())
+    assert met  # the first rank's chunks wait for their backwards: swap reaches it

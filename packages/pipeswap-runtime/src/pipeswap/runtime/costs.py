@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
@@ -80,6 +80,30 @@ def measured_costs(compute: Mapping[tuple[StepType, int], float],
     chunks = {key: ChunkBytes(held, pinned=held - movable)
               for key, (held, movable) in chunk_bytes.items()}
     return CostModel(link=link, stages=stages, chunks=chunks)
+
+
+def measured_chunks(chunk_bytes: Mapping[ChunkKey, tuple[int, int]],
+                    layer_held: Mapping[ChunkKey, Sequence[int]],
+                    layer_inputs: Mapping[ChunkKey, Sequence[int]]
+                    ) -> dict[ChunkKey, ChunkBytes]:
+    """Each chunk as a step without swap measured it (:class:`StepReport`'s ``chunk_bytes``
+    as (held, movable), and per layer what it added and was called with, where measured:
+    what recomputing a layer keeps); the pinned bytes are laid on the first layers that
+    hold them, as where they sit is not measured."""
+    return {key: _measured(held, movable, layer_held.get(key, ()), layer_inputs.get(key, ()))
+            for key, (held, movable) in chunk_bytes.items()}
+
+
+def _measured(held: int, movable: int, sizes: Sequence[int], inputs: Sequence[int]
+              ) -> ChunkBytes:
+    if not sizes:
+        return ChunkBytes(held, pinned=held - movable)
+    pinned, layers = held - movable, []
+    for size, called in zip(sizes, inputs):
+        pin = min(pinned, size)
+        pinned -= pin
+        layers.append(ChunkBytes(size, pinned=pin, kept=min(called, size)))
+    return ChunkBytes(held, pinned=held - movable, layers=tuple(layers))
 
 
 def check_costs(costs: CostModel, stages: Iterable[int], rank: int) -> None:

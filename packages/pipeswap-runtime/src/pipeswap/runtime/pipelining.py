@@ -26,9 +26,11 @@ schedule, as with PyTorch's classes.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from pipeswap.runtime.costs import measured_chunks
 from pipeswap.runtime.errors import PipelineSetupError
 from pipeswap.runtime.executor import PipelineExecutor
 from pipeswap.runtime.stage import PipelineStage
@@ -37,7 +39,7 @@ if TYPE_CHECKING:
     import torch
 
     from pipeswap.runtime.comm import PyTree
-    from pipeswap.schedule import SwapPolicy
+    from pipeswap.schedule import PeakOutcome, SwapPolicy
 
 __all__ = [
     "ScheduleDualPipeV",
@@ -89,6 +91,7 @@ class _PipelineSchedule:
         *,
         swap: bool = False,
         policy: SwapPolicy | None = None,
+        budget: int | None = None,
         swap_granularity: str = "auto",
         check_transport: str = "nccl",
         failure_timeout_s: float | None = None,
@@ -105,21 +108,67 @@ class _PipelineSchedule:
                 raise PipelineSetupError(
                     f"{name}: pipeswap splits every input and merges every output along "
                     f"dimension 0; drop {what} (or give TensorChunkSpec(0) only)")
+        if budget is not None and (policy is not None or budget < 1):
+            raise PipelineSetupError(
+                f"{name}: budget={budget!r} " + ("plans with the default policy; drop "
+                                                 "policy=, or budget=" if policy is not None
+                                                 else "keeps nothing: give the activation "
+                                                 "bytes a rank may hold (1 or more)"))
         self._n_microbatches = n_microbatches
         self._loss_fn = loss_fn
         self.scale_grads = scale_grads
+        self._budget = budget
+        #: what the plan under ``budget`` expects of this rank (its peak, and by how much
+        #: it misses the budget): after the first step, which measured what it plans on
+        self.planned: PeakOutcome | None = None
+        self._granularity, self._transport = swap_granularity, check_transport
+        self._failure_timeout_s = failure_timeout_s
         self._stages = [_pipeswap_stage(stage) for stage in given]
         self._modules = [stage.module for stage in self._stages]  # as the user built them
         self._stages = [_callable_with_kwargs(stage) for stage in self._stages]
+        # with a budget, the first step runs without swap and measures every chunk
+        self.executor = self._executor(swap or policy is not None, policy,
+                                       measuring=budget is not None)
+
+    def _executor(self, swap: bool, policy: SwapPolicy | None, measuring: bool = False
+                  ) -> PipelineExecutor:
         try:
-            self.executor = PipelineExecutor(
-                self._stages, self._kind, n_microbatches, loss_fn,
-                swap=swap or policy is not None, swap_policy=policy,
-                swap_granularity=swap_granularity, check_transport=check_transport,
-                failure_timeout_s=failure_timeout_s, mean_loss=False)
+            executor = PipelineExecutor(
+                self._stages, self._kind, self._n_microbatches, self._loss_fn, swap=swap,
+                swap_policy=policy, mean_loss=False,
+                account_activations=True if measuring or self._budget is not None else None,
+                swap_granularity=self._granularity if policy is None else "auto",
+                check_transport=self._transport,
+                failure_timeout_s=self._failure_timeout_s)
         except PipelineSetupError as exc:
-            raise PipelineSetupError(f"{name}: {exc}") from exc
-        self.executor.keep_outputs = True
+            raise PipelineSetupError(f"{type(self).__name__}: {exc}") from exc
+        executor.measure_layers = measuring  # what recomputing each layer keeps
+        return executor
+
+    def _plan_budget(self) -> None:
+        """After the measuring step: the peak policy under the budget on what it measured
+        (each chunk's bytes, per layer), in a new executor (every rank builds it at the
+        same point of its run, as the set-up's agreement needs)."""
+        from pipeswap.schedule import CostModel, PeakPolicy, uniform_layers
+
+        assert self._budget is not None and self._report is not None
+        report = self._report
+        chunks = measured_chunks({key: (b.held, b.movable)
+                                  for key, b in report.chunk_bytes.items()},
+                                 report.layer_held, report.layer_inputs)
+        layers = {stage.stage_index: len(stage.layers) for stage in self._stages}
+        policy = PeakPolicy(CostModel(chunks=chunks, stages=uniform_layers(layers)),
+                            self._budget, granularity=self._granularity,
+                            recompute="auto")
+        self.executor.close()
+        self.executor = self._executor(True, policy)
+        self.planned = policy.outcomes.get(self.executor.rank)
+        if self.planned is not None and self.planned.shortfall:
+            warnings.warn(
+                f"rank {self.executor.rank}: no plan meets the budget of {self._budget:,} "
+                f"bytes; the best peaks at {self.planned.peak:,} ({self.planned.shortfall:,} "
+                f"over), recomputing {self.planned.recomputed_layers} layers a step",
+                stacklevel=3)
 
     @property
     def report(self) -> Any:
@@ -144,6 +193,8 @@ class _PipelineSchedule:
             else None
         self.executor.keep_outputs = return_outputs
         self._report = self.executor.step(inputs, target)
+        if self._budget is not None and self.planned is None:
+            self._plan_budget()
         if self.scale_grads and self._n_microbatches != 1:
             for module in self._modules:
                 for parameter in module.parameters():

@@ -9,12 +9,13 @@ measured them first.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import replace
 
+from pipeswap.runtime.costs import measured_chunks
 from pipeswap.runtime.train.config import TrainConfig
 from pipeswap.runtime.train.metrics import ModeResult
-from pipeswap.schedule import ChunkBytes, CostModel, PeakPolicy, SwapPolicy
+from pipeswap.schedule import CostModel, PeakPolicy, SwapPolicy
 
 
 def swap_policy(name: str, layer_counts: Mapping[int, int] | None = None,
@@ -44,26 +45,10 @@ def budget_policy(config: TrainConfig, plain: ModeResult, layer_counts: Mapping[
     from pipeswap.schedule import uniform_layers
 
     assert config.swap.budget is not None
-    chunks = {key: _measured(held, movable, plain.layer_held.get(key, ()),
-                             plain.layer_inputs.get(key, ()))
-              for key, (held, movable) in plain.chunk_bytes.items()}
+    chunks = measured_chunks(plain.chunk_bytes, plain.layer_held, plain.layer_inputs)
     model = (CostModel(chunks=chunks, stages=uniform_layers(layer_counts)) if costs is None
              else replace(costs, chunks=chunks))
     if everyone is not None:
         model = everyone(model)
     return PeakPolicy(model, config.swap.budget, granularity=config.swap.granularity,
                       recompute=config.swap.recompute)
-
-
-def _measured(held: int, movable: int, sizes: Sequence[int], inputs: Sequence[int]
-              ) -> ChunkBytes:
-    """A chunk as measured; per layer where its layers were (the pinned bytes laid on the
-    first layers that hold them: where they sit is not measured)."""
-    if not sizes:
-        return ChunkBytes(held, pinned=held - movable)
-    pinned, layers = held - movable, []
-    for size, called in zip(sizes, inputs):
-        pin = min(pinned, size)
-        pinned -= pin
-        layers.append(ChunkBytes(size, pinned=pin, kept=min(called, size)))
-    return ChunkBytes(held, pinned=held - movable, layers=tuple(layers))
