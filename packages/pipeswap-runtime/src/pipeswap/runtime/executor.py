@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import logging
 import time
 import warnings
 import weakref
@@ -50,7 +51,7 @@ from pipeswap.runtime.fsdp import ShardedStage
 from pipeswap.runtime.groups import group_timeout, only_gloo, operation_timeout, with_cpu_backend
 from pipeswap.runtime.host_reserve import SavedRecorder, host_reservation
 from pipeswap.runtime.replay import Replay
-from pipeswap.runtime.report import LayerMarks, MemoryAccount, StepReport
+from pipeswap.runtime.report import LayerMarks, MemoryAccount, StepReport, kept_on_device
 from pipeswap.runtime.session import SwapSession
 from pipeswap.runtime.stage import PipelineStage
 from pipeswap.runtime.watch import PeerWatch, stop_groups
@@ -74,6 +75,8 @@ if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = ["LossFn", "PipelineExecutor", "StepReport"]
+
+log = logging.getLogger(__name__)
 
 
 class PipelineExecutor:
@@ -359,8 +362,13 @@ class PipelineExecutor:
         start = time.perf_counter()
         measuring: AbstractContextManager[AllocationPeak | None] = (
             self.platform.measure_allocations() if self.measure_allocator else nullcontext())
+        skipped = self.manager.stats().skipped if self._runs == 0 and self.swapped else None
         with measuring as allocated:
             state = self._step(inputs, targets)
+        if skipped is not None:  # said once a run: the same every step
+            line = kept_on_device(self.rank, skipped, self.manager.stats().skipped)
+            if line is not None:
+                log.info(line)
         # The step's device work included (nothing else waits for it on a rank without the
         # last stage, whose end-of-step agreement runs on the host).
         self.platform.current_stream().synchronize()

@@ -182,3 +182,31 @@ class MemoryAccount:
             layer_held=self.layer_held,
             layer_inputs=self.layer_inputs,
         )
+
+
+#: Why swap left a saved tensor on the device, as a user reads it (the swap manager's
+#: reasons, :attr:`pipeswap.swap.SwapStats.skipped`).
+KEPT_BECAUSE = {
+    "shared across groups": "saved by more than one chunk or layer (a table every layer of "
+                            "a stage uses, such as rotary cos and sin: one copy stays)",
+    "referenced outside saved activations": "still referenced outside the saved "
+                                            "activations (freeing it would break that "
+                                            "reference)",
+    "parameter": "parameters (they stay with their module)",
+    "below min_bytes": "below the swap manager's min_bytes (not worth a copy)",
+    "other device": "on another device than the swap manager's",
+}
+
+
+def kept_on_device(rank: int, before: Mapping[str, int], after: Mapping[str, int]
+                   ) -> str | None:
+    """One line on what swap left on the device in a step and why, from the manager's
+    counts of skipped saved tensors before and after it; None where it left nothing."""
+    counts = {reason: after.get(reason, 0) - before.get(reason, 0) for reason in after}
+    said = [f"{count} {KEPT_BECAUSE.get(reason, reason)}"
+            for reason, count in sorted(counts.items(), key=lambda item: -item[1])
+            if count > 0 and reason != "empty storage"]
+    if not said:
+        return None
+    return (f"rank {rank}: swap leaves these saved tensors on the device each step: "
+            + "; ".join(said))

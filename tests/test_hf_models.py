@@ -1,0 +1,79 @@
+"""Hugging Face causal LMs split into pipeline stages (pipeswap.runtime.hf): the stages
+chained give the unsplit model's logits bit for bit; trained on gloo ranks on a plain and a
+V schedule, every gradient is the unsplit model's and swap changes no bit; what swap leaves
+on the device is said once a run."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from pipeswap.runtime import PipelineSetupError  # noqa: E402
+from pipeswap.runtime.hf import causal_lm_loss, causal_lm_stages  # noqa: E402
+
+
+def test_the_stages_chained_give_the_unsplit_models_logits_and_loss() -> None:
+    from pipeswap_hf_workers import model, tokens
+
+    whole, ids = model(), tokens()
+    for stages in (causal_lm_stages(whole, 3), causal_lm_stages(whole, 2, [1, 7])):
+        hidden = ids
+        for stage in stages:
+            hidden = stage(hidden)
+        assert torch.equal(hidden, whole(ids).logits)
+        # transformers pads the labels instead of cutting the logits: the same mean, summed
+        # in another order
+        assert causal_lm_loss(hidden, ids).item() == pytest.approx(
+            whole(ids, labels=ids).loss.item(), rel=1e-6)
+    first, *_, last = causal_lm_stages(whole, 3)
+    assert first.embed_tokens is whole.model.embed_tokens and last.lm_head is whole.lm_head
+    assert [len(stage.layers) for stage in causal_lm_stages(whole, 3)] == [3, 3, 2]
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    ((9,), "9 stages for 8 decoder layers: give 1 to 8 stages"),
+    ((2, [4, 3]), r"layers_per_stage=\[4, 3\] must give each of the 2 stages"),
+])
+def test_a_split_that_cannot_be_made_is_refused(args: tuple[Any, ...], message: str) -> None:
+    from pipeswap_hf_workers import model
+
+    with pytest.raises(PipelineSetupError, match=message):
+        causal_lm_stages(model(), *args)
+    with pytest.raises(PipelineSetupError, match="has no model, lm_head"):
+        causal_lm_stages(torch.nn.Linear(2, 2), 1)
+
+
+@functools.lru_cache(maxsize=None)
+def _trained(schedule: str, swap: bool) -> list[dict[str, Any]]:
+    from pipeswap_hf_workers import train
+    from pipeswap_pool import POOL
+
+    results: list[dict[str, Any]] = POOL.run(train, 2, schedule, swap, timeout_s=120)
+    return results
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("schedule", ["1f1b", "zbv"])
+def test_a_split_llama_trains_with_the_unsplit_models_gradients(schedule: str) -> None:
+    from pipeswap_hf_workers import LAYERS, reference
+
+    want = reference()
+    plain, swapped = _trained(schedule, False), _trained(schedule, True)
+    grads = {name: grad for rank in plain for name, grad in rank["grads"].items()}
+    assert grads.keys() == want.keys()
+    for name, grad in want.items():
+        torch.testing.assert_close(grads[name], grad, msg=name)
+    for mine, theirs in zip(swapped, plain):
+        assert mine["losses"] == theirs["losses"]
+        assert mine["grads"].keys() == theirs["grads"].keys()
+        assert all(torch.equal(mine["grads"][n], g) for n, g in theirs["grads"].items())
+    assert sum(sum(rank["layers"]) for rank in plain) == LAYERS  # decoder layers, split
+    assert sum(rank["streamed"] for rank in swapped) > 0  # decoder layers streamed
+    for rank in swapped:  # three steps, one line, where the rank swaps
+        assert len(rank["logged"]) == (1 if rank["swapped"] else 0)
+    assert any("rotary cos and sin" in line for rank in swapped for line in rank["logged"])
