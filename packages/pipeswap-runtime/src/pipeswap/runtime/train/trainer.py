@@ -181,7 +181,7 @@ class Trainer:
                                              costs, None if self.replaying else _everyone)
             if config.job.verbose and (self.replaying or self.rank == 0):
                 log.info("[%7s] planning swap%s under the budget of %s bytes a rank, weighed "
-                         "%s (a search over plans: under a second at 8 stages, about 8 s "
+                         "%s (a search over plans: under a second at 8 stages, about 5 s "
                          "at 64)", mode,
                          " and recompute" if config.swap.recompute == "auto" else "",
                          f"{config.swap.budget:,}",
