@@ -208,7 +208,8 @@ def resolve_schedule(schedule: Schedule | ScheduleSpec | str, *, swap: bool,
             # stay as built, their P2P what this rank's validation needs)
             built = build_schedule(schedule, swap_policy, swap_ranks={rank})
         # NCCL's model unless asked: NCCL pairs sends and receives in order and by
-        # communicator, and a schedule that passes on CPU then passes there. (Every micro below the count: see _check_stages.)
+        # communicator, and a schedule that passes on CPU then passes there. (Every micro
+        # below the count: see _check_stages.)
         validate(built, transport=transport)
     except ScheduleError as exc:
         raise PipelineSetupError(f"the schedule cannot run: {exc}") from exc

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from pipeswap.runtime.costs import measured_chunks
@@ -88,6 +89,8 @@ class _PipelineSchedule:
         kwargs_chunk_spec: Any = None,
         output_merge_spec: Any = None,
         scale_grads: bool = True,
+        backward_requires_autograd: bool = True,
+        defer_pp_recv: bool = False,
         *,
         swap: bool = False,
         policy: SwapPolicy | None = None,
@@ -108,6 +111,10 @@ class _PipelineSchedule:
                 raise PipelineSetupError(
                     f"{name}: pipeswap splits every input and merges every output along "
                     f"dimension 0; drop {what} (or give TensorChunkSpec(0) only)")
+        if not backward_requires_autograd:
+            raise PipelineSetupError(f"{name}: pipeswap's backward runs autograd; drop "
+                                     "backward_requires_autograd=False")
+        del defer_pp_recv  # PyTorch's runtime's receive timing; pipeswap's schedule has its own
         if budget is not None and (policy is not None or budget < 1):
             raise PipelineSetupError(
                 f"{name}: budget={budget!r} " + ("plans with the default policy; drop "
@@ -176,12 +183,14 @@ class _PipelineSchedule:
         return getattr(self, "_report", None)
 
     def step(self, *args: Any, target: Any = None, losses: list[Any] | None = None,
-             return_outputs: bool = True, **kwargs: Any) -> Any:
+             return_outputs: bool = True, loss_kwargs: dict[str, Any] | None = None,
+             **kwargs: Any) -> Any:
         """One step of the whole batch: ``args`` and ``kwargs`` (the first stage's module's
         arguments, split into microbatches along dimension 0) on the first stage's rank,
         ``target`` on the last's, where ``losses`` (if given) is filled with each
         microbatch's loss and the last stage's output is returned (merged along dimension
-        0; None elsewhere, or without ``return_outputs``)."""
+        0; None elsewhere, or without ``return_outputs``); ``loss_kwargs`` go to the loss
+        function with each microbatch's output and target."""
         import torch
 
         if not torch.is_grad_enabled():
@@ -192,7 +201,12 @@ class _PipelineSchedule:
         inputs: PyTree | None = {"args": tuple(args), "kwargs": dict(kwargs)} if first \
             else None
         self.executor.keep_outputs = return_outputs
-        self._report = self.executor.step(inputs, target)
+        if loss_kwargs and self._loss_fn is not None:
+            self.executor.loss_fn = partial(self._loss_fn, **loss_kwargs)
+        try:
+            self._report = self.executor.step(inputs, target)
+        finally:
+            self.executor.loss_fn = self._loss_fn
         if self._budget is not None and self.planned is None:
             self._plan_budget()
         if self.scale_grads and self._n_microbatches != 1:
@@ -257,16 +271,30 @@ def _merged(outputs: Sequence[PyTree]) -> Any:
     return tree_unflatten(leaves, spec)
 
 
-class ScheduleGPipe(_PipelineSchedule):
+class _OneStage(_PipelineSchedule):
+    """A class of one stage a rank: PyTorch names its first argument ``stage``."""
+
+    _single = True
+
+    def __init__(self, stage: Any, n_microbatches: int,
+                 loss_fn: Callable[..., torch.Tensor] | None = None,
+                 args_chunk_spec: Any = None, kwargs_chunk_spec: Any = None,
+                 output_merge_spec: Any = None, scale_grads: bool = True,
+                 **options: Any) -> None:
+        super().__init__(stage, n_microbatches, loss_fn, args_chunk_spec, kwargs_chunk_spec,
+                         output_merge_spec, scale_grads, **options)
+
+
+class ScheduleGPipe(_OneStage):
     """PyTorch's ``ScheduleGPipe``: every forward, then every backward."""
 
-    _kind, _single = "gpipe", True
+    _kind = "gpipe"
 
 
-class Schedule1F1B(_PipelineSchedule):
+class Schedule1F1B(_OneStage):
     """PyTorch's ``Schedule1F1B``: one forward, one backward in the steady state."""
 
-    _kind, _single = "1f1b", True
+    _kind = "1f1b"
 
 
 class ScheduleInterleaved1F1B(_PipelineSchedule):
@@ -276,9 +304,20 @@ class ScheduleInterleaved1F1B(_PipelineSchedule):
 
 
 class ScheduleLoopedBFS(_PipelineSchedule):
-    """PyTorch's ``ScheduleLoopedBFS``: rank r runs stages r, r + P, ..., breadth first."""
+    """PyTorch's ``ScheduleLoopedBFS``: rank r runs stages r, r + P, ..., breadth first (its
+    constructor, as PyTorch's, takes no chunk specs)."""
 
     _kind = "looped-bfs"
+
+    def __init__(self, stages: Any, n_microbatches: int,
+                 loss_fn: Callable[..., torch.Tensor] | None = None,
+                 output_merge_spec: Any = None, scale_grads: bool = True,
+                 backward_requires_autograd: bool = True, defer_pp_recv: bool = False,
+                 **options: Any) -> None:
+        super().__init__(stages, n_microbatches, loss_fn, output_merge_spec=output_merge_spec,
+                         scale_grads=scale_grads,
+                         backward_requires_autograd=backward_requires_autograd,
+                         defer_pp_recv=defer_pp_recv, **options)
 
 
 class ScheduleInterleavedZeroBubble(_PipelineSchedule):

@@ -211,7 +211,8 @@ def simulate_logged(schedule: Schedule, costs: CostModel, changing: int) -> Logg
     ranks = _walk(list(enumerate(schedule.orders)), schedule.stage_ranks,
                   schedule.num_stages - 1, costs, False, arrivals, log)
     finishes = tuple(s.compute for s in ranks)
-    return Logged(max(finishes, default=0.0), finishes, arrivals, log.tails(costs.p2p_time(), changing))
+    return Logged(max(finishes, default=0.0), finishes, arrivals,
+                  log.tails(costs.p2p_time(), changing))
 
 
 def simulate_against(logged: Logged, schedule: Schedule, rank: int, order: Order,
