@@ -44,12 +44,12 @@ def batch() -> tuple[torch.Tensor, torch.Tensor]:
             torch.randn(BATCH, WIDTH, generator=generator))
 
 
-def loss_fn(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    return torch.nn.functional.mse_loss(output, target)
+def loss_fn(output: torch.Tensor, target: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+    return torch.nn.functional.mse_loss(output, target) * scale
 
 
-def _run(schedule_of: Any, name: str, rank: int, world: int, **options: Any
-         ) -> dict[str, Any]:
+def _run(schedule_of: Any, name: str, rank: int, world: int,
+         loss_kwargs: dict[str, float] | None = None, **options: Any) -> dict[str, Any]:
     """One step of ``name`` from ``schedule_of`` (a module of schedule classes) on fresh
     copies of the model: this rank's losses, output, gradients (and pipeswap's report)."""
     count = world if name in SINGLE else 2 * world
@@ -62,7 +62,7 @@ def _run(schedule_of: Any, name: str, rank: int, world: int, **options: Any
     x, y = batch()
     losses: list[torch.Tensor] = []
     output = schedule.step(x if 0 in indices else None, target=y if count - 1 in indices
-                           else None, losses=losses)
+                           else None, losses=losses, loss_kwargs=loss_kwargs)
     grads = {f"{stage.stage_index}.{n}": p.grad.clone()
              for stage in stages for n, p in stage.submod.named_parameters()
              if p.grad is not None}
@@ -71,12 +71,13 @@ def _run(schedule_of: Any, name: str, rank: int, world: int, **options: Any
             "grads": grads, "swapped": 0 if report is None else report.swapped_chunks}
 
 
-def side_by_side(rank: int, world: int, name: str) -> dict[str, Any]:
+def side_by_side(rank: int, world: int, name: str,
+                 loss_kwargs: dict[str, float] | None = None) -> dict[str, Any]:
     """PyTorch's class, pipeswap's without swap and pipeswap's with swap, one after the
-    other on the same ranks."""
-    return {"torch": _run(torch_pipelining, name, rank, world),
-            "pipeswap": _run(pipeswap_pipelining, name, rank, world),
-            "swap": _run(pipeswap_pipelining, name, rank, world, swap=True)}
+    other on the same ranks (``loss_kwargs`` passed to each step)."""
+    return {"torch": _run(torch_pipelining, name, rank, world, loss_kwargs),
+            "pipeswap": _run(pipeswap_pipelining, name, rank, world, loss_kwargs),
+            "swap": _run(pipeswap_pipelining, name, rank, world, loss_kwargs, swap=True)}
 
 
 def refused(rank: int, world: int, case: str) -> str:

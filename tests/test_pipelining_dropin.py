@@ -24,22 +24,27 @@ EVERYDAY = {("Schedule1F1B", 2), ("ScheduleZBVZeroBubble", 2)}
 
 
 @functools.lru_cache(maxsize=None)
-def _ranks(name: str, world: int) -> list[dict[str, Any]]:
+def _ranks(name: str, world: int, scale: float | None = None) -> list[dict[str, Any]]:
     from pipeswap_dropin_workers import side_by_side
 
-    results: list[dict[str, Any]] = POOL.run(side_by_side, world, name, timeout_s=120)
+    results: list[dict[str, Any]] = POOL.run(
+        side_by_side, world, name, None if scale is None else {"scale": scale},
+        timeout_s=120)
     return results
 
 
 def _cases() -> list[Any]:
-    return [pytest.param(name, world, id=f"{name}-{world}",
+    """Every class at 2 and 4 ranks, and one with loss_kwargs (the loss scaled by 3)."""
+    return [pytest.param(name, world, None, id=f"{name}-{world}",
                          marks=[pytest.mark.everyday] if (name, world) in EVERYDAY else [])
-            for world in (2, 4) for name in CLASSES]
+            for world in (2, 4) for name in CLASSES] + [
+        pytest.param("Schedule1F1B", 2, 3.0, id="Schedule1F1B-2-loss_kwargs")]
 
 
-@pytest.mark.parametrize(("name", "world"), _cases())
-def test_each_class_matches_pytorchs_and_swap_changes_no_bit(name: str, world: int) -> None:
-    ranks = _ranks(name, world)
+@pytest.mark.parametrize(("name", "world", "scale"), _cases())
+def test_each_class_matches_pytorchs_and_swap_changes_no_bit(name: str, world: int,
+                                                             scale: float | None) -> None:
+    ranks = _ranks(name, world, scale)
     last = [rank for rank in ranks if rank["torch"]["losses"]]
     assert len(last) == 1 and len(last[0]["torch"]["losses"]) == MICRO
     for mine in ("pipeswap", "swap"):
@@ -61,6 +66,10 @@ def test_each_class_matches_pytorchs_and_swap_changes_no_bit(name: str, world: i
         for key, grad in rank["pipeswap"]["grads"].items():
             assert torch.equal(rank["swap"]["grads"][key], grad), key
     assert sum(rank["swap"]["swapped"] for rank in ranks) > 0
+    if scale is not None:  # the step's loss_kwargs reached the loss function
+        plain = [rank for rank in _ranks(name, world) if rank["torch"]["losses"]][0]
+        for loss, unscaled in zip(ours["losses"], plain["pipeswap"]["losses"]):
+            assert loss.item() == pytest.approx(scale * unscaled.item(), rel=1e-6)
 
 
 @pytest.mark.parametrize(("case", "message"), [
