@@ -119,7 +119,7 @@ def budgeted(rank: int, world: int) -> dict[str, Any]:
     for run in ("roomy", "tight"):
         modules = model(world, inner=256)  # saved activations that move, not boundaries
         stage = torch_pipelining.PipelineStage(modules[rank], rank, world, torch.device("cpu"))
-        steps = []
+        steps: list[dict[str, Any]] = []
         with warnings.catch_warnings(record=True) as said:
             warnings.simplefilter("always")
             schedule = pipeswap_pipelining.Schedule1F1B(stage, n_microbatches=MICRO,
@@ -129,7 +129,9 @@ def budgeted(rank: int, world: int) -> dict[str, Any]:
                 schedule.step(x if rank == 0 else None,
                               target=y if rank == world - 1 else None, losses=losses)
                 report = schedule.report
-                steps.append({"losses": losses, "peak": report.peak_activation_bytes,
+                assert report is not None and report.peak_activation_bytes is not None
+                peak: int = report.peak_activation_bytes
+                steps.append({"losses": losses, "peak": peak,
                               "swapped": report.swapped_chunks,
                               "grads": {n: p.grad.clone()
                                         for n, p in modules[rank].named_parameters()
@@ -138,5 +140,5 @@ def budgeted(rank: int, world: int) -> dict[str, Any]:
         runs[run] = {"steps": steps, "budget": budget,
                      "planned": None if schedule.planned is None else schedule.planned.peak,
                      "warned": [str(w.message) for w in said]}
-        budget = steps[0]["peak"] * 6 // 10
+        budget = int(steps[0]["peak"]) * 6 // 10
     return runs

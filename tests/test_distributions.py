@@ -57,13 +57,18 @@ def test_dependency_edges_follow_the_design(dist: str) -> None:
     assert set(_requires(dist)) == EDGES[dist]
 
 
-def test_the_only_extra_is_the_plot_support_of_the_schedule_package() -> None:
+def test_the_extras_are_plots_and_hugging_face_models() -> None:
+    """The schedule package's [plot] (matplotlib) and the runtime's [hf] (transformers),
+    each a plain version range; no other extra."""
+    wanted = {"pipeswap-schedule": ("plot", "matplotlib"), "pipeswap-runtime": ("hf",
+                                                                             "transformers")}
     for dist in EDGES:
         extras = distribution(dist).metadata.get_all("Provides-Extra") or []
-        assert extras == (["plot"] if dist == "pipeswap-schedule" else []), dist
-    plot = _requires("pipeswap-schedule", "plot")
-    assert set(plot) == {"matplotlib"}
-    assert ">=" in plot["matplotlib"] and "<" in plot["matplotlib"]
+        assert extras == ([wanted[dist][0]] if dist in wanted else []), dist
+    for dist, (extra, package) in wanted.items():
+        required = _requires(dist, extra)
+        assert set(required) == {package}
+        assert ">=" in required[package] and "<" in required[package]
 
 
 @pytest.mark.parametrize("dist", EDGES)

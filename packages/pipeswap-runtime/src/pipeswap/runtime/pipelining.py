@@ -40,6 +40,7 @@ if TYPE_CHECKING:
     import torch
 
     from pipeswap.runtime.comm import PyTree
+    from pipeswap.runtime.report import StepReport
     from pipeswap.schedule import PeakOutcome, SwapPolicy
 
 __all__ = [
@@ -128,14 +129,15 @@ class _PipelineSchedule:
         #: what the plan under ``budget`` expects of this rank (its peak, and by how much
         #: it misses the budget): after the first step, which measured what it plans on
         self.planned: PeakOutcome | None = None
+        self._measuring = budget is not None  # the first step runs without swap, measuring
+        self._report: StepReport | None = None
         self._granularity, self._transport = swap_granularity, check_transport
         self._failure_timeout_s = failure_timeout_s
         self._stages = [_pipeswap_stage(stage) for stage in given]
         self._modules = [stage.module for stage in self._stages]  # as the user built them
         self._stages = [_callable_with_kwargs(stage) for stage in self._stages]
-        # with a budget, the first step runs without swap and measures every chunk
-        self.executor = self._executor(swap or policy is not None, policy,
-                                       measuring=budget is not None)
+        self.executor = self._executor(not self._measuring and (swap or policy is not None),
+                                       policy, measuring=self._measuring)
 
     def _executor(self, swap: bool, policy: SwapPolicy | None, measuring: bool = False
                   ) -> PipelineExecutor:
@@ -178,9 +180,9 @@ class _PipelineSchedule:
                 stacklevel=3)
 
     @property
-    def report(self) -> Any:
+    def report(self) -> StepReport | None:
         """The last step's :class:`~pipeswap.runtime.report.StepReport` (None before one)."""
-        return getattr(self, "_report", None)
+        return self._report
 
     def step(self, *args: Any, target: Any = None, losses: list[Any] | None = None,
              return_outputs: bool = True, loss_kwargs: dict[str, Any] | None = None,
@@ -207,7 +209,8 @@ class _PipelineSchedule:
             self._report = self.executor.step(inputs, target)
         finally:
             self.executor.loss_fn = self._loss_fn
-        if self._budget is not None and self.planned is None:
+        if self._measuring:
+            self._measuring = False
             self._plan_budget()
         if self.scale_grads and self._n_microbatches != 1:
             for module in self._modules:
