@@ -83,9 +83,10 @@ def side_by_side(rank: int, world: int, name: str,
 def refused(rank: int, world: int, case: str) -> str:
     """The error a bad construction or step raises on this rank (every rank raises)."""
     name = "ScheduleZBVZeroBubble" if case == "layout" else "Schedule1F1B"
-    count = world if name in SINGLE else 2 * world
+    count = 2 * world if case in ("layout", "single") else world
     modules = model(count)
-    indices = [rank, rank + world] if case == "layout" else stage_indices(name, rank, world)
+    indices = ([rank, rank + world] if case in ("layout", "single")
+               else stage_indices(name, rank, world))
     stages: list[Any] = [torch_pipelining.PipelineStage(modules[index], index, count,
                                                         torch.device("cpu"))
                          for index in indices]
@@ -95,7 +96,7 @@ def refused(rank: int, world: int, case: str) -> str:
     last = count - 1 in indices
     try:
         schedule = getattr(pipeswap_pipelining, name)(
-            stages[0] if name in SINGLE else stages, n_microbatches=MICRO,
+            stages[0] if name in SINGLE and case != "single" else stages, n_microbatches=MICRO,
             loss_fn=None if case == "loss" and last else loss_fn)
         x, y = batch()
         if case == "batch":
@@ -126,12 +127,12 @@ def budgeted(rank: int, world: int) -> dict[str, Any]:
                                                         loss_fn=loss_fn, budget=budget)
             for _ in range(2):
                 losses: list[torch.Tensor] = []
-                schedule.step(x if rank == 0 else None,
-                              target=y if rank == world - 1 else None, losses=losses)
+                output = schedule.step(x if rank == 0 else None,
+                                       target=y if rank == world - 1 else None, losses=losses)
                 report = schedule.report
                 assert report is not None and report.peak_activation_bytes is not None
                 peak: int = report.peak_activation_bytes
-                steps.append({"losses": losses, "peak": peak,
+                steps.append({"losses": losses, "peak": peak, "output": output,
                               "swapped": report.swapped_chunks,
                               "grads": {n: p.grad.clone()
                                         for n, p in modules[rank].named_parameters()

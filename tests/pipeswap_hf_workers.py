@@ -5,7 +5,6 @@ gradients on the same batch."""
 from __future__ import annotations
 
 import logging
-import warnings
 from typing import Any
 
 import torch
@@ -52,16 +51,17 @@ def train(rank: int, world: int, schedule: str, swap: bool) -> dict[str, Any]:
     logger = logging.getLogger("pipeswap.runtime.executor")
     logger.addHandler(handler)
     logger.setLevel(logging.INFO)
-    with warnings.catch_warnings(record=True) as said:
-        warnings.simplefilter("always")
+    try:
         executor = PipelineExecutor(stages, schedule, MICRO, causal_lm_loss, swap=swap)
         ids = tokens()
-        reports = [executor.step(ids, ids) for _ in range(2)]  # the warnings of two steps
+        reports = [executor.step(ids, ids) for _ in range(2)]  # what two steps logged
         whole.zero_grad()
         report = executor.step(ids, ids)
+    finally:
+        logger.removeHandler(handler)  # the pooled rank serves other cases next
     return {"grads": {name: p.grad for name, p in whole.named_parameters()
                       if p.grad is not None},
             "losses": report.losses, "swapped": report.swapped_chunks,
             "streamed": len(executor.streamed), "layers": [len(s.layers) for s in stages],
-            "warned": [str(w.message) for w in said], "steps": len(reports) + 1,
+            "steps": len(reports) + 1,
             "logged": [line for line in lines if "leaves these saved tensors" in line]}

@@ -48,6 +48,21 @@ def test_a_split_that_cannot_be_made_is_refused(args: tuple[Any, ...], message: 
         causal_lm_stages(torch.nn.Linear(2, 2), 1)
 
 
+def test_a_model_the_stages_would_run_otherwise_is_refused() -> None:
+    """A sliding window (Mistral's default) the stages' full causal mask would ignore, and
+    a head tied to the embedding on another stage, whose two gradients nobody would sum."""
+    from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
+
+    small = {"vocab_size": 16, "hidden_size": 8, "intermediate_size": 16,
+             "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1}
+    with pytest.raises(PipelineSetupError, match=r"sliding window \(config.sliding_window=4"):
+        causal_lm_stages(MistralForCausalLM(MistralConfig(**small)), 2)
+    tied = LlamaForCausalLM(LlamaConfig(tie_word_embeddings=True, **small))
+    with pytest.raises(PipelineSetupError, match="ties its head to its embedding"):
+        causal_lm_stages(tied, 2)
+    assert len(causal_lm_stages(tied, 1)) == 1  # one stage holds both: nothing to sum
+
+
 @functools.lru_cache(maxsize=None)
 def _trained(schedule: str, swap: bool) -> list[dict[str, Any]]:
     from pipeswap_hf_workers import train

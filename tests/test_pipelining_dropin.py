@@ -52,6 +52,7 @@ def test_each_class_matches_pytorchs_and_swap_changes_no_bit(name: str, world: i
             assert (rank[mine]["output"] is None) == (rank["torch"]["output"] is None)
             assert rank[mine]["grads"].keys() == rank["torch"]["grads"].keys()
     theirs, ours, swapped = (last[0][mode] for mode in ("torch", "pipeswap", "swap"))
+    assert len(ours["losses"]) == len(swapped["losses"]) == MICRO
     # the same compute order, losses backpropagated unscaled and gradients divided by the
     # microbatch count afterwards, as PyTorch does: the very same numbers
     assert all(torch.equal(a, b) for a, b in zip(ours["losses"], theirs["losses"]))
@@ -77,6 +78,7 @@ def test_each_class_matches_pytorchs_and_swap_changes_no_bit(name: str, world: i
     ("loss", "is the last stage, and no loss_fn was given"),
     ("layout", "ScheduleZBVZeroBubble: rank 0 runs stages [0, 3] in this schedule but was "
                "given stages [0, 2]"),
+    ("single", "Schedule1F1B: "),
     ("batch", "does not split into 8 equal microbatches"),
 ])
 def test_bad_input_gets_one_clear_error_on_every_rank(case: str, message: str) -> None:
@@ -106,6 +108,9 @@ def test_a_budget_is_planned_on_what_the_first_step_measured() -> None:
             assert not tight["warned"]
         else:
             assert [w for w in tight["warned"] if "no plan meets the budget" in w]
+        for step in (*tight["steps"], *roomy["steps"]):  # every step, the measuring one too
+            assert (len(step["losses"]), step["output"] is None) == (
+                (MICRO, False) if rank is ranks[-1] else (0, True))
         for mine, theirs in zip(tight["steps"], roomy["steps"]):
             assert all(torch.equal(a, b) for a, b in zip(mine["losses"], theirs["losses"]))
             assert mine["grads"].keys() == theirs["grads"].keys()

@@ -34,8 +34,8 @@ def _stage(index: int = 0, count: int = 2) -> PipelineStage:
 
 
 @pytest.mark.parametrize(("make", "message"), [
-    (lambda: ours.Schedule1F1B([_stage(0), _stage(1)], 4),
-     "Schedule1F1B runs one stage a rank; got 2"),
+    (lambda: ours.Schedule1F1B(_stage(), 4, swap_granularity="layers"),
+     "unknown swap_granularity 'layers'; use one of auto, chunk, layer"),
     (lambda: ours.ScheduleGPipe(_stage(), 4, args_chunk_spec=(object(),)),
      "splits every input and merges every output along dimension 0; drop args_chunk_spec"),
     (lambda: ours.ScheduleZBVZeroBubble([_stage(0, 4), _stage(3, 4)], 4,

@@ -1,9 +1,9 @@
 """Hugging Face causal language models split into pipeline stages (``pipeswap-runtime[hf]``).
 
 A transformers causal LM of the Llama layout (``model.embed_tokens``, ``model.layers``,
-``model.rotary_emb``, ``model.norm``, ``lm_head``: Llama, Mistral, Qwen2 and their kin) is
-split into stage modules that run exactly what the unsplit model runs on a batch without
-padding: the first stage embeds the tokens, each stage runs its run of decoder layers, the
+``model.rotary_emb``, ``model.norm``, ``lm_head``: Llama and models built like it, with full
+causal attention; transformers 5.25 or later) is split into stage modules that run exactly
+what the unsplit model runs on a batch without padding: the first stage embeds the tokens, each stage runs its run of decoder layers, the
 last normalises and projects to the vocabulary. Between stages goes only the hidden state.
 Each stage works out the rotary tables (cos and sin for every position) and the causal mask
 itself, from the hidden state's shape, as the unsplit model does once: they hold no
@@ -78,7 +78,10 @@ def causal_lm_stages(model: torch.nn.Module, num_stages: int,
                      layers_per_stage: Sequence[int] | None = None) -> list[CausalLMStage]:
     """``model`` (a transformers causal LM of the Llama layout) as ``num_stages`` stage
     modules: the decoder layers split evenly (the earlier stages taking the extra ones), or
-    ``layers_per_stage`` a stage; every stage holds at least one layer."""
+    ``layers_per_stage`` a stage; every stage holds at least one layer. Refused: a model
+    that attends within a sliding window (its stages would build the full causal mask), and
+    one whose head shares its embedding's weight across stages (nothing would sum that
+    weight's two gradients)."""
     inner: Any = getattr(model, "model", None)
     missing = [name for name, owner in (("model", model), ("lm_head", model),
                                         ("model.embed_tokens", inner),
@@ -91,6 +94,21 @@ def causal_lm_stages(model: torch.nn.Module, num_stages: int,
             "causal LMs of the Llama layout (model.embed_tokens, model.layers, "
             "model.rotary_emb, model.norm, lm_head); split other models by hand")
     assert inner is not None
+    config: Any = model.config
+    if getattr(config, "sliding_window", None) is not None and getattr(
+            config, "use_sliding_window", True):
+        raise PipelineSetupError(
+            f"{type(model).__name__} attends within a sliding window (config.sliding_window="
+            f"{config.sliding_window}); its stages would build the full causal mask: set "
+            "config.sliding_window = None where no sequence is longer than the window, or "
+            "split the model by hand")
+    head, embed = getattr(model, "lm_head"), inner.embed_tokens
+    if num_stages > 1 and getattr(head, "weight", None) is getattr(embed, "weight", 1):
+        raise PipelineSetupError(
+            f"{type(model).__name__} ties its head to its embedding (tie_word_embeddings), "
+            "which sit on the first and last stages: untie them (build with "
+            "tie_word_embeddings=False), or sum the shared weight's gradient across the two "
+            "ranks yourself (pipeswap.runtime.tied)")
     blocks = list(inner.layers)
     if layers_per_stage is None:
         if not 1 <= num_stages <= len(blocks):
@@ -107,10 +125,10 @@ def causal_lm_stages(model: torch.nn.Module, num_stages: int,
         starts = [sum(counts[:k]) for k in range(num_stages)]
         runs = [range(start, start + count) for start, count in zip(starts, counts)]
     last = num_stages - 1
-    return [CausalLMStage(model.config, inner.rotary_emb, [blocks[k] for k in run],
-                          embed=inner.embed_tokens if index == 0 else None,
+    return [CausalLMStage(config, inner.rotary_emb, [blocks[k] for k in run],
+                          embed=embed if index == 0 else None,
                           norm=inner.norm if index == last else None,
-                          head=getattr(model, "lm_head") if index == last else None)
+                          head=head if index == last else None)
             for index, run in enumerate(runs)]
 
 

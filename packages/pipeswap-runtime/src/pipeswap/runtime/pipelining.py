@@ -35,6 +35,7 @@ from pipeswap.runtime.costs import measured_chunks
 from pipeswap.runtime.errors import PipelineSetupError
 from pipeswap.runtime.executor import PipelineExecutor
 from pipeswap.runtime.stage import PipelineStage
+from pipeswap.schedule import GRANULARITIES
 
 if TYPE_CHECKING:
     import torch
@@ -75,11 +76,10 @@ class _PipelineSchedule:
     """A pipeswap schedule with the constructor and ``step`` of PyTorch's class of the same
     name; see the module docstring."""
 
-    #: pipeswap's name of the schedule (ScheduleSpec's kind)
+    #: pipeswap's name of the schedule (ScheduleSpec's kind); its layout (one stage a rank,
+    #: several looped, or two in a V, as PyTorch places them) the executor checks, on
+    #: every rank at once
     _kind: ClassVar[str]
-    #: one stage a rank (stage r on rank r); else several, looped (r, r + P, ...) or in a V
-    #: (r and 2P - 1 - r), as PyTorch places them and the executor checks
-    _single: ClassVar[bool] = False
 
     def __init__(
         self,
@@ -102,9 +102,6 @@ class _PipelineSchedule:
     ) -> None:
         name = type(self).__name__
         given = list(stages) if isinstance(stages, (list, tuple)) else [stages]
-        if self._single and len(given) != 1:
-            raise PipelineSetupError(f"{name} runs one stage a rank; got {len(given)}: give "
-                                     "the rank's one stage, or use a multi-stage schedule")
         for spec, what in ((args_chunk_spec, "args_chunk_spec"),
                            (kwargs_chunk_spec, "kwargs_chunk_spec"),
                            (output_merge_spec, "output_merge_spec")):
@@ -112,6 +109,9 @@ class _PipelineSchedule:
                 raise PipelineSetupError(
                     f"{name}: pipeswap splits every input and merges every output along "
                     f"dimension 0; drop {what} (or give TensorChunkSpec(0) only)")
+        if swap_granularity not in GRANULARITIES:
+            raise PipelineSetupError(f"{name}: unknown swap_granularity {swap_granularity!r}; "
+                                     f"use one of {', '.join(GRANULARITIES)}")
         if not backward_requires_autograd:
             raise PipelineSetupError(f"{name}: pipeswap's backward runs autograd; drop "
                                      "backward_requires_autograd=False")
@@ -205,24 +205,26 @@ class _PipelineSchedule:
         self.executor.keep_outputs = return_outputs
         if loss_kwargs and self._loss_fn is not None:
             self.executor.loss_fn = partial(self._loss_fn, **loss_kwargs)
+        executor = self.executor
         try:
-            self._report = self.executor.step(inputs, target)
+            self._report = executor.step(inputs, target)
         finally:
-            self.executor.loss_fn = self._loss_fn
-        if self._measuring:
-            self._measuring = False
-            self._plan_budget()
+            executor.loss_fn = self._loss_fn
         if self.scale_grads and self._n_microbatches != 1:
             for module in self._modules:
                 for parameter in module.parameters():
                     if parameter.grad is not None:
                         parameter.grad.div_(self._n_microbatches)
-        if not any(stage.is_last for stage in self._stages):
-            return None
-        if losses is not None:
+        last = any(stage.is_last for stage in self._stages)
+        if last and losses is not None:
             losses.clear()
-            losses.extend(self.executor.losses)
-        return _merged(self.executor.outputs) if return_outputs else None
+            losses.extend(executor.losses)
+        output = _merged(executor.outputs) if last and return_outputs else None
+        executor.outputs = []  # the merged output is the caller's; hold no second copy
+        if self._measuring:  # the plan runs from the next step
+            self._plan_budget()
+            self._measuring = False
+        return output
 
 
 def _along_batch(spec: Any) -> bool:
@@ -276,8 +278,6 @@ def _merged(outputs: Sequence[PyTree]) -> Any:
 
 class _OneStage(_PipelineSchedule):
     """A class of one stage a rank: PyTorch names its first argument ``stage``."""
-
-    _single = True
 
     def __init__(self, stage: Any, n_microbatches: int,
                  loss_fn: Callable[..., torch.Tensor] | None = None,
