@@ -31,6 +31,8 @@ from collections.abc import Callable, Sequence
 from functools import partial
 from typing import TYPE_CHECKING, Any, ClassVar
 
+import torch
+
 from pipeswap.runtime.costs import measured_chunks
 from pipeswap.runtime.errors import PipelineSetupError
 from pipeswap.runtime.executor import PipelineExecutor
@@ -38,8 +40,6 @@ from pipeswap.runtime.stage import PipelineStage
 from pipeswap.schedule import GRANULARITIES
 
 if TYPE_CHECKING:
-    import torch
-
     from pipeswap.runtime.comm import PyTree
     from pipeswap.runtime.report import StepReport
     from pipeswap.schedule import PeakOutcome, SwapPolicy
@@ -55,21 +55,17 @@ __all__ = [
 ]
 
 
-def _first_stage_module(module: torch.nn.Module) -> torch.nn.Module:
-    """``module`` behind a module called with ``args`` and ``kwargs`` (the executor passes a
-    dict as keyword arguments), so that ``step(*args, **kwargs)`` reaches it as PyTorch's
-    schedules call it: ``module(*args, **kwargs)``."""
-    import torch
+class _FirstStage(torch.nn.Module):
+    """The first stage's module behind one called with ``args`` and ``kwargs`` (the executor
+    passes a dict as keyword arguments), so that ``step(*args, **kwargs)`` reaches it as
+    PyTorch's schedules call it: ``module(*args, **kwargs)``."""
 
-    class FirstStage(torch.nn.Module):
-        def __init__(self, inner: torch.nn.Module) -> None:
-            super().__init__()
-            self.inner = inner
+    def __init__(self, inner: torch.nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
 
-        def forward(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-            return self.inner(*args, **kwargs)
-
-    return FirstStage(module)
+    def forward(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        return self.inner(*args, **kwargs)
 
 
 class _PipelineSchedule:
@@ -193,8 +189,6 @@ class _PipelineSchedule:
         microbatch's loss and the last stage's output is returned (merged along dimension
         0; None elsewhere, or without ``return_outputs``); ``loss_kwargs`` go to the loss
         function with each microbatch's output and target."""
-        import torch
-
         if not torch.is_grad_enabled():
             raise PipelineSetupError(
                 "step() runs the backward: call it with gradients enabled (not under "
@@ -252,18 +246,16 @@ def _pipeswap_stage(stage: Any) -> PipelineStage:
 
 
 def _callable_with_kwargs(stage: PipelineStage) -> PipelineStage:
-    """The first stage with its module behind :func:`_first_stage_module`; others as
-    they are."""
+    """The first stage with its module behind :class:`_FirstStage`; others as they are."""
     if not stage.is_first:
         return stage
-    return PipelineStage(_first_stage_module(stage.module), stage.stage_index,
+    return PipelineStage(_FirstStage(stage.module), stage.stage_index,
                          stage.num_stages, group=stage.group, layers=stage.layers,
                          device=stage.device)
 
 
 def _merged(outputs: Sequence[PyTree]) -> Any:
     """The microbatches' outputs joined along dimension 0, as PyTorch's default merge."""
-    import torch
     from torch.utils._pytree import tree_flatten, tree_unflatten
 
     if not outputs:
