@@ -95,9 +95,11 @@ def refused(rank: int, world: int, case: str) -> str:
                                   device=torch.device("cuda", 1), group=None)]
     last = count - 1 in indices
     try:
+        along_1 = torch_pipelining.microbatch.TensorChunkSpec(1)  # type: ignore[no-untyped-call]
+        spec = (along_1,) if case == "spec" and rank == 0 else None  # one rank's, not all
         schedule = getattr(pipeswap_pipelining, name)(
             stages[0] if name in SINGLE and case != "single" else stages, n_microbatches=MICRO,
-            loss_fn=None if case == "loss" and last else loss_fn)
+            loss_fn=None if case == "loss" and last else loss_fn, args_chunk_spec=spec)
         x, y = batch()
         if case == "batch":
             x = x[:BATCH - 1]  # 15 rows do not split into 8 microbatches

@@ -79,6 +79,8 @@ def test_each_class_matches_pytorchs_and_swap_changes_no_bit(name: str, world: i
     ("layout", "ScheduleZBVZeroBubble: rank 0 runs stages [0, 3] in this schedule but was "
                "given stages [0, 2]"),
     ("single", "Schedule1F1B: "),
+    ("spec", "Schedule1F1B: pipeswap splits every input and merges every output along "
+             "dimension 0; drop args_chunk_spec"),
     ("batch", "does not split into 8 equal microbatches"),
 ])
 def test_bad_input_gets_one_clear_error_on_every_rank(case: str, message: str) -> None:

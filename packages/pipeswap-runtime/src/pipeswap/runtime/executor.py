@@ -144,6 +144,10 @@ class PipelineExecutor:
     would receive is made here and what it would send is dropped; everything else runs as
     in the full pipeline. Not with data parallel or FSDP.
 
+    ``setup_check``: called first in the set-up every rank agrees on, so that a
+    :class:`PipelineSetupError` it raises (a wrapper's check of its own arguments) fails the
+    set-up on every rank, not on this one alone while the others wait.
+
     ``failure_timeout_s``: how long a rank this one exchanges data with may show no sign of
     life before the step fails naming it (:mod:`pipeswap.runtime.watch`). A watch runs
     wherever the group is not gloo alone (NCCL: operations there do not fail when a peer
@@ -176,6 +180,7 @@ class PipelineExecutor:
         failure_timeout_s: float | None = None,
         cost_model: CostModel | None = None,
         mean_loss: bool = True,
+        setup_check: Callable[[], None] | None = None,
     ) -> None:
         import torch.distributed as dist
 
@@ -219,6 +224,8 @@ class PipelineExecutor:
         self.predicted: PeakOutcome | None = None
         problem: PipelineSetupError | None = None
         try:
+            if setup_check is not None:
+                setup_check()
             _setup.check_stages_run_here(self.stages, self.platform.device, loss_fn)
             layer_counts = _setup.own_layer_counts(self.stages, replay)
             _setup.check_transport(check_transport, self.group, replay)

@@ -96,28 +96,10 @@ class _PipelineSchedule:
         check_transport: str = "nccl",
         failure_timeout_s: float | None = None,
     ) -> None:
-        name = type(self).__name__
         given = list(stages) if isinstance(stages, (list, tuple)) else [stages]
-        for spec, what in ((args_chunk_spec, "args_chunk_spec"),
-                           (kwargs_chunk_spec, "kwargs_chunk_spec"),
-                           (output_merge_spec, "output_merge_spec")):
-            if not _along_batch(spec):
-                raise PipelineSetupError(
-                    f"{name}: pipeswap splits every input and merges every output along "
-                    f"dimension 0; drop {what} (or give TensorChunkSpec(0) only)")
-        if swap_granularity not in GRANULARITIES:
-            raise PipelineSetupError(f"{name}: unknown swap_granularity {swap_granularity!r}; "
-                                     f"use one of {', '.join(GRANULARITIES)}")
-        if not backward_requires_autograd:
-            raise PipelineSetupError(f"{name}: pipeswap's backward runs autograd; drop "
-                                     "backward_requires_autograd=False")
+        self._refusal = _refusal(args_chunk_spec, kwargs_chunk_spec, output_merge_spec,
+                                 backward_requires_autograd, swap_granularity, budget, policy)
         del defer_pp_recv  # PyTorch's runtime's receive timing; pipeswap's schedule has its own
-        if budget is not None and (policy is not None or budget < 1):
-            raise PipelineSetupError(
-                f"{name}: budget={budget!r} " + ("plans with the default policy; drop "
-                                                 "policy=, or budget=" if policy is not None
-                                                 else "keeps nothing: give the activation "
-                                                 "bytes a rank may hold (1 or more)"))
         self._n_microbatches = n_microbatches
         self._loss_fn = loss_fn
         self.scale_grads = scale_grads
@@ -140,7 +122,7 @@ class _PipelineSchedule:
         try:
             executor = PipelineExecutor(
                 self._stages, self._kind, self._n_microbatches, self._loss_fn, swap=swap,
-                swap_policy=policy, mean_loss=False,
+                swap_policy=policy, mean_loss=False, setup_check=self._check,
                 account_activations=True if measuring or self._budget is not None else None,
                 swap_granularity=self._granularity if policy is None else "auto",
                 check_transport=self._transport,
@@ -149,6 +131,12 @@ class _PipelineSchedule:
             raise PipelineSetupError(f"{type(self).__name__}: {exc}") from exc
         executor.measure_layers = measuring  # what recomputing each layer keeps
         return executor
+
+    def _check(self) -> None:
+        """Inside the executor's agreed set-up: a problem with this rank's arguments fails
+        it on every rank."""
+        if self._refusal is not None:
+            raise PipelineSetupError(self._refusal)
 
     def _plan_budget(self) -> None:
         """After the measuring step: the peak policy under the budget on what it measured
@@ -219,6 +207,29 @@ class _PipelineSchedule:
             self._plan_budget()
             self._measuring = False
         return output
+
+
+def _refusal(args_chunk_spec: Any, kwargs_chunk_spec: Any, output_merge_spec: Any,
+             backward_requires_autograd: bool, swap_granularity: str, budget: int | None,
+             policy: SwapPolicy | None) -> str | None:
+    """What pipeswap cannot honour of a schedule's arguments, if anything."""
+    for spec, what in ((args_chunk_spec, "args_chunk_spec"),
+                       (kwargs_chunk_spec, "kwargs_chunk_spec"),
+                       (output_merge_spec, "output_merge_spec")):
+        if not _along_batch(spec):
+            return (f"pipeswap splits every input and merges every output along dimension "
+                    f"0; drop {what} (or give TensorChunkSpec(0) only)")
+    if swap_granularity not in GRANULARITIES:
+        return (f"unknown swap_granularity {swap_granularity!r}; use one of "
+                f"{', '.join(GRANULARITIES)}")
+    if not backward_requires_autograd:
+        return "pipeswap's backward runs autograd; drop backward_requires_autograd=False"
+    if budget is not None and policy is not None:
+        return f"budget={budget!r} plans with the default policy; drop policy=, or budget="
+    if budget is not None and budget < 1:
+        return (f"budget={budget!r} keeps nothing: give the activation bytes a rank may hold "
+                "(1 or more)")
+    return None
 
 
 def _along_batch(spec: Any) -> bool:
