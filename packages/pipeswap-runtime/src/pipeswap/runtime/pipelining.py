@@ -123,7 +123,7 @@ class _PipelineSchedule:
             executor = PipelineExecutor(
                 self._stages, self._kind, self._n_microbatches, self._loss_fn, swap=swap,
                 swap_policy=policy, mean_loss=False, setup_check=self._check,
-                account_activations=True if measuring or self._budget is not None else None,
+                account_activations=True if self._budget is not None else None,
                 swap_granularity=self._granularity if policy is None else "auto",
                 check_transport=self._transport,
                 failure_timeout_s=self._failure_timeout_s)

@@ -195,7 +195,6 @@ class Logged(NamedTuple):
     """A whole schedule's run, kept to bound the step of the same schedule with one rank's
     order changed (see :mod:`pipeswap.schedule._messages`)."""
 
-    step_time: float
     finishes: tuple[float, ...]  # per rank, when its last step ended
     arrivals: dict[Message, float]  # when each message got where it is wanted
     tails: dict[Message, float]  # per message, the least time the step needs after it
@@ -211,8 +210,7 @@ def simulate_logged(schedule: Schedule, costs: CostModel, changing: int) -> Logg
     ranks = _walk(list(enumerate(schedule.orders)), schedule.stage_ranks,
                   schedule.num_stages - 1, costs, False, arrivals, log)
     finishes = tuple(s.compute for s in ranks)
-    return Logged(max(finishes, default=0.0), finishes, arrivals,
-                  log.tails(costs.p2p_time(), changing))
+    return Logged(finishes, arrivals, log.tails(costs.p2p_time(), changing))
 
 
 def simulate_against(logged: Logged, schedule: Schedule, rank: int, order: Order,
