@@ -111,11 +111,11 @@ def run_case(rank: int, world_size: int, case: Case, sizes: Sizes) -> RankResult
     """Build the three contenders on this rank and run them step by step, alternating."""
     import torch.distributed as dist
 
-    from pipeswap.runtime.data import Corpus, batches
+    from pipeswap.runtime.models.data import Corpus, batches
     from pipeswap.runtime.errors import PipelineSetupError
     from pipeswap.runtime.executor import PipelineExecutor
-    from pipeswap.runtime.model import GPTConfig, build_gpt, lm_loss, split_stages
-    from pipeswap.runtime.stage import PipelineStage
+    from pipeswap.runtime.models.gpt import GPTConfig, build_gpt, lm_loss, split_stages
+    from pipeswap.runtime.executor.stage import PipelineStage
     from pipeswap.schedule import ScheduleKind, ScheduleSpec, build_schedule
 
     torch.set_num_threads(1)  # several ranks share the cores

@@ -9,7 +9,7 @@ through pipeswap's public API on one GPU a rank:
 pytree    ``--ranks`` P ranks x 2 stages (interleaved 1F1B, with swap) of a toy model whose
           stage boundaries are several tensors: a dict and then tuples of two tensors that
           carry a gradient (hidden state, gate), int64 position ids and a float mask that
-          cross forward only. Spawned with :func:`pipeswap.runtime.launch.spawn`. The loss
+          cross forward only. Spawned with :func:`pipeswap.runtime.distributed.launch.spawn`. The loss
           and every gradient must match the unsplit model's on one GPU.
 recover   1F1B with swap on P ranks (the bundled GPT); rank ``--failing-rank`` raises in its
           second forward of a step, later in its second backward: it must see its own
@@ -125,7 +125,7 @@ def pytree_rank(rank: int, world: int, kind: str) -> dict[str, Any]:
     unsplit model's, computed here on this rank's device."""
     from pipeswap.platform import get_platform
     from pipeswap.runtime import PipelineExecutor, PipelineStage
-    from pipeswap.runtime.model import lm_loss
+    from pipeswap.runtime.models.gpt import lm_loss
     from pipeswap.schedule import MinGapPolicy, ScheduleKind, ScheduleSpec, build_schedule
 
     device = device_of(kind)
@@ -166,7 +166,7 @@ def pytree_rank(rank: int, world: int, kind: str) -> dict[str, Any]:
 
 
 def pytree(ranks: int, kind: str, timeout_s: float) -> str:
-    from pipeswap.runtime.launch import backend_for, spawn
+    from pipeswap.runtime.distributed.launch import backend_for, spawn
 
     results = spawn(pytree_rank, ranks, kind, backend=backend_for(kind), timeout_s=timeout_s)
     losses = [loss for result in results for loss in result["losses"]]
@@ -194,8 +194,8 @@ def gpt_parts(world: int, device: torch.device
               ) -> tuple[list[torch.nn.Sequential], torch.Tensor, torch.Tensor, int]:
     """The bundled GPT split into ``world`` stages on ``device``, one batch of 2 x ``world``
     sequences, and the microbatch count (one sequence each)."""
-    from pipeswap.runtime.data import Corpus, batches
-    from pipeswap.runtime.model import GPTConfig, build_gpt, split_stages
+    from pipeswap.runtime.models.data import Corpus, batches
+    from pipeswap.runtime.models.gpt import GPTConfig, build_gpt, split_stages
 
     corpus = Corpus.bundled()
     config = GPTConfig(vocab=len(corpus.vocab), seq_len=GPT_SEQ, width=GPT_WIDTH, layers=world)
@@ -209,7 +209,7 @@ def recover_rank(rank: int, world: int, kind: str, failing: int, timeout_s: floa
                  ) -> dict[str, Any]:
     from pipeswap.platform import get_platform
     from pipeswap.runtime import PeerFailedError, PipelineExecutor, PipelineStage
-    from pipeswap.runtime.model import lm_loss
+    from pipeswap.runtime.models.gpt import lm_loss
     from pipeswap.schedule import MinGapPolicy
 
     device = device_of(kind)
@@ -257,7 +257,7 @@ def recover_rank(rank: int, world: int, kind: str, failing: int, timeout_s: floa
 
 
 def recover(ranks: int, kind: str, timeout_s: float, failing: int) -> str:
-    from pipeswap.runtime.launch import backend_for, spawn
+    from pipeswap.runtime.distributed.launch import backend_for, spawn
 
     if not 0 <= failing < ranks:
         raise Failed(f"--failing-rank {failing}: the job has ranks 0 to {ranks - 1}")
@@ -299,7 +299,7 @@ def torchrun(kind: str) -> str:
     import torch.distributed as dist
 
     from pipeswap.runtime import PipelineExecutor, PipelineStage
-    from pipeswap.runtime.model import lm_loss
+    from pipeswap.runtime.models.gpt import lm_loss
 
     device = device_of(kind)
     if kind == "cuda":

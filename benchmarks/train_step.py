@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from pipeswap.runtime import spawn
-from pipeswap.runtime.launch import backend_for
+from pipeswap.runtime.distributed.launch import backend_for
 from pipeswap.runtime.train import TrainConfig, run_rank, summarize
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

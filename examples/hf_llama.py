@@ -6,7 +6,7 @@ through PyTorch's own pipelining API (``pip install 'pipeswap-runtime[hf]'``).
     torchrun --nproc-per-node 2 examples/hf_llama.py --device cuda
 
 The model is built from a config (nothing is downloaded; load your checkpoint with
-``from_pretrained`` instead) and split with ``pipeswap.runtime.hf.causal_lm_stages``: the
+``from_pretrained`` instead) and split with ``pipeswap.runtime.models.hf.causal_lm_stages``: the
 embedding and the first decoder layers on the first stage, the norm and head on the last,
 the decoder layers as each stage's streamed layers. The stages are PyTorch's
 ``PipelineStage`` objects and the schedule is PyTorch's class by name: the one line that
@@ -23,8 +23,8 @@ import torch.distributed as dist
 from torch.distributed.pipelining import PipelineStage
 
 import pipeswap.runtime.pipelining as schedules  # was: torch.distributed.pipelining
-from pipeswap.runtime.hf import causal_lm_loss, causal_lm_stages
-from pipeswap.runtime.launch import backend_for
+from pipeswap.runtime.models.hf import causal_lm_loss, causal_lm_stages
+from pipeswap.runtime.distributed.launch import backend_for
 
 V_SHAPED = ("ScheduleZBVZeroBubble", "ScheduleDualPipeV")
 MULTI = ("ScheduleInterleaved1F1B", "ScheduleLoopedBFS", "ScheduleInterleavedZeroBubble")

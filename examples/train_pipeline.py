@@ -19,8 +19,8 @@ import torch.distributed as dist
 from torch import nn
 
 from pipeswap.runtime import PipelineExecutor, PipelineStage
-from pipeswap.runtime.launch import backend_for
-from pipeswap.runtime.llama import split_layers
+from pipeswap.runtime.distributed.launch import backend_for
+from pipeswap.runtime.models.llama import split_layers
 from pipeswap.schedule import ScheduleKind, ScheduleSpec, build_schedule
 
 

@@ -12,8 +12,8 @@ import torch
 
 from pipeswap.runtime import PipelineExecutor, PipelineStage
 from pipeswap.runtime.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
-from pipeswap.runtime.data import Corpus, batches
-from pipeswap.runtime.model import lm_loss
+from pipeswap.runtime.models.data import Corpus, batches
+from pipeswap.runtime.models.gpt import lm_loss
 from pipeswap.runtime.train import TrainConfig, build_stages
 from pipeswap.schedule import ScheduleKind, ScheduleSpec, build_schedule
 

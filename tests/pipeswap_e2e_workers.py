@@ -9,8 +9,8 @@ import warnings
 import torch
 
 from pipeswap.runtime import PipelineExecutor, PipelineStage
-from pipeswap.runtime.launch import mark_step
-from pipeswap.runtime.model import lm_loss
+from pipeswap.runtime.distributed.launch import mark_step
+from pipeswap.runtime.models.gpt import lm_loss
 from pipeswap.runtime.train import ModeResult, TrainConfig, run_rank
 from pipeswap.schedule import MinGapPolicy
 
@@ -58,7 +58,7 @@ def agree_then_fail(rank: int, world_size: int) -> dict[str, object]:
 
     import torch.distributed as dist
 
-    from pipeswap.runtime.comm import agree, break_links, members
+    from pipeswap.runtime.distributed.transport import agree, break_links, members
 
     store = dist.distributed_c10d._get_default_store()
     ours = dist.new_group([1, 2, 3])
@@ -146,8 +146,8 @@ def fault_injection(rank: int, world_size: int, failing_rank: int, microbatches:
     import time
 
     from pipeswap.runtime import PeerFailedError
-    from pipeswap.runtime.data import Corpus, batches
-    from pipeswap.runtime.model import GPTConfig, build_gpt, split_stages
+    from pipeswap.runtime.models.data import Corpus, batches
+    from pipeswap.runtime.models.gpt import GPTConfig, build_gpt, split_stages
 
     torch.set_num_threads(1)
     corpus = Corpus.bundled()
@@ -216,7 +216,7 @@ def without_cpu_backend(rank: int, world_size: int) -> dict[str, object]:
     two-stage pipeline with and without swap."""
     import torch.distributed as dist
 
-    from pipeswap.runtime.groups import has_cpu_backend, with_cpu_backend
+    from pipeswap.runtime.distributed.process_groups import has_cpu_backend, with_cpu_backend
 
     losses, groups = [], []
     for swap in (False, True):

@@ -19,9 +19,9 @@ from pipeswap.runtime import (
     PipelineSetupError,
     PipelineStage,
 )
-from pipeswap.runtime.data import Corpus, batches
-from pipeswap.runtime.fsdp import fsdp_modules
-from pipeswap.runtime.model import lm_loss
+from pipeswap.runtime.models.data import Corpus, batches
+from pipeswap.runtime.executor.sharded_stage import fsdp_modules
+from pipeswap.runtime.models.gpt import lm_loss
 from pipeswap.runtime.train import TrainConfig, build_stages
 from pipeswap.schedule import MinGapPolicy, ScheduleKind, ScheduleSpec, StepType, build_schedule
 

@@ -1,5 +1,5 @@
 """A small Llama from transformers (built from a config, no download) split into pipeline
-stages with pipeswap.runtime.hf, trained one step on gloo ranks; and the unsplit model's
+stages with pipeswap.runtime.models.hf, trained one step on gloo ranks; and the unsplit model's
 gradients on the same batch."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from pipeswap.runtime import PipelineExecutor, PipelineStage
-from pipeswap.runtime.hf import causal_lm_loss, causal_lm_stages
+from pipeswap.runtime.models.hf import causal_lm_loss, causal_lm_stages
 
 LAYERS, BATCH, SEQ, MICRO, VOCAB = 8, 8, 16, 4, 64
 

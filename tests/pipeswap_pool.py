@@ -29,7 +29,7 @@ from typing import Any
 import torch.multiprocessing as mp
 
 from pipeswap.runtime import RankFailedError
-from pipeswap.runtime.launch import _die_with_parent, _free_port  # as spawn does
+from pipeswap.runtime.distributed.launch import _die_with_parent, _free_port  # as spawn does
 
 SIZE = 4  # the most ranks a pooled case runs
 CASE_LIMIT_S = 900.0  # a case still running after this is hung: its ranks are killed

@@ -12,8 +12,8 @@ import torch
 import torch.distributed as dist
 
 from pipeswap.runtime import PipelineExecutor, PipelineStage
-from pipeswap.runtime.comm import _AGREE_TAG
-from pipeswap.runtime.model import lm_loss
+from pipeswap.runtime.distributed.transport import _AGREE_TAG
+from pipeswap.runtime.models.gpt import lm_loss
 from pipeswap.schedule import MinGapPolicy, ScheduleKind, ScheduleSpec, StepType, build_schedule
 
 VOCAB, WIDTH, SEQ, BATCH, MICRO = 11, 8, 6, 8, 4

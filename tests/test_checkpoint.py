@@ -19,7 +19,7 @@ from pipeswap.runtime.checkpoint import (
     checkpoint_path,
     latest_checkpoint,
 )
-from pipeswap.runtime.launch import spawn
+from pipeswap.runtime.distributed.launch import spawn
 from pipeswap.runtime.train import TrainConfig
 from pipeswap_checkpoint_workers import PP, PP_DP, SAVED_AT, resume, train_and_save
 from pipeswap_pool import POOL

@@ -1,4 +1,4 @@
-"""Hugging Face causal LMs split into pipeline stages (pipeswap.runtime.hf): the stages
+"""Hugging Face causal LMs split into pipeline stages (pipeswap.runtime.models.hf): the stages
 chained give the unsplit model's logits bit for bit; trained on gloo ranks on a plain and a
 V schedule, every gradient is the unsplit model's and swap changes no bit; what swap leaves
 on the device is said once a run."""
@@ -14,7 +14,7 @@ import torch
 pytest.importorskip("transformers")
 
 from pipeswap.runtime import PipelineSetupError  # noqa: E402
-from pipeswap.runtime.hf import causal_lm_loss, causal_lm_stages  # noqa: E402
+from pipeswap.runtime.models.hf import causal_lm_loss, causal_lm_stages  # noqa: E402
 
 
 def test_the_stages_chained_give_the_unsplit_models_logits_and_loss() -> None:

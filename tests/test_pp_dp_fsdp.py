@@ -11,7 +11,7 @@ import functools
 import pytest
 import torch
 
-from pipeswap.runtime.data import Corpus
+from pipeswap.runtime.models.data import Corpus
 from pipeswap.runtime.train import (
     ModeResult,
     TrainConfig,

@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from pipeswap.runtime import RankFailedError, spawn
-from pipeswap.runtime.data import Corpus, batches
-from pipeswap.runtime.model import GPTConfig, build_gpt, lm_loss, split_stages
+from pipeswap.runtime.models.data import Corpus, batches
+from pipeswap.runtime.models.gpt import GPTConfig, build_gpt, lm_loss, split_stages
 from pipeswap.runtime.train import (
     ModeResult,
     TrainConfig,

@@ -17,7 +17,7 @@ import functools
 import pytest
 import torch
 
-from pipeswap.runtime.data import Corpus
+from pipeswap.runtime.models.data import Corpus
 from pipeswap.runtime.train import ModeResult, TrainConfig, run_rank, stage_layer_counts
 from pipeswap.runtime.train.policy import budget_policy
 from pipeswap.schedule import (

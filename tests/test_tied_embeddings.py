@@ -9,9 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pipeswap.runtime.data import Corpus, batches
-from pipeswap.runtime.llama import LlamaConfig, build_llama
-from pipeswap.runtime.model import lm_loss
+from pipeswap.runtime.models.data import Corpus, batches
+from pipeswap.runtime.models.llama import LlamaConfig, build_llama
+from pipeswap.runtime.models.gpt import lm_loss
 from pipeswap.runtime.train import TrainConfig, run_rank
 from pipeswap_pool import POOL
 

@@ -1,4 +1,4 @@
-"""The autograd of a chunk's steps (pipeswap.runtime.backward), on one process: W computes only
+"""The autograd of a chunk's steps (pipeswap.runtime.executor.backward), on one process: W computes only
 the weight gradients (FLOPs), I then W gives what B gives (bit for bit where the order of the
 maths is the same), with swap, frozen parameters, no parameters and shared parameters; a
 stage's split is analysed once per graph shape and stays right when shapes or the model
@@ -19,12 +19,12 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from pipeswap.platform import get_platform
 from pipeswap.runtime import PipelineExecutor, PipelineStage
-from pipeswap.runtime import backward
-from pipeswap.runtime import split as analysis
-from pipeswap.runtime.backward import ChunkAutograd, forward_chunk
-from pipeswap.runtime.model import GPTConfig, build_gpt, lm_loss, split_stages
-from pipeswap.runtime.session import SwapSession
-from pipeswap.runtime.split import SplitCache
+from pipeswap.runtime.executor import backward
+from pipeswap.runtime.executor import backward_split as analysis
+from pipeswap.runtime.executor.backward import ChunkAutograd, forward_chunk
+from pipeswap.runtime.models.gpt import GPTConfig, build_gpt, lm_loss, split_stages
+from pipeswap.runtime.executor.swap_session import SwapSession
+from pipeswap.runtime.executor.backward_split import SplitCache
 from pipeswap.schedule import MinGapPolicy, ScheduleKind, ScheduleSpec
 from pipeswap.swap import SwapError, SwapManager
 

@@ -14,7 +14,7 @@ import torch
 
 from pipeswap.runtime import CheckpointError, PipelineStage, load_checkpoint, save_checkpoint
 from pipeswap.runtime.checkpoint import MANIFEST, checkpoint_path
-from pipeswap.runtime.checkpoint_files import file_sum, newest_verified, read_manifest
+from pipeswap.runtime.checkpoint.manifest import file_sum, newest_verified, read_manifest
 
 
 def _stage_and_optimizer(seed: int) -> tuple[PipelineStage, torch.optim.Optimizer]:
@@ -130,7 +130,7 @@ def test_each_file_is_hashed_as_it_is_written(group: None, tmp_path: Path) -> No
     """The sums come from the writer's streams, not from reading the files back."""
     from torch.distributed.checkpoint.state_dict_saver import save
 
-    from pipeswap.runtime.checkpoint_writer import digesting_writer
+    from pipeswap.runtime.checkpoint.hashing_writer import digesting_writer
 
     writer, sums = digesting_writer(tmp_path)
     save({"w": torch.arange(1000.0), "n": 3}, storage_writer=writer)

@@ -11,13 +11,13 @@ import torch
 
 from pipeswap.platform import get_platform
 from pipeswap.runtime import PipelineExecutor, PipelineSetupError, PipelineStage, Replay
-from pipeswap.runtime.costs import (
+from pipeswap.runtime.executor.measurements import (
     check_costs,
     measured_costs,
     probe_link,
     with_layer_counts,
 )
-from pipeswap.runtime.model import GPTConfig, build_gpt, lm_loss, split_stages
+from pipeswap.runtime.models.gpt import GPTConfig, build_gpt, lm_loss, split_stages
 from pipeswap.schedule import (
     CostModel,
     Link,

@@ -15,9 +15,9 @@ from pipeswap.runtime import (
     PipelineStage,
     StepReport,
 )
-from pipeswap.runtime.comm import TensorMeta
-from pipeswap.runtime.microbatch import split_microbatches
-from pipeswap.runtime.model import GPTConfig, build_gpt, lm_loss, split_stages
+from pipeswap.runtime.distributed.transport import TensorMeta
+from pipeswap.runtime.executor.microbatch import split_microbatches
+from pipeswap.runtime.models.gpt import GPTConfig, build_gpt, lm_loss, split_stages
 from pipeswap.runtime.train import parse_args
 from pipeswap.schedule import (
     ChunkBytes,

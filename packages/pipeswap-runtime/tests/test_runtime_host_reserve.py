@@ -10,11 +10,11 @@ import torch
 
 from pipeswap.platform import get_platform
 from pipeswap.runtime import PipelineExecutor, PipelineSetupError, PipelineStage, Replay
-from pipeswap.runtime.comm import BoundaryMeta
-from pipeswap.runtime.host_reserve import SavedRecorder, SavedSizes, host_reservation
-from pipeswap.runtime.microbatch import split_tree
-from pipeswap.runtime.model import GPTConfig, build_gpt, lm_loss, split_stages
-from pipeswap.runtime.stage import output_meta
+from pipeswap.runtime.distributed.transport import BoundaryMeta
+from pipeswap.runtime.executor.host_reserve import SavedRecorder, SavedSizes, host_reservation
+from pipeswap.runtime.executor.microbatch import split_tree
+from pipeswap.runtime.models.gpt import GPTConfig, build_gpt, lm_loss, split_stages
+from pipeswap.runtime.executor.stage import output_meta
 from pipeswap.schedule import MinGapPolicy, ScheduleKind, ScheduleSpec, StepType, loads
 from pipeswap.swap import SwapManager
 
@@ -177,7 +177,7 @@ def test_a_reservation_the_pool_cannot_hold_is_a_warning_and_the_step_runs(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """The reservation is a bound (streamed chunks counted whole, say): one over the
     pool's cap warns, reserves nothing, and the step pins as it goes."""
-    from pipeswap.runtime import executor as executor_module
+    from pipeswap.runtime.executor import pipeline_executor as executor_module
 
     inputs, targets = _batch()
     plain, reservation, _ = _replayed(0, "chunk", reserve=True)

@@ -1,4 +1,4 @@
-"""The Llama-style decoder and the generic layer splitter (pipeswap.runtime.llama), on one CPU
+"""The Llama-style decoder and the generic layer splitter (pipeswap.runtime.models.llama), on one CPU
 process: stages chained equal the unsplit model bit for bit and keep its parameter names,
 attention is causal and grouped-query attention matches a per-head reference, bf16 autocast
 works, tied embeddings are found across stages, and bad input fails with a clear message."""
@@ -11,7 +11,7 @@ from collections.abc import Callable, Sequence
 import pytest
 import torch
 
-from pipeswap.runtime.llama import (
+from pipeswap.runtime.models.llama import (
     Block,
     Llama,
     LlamaConfig,
@@ -20,7 +20,7 @@ from pipeswap.runtime.llama import (
     split_layers,
     tied_parameter_names,
 )
-from pipeswap.runtime.model import lm_loss
+from pipeswap.runtime.models.gpt import lm_loss
 
 CONFIG = LlamaConfig(vocab=32, seq_len=16, dim=32, layers=4, heads=4, kv_heads=2)
 TIED = LlamaConfig(vocab=32, seq_len=16, dim=32, layers=4, heads=4, kv_heads=2,

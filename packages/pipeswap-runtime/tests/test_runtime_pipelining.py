@@ -11,7 +11,7 @@ import pytest
 
 import pipeswap.runtime.pipelining as ours
 from pipeswap.runtime import PipelineSetupError
-from pipeswap.runtime.pipelining import _refusal
+from pipeswap.runtime.pipelining.schedules import _refusal
 
 theirs = pytest.importorskip("torch.distributed.pipelining")
 

@@ -6,12 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pipeswap.runtime.comm import BoundaryMeta
+from pipeswap.runtime.distributed.transport import BoundaryMeta
 from pipeswap.runtime.errors import PipelineSetupError
-from pipeswap.runtime.llama import LlamaConfig, build_llama, split_layers
-from pipeswap.runtime.model import GPTConfig, build_gpt, split_stages
-from pipeswap.runtime.replay import Replay, ReplayTransport, input_boundaries, materialize
-from pipeswap.runtime.stage import PipelineStage, output_meta
+from pipeswap.runtime.models.llama import LlamaConfig, build_llama, split_layers
+from pipeswap.runtime.models.gpt import GPTConfig, build_gpt, split_stages
+from pipeswap.runtime.executor.replay import Replay, ReplayTransport, input_boundaries, materialize
+from pipeswap.runtime.executor.stage import PipelineStage, output_meta
 from pipeswap.schedule import Step, StepType
 
 
@@ -124,7 +124,7 @@ def test_an_order_that_recomputes_a_layer_the_stage_lacks_is_refused_before_any_
     import dataclasses
 
     from pipeswap.runtime import PipelineExecutor
-    from pipeswap.runtime.model import lm_loss
+    from pipeswap.runtime.models.gpt import lm_loss
     from pipeswap.schedule import ScheduleKind, ScheduleSpec, build_schedule
 
     stages = [PipelineStage(module, index, 2) for index, module in

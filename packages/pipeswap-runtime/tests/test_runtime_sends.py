@@ -5,7 +5,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 from typing import Any
 
-from pipeswap.runtime._interpreter import Interpreter
+from pipeswap.runtime.executor.interpreter import Interpreter
 
 
 class Work:

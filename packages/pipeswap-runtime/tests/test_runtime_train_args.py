@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from pipeswap.runtime.checkpoint import MANIFEST, checkpoint_path
-from pipeswap.runtime.checkpoint_files import Layout, Manifest, file_sum
+from pipeswap.runtime.checkpoint.manifest import Layout, Manifest, file_sum
 from pipeswap.runtime.train import cli
 from pipeswap.runtime.train.preflight import saved_model
-from pipeswap.runtime.data import Corpus
+from pipeswap.runtime.models.data import Corpus
 from pipeswap.runtime.train import TrainConfig, main, parse_args
 
 CORPUS = len(Corpus.bundled().text)

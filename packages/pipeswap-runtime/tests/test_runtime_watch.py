@@ -13,10 +13,10 @@ import pytest
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import PrefixStore, Store
 
-from pipeswap.runtime import watch
-from pipeswap.runtime.comm import FailureBoard
-from pipeswap.runtime.groups import only_gloo, operation_timeout
-from pipeswap.runtime.watch import PeerWatch
+from pipeswap.runtime.distributed import peer_watch as watch
+from pipeswap.runtime.distributed.transport import FailureBoard
+from pipeswap.runtime.distributed.process_groups import only_gloo, operation_timeout
+from pipeswap.runtime.distributed.peer_watch import PeerWatch
 
 TIMEOUT_S = 0.3
 LIMIT_S = 20.0  # what a watch that should act gets before the test gives up
@@ -158,7 +158,7 @@ def test_close_frees_accelerator_groups_and_leaves_gloo_ones(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """An executor's NCCL groups are destroyed where they span the world and aborted (their
     memory freed, their names kept) where they do not; gloo groups are left as they are."""
-    from pipeswap.runtime import _setup
+    from pipeswap.runtime.executor import setup as _setup
 
     nccl, gloo = FakeNcclGroup(), FakeNcclGroup()
     destroyed: list[Any] = []

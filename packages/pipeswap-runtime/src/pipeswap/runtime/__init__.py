@@ -4,19 +4,19 @@ torch is imported lazily where it can be: importing this package is cheap.
 """
 
 from pipeswap.runtime.__about__ import __version__
-from pipeswap.runtime.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from pipeswap.runtime.checkpoint.save_load import CheckpointError, load_checkpoint, save_checkpoint
 from pipeswap.runtime.errors import (
     PeerFailedError,
     PipelineCommError,
     PipelineError,
     PipelineSetupError,
 )
-from pipeswap.runtime.executor import PipelineExecutor
-from pipeswap.runtime.fsdp import shard_stage
-from pipeswap.runtime.launch import RankFailedError, mark_step, pipeline_mesh, spawn
-from pipeswap.runtime.replay import Replay
-from pipeswap.runtime.report import StepReport
-from pipeswap.runtime.stage import PipelineStage
+from pipeswap.runtime.executor.pipeline_executor import PipelineExecutor
+from pipeswap.runtime.executor.sharded_stage import shard_stage
+from pipeswap.runtime.distributed.launch import RankFailedError, mark_step, pipeline_mesh, spawn
+from pipeswap.runtime.executor.replay import Replay
+from pipeswap.runtime.executor.step_report import StepReport
+from pipeswap.runtime.executor.stage import PipelineStage
 
 __all__ = [
     "CheckpointError",

@@ -23,7 +23,7 @@ from pipeswap.runtime.train.config import (
 )
 from pipeswap.runtime.train.metrics import ModeResult
 from pipeswap.runtime.train.policy import swap_policy
-from pipeswap.runtime.train.report import render, summarize
+from pipeswap.runtime.train.summary import render, summarize
 from pipeswap.runtime.train.trainer import Trainer, run_rank
 
 __all__ = [

@@ -13,7 +13,7 @@ import traceback
 from typing import NoReturn
 
 from pipeswap.runtime.errors import CheckpointError
-from pipeswap.runtime.launch import (
+from pipeswap.runtime.distributed.launch import (
     RankFailedError,
     backend_for,
     current_step,
@@ -21,7 +21,7 @@ from pipeswap.runtime.launch import (
     launched_by_torchrun,
     spawn,
 )
-from pipeswap.runtime.rank_failure import describe
+from pipeswap.runtime.distributed.rank_failure import describe
 from pipeswap.runtime.train.config import (
     DTYPES,
     LOG_LEVELS,
@@ -43,7 +43,7 @@ from pipeswap.runtime.train.preflight import (
     file_problem,
     plan_resume,
 )
-from pipeswap.runtime.train.report import render, summarize
+from pipeswap.runtime.train.summary import render, summarize
 from pipeswap.runtime.train.trainer import run_rank
 from pipeswap.schedule import GRANULARITIES, ScheduleKind, parse_bytes
 from pipeswap.schedule.policies import RECOMPUTE_MODES
@@ -345,7 +345,7 @@ def _check_numbers(parser: argparse.ArgumentParser, args: argparse.Namespace, ra
     """Each number on its own: within what the model, the corpus and this machine allow."""
     import math
 
-    from pipeswap.runtime.data import Corpus
+    from pipeswap.runtime.models.data import Corpus
 
     chars = len(Corpus.bundled().text)  # a window is seq_len tokens and the next, one a char
     heads = args.heads
@@ -543,7 +543,7 @@ def _failed(config: TrainConfig, failure: RankFailedError) -> int:
 def _main_torchrun(config: TrainConfig, args: argparse.Namespace) -> NoReturn:
     import torch.distributed as dist
 
-    from pipeswap.runtime.comm import gather_object
+    from pipeswap.runtime.distributed.transport import gather_object
 
     rank, world = init_from_env(backend_for(config.training.device), config.group_timeout_s)
     code = 0

@@ -17,20 +17,20 @@ if TYPE_CHECKING:
     import torch
     from torch.distributed.device_mesh import DeviceMesh
 
-    from pipeswap.runtime.llama import LlamaConfig, TiedParameter
-    from pipeswap.runtime.replay import Replay
-    from pipeswap.runtime.stage import PipelineStage
+    from pipeswap.runtime.models.llama import LlamaConfig, TiedParameter
+    from pipeswap.runtime.executor.replay import Replay
+    from pipeswap.runtime.executor.stage import PipelineStage
 
 
 def build_stage_modules(config: TrainConfig, vocab: int,
                         device: torch.device | str | None = None) -> list[torch.nn.Module]:
     """Every stage's module of a freshly built ``config.model``, on ``device``."""
     if config.model.family == "llama":
-        from pipeswap.runtime.llama import build_llama, split_layers
+        from pipeswap.runtime.models.llama import build_llama, split_layers
 
         llama = build_llama(_llama_config(config, vocab), config.training.seed)
         return list(split_layers(llama.to(device), config.num_stages))
-    from pipeswap.runtime.model import GPTConfig, build_gpt, split_stages
+    from pipeswap.runtime.models.gpt import GPTConfig, build_gpt, split_stages
 
     gpt = GPTConfig(vocab=vocab, seq_len=config.model.seq_len, width=config.model.width,
                     heads=config.model.heads, layers=config.num_layers)
@@ -43,8 +43,8 @@ def build_stages(config: TrainConfig, vocab: int, placement: tuple[int, ...], pp
     """This rank's pipeline stages of a freshly built model (the others are freed on return),
     each sharded with FSDP2 over the mesh's data-parallel dimension with ``fsdp``: every
     transformer block apart, the embedding and head with the stage's root."""
-    from pipeswap.runtime.fsdp import shard_stage
-    from pipeswap.runtime.stage import PipelineStage
+    from pipeswap.runtime.executor.sharded_stage import shard_stage
+    from pipeswap.runtime.executor.stage import PipelineStage
 
     modules = build_stage_modules(config, vocab, device)
     group = None if mesh is None else mesh.get_group("pp")
@@ -76,7 +76,7 @@ def tied_parameters(config: TrainConfig, vocab: int) -> list[TiedParameter]:
     built on the meta device (no memory)."""
     import torch
 
-    from pipeswap.runtime.llama import build_llama, split_layers, tied_parameter_names
+    from pipeswap.runtime.models.llama import build_llama, split_layers, tied_parameter_names
 
     if not config.model.tie_embeddings:
         return []
@@ -94,9 +94,9 @@ def replay_of(config: TrainConfig, vocab: int, placement: tuple[int, ...],
     ``device`` alone and dropped after."""
     import torch
 
-    from pipeswap.runtime.microbatch import split_tree
-    from pipeswap.runtime.replay import Replay, input_boundaries, materialize
-    from pipeswap.runtime.stage import PipelineStage
+    from pipeswap.runtime.executor.microbatch import split_tree
+    from pipeswap.runtime.executor.replay import Replay, input_boundaries, materialize
+    from pipeswap.runtime.executor.stage import PipelineStage
 
     rank = config.job.replay_rank
     assert rank is not None
@@ -124,8 +124,8 @@ def replay_stages(config: TrainConfig, vocab: int, placement: tuple[int, ...],
     a run's losses)."""
     import torch
 
-    from pipeswap.runtime.replay import materialize
-    from pipeswap.runtime.stage import PipelineStage
+    from pipeswap.runtime.executor.replay import materialize
+    from pipeswap.runtime.executor.stage import PipelineStage
 
     seed = config.training.seed
     with torch.device("meta"):
@@ -142,7 +142,7 @@ def replay_stages(config: TrainConfig, vocab: int, placement: tuple[int, ...],
 
 
 def _llama_config(config: TrainConfig, vocab: int) -> LlamaConfig:
-    from pipeswap.runtime.llama import LlamaConfig
+    from pipeswap.runtime.models.llama import LlamaConfig
 
     heads = config.model.heads
     return LlamaConfig(vocab=vocab, seq_len=config.model.seq_len, dim=config.model.width,
@@ -154,7 +154,7 @@ def _llama_config(config: TrainConfig, vocab: int) -> LlamaConfig:
 def _blocks(stage: torch.nn.Module) -> list[torch.nn.Module]:
     """A stage's transformer blocks, or the GPT's sublayers (each gets FSDP's all-gathers of
     its own)."""
-    from pipeswap.runtime.llama import Block as LlamaBlock
-    from pipeswap.runtime.model import SUBLAYERS
+    from pipeswap.runtime.models.llama import Block as LlamaBlock
+    from pipeswap.runtime.models.gpt import SUBLAYERS
 
     return [m for m in stage.modules() if isinstance(m, (*SUBLAYERS, LlamaBlock))]

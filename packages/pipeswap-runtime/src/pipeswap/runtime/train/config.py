@@ -13,8 +13,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from pipeswap.runtime.groups import operation_timeout
-from pipeswap.runtime.launch import DEFAULT_TIMEOUT_S
+from pipeswap.runtime.distributed.process_groups import operation_timeout
+from pipeswap.runtime.distributed.launch import DEFAULT_TIMEOUT_S
 
 MODES = ("no-swap", "swap")
 MODELS = ("gpt", "llama")

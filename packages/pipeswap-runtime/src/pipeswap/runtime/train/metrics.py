@@ -13,7 +13,7 @@ from pipeswap.runtime.train.config import TrainConfig
 if TYPE_CHECKING:
     import torch
 
-    from pipeswap.runtime.executor import StepReport
+    from pipeswap.runtime.executor.step_report import StepReport
     from pipeswap.schedule import StepType
 
 #: A value of one step's figures: seconds, bytes, a flag, the microbatch losses.
@@ -114,7 +114,7 @@ def write_metrics(config: TrainConfig, mode: str, step: int, mine: dict[str, Fig
     every replica), tokens per second (the whole batch over the slowest rank's step) and
     each rank's peaks and bytes offloaded. A replayed rank writes its own (loss null unless it
     runs the last stage)."""
-    from pipeswap.runtime.comm import gather_object
+    from pipeswap.runtime.distributed.transport import gather_object
 
     assert config.job.metrics is not None
     replayed = config.job.replay_rank is not None

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import replace
 
-from pipeswap.runtime.costs import measured_chunks
+from pipeswap.runtime.executor.measurements import measured_chunks
 from pipeswap.runtime.train.config import TrainConfig
 from pipeswap.runtime.train.metrics import ModeResult
 from pipeswap.schedule import CostModel, PeakPolicy, SwapPolicy

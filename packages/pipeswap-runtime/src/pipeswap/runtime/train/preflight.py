@@ -9,7 +9,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from pipeswap.runtime.checkpoint_files import (
+from pipeswap.runtime.checkpoint.manifest import (
     Layout,
     Manifest,
     describe_skipped,

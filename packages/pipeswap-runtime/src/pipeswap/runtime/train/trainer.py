@@ -19,8 +19,8 @@ from contextlib import AbstractContextManager, nullcontext
 from dataclasses import replace
 from typing import TYPE_CHECKING, TextIO
 
-from pipeswap.runtime.checkpoint_files import describe_skipped
-from pipeswap.runtime.launch import mark_step, pipeline_mesh
+from pipeswap.runtime.checkpoint.manifest import describe_skipped
+from pipeswap.runtime.distributed.launch import mark_step, pipeline_mesh
 from pipeswap.runtime.train.components import (
     build_stages,
     replay_of,
@@ -32,16 +32,16 @@ from pipeswap.runtime.train.config import TrainConfig
 from pipeswap.runtime.train.metrics import ModeResult, write_metrics
 from pipeswap.runtime.train.policy import budget_policy, swap_policy
 from pipeswap.runtime.train.preflight import saved_model
-from pipeswap.runtime.train.report import mib
+from pipeswap.runtime.train.summary import mib
 from pipeswap.schedule.text import format_order
 
 if TYPE_CHECKING:
     import torch
 
     from pipeswap.platform import AllocationPeak
-    from pipeswap.runtime.executor import PipelineExecutor
-    from pipeswap.runtime.stage import PipelineStage
-    from pipeswap.runtime.tied import TiedGradients
+    from pipeswap.runtime.executor.pipeline_executor import PipelineExecutor
+    from pipeswap.runtime.executor.stage import PipelineStage
+    from pipeswap.runtime.models.tied import TiedGradients
     from pipeswap.schedule import ChunkBytes, CostModel, Link, StageCosts
 
 log = logging.getLogger("pipeswap.runtime.train")
@@ -63,7 +63,7 @@ class Trainer:
         import torch
 
         from pipeswap.platform import get_platform
-        from pipeswap.runtime.data import Corpus
+        from pipeswap.runtime.models.data import Corpus
         from pipeswap.schedule import ScheduleKind, ScheduleSpec, build_schedule
 
         parallel = config.parallel
@@ -114,7 +114,7 @@ class Trainer:
     def batches(self, done: int) -> Iterator[Batch]:
         """This replica's part of every batch after the first ``done`` steps, each made and
         moved to the device when its step comes."""
-        from pipeswap.runtime.data import batches
+        from pipeswap.runtime.models.data import batches
 
         config, dp = self.config, self.config.parallel.dp
         size = config.training.batch_size
@@ -136,10 +136,10 @@ class Trainer:
         modes already run, whose measured chunk sizes a budget plans on)."""
         import torch
 
-        from pipeswap.runtime.checkpoint import load_checkpoint
-        from pipeswap.runtime.executor import PipelineExecutor
-        from pipeswap.runtime.model import lm_loss
-        from pipeswap.runtime.tied import TiedGradients
+        from pipeswap.runtime.checkpoint.save_load import load_checkpoint
+        from pipeswap.runtime.executor.pipeline_executor import PipelineExecutor
+        from pipeswap.runtime.models.gpt import lm_loss
+        from pipeswap.runtime.models.tied import TiedGradients
 
         config = self.config
         begun = time.perf_counter()
@@ -235,7 +235,7 @@ class Trainer:
         """This rank's costs as the mode without swap measured them (its computes, its
         chunks' bytes) and its host link as a probe measures it; None where the plan weighs
         layer counts alone (``--swap-costs layers``) or that mode did not run."""
-        from pipeswap.runtime.costs import measured_costs, probe_link
+        from pipeswap.runtime.executor.measurements import measured_costs, probe_link
 
         if self.config.swap.costs != "measured" or plain is None or not plain.compute_seconds:
             return None
@@ -269,7 +269,7 @@ class Trainer:
                    tied: TiedGradients | None, result: ModeResult) -> None:
         """Step ``number``: one pipeline step, the optimizer's, a checkpoint when due, and
         the step's figures into ``result`` (and the metrics file)."""
-        from pipeswap.runtime.checkpoint import save_checkpoint
+        from pipeswap.runtime.checkpoint.save_load import save_checkpoint
 
         config = self.config
         mark_step(number)

@@ -13,20 +13,20 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from pipeswap.runtime.groups import group_timeout
+from pipeswap.runtime.distributed.process_groups import group_timeout
 from pipeswap.runtime.errors import PipelineSetupError
-from pipeswap.runtime.llama import TiedParameter
+from pipeswap.runtime.models.llama import TiedParameter
 
 if TYPE_CHECKING:
     import torch
     import torch.distributed as dist
 
-    from pipeswap.runtime.stage import PipelineStage
+    from pipeswap.runtime.executor.stage import PipelineStage
 
 
 class TiedGradients:
     """Sums the gradients of the ``tied`` parameters (found with
-    :func:`pipeswap.runtime.llama.tied_parameter_names` on the whole model's stages) between
+    :func:`pipeswap.runtime.models.llama.tied_parameter_names` on the whole model's stages) between
     the ranks of ``stage_ranks`` that hold them. Collective when built: every rank of the
     pipeline builds it, with the same ``tied`` (each pair of ranks gets a group of its own,
     made by the pair alone where the pipeline is one replica of several); ``group`` is the

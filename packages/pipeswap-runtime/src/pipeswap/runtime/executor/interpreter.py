@@ -2,7 +2,7 @@
 
 A table maps each :class:`~pipeswap.schedule.StepType` to its handler, as PyTorch's
 ``_PipelineScheduleRuntime`` dispatches its actions: computes go to the chunk autograd
-(:mod:`pipeswap.runtime.backward`), sends and receives to the step's transport, FSDP steps
+(:mod:`pipeswap.runtime.executor.backward`), sends and receives to the step's transport, FSDP steps
 to the sharded stage, swap steps to the step's swap session. :class:`StepState` holds what
 the step's chunks hold from one step of the order to the next.
 """
@@ -14,23 +14,23 @@ from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, ClassVar
 
-from pipeswap.runtime._failure import collective
-from pipeswap.runtime.backward import ChunkAutograd, forward_chunk
-from pipeswap.runtime.comm import BoundaryMeta, PyTree, Transfer, Transport, flatten
+from pipeswap.runtime.executor.failure import collective
+from pipeswap.runtime.executor.backward import ChunkAutograd, forward_chunk
+from pipeswap.runtime.distributed.transport import BoundaryMeta, PyTree, Transfer, Transport, flatten
 from pipeswap.runtime.errors import PipelineError, PipelineSetupError
-from pipeswap.runtime.microbatch import split_tree
-from pipeswap.runtime.report import LayerMarks, MemoryAccount
-from pipeswap.runtime.session import SwapSession
-from pipeswap.runtime.split import SplitCache
+from pipeswap.runtime.executor.microbatch import split_tree
+from pipeswap.runtime.executor.step_report import LayerMarks, MemoryAccount
+from pipeswap.runtime.executor.swap_session import SwapSession
+from pipeswap.runtime.executor.backward_split import SplitCache
 from pipeswap.schedule import ChunkKey, Step, StepType
 from pipeswap.schedule.steps import COMPUTE, FSDP, OVERLAPS, P2P, SENDS
 
 if TYPE_CHECKING:
     import torch
 
-    from pipeswap.runtime.costs import StepTimes
-    from pipeswap.runtime.fsdp import ShardedStage
-    from pipeswap.runtime.stage import PipelineStage
+    from pipeswap.runtime.executor.measurements import StepTimes
+    from pipeswap.runtime.executor.sharded_stage import ShardedStage
+    from pipeswap.runtime.executor.stage import PipelineStage
     from pipeswap.swap import SwapManager
     from pipeswap.swap.layers import LayerChain
 
@@ -227,7 +227,7 @@ class Interpreter:
 
     def _backward(self, state: StepState, step: Step) -> None:
         """B (dx and dw), I (dx) or W (dw) of one chunk; the autograd is in
-        :mod:`pipeswap.runtime.backward`. The swap group ends after the chunk's last step."""
+        :mod:`pipeswap.runtime.executor.backward`. The swap group ends after the chunk's last step."""
         key = step.key
         dx, dw = step.type is not StepType.BWD_WEIGHT, step.type is not StepType.BWD_INPUT
         stage_index, micro = key

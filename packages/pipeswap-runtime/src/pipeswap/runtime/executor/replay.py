@@ -20,9 +20,9 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from pipeswap.runtime.comm import BoundaryMeta, PyTree, Transfer, Transport
+from pipeswap.runtime.distributed.transport import BoundaryMeta, PyTree, Transfer, Transport
 from pipeswap.runtime.errors import PipelineCommError, PipelineSetupError
-from pipeswap.runtime.stage import PipelineStage, output_meta
+from pipeswap.runtime.executor.stage import PipelineStage, output_meta
 from pipeswap.schedule import Step
 from pipeswap.schedule.steps import SENDS
 
@@ -83,7 +83,7 @@ class ReplayTransport(Transport):
             raise PipelineSetupError(
                 f"replaying rank {self.replay.rank}: no boundary meta of stage {stage - 1}'s "
                 f"output, which stage {stage} receives; give Replay.boundaries for it (see "
-                "pipeswap.runtime.replay.input_boundaries)")
+                "pipeswap.runtime.executor.replay.input_boundaries)")
         return meta
 
     def send_meta(self, stage: int, meta: BoundaryMeta) -> None:
@@ -98,7 +98,7 @@ def input_boundaries(stage_ranks: Sequence[int], rank: int, example: PyTree,
                      autocast: Callable[[], AbstractContextManager[object]]
                      ) -> dict[int, BoundaryMeta]:
     """The meta of every stage output that crosses into a stage of ``rank`` from another
-    rank, found by dry runs (:func:`~pipeswap.runtime.stage.output_meta`) of every stage
+    rank, found by dry runs (:func:`~pipeswap.runtime.executor.stage.output_meta`) of every stage
     before ``rank``'s last, in order, from ``example``, one microbatch of the inputs.
     ``build(index)`` makes stage ``index`` on ``device``; each is dropped after its dry run,
     so at most one of them holds device memory at a time."""

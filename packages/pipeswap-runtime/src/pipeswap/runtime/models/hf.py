@@ -12,7 +12,7 @@ each stage's ``layers``, so streaming swap moves them one by one::
 
     from transformers import LlamaConfig, LlamaForCausalLM
     from pipeswap.runtime import PipelineStage
-    from pipeswap.runtime.hf import causal_lm_stages
+    from pipeswap.runtime.models.hf import causal_lm_stages
 
     model = LlamaForCausalLM(LlamaConfig(...))           # the same seed on every rank
     modules = causal_lm_stages(model, num_stages=4)
@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from pipeswap.runtime.errors import PipelineSetupError
-from pipeswap.runtime.model import even_runs
+from pipeswap.runtime.models.gpt import even_runs
 
 __all__ = ["CausalLMStage", "causal_lm_stages", "causal_lm_loss"]
 
@@ -108,7 +108,7 @@ def causal_lm_stages(model: torch.nn.Module, num_stages: int,
             f"{type(model).__name__} ties its head to its embedding (tie_word_embeddings), "
             "which sit on the first and last stages: untie them (build with "
             "tie_word_embeddings=False), or sum the shared weight's gradient across the two "
-            "ranks yourself (pipeswap.runtime.tied)")
+            "ranks yourself (pipeswap.runtime.models.tied)")
     blocks = list(inner.layers)
     if layers_per_stage is None:
         if not 1 <= num_stages <= len(blocks):

@@ -3,11 +3,11 @@ usable again.
 
 The rank that fails first posts why on the transport's failure board and stops its groups,
 the pipeline's communication group and the data-parallel ones (gloo's connections broken,
-NCCL's communicators aborted: :func:`~pipeswap.runtime.watch.stop_groups`), so that every
+NCCL's communicators aborted: :func:`~pipeswap.runtime.distributed.peer_watch.stop_groups`), so that every
 peer, in this replica or another, stops at its next transfer or collective with a
 :class:`~pipeswap.runtime.errors.PeerFailedError` naming that rank instead of waiting until
 its timeout. On NCCL, where a peer's operations do not fail by themselves, each rank's
-:class:`~pipeswap.runtime.watch.PeerWatch` reads the post and stops its own groups. The
+:class:`~pipeswap.runtime.distributed.peer_watch.PeerWatch` reads the post and stops its own groups. The
 step's collectives go through :func:`collective` and :meth:`FailureProtocol.agree`,
 which turn the broken connection into that error.
 """
@@ -18,15 +18,15 @@ from collections.abc import Callable, Iterable
 from contextlib import suppress
 from typing import TYPE_CHECKING, TypeVar
 
-from pipeswap.runtime.comm import agree, members
+from pipeswap.runtime.distributed.transport import agree, members
 from pipeswap.runtime.errors import PeerFailedError, PipelineCommError, PipelineError
-from pipeswap.runtime.watch import stop_groups
+from pipeswap.runtime.distributed.peer_watch import stop_groups
 
 if TYPE_CHECKING:
     import torch.distributed as dist
 
-    from pipeswap.runtime.comm import Transport
-    from pipeswap.runtime.fsdp import ShardedStage
+    from pipeswap.runtime.distributed.transport import Transport
+    from pipeswap.runtime.executor.sharded_stage import ShardedStage
     from pipeswap.schedule import Step
 
 _T = TypeVar("_T")
@@ -39,7 +39,7 @@ class FailureProtocol:
     ``rank``: this rank in the pipeline; ``dp_group`` and ``dp_size``: its data-parallel
     group; ``replayed``: a replayed rank, which has nobody to tell or agree with;
     ``spans_world``: whether the pipeline's groups span the world (see :meth:`recover`);
-    ``stopped``: the groups a failure stops (:func:`~pipeswap.runtime.watch.stop_groups`).
+    ``stopped``: the groups a failure stops (:func:`~pipeswap.runtime.distributed.peer_watch.stop_groups`).
     """
 
     def __init__(self, rank: int, dp_group: dist.ProcessGroup | None, dp_size: int, *,
@@ -88,7 +88,7 @@ class FailureProtocol:
         stop_groups(self.stopped)
 
     def agree(self, transport: Transport, what: str, group: dist.ProcessGroup | None) -> None:
-        """The step's end on every rank of ``group`` (:func:`~pipeswap.runtime.comm.agree`);
+        """The step's end on every rank of ``group`` (:func:`~pipeswap.runtime.distributed.transport.agree`);
         a peer that failed makes it raise at once, naming that peer. A replayed rank has
         nobody to agree with."""
         if self.replayed:
@@ -125,7 +125,7 @@ class FailureProtocol:
         self.reason = None
         # A pipeline that spans the world destroys its broken group; one replica of several
         # keeps it, as destroying it would let a new group repeat a live group's name (see
-        # pipeswap.runtime._setup.new_transport).
+        # pipeswap.runtime.executor.setup.new_transport).
         if old is not None and self.spans_world:
             with suppress(Exception):  # already broken on purpose; only its memory is left
                 dist.destroy_process_group(old)

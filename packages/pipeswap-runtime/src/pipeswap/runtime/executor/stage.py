@@ -12,7 +12,7 @@ if TYPE_CHECKING:
     import torch
     import torch.distributed as dist
 
-    from pipeswap.runtime.comm import BoundaryMeta, PyTree
+    from pipeswap.runtime.distributed.transport import BoundaryMeta, PyTree
 
 
 class PipelineStage:
@@ -75,7 +75,7 @@ class PipelineStage:
     def forward(self, value: PyTree) -> PyTree:
         """The module on ``value``, unpacked as the class docstring says; its output must be
         a pytree of tensors."""
-        from pipeswap.runtime.comm import flatten
+        from pipeswap.runtime.distributed.transport import flatten
 
         out: PyTree  # once flatten has checked it
         if isinstance(value, tuple):
@@ -102,7 +102,7 @@ def output_meta(stage: PipelineStage, meta: BoundaryMeta, device: torch.device,
     """
     import torch
 
-    from pipeswap.runtime.comm import MAX_BOUNDARY_TENSORS, BoundaryMeta
+    from pipeswap.runtime.distributed.transport import MAX_BOUNDARY_TENSORS, BoundaryMeta
 
     index = stage.stage_index
     saved = {name: b.clone() for name, b in stage.module.named_buffers()}

@@ -23,8 +23,8 @@ from collections.abc import Callable, Sequence
 from contextlib import suppress
 from typing import TYPE_CHECKING
 
-from pipeswap.runtime.comm import FailureBoard, break_links, clone_store
-from pipeswap.runtime.groups import device_types, only_gloo
+from pipeswap.runtime.distributed.transport import FailureBoard, break_links, clone_store
+from pipeswap.runtime.distributed.process_groups import device_types, only_gloo
 
 if TYPE_CHECKING:
     import torch.distributed as dist

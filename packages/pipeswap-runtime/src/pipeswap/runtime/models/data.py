@@ -16,7 +16,7 @@ class Corpus:
 
     @staticmethod
     def bundled() -> Corpus:
-        text = resources.files("pipeswap.runtime").joinpath("data/corpus.txt").read_text("utf-8")
+        text = resources.files("pipeswap.runtime.models").joinpath("corpus.txt").read_text("utf-8")
         return Corpus(text, tuple(sorted(set(text))))
 
     def encode(self) -> torch.Tensor:

@@ -9,7 +9,7 @@ them between steps as usual.
 With a data-parallel dimension (a 2-D device mesh, or a data-parallel group), each pipeline
 replica runs the same schedule on its own data, and stages sharded with FSDP2's
 ``fully_shard`` over the data-parallel group are gathered, freed and reduced by the schedule's
-UNSHARD, RESHARD and REDUCE_GRAD steps (:mod:`pipeswap.runtime.fsdp`).
+UNSHARD, RESHARD and REDUCE_GRAD steps (:mod:`pipeswap.runtime.executor.sharded_stage`).
 
 A step succeeds on every rank or fails on every rank: the rank that fails first (a refused
 batch included) posts what failed and closes its connections, so its peers stop at once with
@@ -20,11 +20,11 @@ group; the next step then runs as if nothing had failed. A failure also closes t
 data-parallel group (FSDP's collectives would wait on it forever otherwise), so with more than
 one replica a failed step ends the run: restart it.
 
-This module wires the parts together: :mod:`~pipeswap.runtime._setup` (the schedule, checked
+This module wires the parts together: :mod:`~pipeswap.runtime.executor.setup` (the schedule, checked
 and agreed on by every rank; the transport; the boundary shapes),
-:mod:`~pipeswap.runtime._interpreter` (one step's order, a handler per step type),
-:mod:`~pipeswap.runtime._failure` (a failed step, and recover) and
-:mod:`~pipeswap.runtime.report` (:class:`StepReport` and the memory accounting).
+:mod:`~pipeswap.runtime.executor.interpreter` (one step's order, a handler per step type),
+:mod:`~pipeswap.runtime.executor.failure` (a failed step, and recover) and
+:mod:`~pipeswap.runtime.executor.step_report` (:class:`StepReport` and the memory accounting).
 """
 
 from __future__ import annotations
@@ -41,20 +41,20 @@ from functools import partial
 from typing import TYPE_CHECKING
 
 from pipeswap.platform import AllocationPeak, Platform, get_platform
-from pipeswap.runtime import _setup
-from pipeswap.runtime._failure import FailureProtocol
-from pipeswap.runtime._interpreter import Interpreter, LossFn, StepState
-from pipeswap.runtime.comm import BoundaryMeta, PyTree, Transport
-from pipeswap.runtime.costs import TIMED, StepTimes
+from pipeswap.runtime.executor import setup as _setup
+from pipeswap.runtime.executor.failure import FailureProtocol
+from pipeswap.runtime.executor.interpreter import Interpreter, LossFn, StepState
+from pipeswap.runtime.distributed.transport import BoundaryMeta, PyTree, Transport
+from pipeswap.runtime.executor.measurements import TIMED, StepTimes
 from pipeswap.runtime.errors import PipelineError, PipelineSetupError
-from pipeswap.runtime.fsdp import ShardedStage
-from pipeswap.runtime.groups import group_timeout, only_gloo, operation_timeout, with_cpu_backend
-from pipeswap.runtime.host_reserve import SavedRecorder, host_reservation
-from pipeswap.runtime.replay import Replay
-from pipeswap.runtime.report import LayerMarks, MemoryAccount, StepReport, kept_on_device
-from pipeswap.runtime.session import SwapSession
-from pipeswap.runtime.stage import PipelineStage
-from pipeswap.runtime.watch import PeerWatch, stop_groups
+from pipeswap.runtime.executor.sharded_stage import ShardedStage
+from pipeswap.runtime.distributed.process_groups import group_timeout, only_gloo, operation_timeout, with_cpu_backend
+from pipeswap.runtime.executor.host_reserve import SavedRecorder, host_reservation
+from pipeswap.runtime.executor.replay import Replay
+from pipeswap.runtime.executor.step_report import LayerMarks, MemoryAccount, StepReport, kept_on_device
+from pipeswap.runtime.executor.swap_session import SwapSession
+from pipeswap.runtime.executor.stage import PipelineStage
+from pipeswap.runtime.distributed.peer_watch import PeerWatch, stop_groups
 from pipeswap.schedule import (
     CostModel,
     PeakOutcome,
@@ -93,7 +93,7 @@ class PipelineExecutor:
 
     ``cost_model``: what this rank's compute and host link cost
     (:class:`~pipeswap.schedule.CostModel`; e.g. the compute times and chunk bytes a step
-    without swap measured, and :func:`pipeswap.runtime.costs.probe_link`'s bandwidths), for
+    without swap measured, and :func:`pipeswap.runtime.executor.measurements.probe_link`'s bandwidths), for
     the default policy to weigh copies against compute: it then swaps only what its copies
     can hide (unless a budget is set), where without one it takes the link to be infinitely
     fast. Refused, naming the figure, if a bandwidth or a compute time of this rank's is not
@@ -120,7 +120,7 @@ class PipelineExecutor:
     changed between steps. ``measure_compute`` (an attribute, off by default): time each
     compute of a step and its waits for copies (:attr:`StepReport.compute_seconds`,
     :attr:`StepReport.copy_wait_seconds`), the device synchronized around each, so slower;
-    what :func:`pipeswap.runtime.costs.measured_costs` makes a cost model of.
+    what :func:`pipeswap.runtime.executor.measurements.measured_costs` makes a cost model of.
     ``measure_layers`` (an attribute, off by default; with ``account_activations``): measure
     every chunk held whole layer by layer (:attr:`StepReport.layer_held`, ``layer_inputs``),
     what a budget plans recompute on; a chunk with recomputed layers is always measured.
@@ -131,7 +131,7 @@ class PipelineExecutor:
     Data parallel: ``mesh``, a 2-D DeviceMesh with dimensions named ``"pp"`` and ``"dp"``
     (the stages' group must be ``mesh.get_group("pp")``), or ``dp_group``, the data-parallel
     group of this rank. Each replica passes its own batch. Stages sharded with
-    ``fully_shard`` over that group (:func:`pipeswap.runtime.fsdp.shard_stage`) make a
+    ``fully_shard`` over that group (:func:`pipeswap.runtime.executor.sharded_stage.shard_stage`) make a
     schedule built here get FSDP steps; a schedule with FSDP steps needs every stage of
     this rank sharded.
 
@@ -140,7 +140,7 @@ class PipelineExecutor:
     weights); tensors between stages then cross in the dtype the stages output.
 
     ``replay``: run one rank of the pipeline alone, in this process, without
-    torch.distributed (:mod:`pipeswap.runtime.replay`): ``stages`` are that rank's, what it
+    torch.distributed (:mod:`pipeswap.runtime.executor.replay`): ``stages`` are that rank's, what it
     would receive is made here and what it would send is dropped; everything else runs as
     in the full pipeline. Not with data parallel or FSDP.
 
@@ -149,7 +149,7 @@ class PipelineExecutor:
     set-up on every rank, not on this one alone while the others wait.
 
     ``failure_timeout_s``: how long a rank this one exchanges data with may show no sign of
-    life before the step fails naming it (:mod:`pipeswap.runtime.watch`). A watch runs
+    life before the step fails naming it (:mod:`pipeswap.runtime.distributed.peer_watch`). A watch runs
     wherever the group is not gloo alone (NCCL: operations there do not fail when a peer
     does), by default with the group's timeout, or wherever this is given. On NCCL the
     executor's own group then gets a long per-operation timeout, so that a long step is
@@ -194,7 +194,7 @@ class PipelineExecutor:
         elif not dist.is_initialized():
             raise PipelineSetupError(
                 "torch.distributed is not initialized: launch with torchrun, or use "
-                "pipeswap.runtime.launch.spawn, or call init_process_group first")
+                "pipeswap.runtime.distributed.launch.spawn, or call init_process_group first")
         self.stages = sorted(stages, key=lambda s: s.stage_index)
         self.group: dist.ProcessGroup | None = self.stages[0].group
         self.rank = replay.rank if replay else dist.get_rank(self.group)

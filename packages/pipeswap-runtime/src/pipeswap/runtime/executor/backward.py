@@ -64,13 +64,13 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
-from pipeswap.runtime.split import Grads, Plan, SplitCache, find_plan
+from pipeswap.runtime.executor.backward_split import Grads, Plan, SplitCache, find_plan
 
 if TYPE_CHECKING:
     import torch
     from torch.autograd.graph import GradientEdge, Node
 
-    from pipeswap.runtime.comm import PyTree
+    from pipeswap.runtime.distributed.transport import PyTree
 
 
 def forward_chunk(

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from pipeswap.runtime.errors import PipelineSetupError
-from pipeswap.runtime.stage import PipelineStage, output_meta
+from pipeswap.runtime.executor.stage import PipelineStage, output_meta
 from pipeswap.schedule import ChunkKey, Schedule, Step, StepType
 from pipeswap.swap import SwapManager
 from pipeswap.swap.pool import size_class
@@ -33,7 +33,7 @@ from pipeswap.swap.pool import size_class
 if TYPE_CHECKING:
     import torch
 
-    from pipeswap.runtime.comm import BoundaryMeta, PyTree
+    from pipeswap.runtime.distributed.transport import BoundaryMeta, PyTree
 
 
 @dataclass(frozen=True)
@@ -64,7 +64,7 @@ class SavedRecorder:
     @contextmanager
     def stage(self, stage: PipelineStage, *, protect: object = None) -> Iterator[None]:
         """Record what ``stage``'s module's forward inside the block saves (e.g. around
-        :func:`~pipeswap.runtime.stage.output_meta`); ``protect``: tensors kept on the device
+        :func:`~pipeswap.runtime.executor.stage.output_meta`); ``protect``: tensors kept on the device
         besides the module's inputs and output (a last stage's targets). The graph stays
         alive until the block ends, which reads it. A stage not in :attr:`stages` is not
         recorded."""
@@ -126,7 +126,7 @@ class SavedRecorder:
                    autocast: Callable[[], AbstractContextManager[object]]) -> None:
         """Record the last stage, whose chunks also keep what their loss saves: a dry run of
         its forward and ``loss_fn`` on ``target`` (one microbatch's), from zeros as ``meta``
-        describes its input, by :func:`~pipeswap.runtime.stage.output_meta` as the other
+        describes its input, by :func:`~pipeswap.runtime.executor.stage.output_meta` as the other
         stages' (buffers and random state restored after). A stage not in :attr:`stages`
         is not run."""
         import torch

@@ -116,7 +116,7 @@ def check_costs(costs: CostModel, stages: Iterable[int], rank: int) -> None:
             raise PipelineSetupError(
                 f"cost_model: rank {rank}'s link {name} must be a finite number of bytes/s "
                 f"above 0, got {value}: give the link's measured bandwidth (or "
-                "pipeswap.runtime.costs.probe_link's)")
+                "pipeswap.runtime.executor.measurements.probe_link's)")
     for stage in stages:
         given = costs.stage(stage)
         times: tuple[tuple[str, float | None], ...] = (

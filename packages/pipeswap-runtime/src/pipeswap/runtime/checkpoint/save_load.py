@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
-from pipeswap.runtime.checkpoint_files import (
+from pipeswap.runtime.checkpoint.manifest import (
     LATEST,
     MANIFEST,
     Layout,
@@ -67,7 +67,7 @@ if TYPE_CHECKING:
         ValueType,
     )
 
-    from pipeswap.runtime.stage import PipelineStage
+    from pipeswap.runtime.executor.stage import PipelineStage
 
 __all__ = ["LATEST", "MANIFEST", "CheckpointError", "ResumePoint", "checkpoint_path",
            "latest_checkpoint", "load_checkpoint", "save_checkpoint"]
@@ -115,7 +115,7 @@ def save_checkpoint(directory: str | os.PathLike[str], *, step: int,
     import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict_saver import save
 
-    from pipeswap.runtime.checkpoint_writer import digesting_writer
+    from pipeswap.runtime.checkpoint.hashing_writer import digesting_writer
 
     if keep < 1:
         raise ValueError(f"keep must be at least 1 (the checkpoint just saved), got {keep}")

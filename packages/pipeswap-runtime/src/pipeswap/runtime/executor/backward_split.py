@@ -1,7 +1,7 @@
 """How the backward of one chunk splits into I and W: its graph's weight nodes, the groups W
 runs them in, the nodes only I runs (released in batches), found once per graph shape.
 
-The reasons are in :mod:`pipeswap.runtime.backward`'s docstring, which runs the plan this
+The reasons are in :mod:`pipeswap.runtime.executor.backward`'s docstring, which runs the plan this
 module makes. torch is imported inside the functions: importing the runtime stays cheap.
 """
 

@@ -10,7 +10,7 @@ from pipeswap.runtime.errors import PipelineSetupError
 if TYPE_CHECKING:
     import torch
 
-    from pipeswap.runtime.comm import PyTree
+    from pipeswap.runtime.distributed.transport import PyTree
 
 
 def split_microbatches(batch: torch.Tensor, microbatches: int, what: str) -> list[torch.Tensor]:
@@ -29,7 +29,7 @@ def split_tree(batch: PyTree, microbatches: int, what: str) -> list[PyTree]:
     tensors), each tensor split along dimension 0 as :func:`split_microbatches` does."""
     from torch.utils._pytree import tree_unflatten
 
-    from pipeswap.runtime.comm import flatten
+    from pipeswap.runtime.distributed.transport import flatten
 
     leaves, spec = flatten(batch, what)
     parts = [split_microbatches(leaf, microbatches, what if len(leaves) == 1

@@ -5,7 +5,7 @@ and the launcher kills any that run on. A user needs the first of these stories,
 rank's traceback: :func:`cause` picks it (a rank that died, else the first error a rank
 raised by itself, else a rank that hung), and :meth:`RankFailure.headline` says it in one line,
 naming the rank and the step it had begun (which each rank reports with
-:func:`~pipeswap.runtime.launch.mark_step`).
+:func:`~pipeswap.runtime.distributed.launch.mark_step`).
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ from pipeswap.schedule import ChunkKey, StepType
 from pipeswap.swap import GroupBytes
 
 if TYPE_CHECKING:
-    from pipeswap.runtime.session import SwapSession
+    from pipeswap.runtime.executor.swap_session import SwapSession
     from pipeswap.swap import SwapManager
 
 

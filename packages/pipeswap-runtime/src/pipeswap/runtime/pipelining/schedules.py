@@ -1,28 +1,5 @@
-"""pipeswap behind ``torch.distributed.pipelining``'s schedule classes.
-
-A script written for PyTorch's pipelining (or torchtitan, which builds on it) holds
-``PipelineStage`` objects and calls ``ScheduleX(stages, n_microbatches, loss_fn).step(...)``.
-The classes here take the same arguments and keep the same ``step`` contract, so such a
-script switches by changing its import::
-
-    from pipeswap.runtime.pipelining import Schedule1F1B   # was torch.distributed.pipelining
-
-    schedule = Schedule1F1B(stage, n_microbatches=8, loss_fn=loss_fn, swap=True)
-    losses = []
-    output = schedule.step(x, target=y, losses=losses)  # x on the first stage's rank, y on
-                                                        # the last's; output returned there
-
-They take PyTorch's ``PipelineStage`` objects (their submodule, stage index, stage count,
-device and group) or pipeswap's own, and run pipeswap's executor
-(:class:`~pipeswap.runtime.executor.PipelineExecutor`) on the same compute order as PyTorch's
-class, with swap steps where ``swap=True`` asks (the default peak policy, or ``policy=``).
-
-Gradients follow PyTorch's ``scale_grads``: each microbatch's loss is backpropagated as it
-is, and with ``scale_grads=True`` (the default) every gradient of the rank's stages is
-divided by ``n_microbatches`` once the step is done, as PyTorch does. The executor is built
-(one collective of the stages' group) when the schedule is: every rank constructs its
-schedule, as with PyTorch's classes.
-"""
+"""The seven schedule classes of ``torch.distributed.pipelining`` over pipeswap's executor
+(see :mod:`pipeswap.runtime.pipelining`)."""
 
 from __future__ import annotations
 
@@ -33,15 +10,15 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
-from pipeswap.runtime.costs import measured_chunks
+from pipeswap.runtime.executor.measurements import measured_chunks
 from pipeswap.runtime.errors import PipelineSetupError
-from pipeswap.runtime.executor import PipelineExecutor
-from pipeswap.runtime.stage import PipelineStage
+from pipeswap.runtime.executor.pipeline_executor import PipelineExecutor
+from pipeswap.runtime.executor.stage import PipelineStage
 from pipeswap.schedule import GRANULARITIES
 
 if TYPE_CHECKING:
-    from pipeswap.runtime.comm import PyTree
-    from pipeswap.runtime.report import StepReport
+    from pipeswap.runtime.distributed.transport import PyTree
+    from pipeswap.runtime.executor.step_report import StepReport
     from pipeswap.schedule import PeakOutcome, SwapPolicy
 
 __all__ = [
@@ -165,7 +142,7 @@ class _PipelineSchedule:
 
     @property
     def report(self) -> StepReport | None:
-        """The last step's :class:`~pipeswap.runtime.report.StepReport` (None before one)."""
+        """The last step's :class:`~pipeswap.runtime.executor.step_report.StepReport` (None before one)."""
         return self._report
 
     def step(self, *args: Any, target: Any = None, losses: list[Any] | None = None,

@@ -17,7 +17,7 @@ from typing import TypeVar
 
 import torch
 
-from pipeswap.runtime.model import even_runs
+from pipeswap.runtime.models.gpt import even_runs
 
 ModuleT = TypeVar("ModuleT", bound=torch.nn.Module)
 

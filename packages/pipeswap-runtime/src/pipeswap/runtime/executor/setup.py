@@ -17,18 +17,18 @@ from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext, suppress
 from typing import TYPE_CHECKING, Any
 
-from pipeswap.runtime.comm import (
+from pipeswap.runtime.distributed.transport import (
     BoundaryMeta,
     FailureBoard,
     PyTree,
     Transport,
     all_gather_ints,
 )
-from pipeswap.runtime.costs import check_costs, with_layer_counts
+from pipeswap.runtime.executor.measurements import check_costs, with_layer_counts
 from pipeswap.runtime.errors import PipelineSetupError
-from pipeswap.runtime.fsdp import ShardedStage, fsdp_modules
-from pipeswap.runtime.groups import control_group, only_gloo, transport_group
-from pipeswap.runtime.stage import PipelineStage, output_meta
+from pipeswap.runtime.executor.sharded_stage import ShardedStage, fsdp_modules
+from pipeswap.runtime.distributed.process_groups import control_group, only_gloo, transport_group
+from pipeswap.runtime.executor.stage import PipelineStage, output_meta
 from pipeswap.schedule import (
     CostModel,
     Schedule,
@@ -52,8 +52,8 @@ if TYPE_CHECKING:
     import torch.distributed as dist
     from torch.distributed.device_mesh import DeviceMesh
 
-    from pipeswap.runtime.host_reserve import SavedRecorder
-    from pipeswap.runtime.replay import Replay
+    from pipeswap.runtime.executor.host_reserve import SavedRecorder
+    from pipeswap.runtime.executor.replay import Replay
 
 
 def own_layer_counts(stages: Sequence[PipelineStage], replay: Replay | None) -> dict[int, int]:
@@ -133,7 +133,7 @@ def find_sharded(stages: Sequence[PipelineStage], dp_group: dist.ProcessGroup | 
         raise PipelineSetupError(
             f"{dp_size} data-parallel replicas but no stage is sharded with "
             "fully_shard: nothing would average the replicas' gradients; shard each stage "
-            "over the data-parallel group (pipeswap.runtime.fsdp.shard_stage)")
+            "over the data-parallel group (pipeswap.runtime.executor.sharded_stage.shard_stage)")
     if sharded and len(sharded) != len(stages):
         plain = sorted(s.stage_index for s in stages if s.stage_index not in sharded)
         raise PipelineSetupError(
@@ -220,7 +220,7 @@ def resolve_schedule(schedule: Schedule | ScheduleSpec | str, *, swap: bool,
         raise PipelineSetupError(
             f"the schedule has FSDP steps for stage(s) {sorted(named - sharded.keys())}"
             f" of rank {rank}, which are not sharded with fully_shard: shard them "
-            "(pipeswap.runtime.fsdp.shard_stage) or build the schedule with fsdp=False")
+            "(pipeswap.runtime.executor.sharded_stage.shard_stage) or build the schedule with fsdp=False")
     if sharded and not named:
         raise PipelineSetupError(
             "the stages are sharded with fully_shard but the schedule has no FSDP steps "
@@ -322,7 +322,7 @@ def control_groups(group: dist.ProcessGroup | None, dp_group: dist.ProcessGroup 
                    ) -> tuple[dist.ProcessGroup | None, dist.ProcessGroup | None]:
     """The groups of the pipeline's and the data-parallel replicas' control traffic (CPU
     tensors): the caller's own, or gloo groups over their ranks where they have no CPU
-    backend (plain NCCL); see :mod:`pipeswap.runtime.groups`."""
+    backend (plain NCCL); see :mod:`pipeswap.runtime.distributed.process_groups`."""
     if replay is not None:
         return group, dp_group
     control = control_group(group, local=not spans_world)
@@ -375,7 +375,7 @@ def new_transport(schedule: Schedule, *, microbatches: int, device: torch.device
     data-parallel group of the control traffic. ``timeout``: the group's per-operation
     timeout, where not ``group``'s."""
     if replay is not None:
-        from pipeswap.runtime.replay import ReplayTransport
+        from pipeswap.runtime.executor.replay import ReplayTransport
 
         return ReplayTransport(replay, schedule.stage_ranks, microbatches, device)
     # A pipeline that spans the world: every rank creates the group, and torch names it
@@ -401,7 +401,7 @@ def exchange_shapes(example: PyTree | None, transport: Transport, *, schedule: S
                     loss_fn: Callable[[Any, Any], torch.Tensor] | None = None) -> None:
     """Run each stage of this rank once on zeros, in stage order, passing what its output
     holds (the structure, shapes, dtypes, and which tensors carry a gradient) down the
-    chain into ``transport.boundary`` (see :func:`pipeswap.runtime.stage.output_meta`);
+    chain into ``transport.boundary`` (see :func:`pipeswap.runtime.executor.stage.output_meta`);
     ``example``: a microbatch of the inputs, on the rank of the first stage. ``recorder``:
     also record what each stage's forward saves (the last stage's with its loss on
     ``target``, a microbatch of the targets, by ``loss_fn``), for the host buffers to

@@ -14,7 +14,7 @@ from typing import Any
 
 from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemWriter
 
-from pipeswap.runtime.checkpoint_files import FileSum
+from pipeswap.runtime.checkpoint.manifest import FileSum
 
 
 class _Digesting(io.IOBase):

@@ -9,7 +9,7 @@ Docker send) or killed, its ranks go with it.
 
 The failure protocol tells a failed rank's peers at once, and a rank waiting on a hung peer
 fails at its timeout; so a hung rank ends the job within its peers' timeout plus those few
-seconds. Each rank's ending is a :class:`~pipeswap.runtime.rank_failure.RankFailure`, with the
+seconds. Each rank's ending is a :class:`~pipeswap.runtime.distributed.rank_failure.RankFailure`, with the
 step it had begun (:func:`mark_step`).
 """
 
@@ -29,7 +29,7 @@ from contextlib import contextmanager, suppress
 from typing import TYPE_CHECKING, TypeVar, cast
 
 from pipeswap.runtime.errors import PipelineSetupError
-from pipeswap.runtime.rank_failure import Ending, RankFailure, cause, describe, exit_summary
+from pipeswap.runtime.distributed.rank_failure import Ending, RankFailure, cause, describe, exit_summary
 
 if TYPE_CHECKING:
     from multiprocessing.process import BaseProcess
