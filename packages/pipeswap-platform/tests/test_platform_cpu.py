@@ -186,7 +186,9 @@ def test_module_introspection(cpu: CpuPlatform) -> None:
     assert "0.scale" in state and "0.cache" not in state  # non-persistent buffers stay out
     first = model[0]
     assert isinstance(first, Block)
-    assert state["0.linear.weight"].data_ptr() == first.linear.weight.data_ptr()
+    weight = state["0.linear.weight"]
+    assert isinstance(weight, torch.Tensor)
+    assert weight.data_ptr() == first.linear.weight.data_ptr()
 
 
 MIB = 1 << 20

@@ -43,9 +43,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 
 from pipeswap.platform import get_platform
 from pipeswap.swap import GroupBytes, GroupState, LayerChain, SwapError, SwapManager
-from pipeswap.swap import SwapResidencyError
-from pipeswap.swap.layers import layer_hooks
-from pipeswap.swap.pool import size_class
+from pipeswap.swap import SwapResidencyError, layer_hooks, size_class
 
 DEVICE = os.environ.get("PIPESWAP_TEST_DEVICE", "cpu")  # see conftest.py
 

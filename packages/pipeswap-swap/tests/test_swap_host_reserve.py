@@ -12,9 +12,7 @@ import torch
 
 from pipeswap.platform import Stream, get_platform
 from pipeswap.platform.cpu import CpuEvent, CpuPlatform, WorkerStream, _allocation_events
-from pipeswap.swap import LayerChain, SwapManager
-from pipeswap.swap.layers import layer_hooks
-from pipeswap.swap.pool import size_class
+from pipeswap.swap import LayerChain, SwapManager, layer_hooks, size_class
 
 DEVICE = os.environ.get("PIPESWAP_TEST_DEVICE", "cpu")  # see conftest.py
 

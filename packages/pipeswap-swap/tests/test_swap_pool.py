@@ -10,7 +10,8 @@ import torch
 
 from pipeswap.platform import get_platform
 from pipeswap.platform.cpu import CpuPlatform
-from pipeswap.swap.pool import HostBufferPool, PoolExhaustedError, size_class
+from pipeswap.swap import SwapManager
+from pipeswap.swap.pool import HostBufferPool, PoolExhaustedError, default_pool_bytes, size_class
 
 DEVICE = os.environ.get("PIPESWAP_TEST_DEVICE", "cpu")  # see conftest.py
 
@@ -68,11 +69,6 @@ def test_at_the_cap_the_pool_waits_for_a_pending_block_or_refuses() -> None:
 
 def test_the_default_cap_shares_half_the_host_among_its_local_ranks(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    import os
-
-    from pipeswap.swap import SwapManager
-    from pipeswap.swap.pool import default_pool_bytes
-
     physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
     alone = default_pool_bytes()

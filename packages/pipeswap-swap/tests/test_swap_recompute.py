@@ -14,8 +14,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from pipeswap.platform import get_platform
-from pipeswap.swap import LayerOffload, SwapError, SwapManager
-from pipeswap.swap.recompute import recompute_hooks
+from pipeswap.swap import LayerOffload, SwapError, SwapManager, recompute_hooks
 
 DEVICE = os.environ.get("PIPESWAP_TEST_DEVICE", "cpu")  # see conftest.py
 WIDTH = 32

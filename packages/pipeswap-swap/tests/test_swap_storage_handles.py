@@ -25,7 +25,7 @@ import torch
 
 from pipeswap.platform import get_platform
 from pipeswap.swap import LayerOffload, SwapManager, SwapStats
-from pipeswap.swap.groups import SavedEntry
+from pipeswap.swap.group_state import SavedEntry
 from pipeswap.swap.references import referenced_elsewhere
 
 DEVICE = os.environ.get("PIPESWAP_TEST_DEVICE", "cpu")  # see conftest.py

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     import torch
@@ -18,11 +18,9 @@ def buffers_dict(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     return dict(module.named_buffers())
 
 
-# Any, as torch's own Module.state_dict says: besides tensors, a value is whatever a module's
-# get_extra_state() returns, and no type covers that.
-def get_model_state_dict(module: torch.nn.Module) -> dict[str, Any]:
+def get_model_state_dict(module: torch.nn.Module) -> dict[str, object]:
     """The module's state dict (parameters, persistent buffers, and any module's extra
-    state)."""
+    state: whatever its get_extra_state() returns, hence ``object``)."""
     return dict(module.state_dict())
 
 
@@ -35,5 +33,5 @@ class ModuleIntrospection:
     def buffers_dict(self, module: torch.nn.Module) -> dict[str, torch.Tensor]:
         return buffers_dict(module)
 
-    def get_model_state_dict(self, module: torch.nn.Module) -> dict[str, Any]:
+    def get_model_state_dict(self, module: torch.nn.Module) -> dict[str, object]:
         return get_model_state_dict(module)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pipeswap.platform.accelerator import AcceleratorPlatform
+from pipeswap.platform.cpu import CpuPlatform
 from pipeswap.platform.protocol import Platform
 
 
@@ -28,9 +30,6 @@ def get_platform(name: str | None = None) -> Platform:
     not present raises :class:`PlatformUnavailableError` listing what is.
     """
     import torch
-
-    from pipeswap.platform.accelerator import AcceleratorPlatform
-    from pipeswap.platform.cpu import CpuPlatform
 
     available = available_platforms()
     if name is None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
     import torch
@@ -113,6 +113,7 @@ class Platform(Protocol):
     def buffers_dict(self, module: torch.nn.Module) -> dict[str, torch.Tensor]:
         """Every buffer, persistent or not, of the module and its children, by dotted name."""
 
-    def get_model_state_dict(self, module: torch.nn.Module) -> dict[str, Any]:
-        """The module's state dict; Any: a module's extra state is any object it returns."""
+    def get_model_state_dict(self, module: torch.nn.Module) -> dict[str, object]:
+        """The module's state dict; ``object``: a module's extra state is whatever it
+        returns."""
 

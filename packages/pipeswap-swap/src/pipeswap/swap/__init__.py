@@ -5,10 +5,11 @@ torch is imported lazily: importing this package is cheap.
 """
 
 from pipeswap.swap.__about__ import __version__
-from pipeswap.swap.layers import LayerChain, find_layers
+from pipeswap.swap.layer_recompute import recompute_hooks
+from pipeswap.swap.layers import LayerChain, find_layers, layer_hooks
 from pipeswap.swap.manager import SwapManager
 from pipeswap.swap.offload import LayerOffload
-from pipeswap.swap.pool import HostBufferPool, PoolExhaustedError
+from pipeswap.swap.pool import HostBufferPool, PoolExhaustedError, size_class
 from pipeswap.swap.values import (
     GroupBytes,
     GroupState,
@@ -32,4 +33,7 @@ __all__ = [
     "SwapStats",
     "__version__",
     "find_layers",
+    "layer_hooks",
+    "recompute_hooks",
+    "size_class",
 ]

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections import Counter, deque
 
-from pipeswap.swap.groups import StorageEntry
+from pipeswap.swap.group_state import StorageEntry
 from pipeswap.swap.pool import HostBufferPool
 from pipeswap.swap.values import SwapStats
 

@@ -8,35 +8,33 @@ copy is known complete, and only when nothing but autograd's saved tensors can r
 points to freed memory. Backward refuses to read a storage that is not resident, and a saved
 tensor written in place after it was saved fails backward exactly as it does without swap.
 
-This module holds the facade: the groups by name, autograd's pack and unpack hooks,
-protection, chains of per-layer groups and the backward's loads ahead. The records it keeps
-are in :mod:`pipeswap.swap.groups`, the copies in :mod:`pipeswap.swap.transfers`, the byte
-counts in :mod:`pipeswap.swap.ledger`.
+This module holds the whole: autograd's pack and unpack hooks, recomputed layers and the
+byte counts. It builds on :mod:`pipeswap.swap.collection` (what the hooks save and read back,
+protection, chains of per-layer groups), which builds on :mod:`pipeswap.swap.lifecycle` (the
+groups by name, their offloads and loads, the backward's loads ahead). The records they keep
+are in :mod:`pipeswap.swap.group_state`, the copies in :mod:`pipeswap.swap.transfers`, the
+byte counts in :mod:`pipeswap.swap.ledger`.
 """
 
 from __future__ import annotations
 
 import contextvars
-import threading
-import warnings
 import weakref
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
 from pipeswap.platform import Platform
-from pipeswap.swap.groups import Group, SavedEntry, StorageEntry, expect
-from pipeswap.swap.ledger import Ledger
-from pipeswap.swap.recompute import Call, Frame, Placeholder, frames_of, track
-from pipeswap.swap.transfers import Transfers, drain
-from pipeswap.swap.values import (GroupBytes, GroupState, InPlaceModificationError, SwapError,
-                                  SwapResidencyError, SwapStats, check_load_depth)
+from pipeswap.swap.collection import Collector
+from pipeswap.swap.group_state import Group, SavedEntry, expect
+from pipeswap.swap.layer_recompute import Call, Frame, Placeholder
+from pipeswap.swap.values import GroupBytes, GroupState, SwapError, SwapStats
 
 if TYPE_CHECKING:
     import torch
 
 
-class SwapManager:
+class SwapManager(Collector):
     """Offload and reload groups of saved activations on one platform.
 
     ``min_bytes``: saved tensors whose storage is smaller stay on the device (0, MindSpore
@@ -55,58 +53,16 @@ class SwapManager:
         pool_bytes: int | None = None,
         load_on_demand: bool = False,
     ) -> None:
-        self.platform = platform
-        self._device = platform.device  # read for every saved tensor
-        self.min_bytes = min_bytes
-        self.load_on_demand = load_on_demand
-        self._ledger = Ledger()
-        self._transfers = Transfers(platform, pool_bytes, self._ledger)
-        self._lock = threading.RLock()
-        self._groups: dict[str, Group] = {}
-        self._owner: dict[int, str] = {}  # storage key -> group that saved it
-        self._protected: set[int] = set()  # storage keys protected manager-wide
-        self._current: contextvars.ContextVar[str | None] = contextvars.ContextVar(
-            f"pipeswap_swap_group_{id(self):x}", default=None)
+        super().__init__(platform, min_bytes=min_bytes, pool_bytes=pool_bytes,
+                         load_on_demand=load_on_demand)
         # the recomputed layer whose forward runs (see record_layer)
         self._recording: contextvars.ContextVar[Frame | None] = contextvars.ContextVar(
             f"pipeswap_swap_recording_{id(self):x}", default=None)
         self._releases = 0  # backwards that only free what they saved (see releasing)
-        # group -> the group its first read in backward loads ahead (None: none); see
-        # load_ahead
-        self._ahead: dict[str, str | None] = {}
-        self._chains: dict[str, int] = {}  # group -> its chain (see link_groups)
-        self._next_chain = 0
-        # A copy still running when the interpreter exits aborts the process: drain first.
-        self._drain = weakref.finalize(self, drain, self._transfers.streams)
+        # group -> its recomputed layers, weakly (autograd's nodes keep them)
+        self._frames: dict[str, list[weakref.ref[Frame]]] = {}
 
-    def close(self) -> None:
-        """Wait for every transfer in flight (also done at interpreter exit). Each call
-        drains: the manager stays usable, and the exit's drain stays armed."""
-        drain(self._transfers.streams)
-
-    # -- groups ----------------------------------------------------------------------------
-
-    def ensure_group(self, name: str) -> None:
-        with self._lock:
-            if name not in self._groups:
-                self._groups[name] = Group(name)
-
-    def active_group_count(self) -> int:
-        with self._lock:
-            return len(self._groups)
-
-    def group_state(self, name: str) -> GroupState:
-        return self._group(name, "group_state").state
-
-    def _group(self, name: str, call: str) -> Group:
-        with self._lock:
-            group = self._groups.get(name)
-        if group is None:
-            raise SwapError(f"{call}({name!r}): no such group; create it with ensure_group() or "
-                            "group_context()")
-        return group
-
-    # -- collection ------------------------------------------------------------------------
+    # -- autograd's hooks ------------------------------------------------------------------
 
     @contextmanager
     def group_context(self, name: str) -> Iterator[None]:
@@ -123,162 +79,22 @@ class SwapManager:
             self._current.reset(token)
             self._recording.set(None)  # a recomputed layer that raised ends here
 
-    def switch_group(self, name: str) -> None:
-        """Inside :meth:`group_context`, send what autograd saves from now on to group
-        ``name`` (created if new) instead: how a forward is cut into per-layer groups."""
-        if self._current.get() is None:
-            raise SwapError(f"switch_group({name!r}): no group is collecting here; call it "
-                            "inside group_context()")
-        self.ensure_group(name)
-        expect(self._group(name, "switch_group"), "switch_group", GroupState.COLLECTING)
-        self._current.set(name)
-
-    def protect_module(self, module: torch.nn.Module) -> None:
-        """Never free storage shared with the module's parameters or buffers (``.data`` and
-        ``.detach()`` aliases included)."""
-        tensors = [*self.platform.parameters_dict(module).values(),
-                   *self.platform.buffers_dict(module).values()]
-        keys = {_storage_key(t) for t in tensors}
-        with self._lock:
-            self._protect(list(self._groups.values()), keys, "protect_module")
-            self._protected |= keys
-
-    def protect_alias_tensors(self, name: str, tensors: object) -> None:
-        """Never free the storages in group ``name`` shared with any tensor in ``tensors`` (a
-        tensor, or a nest of lists, tuples, dicts and sets holding some), whether the group
-        saved them already or saves them later."""
-        group = self._group(name, "protect_alias_tensors")
-        keys = {_storage_key(t) for t in _tensors(tensors)}
-        with self._lock:
-            self._protect([group], keys, "protect_alias_tensors")
-            group.protected_keys |= keys
-
-    def _protect(self, groups: list[Group], keys: set[int], call: str) -> None:
-        """Mark the groups' storages among ``keys`` protected; all or nothing.
-
-        Protection during an offload still counts (wait_offload keeps the storage), but a
-        storage already released cannot be kept: the caller protected it too late.
-        """
-        hits = [(g, g.storages[key]) for g in groups for key in keys & g.storages.keys()]
-        for group, entry in hits:
-            if not entry.resident:
-                raise SwapError(f"{call}({group.name!r}): group is {group.state.value} and a "
-                                "storage to protect is already off the device; protect before "
-                                "launch_offload, or before wait_offload at the latest")
-        for _, entry in hits:
-            entry.protected = True
-
     def _pack(self, tensor: torch.Tensor) -> SavedEntry | Placeholder:
-        # Every tensor autograd saves in a group comes through here: kept lean (one storage
-        # object per call, no WeakSet iteration where its length answers).
         name = self._current.get()
         if name is None:
             return SavedEntry(None, None, tensor)
         frame = self._recording.get()
         if frame is not None:  # a recomputed layer's: made again in backward
             return frame.placeholder(tensor, self._groups.get(name))
-        storage = tensor.untyped_storage()
-        key: int = storage._cdata
-        ledger = self._ledger
-        with self._lock:
-            if ledger.graveyard:
-                ledger.bury()
-            group = self._groups[name]
-            if group.state is not GroupState.COLLECTING:
-                raise SwapError(f"group_context({name!r}): group is {group.state.value}; "
-                                "collecting needs it collecting")
-            owner_name = self._owner.get(key)
-            owner = None if owner_name is None else self._live_entry(owner_name, key)
-            if owner is not None and not owner[1].resident:
-                other = owner[0]
-                raise SwapResidencyError(
-                    f"group_context({name!r}): an op saved a tensor {tuple(tensor.shape)} "
-                    f"whose storage group {other.name!r} ({other.state.value}) has moved off "
-                    "the device, so the op read freed memory; protect tensors that later "
-                    f"forwards use (protect_alias_tensors({other.name!r}, ...)) before "
-                    "launch_offload")
-            nbytes = storage.nbytes()
-            reason = self._skip_reason(tensor, nbytes)
-            if reason is not None:
-                ledger.skipped[reason] += 1
-                return SavedEntry(None, None, tensor)
-            if owner is not None and owner[0] is not group and self._chained(owner[0], group):
-                self._hand_over(owner[0], owner[1], key, group)
-            elif owner is not None and owner[0] is not group:
-                owner[1].protected = True  # saved by two groups: it stays on the device
-                ledger.skipped["shared across groups"] += 1
-                return SavedEntry(None, None, tensor)
-            entry = group.storages.get(key)
-            if entry is None or not entry.alive():  # new, or a dead storage's key
-                if entry is not None:
-                    ledger.uncount(entry)
-                entry = StorageEntry(nbytes, ledger.graveyard, protected=(
-                    key in self._protected or key in group.protected_keys))
-                group.storages[key] = entry
-                self._owner[key] = name
-                ledger.held += entry.nbytes
-                ledger.note_peak()
-            saved = SavedEntry(group, entry, tensor)
-            entry.saved.add(saved)
-        return saved
-
-    def _skip_reason(self, tensor: torch.Tensor, nbytes: int) -> str | None:
-        """Why a saved tensor (its storage ``nbytes`` long) stays out of swap, if it does."""
-        import torch
-
-        base = tensor._base
-        if isinstance(tensor, torch.nn.Parameter) or (
-                base is not None and isinstance(base, torch.nn.Parameter)):
-            return "parameter"
-        if tensor.device != self._device:
-            return "other device"
-        if nbytes == 0:
-            return "empty storage"
-        if nbytes < self.min_bytes:
-            return "below min_bytes"
-        return None
-
-    def _live_entry(self, name: str | None, key: int) -> tuple[Group, StorageEntry] | None:
-        """The group and entry that hold storage ``key`` with a saved view still alive."""
-        group = self._groups.get(name) if name is not None else None
-        entry = group.storages.get(key) if group is not None else None
-        if group is None or entry is None or not entry.alive():
-            return None
-        return group, entry
+        return self._save(name, tensor)
 
     def _unpack(self, saved: SavedEntry | Placeholder) -> torch.Tensor:
         if type(saved) is Placeholder:
             return self._remade(saved)
         assert isinstance(saved, SavedEntry)
-        tensor = saved.tensor
-        if tensor._version != saved.version:
-            where = f" in swap group {saved.group.name!r}" if saved.group is not None else ""
-            raise InPlaceModificationError(
-                "one of the variables needed for gradient computation has been modified by an "
-                f"inplace operation: a {tensor.dtype} tensor of shape {tuple(tensor.shape)} "
-                f"saved{where} is at version {tensor._version}; expected version "
-                f"{saved.version} instead. Hint: as without swap, write to a copy (clone()) "
-                "or make the write before the op that saved it; "
-                "torch.autograd.set_detect_anomaly(True) shows that op")
-        entry, group = saved.entry, saved.group
-        if entry is None or group is None:
-            return tensor
-        if group.name in self._ahead:
-            self._first_read(group)
-        if not entry.resident:
-            if not self.load_on_demand:
-                raise SwapResidencyError(
-                    f"backward needs an activation of group {group.name!r}, which is "
-                    f"{group.state.value}: call launch_load and wait_load before backward (or "
-                    "create the manager with load_on_demand=True)")
-            warnings.warn(f"loading an activation of group {group.name!r} on demand; schedule "
-                          "launch_load/wait_load before backward to overlap the copy",
-                          stacklevel=2)
-            with self._lock:
-                self._transfers.load_now(group, entry)
-        return tensor
+        return self._read(saved)
 
-    # -- recomputed layers (see pipeswap.swap.recompute) -------------------------------------
+    # -- recomputed layers (see pipeswap.swap.layer_recompute) -----------------------------
 
     def record_layer(self, layer: torch.nn.Module, index: int, args: tuple[object, ...],
                      kwargs: dict[str, object]) -> None:
@@ -293,14 +109,11 @@ class SwapManager:
             raise SwapError(f"record_layer: layer {index} starts inside a recomputed layer; "
                             "recompute the outer layer or the inner ones, not both")
         call = Call(args, kwargs)
-        kept = []
-        for tensor in call.tensors:
-            saved = self._pack(tensor)
-            assert isinstance(saved, SavedEntry)
-            kept.append(saved)
+        kept = [self._save(name, tensor) for tensor in call.tensors]
         frame = Frame(layer, index, self._group(name, "record_layer"), call, kept)
-        with self._lock:
-            track(frame.group, frame)
+        with self._lock:  # weakly: the frame lives as long as autograd's nodes that hold it
+            frames = [ref for ref in self._frames.get(name, ()) if ref() is not None]
+            self._frames[name] = [*frames, weakref.ref(frame)]
         self._recording.set(frame)
 
     def end_recording(self, layer: torch.nn.Module) -> None:
@@ -326,8 +139,9 @@ class SwapManager:
         their weight gradients too): drop what they keep and what their recomputes left."""
         group = self._group(name, "release_remade")
         with self._lock:
-            for frame in frames_of(group):
-                frame.finish()
+            for ref in self._frames.get(group.name, ()):
+                if (frame := ref()) is not None:
+                    frame.finish()
 
     def remade_bytes(self, name: str) -> dict[int, int]:
         """Per recomputed layer of the group (by index), the device bytes its last recompute
@@ -353,7 +167,7 @@ class SwapManager:
             if self._releases and frame.made:  # taken already: read only to be freed
                 shape, dtype = frame.metas[holder.index]
                 return torch.zeros((), dtype=dtype, device=self._device).expand(shape)
-            frame.remake([self._unpack(saved) for saved in frame.kept],  # fills the slots
+            frame.remake([self._read(saved) for saved in frame.kept],  # fills the slots
                          lambda tensor: self._store(frame, tensor))
             with self._lock:
                 frame.group.remade[frame.index] = frame.remade
@@ -372,165 +186,6 @@ class SwapManager:
         return (self._skip_reason(tensor, nbytes) is not None or key in self._protected
                 or self._live_entry(self._owner.get(key), key) is not None)
 
-    def link_groups(self, names: Sequence[str]) -> None:
-        """Make ``names`` (one forward's per-layer groups, in order) one chain: a storage a
-        group saved that a later group of the chain saves again (a layer's output, saved by
-        the op that made it and by the next layer's first op) moves to the later group, which
-        leaves the device later and comes back earlier, instead of staying on the device."""
-        with self._lock:
-            self._next_chain += 1
-            for name in names:
-                self._group(name, "link_groups")
-                self._chains[name] = self._next_chain
-
-    def _chained(self, owner: Group, group: Group) -> bool:
-        """Whether ``group`` may take a storage ``owner`` saved: same chain, and the owner
-        has not released anything yet."""
-        chain = self._chains.get(owner.name)
-        return (chain is not None and chain == self._chains.get(group.name)
-                and owner.state in (GroupState.COLLECTING, GroupState.OFFLOADING))
-
-    def _hand_over(self, owner: Group, entry: StorageEntry, key: int, group: Group) -> None:
-        """Move a storage from ``owner`` to ``group`` (see :meth:`link_groups`); a copy of it
-        in flight in the owner's offload is dropped (its buffer returns once the copy ends)."""
-        del owner.storages[key]
-        if entry.host is not None:
-            entry.copying = owner.event
-        self._transfers.return_host(entry, owner.event)
-        for saved in entry.holders():
-            saved.group = group
-        entry.protected = entry.protected or key in group.protected_keys
-        group.storages[key] = entry
-        self._owner[key] = group.name
-
-    def load_ahead(self, names: Sequence[str], depth: int = 1) -> None:
-        """Stream a backward's loads: when backward first reads a saved activation of
-        ``names[k]``, that group is made resident (its load waited for, or done then if none
-        was launched) and the load of ``names[k - depth]`` is launched, so each copy overlaps
-        the backward of the ``depth`` groups after it (one more resident per ``depth`` over
-        1). ``names``: a forward's groups in the order it saved them (one per layer); launch
-        the last ``depth`` loads yourself. With a name missing or ``depth`` not 1 to
-        ``len(names)``, it raises and arms none."""
-        check_load_depth(depth, len(names), "load_ahead: depth")
-        with self._lock:
-            for name in names:
-                self._group(name, "load_ahead")
-            for index, name in enumerate(names):
-                self._ahead[name] = names[index - depth] if index >= depth else None
-
-    def _first_read(self, group: Group) -> None:
-        """Backward reached ``group`` for the first time (see :meth:`load_ahead`)."""
-        with self._lock:
-            if group.name not in self._ahead:  # another thread got here first
-                return
-            ahead = self._ahead[group.name]
-            self._make_resident(group)
-            del self._ahead[group.name]
-            following = self._groups.get(ahead) if ahead is not None else None
-            if following is not None:
-                if following.state is GroupState.OFFLOADING:
-                    self.wait_offload(following.name)
-                if following.state is GroupState.OFFLOADED:
-                    self.launch_load(following.name)
-
-    def _make_resident(self, group: Group) -> None:
-        if group.state is GroupState.OFFLOADING:
-            self._transfers.stop_offload(group)
-        if group.state is GroupState.OFFLOADED:
-            self.launch_load(group.name)
-        if group.state is GroupState.LOADING:
-            self.wait_load(group.name)
-
-    # -- transfers -------------------------------------------------------------------------
-
-    def launch_offload(self, name: str, *, copy_referenced: bool = False) -> None:
-        """Start copying the group's storages to host memory on the D2H stream; a storage that
-        something outside the saved activations references is not copied (it cannot be
-        freed), unless ``copy_referenced``: for a group launched while the forward still
-        holds its last tensors (a layer's input, in a per-layer group), which
-        :meth:`wait_offload` checks again before freeing."""
-        group = self._group(name, "launch_offload")
-        with self._lock:
-            expect(group, "launch_offload", GroupState.COLLECTING)
-            self._transfers.launch_offload(group, copy_referenced=copy_referenced)
-
-    def wait_offload(self, name: str, *, defer_referenced: bool = False) -> None:
-        """Make compute wait for the offload, then release the group's device storage (what
-        is still unreferenced outside the saved activations: the check is made again here).
-        With ``defer_referenced``, a storage still referenced keeps its host copy and waits,
-        without a warning, for :meth:`release_deferred` (a per-layer group freed while the
-        forward runs, whose tensors its caller may still hold: autocast's cast weights)."""
-        group = self._group(name, "wait_offload")
-        with self._lock:
-            expect(group, "wait_offload", GroupState.OFFLOADING)
-            self._transfers.wait_offload(group, defer_referenced=defer_referenced)
-
-    def release_deferred(self, name: str) -> None:
-        """Release what :meth:`wait_offload` deferred in an offloaded group, now that nothing
-        else references it; what is still referenced stays on the device (with a warning)."""
-        group = self._group(name, "release_deferred")
-        with self._lock:
-            expect(group, "release_deferred", GroupState.OFFLOADED)
-            self._transfers.release_deferred(group)
-
-    def launch_load(self, name: str) -> None:
-        """Re-allocate the group's storages and start copying them back on the H2D stream."""
-        group = self._group(name, "launch_load")
-        with self._lock:
-            if group.state is GroupState.OFFLOADING:
-                raise SwapError(f"launch_load({name!r}): group is offloading; call "
-                                "wait_offload first (load before the offload finished)")
-            expect(group, "launch_load", GroupState.OFFLOADED)
-            self._transfers.launch_load(group)
-
-    def wait_load(self, name: str) -> None:
-        """Make compute wait for the load; the activations are usable again."""
-        group = self._group(name, "wait_load")
-        with self._lock:
-            expect(group, "wait_load", GroupState.LOADING)
-            self._transfers.wait_load(group)
-
-    def finish_group(self, name: str) -> None:
-        """Forget a group whose activations are resident (after its backward)."""
-        group = self._group(name, "finish_group")
-        with self._lock:
-            expect(group, "finish_group", GroupState.RESIDENT, GroupState.COLLECTING)
-            self._drop(group, GroupState.DONE)
-
-    def abort_group(self, name: str) -> None:
-        """Stop whatever the group is doing: wait for its transfers, put every freed storage
-        back on the device, return every host buffer, forget the group. Missing: no-op."""
-        with self._lock:
-            group = self._groups.get(name)
-            if group is None:
-                return
-            try:
-                self._transfers.abort(group)
-            finally:  # a failed copy raised: still forget the group
-                self._drop(group, GroupState.ABORTED)
-
-    def end_group(self, name: str) -> None:
-        """Forget a group after its backward, whatever its state: a per-layer group whose
-        tensors backward never read may still be offloaded; what of it is still alive comes
-        back first (another backward may yet read it)."""
-        group = self._group(name, "end_group")
-        if group.state is GroupState.LOADING:
-            self.wait_load(name)
-        if group.state in (GroupState.RESIDENT, GroupState.COLLECTING):
-            self.finish_group(name)
-        else:
-            self.abort_group(name)
-
-    def _drop(self, group: Group, state: GroupState) -> None:
-        self._ahead.pop(group.name, None)
-        self._chains.pop(group.name, None)
-        for key, entry in group.storages.items():
-            self._ledger.uncount(entry)
-            if self._owner.get(key) == group.name:
-                del self._owner[key]
-        group.state = state
-        group.storages.clear()
-        del self._groups[group.name]
 
     # -- accounting ------------------------------------------------------------------------
 
@@ -574,23 +229,7 @@ class SwapManager:
             return self._ledger.stats(self._transfers.pool)
 
 
-def _storage_key(tensor: torch.Tensor) -> int:
-    """Identity of the tensor's storage, shared by all its views and ``.data``/``.detach()``
-    aliases, and stable while the storage is resized to zero (its data pointer is not)."""
-    key: int = tensor.untyped_storage()._cdata
-    return key
-
-
-def _tensors(tree: object) -> Iterator[torch.Tensor]:
-    """Every tensor in a nest of lists, tuples, dicts and sets."""
-    import torch
-
-    stack = [tree]
-    while stack:
-        item = stack.pop()
-        if isinstance(item, torch.Tensor):
-            yield item
-        elif isinstance(item, dict):
-            stack.extend(item.values())
-        elif isinstance(item, (list, tuple, set, frozenset)):
-            stack.extend(item)
+    def _drop(self, group: Group, state: GroupState) -> None:
+        """Forget the group and its recomputed layers."""
+        super()._drop(group, state)
+        self._frames.pop(group.name, None)

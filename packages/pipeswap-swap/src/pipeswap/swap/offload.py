@@ -7,7 +7,7 @@ leaving (its backward comes first). This is the per-layer machinery the pipeline
 streams chunks with (:mod:`pipeswap.swap.layers`), on its own.
 
 Layers named in ``recompute`` keep only their inputs, which offload like any saved activation,
-and run again just before their backward (:mod:`pipeswap.swap.recompute`): the choice
+and run again just before their backward (:mod:`pipeswap.swap.layer_recompute`): the choice
 between keeping, offloading and recomputing a layer that the pipeline planner makes per
 chunk, here for one process.
 
@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 from pipeswap.platform import Platform, get_platform
 from pipeswap.swap.layers import LayerChain, layer_hooks
 from pipeswap.swap.manager import SwapManager
-from pipeswap.swap.recompute import recompute_hooks
+from pipeswap.swap.layer_recompute import recompute_hooks
 from pipeswap.swap.values import SwapError, check_load_depth
 
 if TYPE_CHECKING:

@@ -4,6 +4,7 @@ that copy, or none once compute has waited for it: see :mod:`pipeswap.swap.trans
 
 from __future__ import annotations
 
+import os
 import threading
 from collections import Counter, deque
 from collections.abc import Sequence
@@ -35,8 +36,6 @@ def default_pool_bytes() -> int:
     processes a launcher started on it (``LOCAL_WORLD_SIZE``, as torchrun sets it; else one),
     and at least 1 GiB. Pinned memory cannot be paged out, so no process may take it all; a
     rank of a large model offloads tens of GB in a step, so a fixed cap would be too small."""
-    import os
-
     try:
         physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (AttributeError, OSError, ValueError):  # no such figures here

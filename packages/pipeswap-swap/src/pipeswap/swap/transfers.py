@@ -9,7 +9,7 @@ last copy, or with none once compute has waited for that copy: every copy into a
 is queued after an event that its offload's launch records on compute, so the device orders
 the reuse, and the next offload takes the buffer even while the host has yet to see the copy
 end, instead of pinning another. Each method is called with the manager's lock held, after the
-manager checked that the group's state allows the call (:func:`~pipeswap.swap.groups.expect`),
+manager checked that the group's state allows the call (:func:`~pipeswap.swap.group_state.expect`),
 and moves the group to its next state.
 """
 
@@ -20,7 +20,7 @@ from contextlib import suppress
 from typing import TYPE_CHECKING
 
 from pipeswap.platform import Event, Platform, Stream
-from pipeswap.swap.groups import Group, StorageEntry
+from pipeswap.swap.group_state import Group, StorageEntry
 from pipeswap.swap.ledger import Ledger
 from pipeswap.swap.pool import HostBufferPool, default_pool_bytes
 from pipeswap.swap.references import referenced_elsewhere

@@ -22,18 +22,17 @@ move once).
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Callable, Container, Iterator
 from contextlib import ExitStack, contextmanager
 from contextvars import ContextVar
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Protocol
 
+from pipeswap.swap.group_state import Group, SavedEntry, StorageEntry
 from pipeswap.swap.values import SwapError
 
 if TYPE_CHECKING:
     import torch
 
-    from pipeswap.swap.groups import Group, SavedEntry, StorageEntry
     from pipeswap.swap.ledger import Ledger
 
 _remaking: ContextVar[bool] = ContextVar("pipeswap_swap_remaking", default=False)
@@ -101,7 +100,7 @@ class Frame:
         import torch
         from torch.utils._pytree import tree_unflatten
 
-        leaves: list[Any] = []
+        leaves: list[object] = []
         tensors = iter(inputs)
         for leaf, grad in zip(self.leaves, self.grads):
             leaves.append(next(tensors).detach().requires_grad_(grad) if leaf is _TENSOR
@@ -142,8 +141,6 @@ class Frame:
         ``ledger`` as held until autograd frees it, unless ``counted(tensor, key, nbytes)``
         says it is counted already or never is. Raises :class:`Enough` once every slot is
         filled."""
-        from pipeswap.swap.groups import SavedEntry, StorageEntry
-
         index = self.made
         if index >= len(self.metas) or self.metas[index] != (tensor.shape, tensor.dtype):
             raise SwapError(
@@ -212,7 +209,7 @@ class RandomState:
             yield
 
 
-def autocast_state(tensors: list[torch.Tensor]) -> list[tuple[str, bool, Any]]:
+def autocast_state(tensors: list[torch.Tensor]) -> list[tuple[str, bool, torch.dtype]]:
     """Whether autocast is on, and to which dtype, for the CPU and the tensors' device."""
     import torch
 
@@ -233,7 +230,7 @@ class Call:
     """A layer call as leaves (each tensor replaced by a marker), whether each required
     grad, its structure, and its tensors in order."""
 
-    def __init__(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    def __init__(self, args: tuple[object, ...], kwargs: dict[str, object]) -> None:
         import torch
         from torch.utils._pytree import tree_flatten
 
@@ -243,10 +240,20 @@ class Call:
         self.grads = [isinstance(leaf, torch.Tensor) and leaf.requires_grad for leaf in leaves]
 
 
-def recompute_hooks(manager: Any, layers: list[torch.nn.Module],
+class Recorder(Protocol):
+    """What :func:`recompute_hooks` calls: a :class:`~pipeswap.swap.SwapManager`'s two
+    methods (named by this protocol, as the manager imports this module)."""
+
+    def record_layer(self, layer: torch.nn.Module, index: int, args: tuple[object, ...],
+                     kwargs: dict[str, object]) -> None: ...
+
+    def end_recording(self, layer: torch.nn.Module) -> None: ...
+
+
+def recompute_hooks(manager: Recorder, layers: list[torch.nn.Module],
                     chosen: Callable[[], Container[int] | None],
-                    started: Callable[[int, tuple[Any, ...], dict[str, Any]], None] | None = None
-                    ) -> Callable[[], None]:
+                    started: Callable[[int, tuple[object, ...], dict[str, object]], None]
+                    | None = None) -> Callable[[], None]:
     """Hooks on ``layers`` that make the layers whose indices ``chosen()`` holds (None: none)
     record their forward for a recompute in ``manager`` (a
     :class:`~pipeswap.swap.SwapManager`, inside one of its groups); ``started(index, args,
@@ -255,7 +262,7 @@ def recompute_hooks(manager: Any, layers: list[torch.nn.Module],
     Returns the function that removes them."""
     handles = []
     for index, layer in enumerate(layers):
-        def before(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
+        def before(module: torch.nn.Module, args: tuple[object, ...], kwargs: dict[str, object],
                    index: int = index) -> None:
             picked = chosen()
             if picked is None or remaking():
@@ -265,7 +272,7 @@ def recompute_hooks(manager: Any, layers: list[torch.nn.Module],
             if index in picked:
                 manager.record_layer(module, index, args, kwargs)
 
-        def after(module: torch.nn.Module, args: tuple[Any, ...], output: object) -> None:
+        def after(module: torch.nn.Module, args: tuple[object, ...], output: object) -> None:
             if not remaking():
                 manager.end_recording(module)
 
@@ -281,14 +288,3 @@ def recompute_hooks(manager: Any, layers: list[torch.nn.Module],
 
     return remove
 
-
-def frames_of(group: Group) -> list[Frame]:
-    """The group's recomputed layers still alive."""
-    return [frame for ref in group.frames if (frame := ref()) is not None]
-
-
-def track(group: Group, frame: Frame) -> None:
-    """Remember ``frame`` in its group, weakly: it lives as long as autograd's nodes that
-    hold its placeholders."""
-    group.frames = [ref for ref in group.frames if ref() is not None]
-    group.frames.append(weakref.ref(frame))

@@ -23,8 +23,6 @@ from pipeswap.swap.values import GroupState, SwapError
 if TYPE_CHECKING:
     import torch
 
-    from pipeswap.swap.recompute import Frame
-
 
 @dataclass
 class StorageEntry:
@@ -84,9 +82,8 @@ class Group:
     # the destinations of the load in flight: they keep its storages allocated until the
     # copy is waited for, even if autograd frees the saved tensors before (an unread layer)
     targets: list[torch.Tensor] = field(default_factory=list)
-    # its recomputed layers, weakly (autograd's nodes keep them), and the bytes each one's
-    # last recompute made, by layer index (see pipeswap.swap.recompute)
-    frames: list[weakref.ref[Frame]] = field(default_factory=list)
+    # the bytes each of its recomputed layers' last recompute made, by layer index (see
+    # pipeswap.swap.layer_recompute)
     remade: dict[int, int] = field(default_factory=dict)
 
     def swappable(self) -> list[StorageEntry]:
