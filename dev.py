@@ -111,17 +111,7 @@ MAX_CLASS_LINES = 300
 LONG_UNITS: dict[str, str] = {
     "packages/pipeswap-runtime/src/pipeswap/runtime/executor/pipeline_executor.py::PipelineExecutor":
         "being split",
-    "packages/pipeswap-runtime/src/pipeswap/runtime/train/cli.py::parse_args":
-        "being split",
     "packages/pipeswap-runtime/src/pipeswap/runtime/train/trainer.py::Trainer.run_mode":
-        "being split",
-    "packages/pipeswap-schedule/src/pipeswap/schedule/cli.py::_parser":
-        "being split",
-    "packages/pipeswap-schedule/src/pipeswap/schedule/policies/_layer_plan.py::LayerPlan":
-        "being split",
-    "packages/pipeswap-schedule/src/pipeswap/schedule/policies/peak.py::PeakPolicy":
-        "being split",
-    "packages/pipeswap-schedule/src/pipeswap/schedule/simulate.py::_walk":
         "being split",
 }
 DEMO = ["pipeswap-train"]  # 1F1B on 4 spawned CPU ranks, without and with swap, compared

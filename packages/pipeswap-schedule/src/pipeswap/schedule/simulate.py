@@ -258,65 +258,141 @@ def _walk(orders: list[tuple[int, Order]], stage_ranks: tuple[int, ...] | None,
     """Run ``orders`` (rank, order) together, each rank's output published in ``ready``
     (and its computes and messages in ``log``); without ``stage_ranks`` (a rank alone) no
     stage hands off to another on its rank."""
-    flat = [_flatten(order) for _, order in orders]
-    ranks = [RankState(r, f.leaves, costs.rank_link(r), timeline, split=f.split,
-                       recomputed=f.recomputed) for (r, _), f in zip(orders, flat)]
-    # ("F", s, m): stage s's output for micro m is where stage s + 1 runs; ("B", s, m): the
-    # gradient of stage s's input is where stage s - 1 runs. Value: the time it got there.
-    waiting: dict[Message, list[int]] = defaultdict(list)
-    runnable = list(range(len(ranks)))  # positions in ranks
-    position = {rank: k for k, (rank, _) in enumerate(orders)}
-    transfer = costs.p2p_time()
-    bytes_of = _ChunkBytesCache(costs)
-    if any(f.streams or f.recomputed for f in flat):
-        for rank, order in orders:
-            check_order_layer_counts(
-                rank, order, lambda key: len(bytes_of.layers(key)),
-                "the cost model gives a chunk of stage {stage} {layers} layer(s) "
-                "(--layers-per-stage; CostModel.layers, StageCosts.layers or the chunk's "
-                "measured ChunkBytes.layers)")
-    times: dict[tuple[StepType, int, int], float] = {}
+    walk = _Walk(orders, stage_ranks, last_stage, costs, timeline, ready, log)
+    ranks, runnable, advance = walk.ranks, walk.runnable, walk.advance
+    while runnable:
+        advance(ranks[heapq.heappop(runnable)])
+    unfinished = [s.rank for s in ranks if s.index < len(s.leaves)]
+    if unfinished:  # validate() proved the orders run together; this would be a bug here
+        raise AssertionError(f"simulation stalled on ranks {unfinished}")
+    return ranks
 
-    def duration_of(kind: StepType, stage: int, rank: int) -> float:
-        found = times.get((kind, stage, rank))
+
+class _Walk:
+    """What the ranks of one :func:`_walk` share: the messages each waits for, the ranks
+    free to run on, and the costs looked up once."""
+
+    __slots__ = ("ranks", "ready", "log", "stage_ranks", "last_stage", "costs", "waiting",
+                 "runnable", "position", "transfer", "bytes_of", "times")
+
+    def __init__(self, orders: list[tuple[int, Order]], stage_ranks: tuple[int, ...] | None,
+                 last_stage: int, costs: CostModel, timeline: bool,
+                 ready: dict[Message, float], log: MessageLog | None) -> None:
+        flat = [_flatten(order) for _, order in orders]
+        self.ranks = [RankState(r, f.leaves, costs.rank_link(r), timeline, split=f.split,
+                                recomputed=f.recomputed) for (r, _), f in zip(orders, flat)]
+        self.ready, self.log, self.costs = ready, log, costs
+        self.stage_ranks, self.last_stage = stage_ranks, last_stage
+        # ("F", s, m): stage s's output for micro m is where stage s + 1 runs; ("B", s, m):
+        # the gradient of stage s's input is where stage s - 1 runs. Value: the time it got
+        # there.
+        self.waiting: dict[Message, list[int]] = defaultdict(list)
+        self.runnable = list(range(len(self.ranks)))  # positions in ranks
+        self.position = {rank: k for k, (rank, _) in enumerate(orders)}
+        self.transfer = costs.p2p_time()
+        self.bytes_of = bytes_of = _ChunkBytesCache(costs)
+        if any(f.streams or f.recomputed for f in flat):
+            for rank, order in orders:
+                check_order_layer_counts(
+                    rank, order, lambda key: len(bytes_of.layers(key)),
+                    "the cost model gives a chunk of stage {stage} {layers} layer(s) "
+                    "(--layers-per-stage; CostModel.layers, StageCosts.layers or the chunk's "
+                    "measured ChunkBytes.layers)")
+        self.times: dict[tuple[StepType, int, int], float] = {}
+
+    def duration_of(self, kind: StepType, stage: int, rank: int) -> float:
+        found = self.times.get((kind, stage, rank))
         if found is None:
-            found = times[(kind, stage, rank)] = costs.compute_time(kind, stage, rank)
+            found = self.times[(kind, stage, rank)] = self.costs.compute_time(kind, stage, rank)
         return found
 
-    def publish(rank: int, key: Message, at: float) -> None:
-        ready[key] = at
-        if log is not None:
-            log.published(rank, key)
-        for rank in waiting.pop(key, ()):
-            heapq.heappush(runnable, rank)
+    def publish(self, rank: int, key: Message, at: float) -> None:
+        self.ready[key] = at
+        if self.log is not None:
+            self.log.published(rank, key)
+        for rank in self.waiting.pop(key, ()):
+            heapq.heappush(self.runnable, rank)
 
-    def compute(state: RankState, leaf: Step, kind: StepType, key: ChunkKey,
+    def advance(self, state: RankState) -> None:
+        """Run the rank's leaves until one waits for another rank, or none is left."""
+        leaves, index = state.leaves, state.index
+        ready, last_stage = self.ready, self.last_stage
+        while index < len(leaves):
+            leaf = leaves[index]
+            kind = leaf.type
+            if kind in COMPUTE:
+                stage, micro = leaf.stage, leaf.micro
+                assert stage is not None and micro is not None  # a leaf of a chunk
+                wanted: Message | None
+                if kind is _F:
+                    wanted = None if stage == 0 else ("F", stage - 1, micro)
+                elif kind is _W or stage == last_stage:
+                    wanted = None
+                else:
+                    wanted = ("B", stage + 1, micro)
+                if wanted is not None and wanted not in ready:
+                    self.waiting[wanted].append(self.position[state.rank])
+                    break
+                self.compute(state, leaf, kind, (stage, micro), wanted)
+            elif kind is _SEND_F or kind is _SEND_B:
+                stage, micro = leaf.stage, leaf.micro
+                assert stage is not None and micro is not None  # a leaf of a chunk
+                self.publish(state.rank, ("F" if kind is _SEND_F else "B", stage, micro),
+                             state.compute + self.transfer)
+            elif kind in _SWAPS:
+                self.swap(state, leaf, kind)
+            elif kind is _UNSHARD or kind is _RESHARD:
+                state.gather(_gathered_change(self.costs, leaf))
+            # FSDP steps take no time
+            index += 1
+        state.index = index
+
+    def swap(self, state: RankState, leaf: Step, kind: StepType) -> None:
+        """A swap step: a chunk's whole copy, or a streamed chunk's layers."""
+        stage, micro = leaf.stage, leaf.micro
+        assert stage is not None and micro is not None  # a leaf of a chunk
+        key = (stage, micro)
+        bytes_of = self.bytes_of
+        recomputed = state.recomputed.get(key)
+        redo = None if recomputed is None else bytes_of.recomputed(key, recomputed)
+        if kind is _SO:
+            state.streams[key] = Streamed(
+                leaf.lag or 1, bytes_of.layers(key) if redo is None else redo.layers)
+        streamed = state.streams.get(key)
+        if streamed is None:
+            kept = bytes_of(key) if redo is None else redo.chunk
+            swap_whole(state, leaf, key, kept.movable)
+        else:
+            stream_swap(state, leaf, streamed)
+
+    def compute(self, state: RankState, leaf: Step, kind: StepType, key: ChunkKey,
                 wanted: Message | None) -> None:
+        """A compute leaf whose input is there: its time, and what it holds or frees."""
         stage, micro = key
-        start = state.compute if wanted is None else max(state.compute, ready[wanted])
-        duration = duration_of(kind, stage, state.rank)
-        chunk = plain = bytes_of(key)
+        start = state.compute if wanted is None else max(state.compute, self.ready[wanted])
+        duration = self.duration_of(kind, stage, state.rank)
+        chunk = plain = self.bytes_of(key)
         split_input = kind is _I and key in state.split
         redo = None
         again = 0.0  # in a backward, before each recomputed layer's own part
         recomputed = state.recomputed.get(key)
         if recomputed is not None:
-            redo = bytes_of.recomputed(key, recomputed)
+            redo = self.bytes_of.recomputed(key, recomputed)
             chunk = redo.chunk
             if kind is not _F:  # a recomputed layer's W runs in I, from what I made again
                 redone = len(redo.chosen)
-                w_share = duration_of(_W, stage, state.rank) / len(redo.layers)
+                w_share = self.duration_of(_W, stage, state.rank) / len(redo.layers)
                 if kind is _W:  # (never below 0 by a rounding, every layer recomputed)
                     duration = max(0.0, duration - w_share * redone)
                 else:
-                    forward = duration_of(_F, stage, state.rank) / len(redo.layers)
+                    forward = self.duration_of(_F, stage, state.rank) / len(redo.layers)
                     again = forward + (w_share if split_input else 0.0)
                     state.recomputed_layers += redone
                     state.recompute_s += forward * redone
         seconds = duration + again * (0 if redo is None else len(redo.chosen))
         state.busy += seconds
-        if log is not None:
-            log.computed(state.rank, wanted, seconds, kind is _W)
+        if self.log is not None:
+            self.log.computed(state.rank, wanted, seconds, kind is _W)
         streamed = state.streams.get(key) if kind is not _W else None
         if streamed is not None:
             if kind is _F:
@@ -334,72 +410,21 @@ def _walk(orders: list[tuple[int, Order]], stage_ranks: tuple[int, ...] | None,
             if streamed is None:
                 state.change(chunk.total)
             state.forwarded[key] = end
-            if stage_ranks and stage < last_stage and stage_ranks[stage + 1] == state.rank:
-                publish(state.rank, ("F", stage, micro), end)  # local hand-off
+            stage_ranks = self.stage_ranks
+            if stage_ranks and stage < self.last_stage and stage_ranks[stage + 1] == state.rank:
+                self.publish(state.rank, ("F", stage, micro), end)  # local hand-off
             return
         if kind is not _W:
             state.lifespans[key] = start - state.forwarded[key]
+            stage_ranks = self.stage_ranks
             if stage_ranks and stage > 0 and stage_ranks[stage - 1] == state.rank:
-                publish(state.rank, ("B", stage, micro), end)
+                self.publish(state.rank, ("B", stage, micro), end)
         state.change_plain(-_freed(kind, plain, split_input))
         if streamed is not None or (redo is not None and kind is not _W and not split_input):
             return  # freed layer by layer
         freed = _freed(kind, chunk, split_input)
         if freed or not split_input:
             state.change(-freed)
-
-    def advance(state: RankState) -> None:
-        """Run the rank's leaves until one waits for another rank, or none is left."""
-        leaves, index = state.leaves, state.index
-        while index < len(leaves):
-            leaf = leaves[index]
-            kind = leaf.type
-            if kind in COMPUTE:
-                stage, micro = leaf.stage, leaf.micro
-                assert stage is not None and micro is not None  # a leaf of a chunk
-                wanted: Message | None
-                if kind is _F:
-                    wanted = None if stage == 0 else ("F", stage - 1, micro)
-                elif kind is _W or stage == last_stage:
-                    wanted = None
-                else:
-                    wanted = ("B", stage + 1, micro)
-                if wanted is not None and wanted not in ready:
-                    waiting[wanted].append(position[state.rank])
-                    break
-                compute(state, leaf, kind, (stage, micro), wanted)
-            elif kind is _SEND_F or kind is _SEND_B:
-                stage, micro = leaf.stage, leaf.micro
-                assert stage is not None and micro is not None  # a leaf of a chunk
-                publish(state.rank, ("F" if kind is _SEND_F else "B", stage, micro),
-                        state.compute + transfer)
-            elif kind in _SWAPS:
-                stage, micro = leaf.stage, leaf.micro
-                assert stage is not None and micro is not None  # a leaf of a chunk
-                key = (stage, micro)
-                recomputed = state.recomputed.get(key)
-                redo = None if recomputed is None else bytes_of.recomputed(key, recomputed)
-                if kind is _SO:
-                    state.streams[key] = Streamed(
-                        leaf.lag or 1, bytes_of.layers(key) if redo is None else redo.layers)
-                streamed = state.streams.get(key)
-                if streamed is None:
-                    kept = bytes_of(key) if redo is None else redo.chunk
-                    swap_whole(state, leaf, key, kept.movable)
-                else:
-                    stream_swap(state, leaf, streamed)
-            elif kind is _UNSHARD or kind is _RESHARD:
-                state.gather(_gathered_change(costs, leaf))
-            # FSDP steps take no time
-            index += 1
-        state.index = index
-
-    while runnable:
-        advance(ranks[heapq.heappop(runnable)])
-    unfinished = [s.rank for s in ranks if s.index < len(s.leaves)]
-    if unfinished:  # validate() proved the orders run together; this would be a bug here
-        raise AssertionError(f"simulation stalled on ranks {unfinished}")
-    return ranks
 
 
 def _gathered_change(costs: CostModel, leaf: Step) -> int:
