@@ -124,7 +124,7 @@ def pytree_rank(rank: int, world: int, kind: str) -> dict[str, Any]:
     """One rank of the pytree job: 2 stages of 2 x ``world``; its gradients against the
     unsplit model's, computed here on this rank's device."""
     from pipeswap.platform import get_platform
-    from pipeswap.runtime import PipelineExecutor, PipelineStage
+    from pipeswap.runtime import PipelineExecutor, PipelineStage, SwapOptions
     from pipeswap.runtime.models.gpt import lm_loss
     from pipeswap.schedule import MinGapPolicy, ScheduleKind, ScheduleSpec, build_schedule
 
@@ -145,8 +145,8 @@ def pytree_rank(rank: int, world: int, kind: str) -> dict[str, Any]:
     modules = [module.to(device) for module in pytree_modules(stages)]
     mine = [PipelineStage(module, index, stages) for index, module in enumerate(modules)
             if placement[index] == rank]
-    executor = PipelineExecutor(mine, spec, microbatches, lm_loss, swap=True,
-                                swap_policy=MinGapPolicy(3), platform=get_platform(str(device)))
+    executor = PipelineExecutor(mine, spec, microbatches, lm_loss, swap=SwapOptions(MinGapPolicy(3)),
+                                platform=get_platform(str(device)))
     executor.step(ids, targets)  # the first step also exchanges the boundaries' shapes
     for stage in mine:
         stage.module.zero_grad(set_to_none=True)
@@ -208,7 +208,7 @@ def gpt_parts(world: int, device: torch.device
 def recover_rank(rank: int, world: int, kind: str, failing: int, timeout_s: float
                  ) -> dict[str, Any]:
     from pipeswap.platform import get_platform
-    from pipeswap.runtime import PeerFailedError, PipelineExecutor, PipelineStage
+    from pipeswap.runtime import PeerFailedError, PipelineExecutor, PipelineStage, SwapOptions
     from pipeswap.runtime.models.gpt import lm_loss
     from pipeswap.schedule import MinGapPolicy
 
@@ -216,7 +216,7 @@ def recover_rank(rank: int, world: int, kind: str, failing: int, timeout_s: floa
     modules, inputs, targets, microbatches = gpt_parts(world, device)
     module = FailAt(modules[rank]).to(device)
     executor = PipelineExecutor([PipelineStage(module, rank, world)], "1f1b", microbatches,
-                                lm_loss, swap=True, swap_policy=MinGapPolicy(),
+                                lm_loss, swap=SwapOptions(MinGapPolicy()),
                                 platform=get_platform(str(device)))
 
     def clean_step() -> tuple[list[float], list[torch.Tensor]]:

@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from pipeswap.runtime import DataParallel
 from pipeswap.runtime import PipelineExecutor, PipelineStage
 from pipeswap.runtime.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from pipeswap.runtime.models.data import Corpus, batches
@@ -52,7 +53,7 @@ def _job(rank: int, config: TrainConfig, model_seed: int, run: bool = True) -> J
     optimizer = torch.optim.AdamW([p for s in stages for p in s.module.parameters()],
                                   lr=training.lr)
     executor = PipelineExecutor(stages, spec, parallel.microbatches, lm_loss,
-                                mesh=mesh) if run else None
+                                data_parallel=DataParallel(mesh)) if run else None
     rows = slice(dp_rank * training.batch_size // parallel.dp,
                  (dp_rank + 1) * training.batch_size // parallel.dp)
     data = [(x[rows], y[rows]) for x, y in

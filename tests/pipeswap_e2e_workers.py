@@ -8,6 +8,7 @@ import warnings
 
 import torch
 
+from pipeswap.runtime import FailureHandling, SwapOptions
 from pipeswap.runtime import PipelineExecutor, PipelineStage
 from pipeswap.runtime.distributed.launch import mark_step
 from pipeswap.runtime.models.gpt import lm_loss
@@ -156,7 +157,7 @@ def fault_injection(rank: int, world_size: int, failing_rank: int, microbatches:
     module = FailAt(modules[rank])
     # The gap rule swaps on ranks 0-2, so failures meet copies in flight on several ranks.
     executor = PipelineExecutor([PipelineStage(module, rank, world_size)], "1f1b", microbatches,
-                                lm_loss, swap=True, swap_policy=MinGapPolicy())
+                                lm_loss, swap=SwapOptions(MinGapPolicy()))
     ((inputs, targets),) = batches(corpus.encode(), microbatches, 16, 1, 0)
 
     def clean_step() -> tuple[tuple[float, ...], list[torch.Tensor]]:
@@ -258,7 +259,7 @@ class Stops(torch.nn.Module):
 
 
 def watched_stop(rank: int, world_size: int, timeout_s: float) -> dict[str, object]:
-    """Two ranks watched with ``failure_timeout_s=timeout_s``: a step, then one in which
+    """Two ranks watched with ``FailureHandling(timeout_s)``: a step, then one in which
     rank 1 stops. Rank 0 sends it SIGCONT once its own step failed."""
     import signal
     import time
@@ -272,7 +273,7 @@ def watched_stop(rank: int, world_size: int, timeout_s: float) -> dict[str, obje
     torch.manual_seed(0)
     module = Stops() if rank == 1 else torch.nn.Linear(8, 8)
     executor = PipelineExecutor([PipelineStage(module, rank, world_size)], "gpipe", 2, _mse,
-                                failure_timeout_s=timeout_s)
+                                failure=FailureHandling(timeout_s))
     batch = (torch.randn(4, 8), torch.randn(4, 8))
     result: dict[str, object] = {"operation_timeout": executor._operation_timeout}
     executor.step(*batch)

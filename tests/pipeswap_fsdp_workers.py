@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from pipeswap.runtime import DataParallel, SwapOptions
 from pipeswap.runtime import (
     PeerFailedError,
     PipelineError,
@@ -48,8 +49,9 @@ def _executor(rank: int, by_groups: bool = False
     stages = build_stages(CONFIG, len(corpus.vocab), build_schedule(spec).stage_ranks,
                           pp_rank, mesh, torch.device("cpu"))
     executor = PipelineExecutor(
-        stages, spec, CONFIG.parallel.microbatches, lm_loss, swap_policy=MinGapPolicy(),
-        **({"dp_group": mesh.get_group("dp")} if by_groups else {"mesh": mesh}))
+        stages, spec, CONFIG.parallel.microbatches, lm_loss, swap=SwapOptions(MinGapPolicy()),
+        data_parallel=DataParallel(group=mesh.get_group("dp")) if by_groups
+        else DataParallel(mesh))
     half = CONFIG.training.batch_size // CONFIG.parallel.dp
     data = [t[dp_rank * half:(dp_rank + 1) * half] for pair in
             batches(corpus.encode(), CONFIG.training.batch_size, CONFIG.model.seq_len, 2, 0)
@@ -169,7 +171,8 @@ def replicas_without_fsdp(rank: int, world_size: int) -> str:
     mesh = init_device_mesh("cpu", (1, world_size), mesh_dim_names=("pp", "dp"))
     stage = PipelineStage(torch.nn.Linear(4, 4), 0, 1, mesh.get_group("pp"))
     try:
-        PipelineExecutor([stage], "gpipe", 2, torch.nn.functional.mse_loss, mesh=mesh)
+        PipelineExecutor([stage], "gpipe", 2, torch.nn.functional.mse_loss,
+                         data_parallel=DataParallel(mesh))
     except PipelineSetupError as exc:
         return str(exc)
     return "built"

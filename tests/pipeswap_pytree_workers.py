@@ -11,6 +11,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from pipeswap.runtime import SwapOptions
 from pipeswap.runtime import PipelineExecutor, PipelineStage
 from pipeswap.runtime.distributed.transport import _AGREE_TAG
 from pipeswap.runtime.models.gpt import lm_loss
@@ -102,8 +103,7 @@ def train(rank: int, world_size: int, schedule: str, swap: bool) -> dict[str, An
     modules = build()
     stages = [PipelineStage(module, index, 4) for index, module in enumerate(modules)
               if placement[index] == rank]
-    executor = PipelineExecutor(stages, spec, MICRO, lm_loss, swap=swap,
-                                swap_policy=MinGapPolicy(3) if swap else None)
+    executor = PipelineExecutor(stages, spec, MICRO, lm_loss, swap=SwapOptions(MinGapPolicy(3)) if swap else False)
     calls: Counter[str] = Counter()
     originals = {"batch_isend_irecv": dist.batch_isend_irecv}
 

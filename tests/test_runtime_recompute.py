@@ -19,7 +19,7 @@ import torch
 
 from pipeswap.runtime.models.data import Corpus
 from pipeswap.runtime.train import ModeResult, TrainConfig, run_rank, stage_layer_counts
-from pipeswap.runtime.train.policy import budget_policy
+from pipeswap.runtime.executor.planning import budget_policy
 from pipeswap.schedule import (
     ChunkKey,
     Schedule,
@@ -109,7 +109,9 @@ def test_a_budget_swapping_alone_cannot_meet_is_met_by_recomputing() -> None:
                    for key, sizes in plain.layer_held.items())
         assert all(len(plain.layer_inputs[key]) == len(sizes)
                    for key, sizes in plain.layer_held.items())
-        never = budget_policy(config.but(recompute="never"), plain, layer_counts)
+        assert config.swap.budget is not None
+        never = budget_policy(plain.measured(), layer_counts, config.swap.budget,
+                              granularity=config.swap.granularity, recompute="never")
         build_schedule(_spec(config), never)
         swap_only.append(never.outcomes[rank].shortfall)
         swap = result["swap"]

@@ -18,6 +18,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from pipeswap.platform import get_platform
+from pipeswap.runtime import SwapOptions
 from pipeswap.runtime import PipelineExecutor, PipelineStage
 from pipeswap.runtime.executor import backward
 from pipeswap.runtime.executor import backward_split as analysis
@@ -559,8 +560,7 @@ def test_the_executor_splits_zbv_backwards_into_exact_i_and_w_steps(group: None)
                   for index, part in enumerate(split_stages(model, 2))]
         spec = ScheduleSpec(ScheduleKind(kind), ranks=1, microbatches=4, stages_per_rank=2)
         # The gap rule swaps every chunk it can: exactness is tested on real copies.
-        executor = PipelineExecutor(stages, spec, 4, lm_loss, swap=swap,
-                                    swap_policy=MinGapPolicy(3) if swap else None)
+        executor = PipelineExecutor(stages, spec, 4, lm_loss, swap=SwapOptions(MinGapPolicy(3)) if swap else False)
         report = executor.step(*batch)
         assert executor.manager.active_group_count() == 0
         assert (report.bytes_offloaded > 0) == swap
@@ -600,7 +600,7 @@ def _recomputed_split(layers: list[torch.nn.Module], chosen: set[int], x: torch.
                       run: Callable[..., Any]) -> None:
     """I then W of one chunk whose ``chosen`` layers are recomputed, as the executor runs
     them: I with their parameters, then their frames dropped, then W."""
-    from pipeswap.swap.recompute import recompute_hooks
+    from pipeswap.swap import recompute_hooks
 
     manager = SwapManager(get_platform("cpu"))
     recording: list[set[int] | None] = [chosen]

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from pipeswap.platform import get_platform
+from pipeswap.runtime import Measure, SwapOptions
 from pipeswap.runtime import PipelineExecutor, PipelineSetupError, PipelineStage, Replay
 from pipeswap.runtime.executor.measurements import (
     check_costs,
@@ -40,28 +41,30 @@ def _rank_zero(**options: object) -> PipelineExecutor:
     stages = [PipelineStage(module, index, 4)
               for index, module in enumerate(split_stages(build_gpt(CONFIG, 0), 4))]
     replay = Replay(0, 4, {s.stage_index: len(s.layers) for s in stages}, {})
-    return PipelineExecutor([stages[0]], SPEC, 8, lm_loss, swap=True, replay=replay,
-                            **options)  # type: ignore[arg-type]
+    return PipelineExecutor([stages[0]], SPEC, 8, lm_loss,
+                            swap=SwapOptions(**options),  # type: ignore[arg-type]
+                            replay=replay)
 
 
 def test_a_slow_link_makes_the_plan_swap_less_and_expose_nothing() -> None:
-    fast = _rank_zero(cost_model=FAST)
+    fast = _rank_zero(costs=FAST)
     # 1 MB/s: a chunk's copy takes a second, a thousand forwards
-    slow = _rank_zero(cost_model=CostModel(forward=1e-3, backward=2e-3,
-                                           activation_bytes=1 << 20, link=Link(1e6, 1e6)))
-    assert fast.predicted is not None and slow.predicted is not None
-    assert fast.predicted.peak < fast.predicted.peak_no_swap and fast.swapped
+    slow = _rank_zero(costs=CostModel(forward=1e-3, backward=2e-3,
+                                      activation_bytes=1 << 20, link=Link(1e6, 1e6)))
+    assert fast.plan is not None and slow.plan is not None
+    assert fast.plan.outcome is not None and slow.plan.outcome is not None
+    assert fast.plan.outcome.peak < fast.plan.outcome.peak_no_swap and fast.swapped
     assert len(slow.swapped) < len(fast.swapped)
-    assert fast.predicted.exposed_copy == 0.0 and slow.predicted.exposed_copy == 0.0
+    assert fast.plan.outcome.exposed_copy == 0.0 and slow.plan.outcome.exposed_copy == 0.0
     # and a moderate link: some chunks, still nothing exposed
-    middle = _rank_zero(cost_model=CostModel(forward=1e-3, backward=2e-3,
-                                             activation_bytes=1 << 20, link=Link(1e9, 5e8)))
-    assert middle.predicted is not None and middle.predicted.exposed_copy == 0.0
+    middle = _rank_zero(costs=CostModel(forward=1e-3, backward=2e-3,
+                                        activation_bytes=1 << 20, link=Link(1e9, 5e8)))
+    assert middle.plan is not None and middle.plan.outcome is not None and middle.plan.outcome.exposed_copy == 0.0
 
 
 def test_without_a_cost_model_the_plan_has_no_link_to_weigh() -> None:
     plain = _rank_zero()
-    assert plain.predicted is not None and plain.predicted.exposed_copy == 0.0
+    assert plain.plan is not None and plain.plan.outcome is not None and plain.plan.outcome.exposed_copy == 0.0
     assert plain.swapped  # every copy hides over a link of no limit
 
 
@@ -77,7 +80,7 @@ def test_without_a_cost_model_the_plan_has_no_link_to_weigh() -> None:
 def test_a_cost_model_that_cannot_be_planned_on_is_refused_by_name(costs: CostModel,
                                                                    named: str) -> None:
     with pytest.raises(PipelineSetupError, match=f"^cost_model: {named}"):
-        _rank_zero(cost_model=costs)
+        _rank_zero(costs=costs)
     with pytest.raises(PipelineSetupError, match=named):
         check_costs(costs, [0], 0)
 
@@ -91,8 +94,8 @@ def test_a_link_of_no_bandwidth_is_refused_where_it_is_made(field: str, value: f
 
 
 def test_a_cost_model_is_for_the_default_policy_only() -> None:
-    with pytest.raises(PipelineSetupError, match="cost_model applies to the default policy"):
-        _rank_zero(cost_model=FAST, swap_policy=MinGapPolicy())
+    with pytest.raises(PipelineSetupError, match="costs in SwapOptions applies to the default policy"):
+        _rank_zero(costs=FAST, policy=MinGapPolicy())
 
 
 def test_the_stages_layer_counts_fill_in_where_the_model_has_none() -> None:
@@ -113,8 +116,7 @@ def test_a_measured_step_times_its_computes_and_makes_the_cost_model_a_plan_weig
     executor = _rank_zero()
     inputs = torch.randint(0, CONFIG.vocab, (8, CONFIG.seq_len))
     assert executor.step(inputs).compute_seconds == {}  # not measured unless asked
-    executor.measure_compute = True
-    report = executor.step(inputs)
+    report = executor.step(inputs, measure=Measure(compute=True))
     assert set(report.compute_seconds) == {(StepType.FWD, 0), (StepType.BWD, 0)}
     assert all(seconds > 0 for seconds in report.compute_seconds.values())
     assert report.copy_wait_seconds is not None and report.copy_wait_seconds >= 0
@@ -126,7 +128,7 @@ def test_a_measured_step_times_its_computes_and_makes_the_cost_model_a_plan_weig
     assert costs.stage_layers(0) == layers[0] and len(costs.chunks) == 8
     assert all(costs.chunk_bytes(key).total == found.held
                for key, found in report.chunk_bytes.items())
-    planned = _rank_zero(cost_model=costs)
-    assert planned.predicted is not None and planned.predicted.exposed_copy == 0.0
+    planned = _rank_zero(costs=costs)
+    assert planned.plan is not None and planned.plan.outcome is not None and planned.plan.outcome.exposed_copy == 0.0
     with pytest.raises(PipelineSetupError, match="no measured forward and backward of stage 1"):
         measured_costs(report.compute_seconds, {}, Link(1e9, 1e9), {0: 2, 1: 2})

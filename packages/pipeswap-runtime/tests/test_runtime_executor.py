@@ -8,6 +8,7 @@ from collections.abc import Sequence
 import pytest
 import torch
 
+from pipeswap.runtime import Measure, SwapOptions
 from pipeswap.runtime import (
     PipelineError,
     PipelineExecutor,
@@ -26,6 +27,7 @@ from pipeswap.schedule import (
     MinGapPolicy,
     ScheduleKind,
     ScheduleSpec,
+    RankPlan,
     StageCosts,
     StepType,
     SwapCandidate,
@@ -69,8 +71,7 @@ def _executor(swap: bool, fail_at: int = 0) -> tuple[PipelineExecutor, torch.nn.
     first, second = split_stages(model, 2)
     stages = [PipelineStage(first, 0, 2), PipelineStage(Flaky(second, fail_at), 1, 2)]
     # The gap rule swaps every chunk it can: exactness is tested on real copies.
-    return PipelineExecutor(stages, SPEC, 4, lm_loss, swap=swap,
-                            swap_policy=MinGapPolicy(3) if swap else None), model
+    return PipelineExecutor(stages, SPEC, 4, lm_loss, swap=SwapOptions(MinGapPolicy(3)) if swap else False), model
 
 
 def _grads(model: torch.nn.Module) -> list[torch.Tensor]:
@@ -105,7 +106,7 @@ def test_without_swap_nothing_goes_through_the_swap_manager(group: None) -> None
     model = build_gpt(CONFIG, seed=0)
     first, second = split_stages(model, 2)
     counted = PipelineExecutor([PipelineStage(first, 0, 2), PipelineStage(second, 1, 2)],
-                               SPEC, 4, lm_loss, account_activations=True)
+                               SPEC, 4, lm_loss, count_activations=True)
     accounted = counted.step(*_batch(4))
     assert accounted.peak_activation_bytes is not None and accounted.peak_activation_bytes > 0
     assert len(accounted.chunk_bytes) == 2 * 4
@@ -187,7 +188,7 @@ def test_schedules_are_checked_on_the_in_order_transport_unless_asked(group: Non
     with pytest.raises(PipelineSetupError, match="for 2 ranks but the process group has 1"):
         PipelineExecutor(stages, deferred, 4, lm_loss, check_transport="tagged")
     with pytest.raises(PipelineSetupError, match="check_transport='fast': use 'nccl'"):
-        PipelineExecutor(stages, deferred, 4, lm_loss, check_transport="fast")
+        PipelineExecutor(stages, deferred, 4, lm_loss, check_transport="fast")  # type: ignore[arg-type]
 
 
 def test_refuses_to_run_without_a_process_group() -> None:
@@ -256,7 +257,7 @@ def test_executors_sharing_a_manager_keep_their_groups_apart(group: None) -> Non
         first, second = split_stages(build_gpt(CONFIG, seed=0), 2)
         executors.append(PipelineExecutor(
             [PipelineStage(first, 0, 2), PipelineStage(second, 1, 2)], SPEC, 4, lm_loss,
-            swap=True, manager=manager))
+            swap=SwapOptions(manager=manager)))
     first_report = executors[0].step(*_batch(6))
     assert executors[1].step(*_batch(6)).losses == first_report.losses
     assert manager.active_group_count() == 0
@@ -337,7 +338,7 @@ def test_a_schedule_missing_a_microbatch_is_refused(group: None) -> None:
 
 
 def test_the_allocator_peak_is_measured_on_request(group: None) -> None:
-    """``measure_allocator``: the allocator's peak above the step's start (torch's profiler on
+    """``Measure(allocator=True)``: the allocator's peak above the step's start (torch's profiler on
     CPU). It holds at least the saved activations the manager counts (allocated in the step
     and all alive at the counted peak), falls with swap, and is None when not measured."""
     spec = ScheduleSpec(ScheduleKind.GPIPE, ranks=1, microbatches=4)
@@ -345,12 +346,11 @@ def test_the_allocator_peak_is_measured_on_request(group: None) -> None:
     for swap in (False, True):
         model = build_gpt(CONFIG, seed=0)
         executor = PipelineExecutor([PipelineStage(model, 0, 1)], spec, 4, lm_loss, swap=swap,
-                                    account_activations=True, measure_allocator=True)
-        report = reports[swap] = executor.step(*_batch(7))
+                                    count_activations=True)
+        report = reports[swap] = executor.step(*_batch(7), measure=Measure(allocator=True))
         allocated, counted = report.peak_allocated_bytes, report.peak_activation_bytes
         assert allocated is not None and counted is not None
         assert allocated >= counted > 0
-        executor.measure_allocator = False
         model.zero_grad(set_to_none=True)
         unmeasured = executor.step(*_batch(7))
         assert unmeasured.peak_allocated_bytes is None
@@ -359,7 +359,7 @@ def test_the_allocator_peak_is_measured_on_request(group: None) -> None:
     with_swap, without = reports[True].peak_allocated_bytes, reports[False].peak_allocated_bytes
     assert with_swap is not None and without is not None and with_swap < without
     off = PipelineExecutor([PipelineStage(build_gpt(CONFIG, seed=0), 0, 1)], spec, 4, lm_loss)
-    assert off.measure_allocator is False and off.step(*_batch(7)).peak_allocated_bytes is None
+    assert off.step(*_batch(7)).peak_allocated_bytes is None
 
 
 class _StreamEvery:
@@ -368,16 +368,13 @@ class _StreamEvery:
 
     def __init__(self, depth: int, recompute: tuple[int, ...] = ()) -> None:
         self.depth, self.recompute = depth, recompute
-        self.keys: list[ChunkKey] = []
 
-    def select(self, candidates: Sequence[SwapCandidate], order: Order
-               ) -> dict[ChunkKey, SwapPlacement]:
-        self.keys = [c.key for c in candidates]
-        return {c.key: SwapPlacement(1, min(1, c.gap - 2), 1, self.depth)
-                for c in candidates if c.gap >= 2}
-
-    def recomputed(self, rank: int) -> dict[ChunkKey, tuple[int, ...]]:
-        return {key: self.recompute for key in self.keys} if self.recompute else {}
+    def select(self, rank: int, candidates: Sequence[SwapCandidate], order: Order
+               ) -> RankPlan:
+        return RankPlan(rank, {c.key: SwapPlacement(1, min(1, c.gap - 2), 1, self.depth)
+                               for c in candidates if c.gap >= 2},
+                        recomputed={c.key: self.recompute for c in candidates}
+                        if self.recompute else {})
 
 
 def test_loads_further_ahead_change_no_bit_and_hold_what_the_simulator_says(
@@ -394,8 +391,7 @@ def test_loads_further_ahead_change_no_bit_and_hold_what_the_simulator_says(
         model = build_gpt(CONFIG, seed=0)
         first, second = split_stages(model, 2)
         executor = PipelineExecutor([PipelineStage(first, 0, 2), PipelineStage(second, 1, 2)],
-                                    SPEC, 4, lm_loss, swap=True,
-                                    swap_policy=_StreamEvery(depth))
+                                    SPEC, 4, lm_loss, swap=SwapOptions(_StreamEvery(depth)))
         loads = [s for s in executor.schedule.orders[0] if s is not None
                  and s.type is StepType.SWAP_STREAM_LOAD]
         assert loads and all(s.lag == depth for s in loads)
@@ -420,8 +416,7 @@ def test_loads_further_ahead_change_no_bit_and_hold_what_the_simulator_says(
         model = build_gpt(CONFIG, seed=0)
         first, second = split_stages(model, 2)
         executor = PipelineExecutor([PipelineStage(first, 0, 2), PipelineStage(second, 1, 2)],
-                                    SPEC, 4, lm_loss, swap=True,
-                                    swap_policy=_StreamEvery(2, layers))
+                                    SPEC, 4, lm_loss, swap=SwapOptions(_StreamEvery(2, layers)))
         report = executor.step(*_batch(5))
         assert report.recomputed_layers > 0 and report.losses == want.losses
         for got, expected in zip(_grads(model), _grads(plain_model), strict=True):
@@ -431,4 +426,4 @@ def test_loads_further_ahead_change_no_bit_and_hold_what_the_simulator_says(
                                                  r"has 3 layer.s. .PipelineStage.layers."):
         PipelineExecutor([PipelineStage(part, index, 2) for index, part in
                           enumerate(split_stages(build_gpt(CONFIG, seed=0), 2))],
-                         SPEC, 4, lm_loss, swap=True, swap_policy=_StreamEvery(4))
+                         SPEC, 4, lm_loss, swap=SwapOptions(_StreamEvery(4)))

@@ -9,13 +9,14 @@ import pytest
 import torch
 
 from pipeswap.platform import get_platform
+from pipeswap.runtime import SwapOptions
 from pipeswap.runtime import PipelineExecutor, PipelineSetupError, PipelineStage, Replay
 from pipeswap.runtime.distributed.transport import BoundaryMeta
 from pipeswap.runtime.executor.host_reserve import SavedRecorder, SavedSizes, host_reservation
 from pipeswap.runtime.executor.microbatch import split_tree
 from pipeswap.runtime.models.gpt import GPTConfig, build_gpt, lm_loss, split_stages
 from pipeswap.runtime.executor.stage import output_meta
-from pipeswap.schedule import MinGapPolicy, ScheduleKind, ScheduleSpec, StepType, loads
+from pipeswap.schedule import Granularity, MinGapPolicy, ScheduleKind, ScheduleSpec, StepType, loads
 from pipeswap.swap import SwapManager
 
 CPU = torch.device("cpu")
@@ -99,7 +100,7 @@ def _batch() -> tuple[torch.Tensor, torch.Tensor]:
             torch.randint(0, 64, (8, 32), generator=generator))
 
 
-def _replayed(rank: int, granularity: str, reserve: bool, manager: SwapManager | None = None
+def _replayed(rank: int, granularity: Granularity, reserve: bool, manager: SwapManager | None = None
               ) -> tuple[PipelineExecutor, list[int], torch.nn.Module]:
     """Rank ``rank`` of a 2-rank GPipe pipeline, replayed, its chunks swapped whole (the gap
     rule takes every chunk it can) or streamed; with ``reserve``, its host buffers reserved
@@ -113,9 +114,9 @@ def _replayed(rank: int, granularity: str, reserve: bool, manager: SwapManager |
                     {0: hidden} if rank == 1 else {})
     whole = granularity == "chunk"
     executor = PipelineExecutor(
-        [stages[rank]], SPEC, 4, lm_loss, swap=True,
-        swap_policy=MinGapPolicy(3) if whole else None,
-        swap_granularity="auto" if whole else granularity, replay=replay, manager=manager)
+        [stages[rank]], SPEC, 4, lm_loss, swap=SwapOptions(
+            MinGapPolicy(3) if whole else None, granularity="auto" if whole else granularity,
+            manager=manager), replay=replay)
     streams = any(step is not None and step.type is StepType.SWAP_STREAM_OFFLOAD
                   for step in executor.schedule.orders[rank])
     assert len(executor.swapped) == 4 and streams is not whole
@@ -136,7 +137,7 @@ def _replayed(rank: int, granularity: str, reserve: bool, manager: SwapManager |
 @pytest.mark.parametrize("granularity", ["chunk", "layer"])
 @pytest.mark.parametrize("rank", [0, 1])
 def test_a_reserved_rank_pins_no_host_block_in_its_first_step(rank: int,
-                                                              granularity: str) -> None:
+                                                              granularity: Granularity) -> None:
     """Reserved ahead, the step takes only reserved blocks; and the reservation is exactly
     what the same step pins without one (per class: here in three classes)."""
     inputs, targets = _batch()

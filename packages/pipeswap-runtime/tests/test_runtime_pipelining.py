@@ -54,4 +54,4 @@ def test_what_cannot_be_honoured_is_named(arguments: dict[str, Any], message: st
 def test_an_object_that_is_no_stage_is_refused() -> None:
     with pytest.raises(PipelineSetupError,
                        match="is neither torch.distributed.pipelining's PipelineStage nor"):
-        ours.Schedule1F1B(object(), 4)
+        ours.Schedule1F1B(object(), 4)  # type: ignore[arg-type]

@@ -158,14 +158,14 @@ def test_close_frees_accelerator_groups_and_leaves_gloo_ones(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """An executor's NCCL groups are destroyed where they span the world and aborted (their
     memory freed, their names kept) where they do not; gloo groups are left as they are."""
-    from pipeswap.runtime.executor import setup as _setup
+    from pipeswap.runtime.distributed.process_groups import free_groups
 
     nccl, gloo = FakeNcclGroup(), FakeNcclGroup()
     destroyed: list[Any] = []
     monkeypatch.setattr(dist, "get_backend_config",
                         lambda g: "cpu:gloo,cuda:gloo" if g is gloo else "cpu:gloo,cuda:nccl")
     monkeypatch.setattr(dist, "destroy_process_group", destroyed.append)
-    _setup.free_groups([nccl, gloo, None], spans_world=True)  # type: ignore[list-item]
+    free_groups([nccl, gloo, None], spans_world=True)  # type: ignore[list-item]
     assert destroyed == [nccl] and not nccl.aborted.is_set()
-    _setup.free_groups([nccl, gloo], spans_world=False)  # type: ignore[list-item]
+    free_groups([nccl, gloo], spans_world=False)  # type: ignore[list-item]
     assert destroyed == [nccl] and nccl.aborted.is_set() and not gloo.aborted.is_set()

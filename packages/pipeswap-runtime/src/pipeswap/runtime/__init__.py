@@ -11,6 +11,13 @@ from pipeswap.runtime.errors import (
     PipelineError,
     PipelineSetupError,
 )
+from pipeswap.runtime.executor.options import (
+    DataParallel,
+    FailureHandling,
+    Measure,
+    Numerics,
+    SwapOptions,
+)
 from pipeswap.runtime.executor.pipeline_executor import PipelineExecutor
 from pipeswap.runtime.executor.sharded_stage import shard_stage
 from pipeswap.runtime.distributed.launch import RankFailedError, mark_step, pipeline_mesh, spawn
@@ -20,6 +27,10 @@ from pipeswap.runtime.executor.stage import PipelineStage
 
 __all__ = [
     "CheckpointError",
+    "DataParallel",
+    "FailureHandling",
+    "Measure",
+    "Numerics",
     "PeerFailedError",
     "PipelineCommError",
     "PipelineError",
@@ -29,6 +40,7 @@ __all__ = [
     "RankFailedError",
     "Replay",
     "StepReport",
+    "SwapOptions",
     "__version__",
     "load_checkpoint",
     "mark_step",

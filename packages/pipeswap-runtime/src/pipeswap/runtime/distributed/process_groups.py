@@ -11,11 +11,16 @@ device (:func:`with_cpu_backend`).
 from __future__ import annotations
 
 import datetime
+from collections.abc import Sequence
+from contextlib import suppress
 from typing import TYPE_CHECKING
+
+from pipeswap.runtime.errors import PipelineSetupError
 
 if TYPE_CHECKING:
     import torch
     import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
 
 
 def _group(group: dist.ProcessGroup | None) -> dist.ProcessGroup:
@@ -108,3 +113,62 @@ def transport_group(group: dist.ProcessGroup | None, device: torch.device, *, lo
         use_local_synchronization=local,
         device_id=device if device.type != "cpu" else None)
     return made
+
+
+def data_parallel_group(mesh: DeviceMesh | None, dp_group: dist.ProcessGroup | None,
+                        group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
+    """The data-parallel group, from ``mesh`` or as given; the stages' ``group`` must be
+    the mesh's pipeline group."""
+    import torch.distributed as dist
+
+    if mesh is None:
+        return dp_group
+    if dp_group is not None:
+        raise PipelineSetupError("give DataParallel a mesh or a group, not both (the mesh "
+                                 "holds the data-parallel group)")
+    names = mesh.mesh_dim_names or ()
+    if mesh.ndim != 2 or set(names) != {"pp", "dp"}:
+        raise PipelineSetupError(
+            f"mesh has dimensions {names or mesh.ndim}; the executor needs a 2-D mesh "
+            "named ('pp', 'dp'), e.g. pipeswap.runtime.pipeline_mesh(device, ranks, dp, "
+            "timeout_s)")
+    pipeline = dist.get_process_group_ranks(mesh.get_group("pp"))
+    ours = (list(range(dist.get_world_size())) if group is None
+            else dist.get_process_group_ranks(group))
+    if ours != pipeline:
+        raise PipelineSetupError(
+            f"the stages' group has ranks {ours} but the mesh's pipeline group is "
+            f"{pipeline}: build each PipelineStage with group=mesh.get_group('pp')")
+    return mesh.get_group("dp")
+
+
+def control_groups(group: dist.ProcessGroup | None, dp_group: dist.ProcessGroup | None,
+                   dp_size: int, *, spans_world: bool, replayed: bool
+                   ) -> tuple[dist.ProcessGroup | None, dist.ProcessGroup | None]:
+    """The groups of the pipeline's and the data-parallel replicas' control traffic (CPU
+    tensors): the caller's own, or gloo groups over their ranks where they have no CPU
+    backend (plain NCCL); see :mod:`pipeswap.runtime.distributed.process_groups`."""
+    if replayed:
+        return group, dp_group
+    control = control_group(group, local=not spans_world)
+    if dp_size == 1:
+        return control, dp_group
+    return control, control_group(dp_group, local=True)
+
+
+def free_groups(groups: Sequence[dist.ProcessGroup | None], *, spans_world: bool) -> None:
+    """Free the groups with an accelerator backend that an executor made, once it is done
+    with them (each NCCL communicator holds device memory): destroyed where they span the
+    world; otherwise aborted, the group kept, as destroying it would let a new group repeat
+    a live group's name (see :func:`new_transport`). gloo's are left: they hold no device
+    memory, and torch warns as it destroys one made with a backend per device."""
+    import torch.distributed as dist
+
+    for group in groups:
+        if group is None or only_gloo(str(dist.get_backend_config(group))):
+            continue
+        with suppress(Exception):  # already broken by a failure: nothing left to free
+            if spans_world:
+                dist.destroy_process_group(group)
+            else:
+                group.abort()

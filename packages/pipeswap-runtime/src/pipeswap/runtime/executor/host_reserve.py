@@ -28,7 +28,7 @@ from pipeswap.runtime.errors import PipelineSetupError
 from pipeswap.runtime.executor.stage import PipelineStage, output_meta
 from pipeswap.schedule import ChunkKey, Schedule, Step, StepType
 from pipeswap.swap import SwapManager
-from pipeswap.swap.pool import size_class
+from pipeswap.swap import size_class
 
 if TYPE_CHECKING:
     import torch

@@ -23,7 +23,7 @@ from pipeswap.runtime.executor.step_report import LayerMarks, MemoryAccount
 from pipeswap.runtime.executor.swap_session import SwapSession
 from pipeswap.runtime.executor.backward_split import SplitCache
 from pipeswap.schedule import ChunkKey, Step, StepType
-from pipeswap.schedule.steps import COMPUTE, FSDP, OVERLAPS, P2P, SENDS
+from pipeswap.schedule import COMPUTE, FSDP, OVERLAPS, P2P, SENDS
 
 if TYPE_CHECKING:
     import torch
@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     from pipeswap.runtime.executor.sharded_stage import ShardedStage
     from pipeswap.runtime.executor.stage import PipelineStage
     from pipeswap.swap import SwapManager
-    from pipeswap.swap.layers import LayerChain
+    from pipeswap.swap import LayerChain
 
 LossFn = Callable[["torch.Tensor", "torch.Tensor"], "torch.Tensor"]
 Handler = Callable[["Interpreter", "StepState", Step], None]
@@ -53,6 +53,10 @@ class StepState:
     sends: list[Transfer] = field(default_factory=list)
     micro_inputs: list[PyTree] = field(default_factory=list)
     micro_targets: list[PyTree] = field(default_factory=list)
+    loss_fn: LossFn | None = None  # the step's: the executor's, with the step's loss_kwargs
+    keep_outputs: bool = False  # keep the last stage's outputs (outputs, below)
+    measure_layers: bool = False  # measure every chunk held whole, layer by layer
+    at: Step | str | None = None  # where the step is: the step of the order running, or why
     losses: dict[int, torch.Tensor] = field(default_factory=dict)  # read once, at the end
     outputs: dict[int, PyTree] = field(default_factory=dict)  # the last stage's, if kept
     times: StepTimes | None = None  # what a measured step's computes took
@@ -79,7 +83,6 @@ class Interpreter:
         self.microbatches = microbatches
         self.loss_fn = loss_fn
         self.loss_scale = microbatches if mean_loss else 1  # what each loss is divided by
-        self.keep_outputs = False  # keep the last stage's outputs (StepState.outputs)
         self.manager = manager
         self.device = device
         self.autocast_dtype = autocast_dtype
@@ -89,7 +92,6 @@ class Interpreter:
         self.active: dict[int, LayerChain] = {}
         self.recomputing: dict[int, frozenset[int]] = {}
         self.layer_marks: dict[int, LayerMarks] = {}  # per stage, a chunk held whole
-        self.measure_layers = False  # measure every chunk held whole, layer by layer
         self.splits = {index: SplitCache() for index in stages}
 
     def run(self, state: StepState, step: Step) -> None:
@@ -100,28 +102,6 @@ class Interpreter:
         if step.type in COMPUTE and self.sharded:
             self._ready(state, step)
         handler(self, state, step)
-
-    def take_batch(self, state: StepState, inputs: PyTree | None, targets: PyTree | None,
-                   input_meta: BoundaryMeta | None) -> None:
-        """Split this rank's part of the batch into microbatches, checking it fits;
-        ``input_meta``: what the first step's microbatches of the inputs held."""
-        if any(stage.is_first for stage in self.stages.values()):
-            if inputs is None:
-                raise PipelineSetupError(f"rank {self.rank} runs the first stage: pass inputs")
-            state.micro_inputs = split_tree(inputs, self.microbatches, "inputs")
-            meta = BoundaryMeta.of(state.micro_inputs[0], "the inputs")[0]
-            if input_meta is not None and meta != input_meta:
-                def shapes(m: BoundaryMeta) -> list[tuple[int, ...]]:
-                    return [leaf.shape for leaf in m.leaves]
-
-                raise PipelineSetupError(
-                    f"microbatch shapes changed from {shapes(input_meta)} to "
-                    f"{shapes(meta)}; stage boundary shapes are fixed after the first step: "
-                    "keep the batch shape constant (pad), or build a new executor")
-        if any(stage.is_last for stage in self.stages.values()):
-            if targets is None:
-                raise PipelineSetupError(f"rank {self.rank} runs the last stage: pass targets")
-            state.micro_targets = split_tree(targets, self.microbatches, "targets")
 
     def autocast(self) -> AbstractContextManager[object]:
         """Mixed precision for a forward (and its loss): autocast to ``autocast_dtype``;
@@ -180,17 +160,17 @@ class Interpreter:
         if redo is not None:  # these layers keep their inputs and run again in backward
             state.memory.recomputed_layers += len(redo)
         marks = None  # a chunk held whole, measured layer by layer where asked (or recomputed)
-        if chain is None and (redo is not None or self.measure_layers):
+        if chain is None and (redo is not None or state.measure_layers):
             marks = self.layer_marks[stage_index] = LayerMarks(state.session.name(key))
         if redo is not None or marks is not None:
             self.recomputing[stage_index] = redo or frozenset()
         try:
             with self.autocast():
                 chunk = forward_chunk(stage.forward, x, inputs=inputs,
-                                      carries=self._carries(state, stage), target=target,
-                                      loss_fn=self.loss_fn, scale=self.loss_scale,
+                                      carries=_carries(state, stage), target=target,
+                                      loss_fn=state.loss_fn, scale=self.loss_scale,
                                       saving=state.session.forward(key) if accounted else None,
-                                      keep=self.keep_outputs)
+                                      keep=state.keep_outputs)
         finally:
             self.active.pop(stage_index, None)
             self.recomputing.pop(stage_index, None)
@@ -205,25 +185,6 @@ class Interpreter:
                 chain.forward_done()
             state.memory.forward_done(key, state.session, marks)
         state.chunks[key] = chunk
-
-    def _carries(self, state: StepState, stage: PipelineStage
-                 ) -> Callable[[PyTree], list[torch.Tensor]] | None:
-        """How to pick a stage output's tensors that carry a gradient back (as the shape
-        exchange found them); None on the last stage, whose loss does."""
-        if stage.is_last:
-            return None
-        meta = state.transport.boundary[stage.stage_index]
-
-        def carried(out: PyTree) -> list[torch.Tensor]:
-            leaves, _ = flatten(out, f"stage {stage.stage_index}'s output")
-            picked = [leaf for leaf, grad in zip(leaves, meta.grads) if grad]
-            if any(not leaf.requires_grad for leaf in picked):
-                raise PipelineError(
-                    f"stage {stage.stage_index}'s output changed which tensors need a "
-                    "gradient since the first step; keep the stage's outputs alike")
-            return picked
-
-        return carried
 
     def _backward(self, state: StepState, step: Step) -> None:
         """B (dx and dw), I (dx) or W (dw) of one chunk; the autograd is in
@@ -400,3 +361,47 @@ class Interpreter:
                          StepType.SWAP_LAUNCH_LOAD, StepType.SWAP_WAIT_LOAD,
                          StepType.SWAP_STREAM_LOAD), _swap),
     }
+
+
+def take_batch(stages: Mapping[int, PipelineStage], rank: int, microbatches: int,
+               state: StepState, inputs: PyTree | None, targets: PyTree | None,
+               input_meta: BoundaryMeta | None) -> None:
+    """Split this rank's part of the batch into microbatches, checking it fits;
+    ``input_meta``: what the first step's microbatches of the inputs held."""
+    if any(stage.is_first for stage in stages.values()):
+        if inputs is None:
+            raise PipelineSetupError(f"rank {rank} runs the first stage: pass inputs")
+        state.micro_inputs = split_tree(inputs, microbatches, "inputs")
+        meta = BoundaryMeta.of(state.micro_inputs[0], "the inputs")[0]
+        if input_meta is not None and meta != input_meta:
+            def shapes(m: BoundaryMeta) -> list[tuple[int, ...]]:
+                return [leaf.shape for leaf in m.leaves]
+
+            raise PipelineSetupError(
+                f"microbatch shapes changed from {shapes(input_meta)} to "
+                f"{shapes(meta)}; stage boundary shapes are fixed after the first step: "
+                "keep the batch shape constant (pad), or build a new executor")
+    if any(stage.is_last for stage in stages.values()):
+        if targets is None:
+            raise PipelineSetupError(f"rank {rank} runs the last stage: pass targets")
+        state.micro_targets = split_tree(targets, microbatches, "targets")
+
+
+def _carries(state: StepState, stage: PipelineStage
+              ) -> Callable[[PyTree], list[torch.Tensor]] | None:
+    """How to pick a stage output's tensors that carry a gradient back (as the shape
+    exchange found them); None on the last stage, whose loss does."""
+    if stage.is_last:
+        return None
+    meta = state.transport.boundary[stage.stage_index]
+
+    def carried(out: PyTree) -> list[torch.Tensor]:
+        leaves, _ = flatten(out, f"stage {stage.stage_index}'s output")
+        picked = [leaf for leaf, grad in zip(leaves, meta.grads) if grad]
+        if any(not leaf.requires_grad for leaf in picked):
+            raise PipelineError(
+                f"stage {stage.stage_index}'s output changed which tensors need a "
+                "gradient since the first step; keep the stage's outputs alike")
+        return picked
+
+    return carried

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 from pipeswap.runtime.errors import PipelineSetupError
 from pipeswap.schedule import ChunkBytes, ChunkKey, CostModel, Link, StageCosts, Step, StepType
-from pipeswap.schedule.steps import COMPUTE, OVERLAPS
+from pipeswap.schedule import COMPUTE, OVERLAPS
 
 if TYPE_CHECKING:
     from pipeswap.platform import Platform

@@ -24,7 +24,7 @@ from pipeswap.runtime.distributed.transport import BoundaryMeta, PyTree, Transfe
 from pipeswap.runtime.errors import PipelineCommError, PipelineSetupError
 from pipeswap.runtime.executor.stage import PipelineStage, output_meta
 from pipeswap.schedule import Step
-from pipeswap.schedule.steps import SENDS
+from pipeswap.schedule import SENDS
 
 if TYPE_CHECKING:
     import torch

@@ -14,7 +14,7 @@ import dataclasses
 import datetime
 import hashlib
 from collections.abc import Callable, Mapping, Sequence
-from contextlib import AbstractContextManager, nullcontext, suppress
+from contextlib import AbstractContextManager, nullcontext
 from typing import TYPE_CHECKING, Any
 
 from pipeswap.runtime.distributed.transport import (
@@ -24,25 +24,28 @@ from pipeswap.runtime.distributed.transport import (
     Transport,
     all_gather_ints,
 )
-from pipeswap.runtime.executor.measurements import check_costs, with_layer_counts
+from pipeswap.runtime.distributed.process_groups import transport_group
 from pipeswap.runtime.errors import PipelineSetupError
+from pipeswap.runtime.executor.options import SwapOptions
+from pipeswap.runtime.executor.planning import executor_policy
 from pipeswap.runtime.executor.sharded_stage import ShardedStage, fsdp_modules
-from pipeswap.runtime.distributed.process_groups import control_group, only_gloo, transport_group
 from pipeswap.runtime.executor.stage import PipelineStage, output_meta
 from pipeswap.schedule import (
-    CostModel,
+    RankPlan,
     Schedule,
     ScheduleError,
     ScheduleKind,
     ScheduleSpec,
-    SwapPolicy,
+    SwapPlan,
+    TransportModel,
+    apply_swap,
     build_schedule,
     dumps_lines,
+    plan_swap,
     validate,
 )
-from pipeswap.schedule.policies import PeakOutcome, PeakPolicy, default_swap_policy
-from pipeswap.schedule.steps import FSDP, RECOMPUTE, SWAP
-from pipeswap.schedule.validation import TRANSPORTS, check_order_layer_counts
+from pipeswap.schedule import FSDP, RECOMPUTE, SWAP
+from pipeswap.schedule import TRANSPORTS, check_order_layer_counts
 
 #: The steps each rank plans for itself: which chunks it swaps and which layers it recomputes.
 OWN_PLAN = SWAP | RECOMPUTE
@@ -50,7 +53,6 @@ OWN_PLAN = SWAP | RECOMPUTE
 if TYPE_CHECKING:
     import torch
     import torch.distributed as dist
-    from torch.distributed.device_mesh import DeviceMesh
 
     from pipeswap.runtime.executor.host_reserve import SavedRecorder
     from pipeswap.runtime.executor.replay import Replay
@@ -90,33 +92,6 @@ def check_stages_run_here(stages: Sequence[PipelineStage], device: torch.device,
         raise PipelineSetupError(
             f"stage {last} is the last stage, and no loss_fn was given: pass the loss "
             "function (output, target) -> loss on this rank")
-
-
-def data_parallel_group(mesh: DeviceMesh | None, dp_group: dist.ProcessGroup | None,
-                        group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
-    """The data-parallel group, from ``mesh`` or as given; the stages' ``group`` must be
-    the mesh's pipeline group."""
-    import torch.distributed as dist
-
-    if mesh is None:
-        return dp_group
-    if dp_group is not None:
-        raise PipelineSetupError("give mesh or dp_group, not both (the mesh holds the "
-                                 "data-parallel group)")
-    names = mesh.mesh_dim_names or ()
-    if mesh.ndim != 2 or set(names) != {"pp", "dp"}:
-        raise PipelineSetupError(
-            f"mesh has dimensions {names or mesh.ndim}; the executor needs a 2-D mesh "
-            "named ('pp', 'dp'), e.g. pipeswap.runtime.pipeline_mesh(device, ranks, dp, "
-            "timeout_s)")
-    pipeline = dist.get_process_group_ranks(mesh.get_group("pp"))
-    ours = (list(range(dist.get_world_size())) if group is None
-            else dist.get_process_group_ranks(group))
-    if ours != pipeline:
-        raise PipelineSetupError(
-            f"the stages' group has ranks {ours} but the mesh's pipeline group is "
-            f"{pipeline}: build each PipelineStage with group=mesh.get_group('pp')")
-    return mesh.get_group("dp")
 
 
 def find_sharded(stages: Sequence[PipelineStage], dp_group: dist.ProcessGroup | None,
@@ -159,54 +134,40 @@ def check_transport(transport: str, group: dist.ProcessGroup | None,
             "order: keep 'nccl' and build the schedule with the early lowering")
 
 
-def resolve_schedule(schedule: Schedule | ScheduleSpec | str, *, swap: bool,
-                     swap_policy: SwapPolicy | None, swap_granularity: str, transport: str,
-                     layer_counts: Mapping[int, int], stages: Sequence[PipelineStage],
-                     rank: int, world: int, microbatches: int,
-                     sharded: Mapping[int, ShardedStage], costs: CostModel | None = None
-                     ) -> tuple[Schedule, PeakOutcome | None]:
-    """The schedule this rank runs: ``schedule`` as given, or built (with the swap policy
-    asked for, by default the peak policy on ``costs`` or, without them, on ``layer_counts``
-    alone, planning this rank's swap steps only: no other rank waits on them), valid under
-    ``transport``, with FSDP steps exactly where stages are sharded, and fitting this rank's
-    ``stages`` (sorted by index) and microbatch count; with what the default policy expects
-    of this rank's plan (None for any other policy)."""
+def resolve_schedule(schedule: Schedule | ScheduleSpec | str, *, swap: SwapOptions | None,
+                     transport: TransportModel, layer_counts: Mapping[int, int],
+                     stages: Sequence[PipelineStage], rank: int, world: int,
+                     microbatches: int, sharded: Mapping[int, ShardedStage]
+                     ) -> tuple[Schedule, RankPlan | None]:
+    """The schedule this rank runs: ``schedule`` as given, or built (with swap steps where
+    ``swap`` asks, planned by :func:`~pipeswap.runtime.executor.planning.executor_policy`
+    for this rank only: no other rank waits on them), valid under ``transport``, with FSDP
+    steps exactly where stages are sharded, and fitting this rank's ``stages`` (sorted by
+    index) and microbatch count; with what the swap pass decided for this rank (None where
+    the executor planned no swap)."""
     builds_swap = not isinstance(schedule, Schedule) and (
-        swap or (isinstance(schedule, ScheduleSpec) and schedule.swap))
-    default: PeakPolicy | None = None
-    if swap_policy is not None and (swap_granularity != "auto" or costs is not None):
-        raise PipelineSetupError(
-            f"{'swap_granularity' if costs is None else 'cost_model'} applies to the "
-            "default policy; a swap_policy of your own chooses each chunk's granularity "
-            "and weighs its own costs")
-    if swap_policy is None and builds_swap:
-        try:
-            if costs is None:
-                default = default_swap_policy(layer_counts, swap_granularity)
-            else:
-                check_costs(costs, layer_counts, rank)
-                default = PeakPolicy(with_layer_counts(costs, layer_counts),
-                                     granularity=swap_granularity)
-        except ScheduleError as exc:
-            raise PipelineSetupError(str(exc)) from exc
-        swap_policy = default
+        swap is not None or (isinstance(schedule, ScheduleSpec) and schedule.swap))
+    swap_policy = (executor_policy(swap or SwapOptions(), layer_counts, rank) if builds_swap
+                   else None)
+    plan: SwapPlan | None = None
     try:
         if isinstance(schedule, Schedule):
-            if swap or swap_policy is not None:
+            if swap is not None:
                 raise PipelineSetupError(
-                    "swap=True or a swap_policy applies to a schedule the executor builds; "
-                    "an explicit Schedule runs as given (inject swap steps into it first)")
+                    "swap applies to a schedule the executor builds; an explicit Schedule "
+                    "runs as given (inject swap steps into it first)")
             built = schedule
         else:
             if isinstance(schedule, str):
                 schedule = ScheduleSpec(
                     _kind(schedule), ranks=world, microbatches=microbatches,
-                    stages_per_rank=len(stages), swap=swap, fsdp=bool(sharded))
-            elif swap and not schedule.swap:
-                schedule = dataclasses.replace(schedule, swap=True)
-            # swap steps are this rank's own: plan only them (the other ranks' orders
-            # stay as built, their P2P what this rank's validation needs)
-            built = build_schedule(schedule, swap_policy, swap_ranks={rank})
+                    stages_per_rank=len(stages), swap=swap is not None, fsdp=bool(sharded))
+            # swap steps are this rank's own and the last pass: plan only them (the other
+            # ranks' orders stay as built, their P2P what this rank's validation needs)
+            built = build_schedule(dataclasses.replace(schedule, swap=False))
+            if swap_policy is not None:
+                plan = plan_swap(built, swap_policy, ranks={rank})
+                built = apply_swap(built, plan)
         # NCCL's model unless asked: NCCL pairs sends and receives in order and by
         # communicator, and a schedule that passes on CPU then passes there. (Every micro
         # below the count: see _check_stages.)
@@ -226,7 +187,7 @@ def resolve_schedule(schedule: Schedule | ScheduleSpec | str, *, swap: bool,
             "the stages are sharded with fully_shard but the schedule has no FSDP steps "
             "to gather and free their parameters: build it with fsdp=True")
     _check_stages(built, stages, rank=rank, world=world, microbatches=microbatches)
-    return built, None if default is None else default.outcomes.get(rank)
+    return built, None if plan is None else plan.ranks.get(rank)
 
 
 def _check_stages(schedule: Schedule, stages: Sequence[PipelineStage], *, rank: int,
@@ -317,20 +278,6 @@ def agree(schedule: Schedule | None, problem: PipelineSetupError | None, *,
             "every rank")
 
 
-def control_groups(group: dist.ProcessGroup | None, dp_group: dist.ProcessGroup | None,
-                   dp_size: int, *, spans_world: bool, replay: Replay | None
-                   ) -> tuple[dist.ProcessGroup | None, dist.ProcessGroup | None]:
-    """The groups of the pipeline's and the data-parallel replicas' control traffic (CPU
-    tensors): the caller's own, or gloo groups over their ranks where they have no CPU
-    backend (plain NCCL); see :mod:`pipeswap.runtime.distributed.process_groups`."""
-    if replay is not None:
-        return group, dp_group
-    control = control_group(group, local=not spans_world)
-    if dp_size == 1:
-        return control, dp_group
-    return control, control_group(dp_group, local=True)
-
-
 def neighbours(schedule: Schedule, rank: int, group: dist.ProcessGroup | None,
                dp_group: dist.ProcessGroup | None) -> list[int]:
     """The global ranks this rank waits on in a step: those running the stages next to
@@ -344,24 +291,6 @@ def neighbours(schedule: Schedule, rank: int, group: dist.ProcessGroup | None,
     if dp_group is not None:
         mine |= set(dist.get_process_group_ranks(dp_group))
     return sorted(mine)
-
-
-def free_groups(groups: Sequence[dist.ProcessGroup | None], *, spans_world: bool) -> None:
-    """Free the groups with an accelerator backend that an executor made, once it is done
-    with them (each NCCL communicator holds device memory): destroyed where they span the
-    world; otherwise aborted, the group kept, as destroying it would let a new group repeat
-    a live group's name (see :func:`new_transport`). gloo's are left: they hold no device
-    memory, and torch warns as it destroys one made with a backend per device."""
-    import torch.distributed as dist
-
-    for group in groups:
-        if group is None or only_gloo(str(dist.get_backend_config(group))):
-            continue
-        with suppress(Exception):  # already broken by a failure: nothing left to free
-            if spans_world:
-                dist.destroy_process_group(group)
-            else:
-                group.abort()
 
 
 def new_transport(schedule: Schedule, *, microbatches: int, device: torch.device,

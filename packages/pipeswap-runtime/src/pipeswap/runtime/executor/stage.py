@@ -45,7 +45,7 @@ class PipelineStage:
         layers: Sequence[torch.nn.Module] | None = None,
         device: torch.device | str | None = None,
     ) -> None:
-        from pipeswap.swap.layers import find_layers
+        from pipeswap.swap import find_layers
 
         if not 0 <= stage_index < num_stages:
             raise PipelineSetupError(

@@ -16,6 +16,9 @@ from pipeswap.schedule import ChunkKey, StepType
 from pipeswap.swap import GroupBytes
 
 if TYPE_CHECKING:
+    import torch
+
+    from pipeswap.runtime.distributed.transport import PyTree
     from pipeswap.runtime.executor.swap_session import SwapSession
     from pipeswap.swap import SwapManager
 
@@ -27,7 +30,7 @@ class StepReport:
     losses: tuple[float, ...]  # per microbatch, on the rank of the last stage; else empty
     seconds: float
     # most device bytes held by saved activations at once; None unless the executor
-    # accounts every chunk (account_activations)
+    # accounts every chunk (count_activations)
     peak_activation_bytes: int | None
     bytes_offloaded: int
     swapped_chunks: int
@@ -37,7 +40,7 @@ class StepReport:
     # the most bytes the device allocator held at once during the step, above what it held
     # when the step began: everything the step allocated, not only saved activations (see
     # Platform.measure_allocations for what each platform counts); None unless the step ran
-    # with measure_allocator
+    # with Measure(allocator=True)
     peak_allocated_bytes: int | None = None
     # per chunk whose backward is split, right after its I: the device bytes its saved
     # activations still hold for W (I frees the rest)
@@ -52,7 +55,7 @@ class StepReport:
     layer_bytes: Mapping[ChunkKey, tuple[GroupBytes, ...]] = field(default_factory=dict)
     # per chunk that streams and splits its backward, per layer right after its I
     layer_bytes_after_input: Mapping[ChunkKey, tuple[int, ...]] = field(default_factory=dict)
-    # with measure_compute: each compute's mean seconds by kind and stage (an overlap's time
+    # with Measure(compute=True): each compute's mean seconds by kind and stage (an overlap's time
     # shared between its two as the default costs weigh them), and the seconds compute
     # waited for copies (its WO and WL steps); empty and None otherwise
     compute_seconds: Mapping[tuple[StepType, int], float] = field(default_factory=dict)
@@ -67,6 +70,10 @@ class StepReport:
     # last), and the bytes of the storages the layer was called with
     layer_held: Mapping[ChunkKey, tuple[int, ...]] = field(default_factory=dict)
     layer_inputs: Mapping[ChunkKey, tuple[int, ...]] = field(default_factory=dict)
+    # on the rank of the last stage: each microbatch's loss as a tensor (unscaled, detached)
+    # and, where the step's Measure(outputs=True) asked, the last stage's outputs (detached)
+    loss_tensors: tuple[torch.Tensor, ...] = field(default=(), compare=False, repr=False)
+    outputs: tuple[PyTree, ...] = field(default=(), compare=False, repr=False)
 
 
 @dataclass

@@ -7,7 +7,7 @@ from contextlib import contextmanager
 
 from pipeswap.schedule import ChunkKey
 from pipeswap.swap import SwapManager
-from pipeswap.swap.layers import LayerChain
+from pipeswap.swap import LayerChain
 
 
 class SwapSession:

@@ -3,9 +3,9 @@ swap, and compare peak activation memory (as the swap manager counts it and as t
 saw it), step time and losses.
 
 Shaped like torchtitan's trainer: a frozen :class:`TrainConfig` (``config``), the command
-line and its checks (``cli``), the parts a rank trains (``components``), the swap plan
-(``policy``), the per-rank loop (``trainer``), per-step figures (``metrics``) and the
-summary and table (``report``). With ``--dp N --fsdp`` it runs N pipeline replicas on a 2-D
+line and its checks (``cli``), the parts a rank trains (``components``), the per-rank loop (``trainer``), per-step figures (``metrics``) and the
+summary and table (``summary``); the swap plan's policy comes from
+:mod:`pipeswap.runtime.executor.planning`. With ``--dp N --fsdp`` it runs N pipeline replicas on a 2-D
 (pp, dp) device mesh, each stage sharded with FSDP2. Run as is, it spawns the ranks itself;
 under torchrun it joins the process group torchrun set up.
 """
@@ -22,7 +22,6 @@ from pipeswap.runtime.train.config import (
     TrainingConfig,
 )
 from pipeswap.runtime.train.metrics import ModeResult
-from pipeswap.runtime.train.policy import swap_policy
 from pipeswap.runtime.train.summary import render, summarize
 from pipeswap.runtime.train.trainer import Trainer, run_rank
 
@@ -43,5 +42,4 @@ __all__ = [
     "run_rank",
     "stage_layer_counts",
     "summarize",
-    "swap_policy",
 ]

@@ -28,8 +28,10 @@ from pipeswap.runtime.train.config import (
     MODELS,
     MODES,
     POLICIES,
+    SWAP_COSTS,
     CheckpointConfig,
     JobConfig,
+    Mode,
     ModelConfig,
     ParallelConfig,
     SwapConfig,
@@ -46,8 +48,8 @@ from pipeswap.runtime.train.preflight import (
 from pipeswap.runtime.train.summary import render, summarize
 from pipeswap.runtime.train.trainer import run_rank
 from pipeswap.schedule import GRANULARITIES, ScheduleKind, parse_bytes
-from pipeswap.schedule.policies import RECOMPUTE_MODES
-from pipeswap.schedule.build import V_SHAPED
+from pipeswap.schedule import RECOMPUTE_MODES
+from pipeswap.schedule import V_SHAPED
 
 
 #: Most ranks one job starts (under torchrun: in all). Each rank is a process with its own
@@ -58,7 +60,6 @@ _MAX_RANKS = 64
 #: rank builds and walks the whole schedule, about six steps a pair: at this size that takes
 #: seconds and hundreds of MB in each rank, and it is checked before anything is built.
 _MAX_SCHEDULE_PAIRS = 100_000
-SWAP_COSTS = ("measured", "layers")
 #: Longest --timeout: a rank that waits a day for a peer is hung, not slow.
 _MAX_TIMEOUT_S = 86_400.0
 
@@ -74,6 +75,49 @@ class _Parser(argparse.ArgumentParser):
 def parse_args(argv: list[str] | None) -> tuple[TrainConfig, argparse.Namespace]:
     """The config of ``argv`` (and the parsed arguments, for how to report); a bad value
     exits here with one line, before any rank starts."""
+    parser = _parser()
+    args = parser.parse_args(argv)
+    # Every check below runs before any rank starts, and a bad value ends here with one line.
+    modes = ("no-swap",) if args.no_swap else ("swap",) if args.swap_only else MODES
+    torchrun = launched_by_torchrun()
+    if args.dp < 1:
+        parser.error(f"--dp must be at least 1, got {args.dp}")
+    if args.dp > 1 and not args.fsdp:
+        parser.error(f"--dp {args.dp}: the replicas share gradients through FSDP2; add --fsdp")
+    world = int(os.environ["WORLD_SIZE"]) if torchrun else args.ranks * args.dp
+    if torchrun and world % args.dp:
+        parser.error(f"torchrun's world size {world} does not split into --dp {args.dp} "
+                     f"replicas: start a multiple of {args.dp} processes")
+    ranks = world // args.dp if torchrun else args.ranks
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", world)) if torchrun else world
+    _check_numbers(parser, args, ranks, world, torchrun)
+    v_shaped = ScheduleKind(args.schedule) in V_SHAPED
+    if v_shaped and args.stages_per_rank not in (1, 2):
+        parser.error(f"{args.schedule} runs exactly two stages per rank")
+    config = _config(args, ranks, modes, v_shaped)
+    _check_files(parser, config)
+    _check_replay(parser, config, torchrun)
+    _check_swap_options(parser, args, modes)
+    stage_ranks = _check_schedule(parser, config)
+    parts = args.microbatches * args.dp
+    if args.batch_size % parts:
+        replicas = f" in each of {args.dp} replicas" if args.dp > 1 else ""
+        parser.error(f"--batch-size {args.batch_size} does not split into "
+                     f"{args.microbatches} microbatches{replicas}: use a multiple of {parts}")
+    if config.num_layers < config.num_stages:
+        parser.error(f"--layers {config.num_layers} cannot fill {config.num_stages} stages: "
+                     f"use at least {config.num_stages}, one block per stage")
+    if config.job.replay_rank is not None:
+        local_ranks = 1
+    _check_device(parser, config.training.device, local_ranks)
+    _check_memory(parser, config, local_ranks)
+    return _check_resume(parser, config, stage_ranks, torchrun), args
+
+
+
+
+def _parser() -> _Parser:
+    """The command line, every option with its help."""
     parser = _Parser(
         prog="pipeswap-train",
         description=(
@@ -102,6 +146,14 @@ def parse_args(argv: list[str] | None) -> tuple[TrainConfig, argparse.Namespace]
             "  torchrun --nproc-per-node 4 -m pipeswap.runtime.train --dp 2 --fsdp\n"),
         formatter_class=argparse.RawDescriptionHelpFormatter)
     defaults = TrainConfig()
+    _model_options(parser, defaults)
+    _swap_options(parser, defaults)
+    _run_options(parser, defaults)
+    return parser
+
+
+def _model_options(parser: argparse.ArgumentParser, defaults: TrainConfig) -> None:
+    """The options of the model, the pipeline and the optimisation loop."""
     model, parallel, training = defaults.model, defaults.parallel, defaults.training
     kinds = [k.value for k in ScheduleKind]
     parser.add_argument("--schedule", choices=kinds, default=parallel.schedule,
@@ -153,6 +205,10 @@ def parse_args(argv: list[str] | None) -> tuple[TrainConfig, argparse.Namespace]
                         help="with --overlap-b-f: split backwards into input and weight parts")
     parser.add_argument("--batch-p2p", action="store_true",
                         help="batch neighbouring sends and receives into one call")
+
+
+def _swap_options(parser: argparse.ArgumentParser, defaults: TrainConfig) -> None:
+    """The options of what swaps, how, and under which budget."""
     parser.add_argument("--policy", choices=POLICIES, default=defaults.swap.policy,
                         help="which chunks to swap (default peak): peak, only those that "
                              "lower the rank's peak with copies hidden on a uniform cost "
@@ -183,6 +239,11 @@ def parse_args(argv: list[str] | None) -> tuple[TrainConfig, argparse.Namespace]
                              "host link a short copy probe measures, so that it swaps only "
                              "what can hide) or layers (layer counts alone, the link taken "
                              "as infinitely fast: the same plan run after run)")
+
+
+def _run_options(parser: argparse.ArgumentParser, defaults: TrainConfig) -> None:
+    """The options of what the job runs and reports, checkpoints, replay and timeouts."""
+    model, training = defaults.model, defaults.training
     which = parser.add_mutually_exclusive_group()
     which.add_argument("--compare", action="store_true",
                        help="run without and then with swap and compare them (the default)")
@@ -234,25 +295,13 @@ def parse_args(argv: list[str] | None) -> tuple[TrainConfig, argparse.Namespace]
                         "group the job makes (default "
                         f"{defaults.job.timeout_s:.0f}); a hung rank ends the job about this "
                         "long, plus 5 s, after it stops")
-    args = parser.parse_args(argv)
-    # Every check below runs before any rank starts, and a bad value ends here with one line.
-    modes = ("no-swap",) if args.no_swap else ("swap",) if args.swap_only else MODES
-    torchrun = launched_by_torchrun()
-    if args.dp < 1:
-        parser.error(f"--dp must be at least 1, got {args.dp}")
-    if args.dp > 1 and not args.fsdp:
-        parser.error(f"--dp {args.dp}: the replicas share gradients through FSDP2; add --fsdp")
-    world = int(os.environ["WORLD_SIZE"]) if torchrun else args.ranks * args.dp
-    if torchrun and world % args.dp:
-        parser.error(f"torchrun's world size {world} does not split into --dp {args.dp} "
-                     f"replicas: start a multiple of {args.dp} processes")
-    ranks = world // args.dp if torchrun else args.ranks
-    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", world)) if torchrun else world
-    _check_numbers(parser, args, ranks, world, torchrun)
-    v_shaped = ScheduleKind(args.schedule) in V_SHAPED
-    if v_shaped and args.stages_per_rank not in (1, 2):
-        parser.error(f"{args.schedule} runs exactly two stages per rank")
-    config = TrainConfig(
+
+
+def _config(args: argparse.Namespace, ranks: int, modes: tuple[Mode, ...], v_shaped: bool
+            ) -> TrainConfig:
+    """The job's config of the parsed arguments (their values checked apart)."""
+    defaults = TrainConfig()
+    return TrainConfig(
         model=ModelConfig(family=args.model, tie_embeddings=args.tie_embeddings,
                           width=args.width, layers=args.layers, heads=args.heads,
                           seq_len=args.seq_len, dtype=args.dtype),
@@ -273,8 +322,11 @@ def parse_args(argv: list[str] | None) -> tuple[TrainConfig, argparse.Namespace]
                       log_level=args.log_level or ("warning" if args.json else "info"),
                       metrics=args.metrics, timeout_s=args.timeout,
                       replay_rank=args.replay_rank))
-    _check_files(parser, config)
-    _check_replay(parser, config, torchrun)
+
+
+def _check_swap_options(parser: argparse.ArgumentParser, args: argparse.Namespace,
+                        modes: tuple[Mode, ...]) -> None:
+    """Swap options that apply only together: refused, naming what to drop or add."""
     if args.swap_granularity != "auto" and args.policy != "peak":
         parser.error(f"--swap-granularity applies to the peak policy, not --policy "
                      f"{args.policy} (which swaps whole chunks)")
@@ -290,20 +342,6 @@ def parse_args(argv: list[str] | None) -> tuple[TrainConfig, argparse.Namespace]
     if args.budget is not None and modes != MODES:
         parser.error("--budget plans on the chunk sizes the run without swap measures: drop "
                      "--swap-only / --no-swap")
-    stage_ranks = _check_schedule(parser, config)
-    parts = args.microbatches * args.dp
-    if args.batch_size % parts:
-        replicas = f" in each of {args.dp} replicas" if args.dp > 1 else ""
-        parser.error(f"--batch-size {args.batch_size} does not split into "
-                     f"{args.microbatches} microbatches{replicas}: use a multiple of {parts}")
-    if config.num_layers < config.num_stages:
-        parser.error(f"--layers {config.num_layers} cannot fill {config.num_stages} stages: "
-                     f"use at least {config.num_stages}, one block per stage")
-    if config.job.replay_rank is not None:
-        local_ranks = 1
-    _check_device(parser, config.training.device, local_ranks)
-    _check_memory(parser, config, local_ranks)
-    return _check_resume(parser, config, stage_ranks, torchrun), args
 
 
 def _check_replay(parser: argparse.ArgumentParser, config: TrainConfig, torchrun: bool

@@ -64,7 +64,7 @@ def stage_layer_counts(config: TrainConfig, vocab: int) -> dict[int, int]:
     :attr:`PipelineStage.layers`), without building them."""
     import torch
 
-    from pipeswap.swap.layers import find_layers
+    from pipeswap.swap import find_layers
 
     with torch.device("meta"):
         stages = build_stage_modules(config, vocab)

@@ -11,29 +11,43 @@ import dataclasses
 import datetime
 import os
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar, get_args
 
-from pipeswap.runtime.distributed.process_groups import operation_timeout
 from pipeswap.runtime.distributed.launch import DEFAULT_TIMEOUT_S
+from pipeswap.runtime.distributed.process_groups import operation_timeout
+from pipeswap.runtime.executor.planning import PolicyName
+from pipeswap.schedule import Granularity, RecomputeMode
 
-MODES = ("no-swap", "swap")
-MODELS = ("gpt", "llama")
-DTYPES = ("fp32", "bf16")
-LOG_LEVELS = ("debug", "info", "warning", "error")
-POLICIES = ("cost", "gap", "peak")
+#: The runs a job compares, in order.
+Mode = Literal["no-swap", "swap"]
+#: The bundled model families.
+ModelFamily = Literal["gpt", "llama"]
+#: The parameters' and forwards' precision (bf16: autocast, fp32 master weights).
+Dtype = Literal["fp32", "bf16"]
+#: The levels of the pipeswap loggers.
+LogLevel = Literal["debug", "info", "warning", "error"]
+#: What the peak policy weighs: what the run without swap measured, or layer counts alone.
+SwapCosts = Literal["measured", "layers"]
+
+MODES: tuple[Mode, ...] = get_args(Mode)
+MODELS: tuple[ModelFamily, ...] = get_args(ModelFamily)
+DTYPES: tuple[Dtype, ...] = get_args(Dtype)
+LOG_LEVELS: tuple[LogLevel, ...] = get_args(LogLevel)
+POLICIES: tuple[PolicyName, ...] = get_args(PolicyName)
+SWAP_COSTS: tuple[SwapCosts, ...] = get_args(SwapCosts)
 
 
 @dataclass(frozen=True)
 class ModelConfig:
     """The model every rank builds whole (or, replayed, its own stages) from one seed."""
 
-    family: str = "gpt"  # or llama: RMSNorm, rotary embeddings, grouped-query attention, SwiGLU
+    family: ModelFamily = "gpt"  # or llama: RMSNorm, rotary embeddings, grouped-query attention, SwiGLU
     tie_embeddings: bool = False  # llama: one weight for the embedding and the output
     width: int = 64
     layers: int | None = None  # default: two blocks per stage
     heads: int = 4  # attention heads (llama: half as many key/value heads)
     seq_len: int = 64
-    dtype: str = "fp32"  # bf16: forwards under autocast to bfloat16, fp32 master weights
+    dtype: Dtype = "fp32"  # bf16: forwards under autocast to bfloat16, fp32 master weights
 
 
 @dataclass(frozen=True)
@@ -68,19 +82,19 @@ class ParallelConfig:
 class SwapConfig:
     """Which chunks swap, how, and which modes the job runs to compare."""
 
-    policy: str = "peak"  # see policy.swap_policy()
-    granularity: str = "auto"  # the peak policy's: auto, chunk or layer (streaming)
+    policy: PolicyName = "peak"  # see executor.planning.named_policy()
+    granularity: Granularity = "auto"  # the peak policy's: auto, chunk or layer (streaming)
     # per-rank bytes of saved activations the peak policy keeps each rank under, planned on
     # the chunk sizes the run without swap measured (compare mode only)
     budget: int | None = None
-    modes: tuple[str, ...] = MODES
+    modes: tuple[Mode, ...] = MODES
     # what the peak policy weighs: "measured" (the run without swap's compute times and chunk
     # bytes, and the probed host link) or "layers" (layer counts alone: layers alike, a
     # backward twice a forward, a link of no limit; the same plan run after run)
-    costs: str = "measured"
+    costs: SwapCosts = "measured"
     # under a budget, whether the peak policy may also recompute layers ("auto") or only
     # swaps ("never")
-    recompute: str = "auto"
+    recompute: RecomputeMode = "auto"
 
 
 @dataclass(frozen=True)
@@ -116,7 +130,7 @@ class JobConfig:
     """How the job reports and guards itself."""
 
     verbose: bool = True  # log each step's progress (at info level)
-    log_level: str = "info"  # of the pipeswap loggers in every rank
+    log_level: LogLevel = "info"  # of the pipeswap loggers in every rank
     keep_grads: bool = False  # return the first step's gradients (for tests)
     # measure the allocator's peak in the odd steps (1, 3, ...) and time only the even ones,
     # as measuring slows a step (the one step of a one-step run is measured and timed)

@@ -8,6 +8,7 @@ import json
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Union
 
+from pipeswap.runtime.executor.planning import Measured
 from pipeswap.runtime.train.config import TrainConfig
 
 if TYPE_CHECKING:
@@ -69,6 +70,10 @@ class ModeResult:
     planned_peak_bytes: int | None = None
     budget_shortfall_bytes: int | None = None
     planned_in_pipeline: bool | None = None  # weighed in the whole pipeline, not alone
+
+    def measured(self) -> Measured:
+        """What the last step measured of this rank's chunks, for a plan to rest on."""
+        return Measured(self.chunk_bytes, self.layer_held, self.layer_inputs)
 
     def record(self, report: StepReport, *, measured: bool, timed: bool) -> None:
         """Take in one step's report: ``measured`` when the allocator was measured in it,

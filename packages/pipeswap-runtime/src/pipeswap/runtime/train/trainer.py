@@ -21,6 +21,8 @@ from typing import TYPE_CHECKING, TextIO
 
 from pipeswap.runtime.checkpoint.manifest import describe_skipped
 from pipeswap.runtime.distributed.launch import mark_step, pipeline_mesh
+from pipeswap.runtime.executor.options import DataParallel, FailureHandling, Numerics, SwapOptions
+from pipeswap.runtime.executor.planning import MEASURE_TO_PLAN, budget_policy, named_policy
 from pipeswap.runtime.train.components import (
     build_stages,
     replay_of,
@@ -30,10 +32,9 @@ from pipeswap.runtime.train.components import (
 )
 from pipeswap.runtime.train.config import TrainConfig
 from pipeswap.runtime.train.metrics import ModeResult, write_metrics
-from pipeswap.runtime.train.policy import budget_policy, swap_policy
 from pipeswap.runtime.train.preflight import saved_model
 from pipeswap.runtime.train.summary import mib
-from pipeswap.schedule.text import format_order
+from pipeswap.schedule import format_order
 
 if TYPE_CHECKING:
     import torch
@@ -42,7 +43,7 @@ if TYPE_CHECKING:
     from pipeswap.runtime.executor.pipeline_executor import PipelineExecutor
     from pipeswap.runtime.executor.stage import PipelineStage
     from pipeswap.runtime.models.tied import TiedGradients
-    from pipeswap.schedule import ChunkBytes, CostModel, Link, StageCosts
+    from pipeswap.schedule import ChunkBytes, CostModel, Link, PeakPolicy, StageCosts
 
 log = logging.getLogger("pipeswap.runtime.train")
 
@@ -174,11 +175,44 @@ class Trainer:
         # Both modes account every chunk's saved activations, to compare their peaks. The
         # swap plan weighs what the mode without swap measured, where it ran.
         costs = self._measured_costs(earlier.get("no-swap")) if mode == "swap" else None
-        policy = swap_policy(config.swap.policy, self.layer_counts, config.swap.granularity)
-        planner = None  # the peak policy under the budget
-        if mode == "swap" and config.swap.budget is not None:
-            policy = planner = budget_policy(config, earlier["no-swap"], self.layer_counts,
-                                             costs, None if self.replaying else _everyone)
+        swap, planner = self._swap_options(mode, earlier, costs)
+        executor = PipelineExecutor(
+            stages, self.spec, config.parallel.microbatches, lm_loss,
+            swap=swap or False, count_activations=True,
+            data_parallel=DataParallel(self.mesh), platform=self.platform, replay=self.replay,
+            numerics=Numerics(autocast_dtype=torch.bfloat16 if config.model.dtype == "bf16"
+                              else None),
+            failure=FailureHandling(None if self.platform.device.type == "cpu" or self.replay
+                                    else config.job.timeout_s))
+        result = ModeResult(first_step=done + 1, swapped_chunks=len(executor.swapped),
+                            streamed_chunks=len(executor.streamed),
+                            parameter_bytes=None if built is None else built.held_bytes,
+                            gathered_bytes=executor.gathered_bytes,
+                            order=format_order(executor.schedule.orders[executor.rank]))
+        self._record_plan(mode, executor, result, planner, costs)
+        result.setup_seconds = time.perf_counter() - begun
+        if config.job.verbose and (self.replaying or self.rank == 0):
+            log.info("[%7s] set up in %.2f s (stages, schedule, swap plan)", mode,
+                     result.setup_seconds)
+        for number, batch in enumerate(self.batches(done), done + 1):
+            self.train_step(mode, number, batch, executor, stages, optimizer, tied, result)
+        executor.close()  # its groups, before the next mode makes its own
+        return result
+
+    def _swap_options(self, mode: str, earlier: dict[str, ModeResult], costs: CostModel | None
+                      ) -> tuple[SwapOptions | None, PeakPolicy | None]:
+        """How ``mode`` swaps (None: it does not), and the peak policy under the budget
+        where one is given (planned on what the mode without swap measured)."""
+        config = self.config
+        if mode != "swap":
+            return None, None
+        policy = named_policy(config.swap.policy, self.layer_counts, config.swap.granularity)
+        planner = None
+        if config.swap.budget is not None:
+            policy = planner = budget_policy(
+                earlier["no-swap"].measured(), self.layer_counts, config.swap.budget,
+                granularity=config.swap.granularity, recompute=config.swap.recompute,
+                costs=costs, everyone=None if self.replaying else _everyone)
             if config.job.verbose and (self.replaying or self.rank == 0):
                 log.info("[%7s] planning swap%s under the budget of %s bytes a rank, weighed "
                          "%s (a search over plans: under a second at 8 stages, about 5 s "
@@ -189,47 +223,32 @@ class Trainer:
                          "in the whole pipeline on every rank's measured costs")
         elif costs is not None and config.swap.policy == "peak":
             policy = None  # the executor's default, on the measured costs
-        executor = PipelineExecutor(
-            stages, self.spec, config.parallel.microbatches, lm_loss, swap=mode == "swap",
-            platform=self.platform, swap_policy=policy, account_activations=True,
-            cost_model=costs if policy is None else None,
-            swap_granularity=config.swap.granularity if policy is None else "auto",
-            mesh=self.mesh, replay=self.replay,
-            autocast_dtype=torch.bfloat16 if config.model.dtype == "bf16" else None,
-            failure_timeout_s=None if self.platform.device.type == "cpu" or self.replay
-            else config.job.timeout_s)
-        executor.measure_layers = True  # each chunk's layers: what a budget plans on
-        result = ModeResult(first_step=done + 1, swapped_chunks=len(executor.swapped),
-                            streamed_chunks=len(executor.streamed),
-                            parameter_bytes=None if built is None else built.held_bytes,
-                            gathered_bytes=executor.gathered_bytes,
-                            order=format_order(executor.schedule.orders[executor.rank]))
-        outcome = None if planner is None else planner.outcomes.get(executor.rank)
-        if outcome is not None:
-            assert config.swap.budget is not None and planner is not None
-            result.planned_in_pipeline = planner.weighs_pipeline
+        return SwapOptions(policy, costs=costs if policy is None else None,
+                           granularity=config.swap.granularity if policy is None
+                           else "auto"), planner
+
+    def _record_plan(self, mode: str, executor: PipelineExecutor, result: ModeResult,
+                     planner: PeakPolicy | None, costs: CostModel | None) -> None:
+        """What this rank's swap plan expects, into ``result``: the peak and shortfall
+        under a budget (warned where it is not met), the step time and exposed copy
+        predicted on measured costs."""
+        plan = executor.plan
+        outcome = None if plan is None else plan.outcome
+        if outcome is not None and planner is not None:
+            result.planned_in_pipeline = plan is not None and plan.chosen_in_pipeline
             result.planned_peak_bytes, result.budget_shortfall_bytes = (outcome.peak,
                                                                         outcome.shortfall)
             if outcome.shortfall:
                 log.warning("[%7s] the budget of %s bytes is not met: the plan's best peaks "
                             "at %s (%s over), %d layers recomputed per step", mode,
-                            f"{config.swap.budget:,}", mib(outcome.peak),
+                            f"{outcome.budget:,}", mib(outcome.peak),
                             mib(outcome.shortfall), outcome.recomputed_layers)
-        # what the plan expects: the default policy's, or the budget's (planned on the
-        # measured layer sizes too, which its recomputed layers need)
-        predicted = executor.predicted if planner is None else outcome
-        if costs is not None and predicted is not None:
-            result.predicted_exposed_copy = predicted.exposed_copy
+        # what the plan expects (the budget's planned on the measured layer sizes too,
+        # which its recomputed layers need)
+        if costs is not None and outcome is not None:
+            result.predicted_exposed_copy = outcome.exposed_copy
             result.predicted_step_seconds = self._predicted_step(
                 executor, costs if planner is None else planner.costs)
-        result.setup_seconds = time.perf_counter() - begun
-        if config.job.verbose and (self.replaying or self.rank == 0):
-            log.info("[%7s] set up in %.2f s (stages, schedule, swap plan)", mode,
-                     result.setup_seconds)
-        for number, batch in enumerate(self.batches(done), done + 1):
-            self.train_step(mode, number, batch, executor, stages, optimizer, tied, result)
-        executor.close()  # its groups, before the next mode makes its own
-        return result
 
     def _measured_costs(self, plain: ModeResult | None) -> CostModel | None:
         """This rank's costs as the mode without swap measured them (its computes, its
@@ -274,11 +293,12 @@ class Trainer:
         config = self.config
         mark_step(number)
         measured = config.job.measure_allocator and number % 2 == 1
-        executor.measure_allocator = measured
         # the last step times its computes and copy waits: the costs a swap plan weighs
-        timing = executor.measure_compute = number == config.training.steps
+        timing = number == config.training.steps
         optimizer.zero_grad(set_to_none=True)
-        report = executor.step(*batch)
+        # each chunk's layers measured in every step: what a budget plans on
+        report = executor.step(*batch, measure=replace(
+            MEASURE_TO_PLAN, allocator=measured, compute=timing))
         if tied is not None:
             tied.sum_gradients()
         if config.job.keep_grads and number == 1:

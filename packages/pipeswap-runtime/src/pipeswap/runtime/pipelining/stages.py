@@ -1,0 +1,82 @@
+"""The stages the drop-in schedule classes take: PyTorch's ``PipelineStage`` (or any object
+with its attributes, :class:`TorchStageLike`) or pipeswap's, each made pipeswap's, and the
+first stage's module called as PyTorch's schedules call it."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol, Union
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from pipeswap.runtime.distributed.transport import PyTree
+from pipeswap.runtime.errors import PipelineSetupError
+from pipeswap.runtime.executor.stage import PipelineStage
+
+__all__ = ["StageArgument", "TorchStageLike", "merged", "pipeswap_stage", "with_kwargs"]
+
+
+class TorchStageLike(Protocol):
+    """What pipeswap reads of ``torch.distributed.pipelining.PipelineStage`` (its ``group``,
+    where it has one, too)."""
+
+    submod: torch.nn.Module
+    stage_index: int
+    num_stages: int
+    device: torch.device
+
+
+#: A stage as the classes take it: PyTorch's, or pipeswap's own.
+StageArgument = Union[PipelineStage, TorchStageLike]
+
+
+class _FirstStage(torch.nn.Module):
+    """The first stage's module behind one called with ``args`` and ``kwargs`` (the executor
+    passes a dict as keyword arguments), so that ``step(*args, **kwargs)`` reaches it as
+    PyTorch's schedules call it: ``module(*args, **kwargs)``."""
+
+    def __init__(self, inner: torch.nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, args: tuple[object, ...], kwargs: dict[str, object]) -> PyTree:
+        out: PyTree = self.inner(*args, **kwargs)
+        return out
+
+
+def pipeswap_stage(stage: StageArgument) -> PipelineStage:
+    """pipeswap's stage for a PyTorch ``PipelineStage`` (its submodule, index, stage count,
+    group and device), or the pipeswap stage itself."""
+    if isinstance(stage, PipelineStage):
+        return stage
+    missing = [name for name in ("submod", "stage_index", "num_stages", "device")
+               if not hasattr(stage, name)]
+    if missing:
+        raise PipelineSetupError(
+            f"{stage!r} is neither torch.distributed.pipelining's PipelineStage nor "
+            f"pipeswap's (it has no {', '.join(missing)})")
+    return PipelineStage(stage.submod, stage.stage_index, stage.num_stages,
+                         group=getattr(stage, "group", None), device=stage.device)
+
+
+def with_kwargs(stage: PipelineStage) -> PipelineStage:
+    """The first stage with its module behind :class:`_FirstStage`; others as they are."""
+    if not stage.is_first:
+        return stage
+    return PipelineStage(_FirstStage(stage.module), stage.stage_index,
+                         stage.num_stages, group=stage.group, layers=stage.layers,
+                         device=stage.device)
+
+
+def merged(outputs: Sequence[PyTree]) -> PyTree | None:
+    """The microbatches' outputs joined along dimension 0, as PyTorch's default merge."""
+    if not outputs:
+        return None
+    flat = [tree_flatten(output) for output in outputs]
+    spec = flat[0][1]
+    leaves = [torch.cat([leaves[k] for leaves, _ in flat])
+              if isinstance(flat[0][0][k], torch.Tensor) else flat[0][0][k]
+              for k in range(len(flat[0][0]))]
+    whole: PyTree = tree_unflatten(leaves, spec)
+    return whole
