@@ -33,7 +33,13 @@ import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-from pipeswap.schedule import ScheduleKind, ScheduleSpec, build_schedule, parse_bytes
+from pipeswap.schedule import (
+    ScheduleKind,
+    ScheduleSpec,
+    build_schedule,
+    inject_swap,
+    parse_bytes,
+)
 from pipeswap.schedule.costs import CostModel, Link, TransformerShape, from_preset
 from pipeswap.schedule.policies import PeakPolicy, RecomputePolicy
 from pipeswap.schedule.simulate import SimulationResult, simulate
@@ -98,7 +104,8 @@ def measure(links: dict[str, float], budgets: list[str]) -> list[Row]:
             budget = parse_bytes(text)
             offload = simulate(build_schedule(replace(SPEC, swap=True),
                                               PeakPolicy(costs, budget)), costs)
-            recompute = simulate(RecomputePolicy(costs, budget).apply(plain_schedule), costs)
+            recompute = simulate(inject_swap(plain_schedule, RecomputePolicy(costs, budget)),
+                                 costs)
             started = time.perf_counter()
             mixed_schedule = build_schedule(replace(SPEC, swap=True),
                                             PeakPolicy(costs, budget, recompute="auto"))

@@ -28,12 +28,13 @@ import resource
 import subprocess
 import sys
 import time
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pipeswap.schedule import ChunkKey, Order, SwapCandidate, SwapPlacement, SwapPolicy
+from pipeswap.schedule import Order, SwapCandidate, SwapPolicy
+from pipeswap.schedule.policies import Selection
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _report import machine, publish  # noqa: E402
@@ -67,11 +68,11 @@ class _Timed:
     def __init__(self, policy: SwapPolicy) -> None:
         self.policy, self.seconds = policy, 0.0
 
-    def select(self, candidates: Sequence[SwapCandidate], order: Order
-               ) -> Collection[ChunkKey] | Mapping[ChunkKey, SwapPlacement]:
+    def select(self, rank: int, candidates: Sequence[SwapCandidate], order: Order
+               ) -> Selection:
         start = time.perf_counter()
         try:
-            return self.policy.select(candidates, order)
+            return self.policy.select(rank, candidates, order)
         finally:
             self.seconds += time.perf_counter() - start
 

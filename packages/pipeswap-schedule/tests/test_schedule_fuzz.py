@@ -18,6 +18,7 @@ from pipeswap.schedule import (
     ScheduleError,
     ScheduleKind,
     ScheduleSpec,
+    TransportModel,
     build_schedule,
     from_json,
     validate,
@@ -43,7 +44,8 @@ FRAGMENTS = [*CODES, *(f"){c}" for c in COMPOSITES), "(", ";", "rank", " ", "  "
              "3", "00", "9999999999", "\u0663", "\u00b2", "-1", "\t", "\r", "\x00", "\u2028"]
 
 
-def check(text: str, transport: str = "ordered", microbatches: int | None = None) -> None:
+def check(text: str, transport: TransportModel = "ordered", microbatches: int | None = None
+          ) -> None:
     """The property: refused as a ScheduleError, or valid and then simulated."""
     try:
         schedule = loads(text)
@@ -151,7 +153,7 @@ def mutated(draw: st.DrawFn) -> tuple[list[list[str]], Schedule]:
        st.sampled_from(["ordered", "nccl", "tagged"]),
        st.none() | st.integers(1, 7))
 def test_mutated_schedules_are_refused_or_valid(
-        case: tuple[list[list[str]], Schedule], form: str, transport: str,
+        case: tuple[list[list[str]], Schedule], form: str, transport: TransportModel,
         microbatches: int | None) -> None:
     orders, _ = case
     if form == "lines":

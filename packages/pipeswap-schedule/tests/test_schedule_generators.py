@@ -17,6 +17,7 @@ from pipeswap.schedule import (
     StageMapping,
     Lowering,
     StepType,
+    TransportModel,
     build_schedule,
     gpipe,
     interleaved_1f1b_compute,
@@ -131,7 +132,9 @@ def test_every_pytorch_family_option_combination_validates(kind: ScheduleKind) -
     tagged transport (gloo)."""
     for ranks, micros, v in itertools.product(range(1, 5), range(1, 9), (1, 2)):
         for fsdp, batch, swap in itertools.product((False, True), repeat=3):
-            for lowering, transport in ((None, "nccl"), (Lowering.DEFERRED, "tagged")):
+            runs: tuple[tuple[Lowering | None, TransportModel], ...] = (
+                (None, "nccl"), (Lowering.DEFERRED, "tagged"))
+            for lowering, transport in runs:
                 try:
                     schedule = build_schedule(ScheduleSpec(
                         kind, ranks, micros, v, fsdp=fsdp, batch_p2p=batch, swap=swap,

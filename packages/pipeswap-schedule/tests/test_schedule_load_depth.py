@@ -15,13 +15,13 @@ import pytest
 
 from pipeswap.schedule import ScheduleError, ScheduleKind, ScheduleSpec, build_schedule
 from pipeswap.schedule.costs import Link, TransformerShape, from_preset
-from pipeswap.schedule.policies import PeakPolicy, SwapPlacement, _mixed
-from pipeswap.schedule.policies import peak as peak_policy
+from pipeswap.schedule.policies import PeakPolicy, _mixed, _rank_search
 from pipeswap.schedule.policies._fit import fit
-from pipeswap.schedule.policies._mixed import Fixed, alike, layer_counts, spread
+from pipeswap.schedule.policies._mixed import alike, layer_counts, spread
 from pipeswap.schedule.policies._pipeline import placed
 from pipeswap.schedule.simulate import simulate, simulate_alone
 from pipeswap.schedule.swap_order import inject_swap_order, swap_candidates
+from pipeswap.schedule.swap_plan import RankPlan, SwapPlacement
 
 #: hidden 8192 on a PCIe Gen4 link: a layer's load (46 ms) outlasts its backward (36 ms).
 GEN4 = replace(from_preset("h100-pcie5", TransformerShape(hidden=8192, seq_len=4096, layers=4)),
@@ -54,7 +54,7 @@ def test_loads_two_layers_ahead_where_the_budget_allows(monkeypatch: pytest.Monk
         patch.setattr(_mixed, "DEEPEST_LOAD", 1)
         one_ahead, depths = planned()
     assert depths <= {0, 1} and both < one_ahead * 0.95
-    monkeypatch.setattr(peak_policy, "fit", lambda *args: None)
+    monkeypatch.setattr(_rank_search, "fit", lambda *args: None)
     unfitted, depths = planned()
     assert both * 1.02 < unfitted < one_ahead
 
@@ -142,8 +142,7 @@ def test_placements_of_three_numbers_and_whole_chunks_of_no_depth_place() -> Non
     key = swap_candidates(given, 0)[0].key
 
     def steps_of(placement: object) -> list[str]:
-        order = inject_swap_order(given, Fixed({key: placement}, {}),  # type: ignore[dict-item]
-                                  rank=0)
+        order = inject_swap_order(given, RankPlan(0, {key: placement}))  # type: ignore[dict-item]
         return [str(step) for step in order if step is not None and step.key == key
                 and step.type.name.startswith("SWAP")]
 

@@ -17,9 +17,13 @@ from pipeswap.schedule import (
     ScheduleKind,
     ScheduleSpec,
     StepType,
+    SwapPolicy,
+    apply_swap,
+    build_planned,
     build_schedule,
     inject_swap,
     parse_order,
+    plan_swap,
 )
 from pipeswap.schedule.costs import CostModel, Link, StageCosts, TransformerShape, from_preset
 from pipeswap.schedule.policies import (
@@ -31,9 +35,9 @@ from pipeswap.schedule.policies import (
 from pipeswap.schedule import simulate_cli
 from pipeswap.schedule.policies import _pipeline
 from pipeswap.schedule.policies import peak as peak_policy
-from pipeswap.schedule.recompute import inject_recompute, recomputed_in
+from pipeswap.schedule.recompute_pass import inject_recompute, recomputed_in
 from pipeswap.schedule.simulate import SimulationResult, simulate, simulate_alone
-from pipeswap.schedule.swap_order import inject_swap_order
+from pipeswap.schedule.swap_order import inject_swap_order, swap_candidates
 
 Cli = Callable[..., tuple[int, str, str]]  # the `cli` fixture of conftest.py
 #: Four layers of 100 bytes a chunk; a recomputed layer keeps its 10-byte input.
@@ -102,12 +106,12 @@ def test_a_backward_right_after_its_forward_streams_under_a_budget() -> None:
 def test_the_mix_is_never_slower_than_swap_alone_or_recompute_alone(chunks: float) -> None:
     plain = simulate(build_schedule(replace(SPEC, swap=False)), GEN4)
     budget = int(max(r.peak_activation_bytes for r in plain.ranks) / 4 * chunks)
-    mixed = PeakPolicy(GEN4, budget, recompute="auto")
+    mixed, plan = build_planned(SPEC, PeakPolicy(GEN4, budget, recompute="auto"))
+    assert plan is not None
     results = {
-        "mixed": simulate(build_schedule(SPEC, mixed), GEN4),
+        "mixed": simulate(mixed, GEN4),
         "swap": simulate(build_schedule(SPEC, PeakPolicy(GEN4, budget)), GEN4),
-        "recompute": simulate(RecomputePolicy(GEN4, budget).apply(
-            build_schedule(replace(SPEC, swap=False))), GEN4),
+        "recompute": simulate(build_schedule(SPEC, RecomputePolicy(GEN4, budget)), GEN4),
     }
     met = {name: result.step_time for name, result in results.items()
            if all(rank.peak_activation_bytes <= budget for rank in result.ranks)}
@@ -115,8 +119,8 @@ def test_the_mix_is_never_slower_than_swap_alone_or_recompute_alone(chunks: floa
     assert met["mixed"] < results["swap"].step_time  # the link is slow: recompute pays
     # each rank reports what it recomputes, as the simulator counts it
     for rank in results["mixed"].ranks:
-        outcome = mixed.outcomes[rank.rank]
-        assert outcome.met and outcome.recomputed_layers == rank.recomputed_layers
+        outcome = plan.outcome(rank.rank)
+        assert outcome is not None and outcome.met and outcome.recomputed_layers == rank.recomputed_layers
         assert outcome.recompute_s == pytest.approx(rank.recompute_s)
     assert sum(rank.recomputed_layers for rank in results["mixed"].ranks) > 0
 
@@ -134,10 +138,11 @@ def test_where_a_stalled_swap_costs_less_than_recompute_the_mix_swaps_alone(
     fast = replace(GEN4, link=Link(bandwidth, bandwidth))
     plain = simulate(build_schedule(replace(SPEC, swap=False)), fast)
     budget = int(max(r.peak_activation_bytes for r in plain.ranks) / 2)
-    mixed = PeakPolicy(fast, budget, recompute="auto")
-    result = simulate(build_schedule(SPEC, mixed), fast)
+    mixed, plan = build_planned(SPEC, PeakPolicy(fast, budget, recompute="auto"))
+    result = simulate(mixed, fast)
     alone = simulate(build_schedule(SPEC, PeakPolicy(fast, budget)), fast)
-    assert mixed.outcomes[0].exposed_copy > 0 and mixed.outcomes[0].met
+    outcome = None if plan is None else plan.outcome(0)
+    assert outcome is not None and outcome.exposed_copy > 0 and outcome.met
     assert all(rank.peak_activation_bytes <= budget for rank in result.ranks)
     assert all(rank.recomputed_layers == 0 for rank in result.ranks)
     if bandwidth == 80e9:
@@ -176,19 +181,26 @@ def test_the_pipeline_keeps_the_faster_of_its_two_starts(
 
 
 def test_a_plan_chosen_in_the_pipeline_serves_only_its_order_and_budget() -> None:
-    """What prepare chose for rank 0 under one budget is not handed out once the budget
-    changes (the policy plans the rank again), nor by a copy made with another budget."""
+    """What prepare chose for rank 0 under one budget is handed out for the order it saw
+    only (for another the planner plans the rank again), and a policy with another budget
+    plans its own."""
     fast = replace(GEN4, link=Link(55e9, 55e9))
     given = build_schedule(replace(SPEC, swap=False))
     peak = max(r.peak_activation_bytes for r in simulate(given, fast).ranks)
     loose, tight = int(peak * 0.5), int(peak * 0.2)
     policy = PeakPolicy(fast, loose, recompute="auto")
-    build_schedule(SPEC, policy)  # prepare chooses every rank's plan for the loose budget
-    for other in (replace(policy, budget=tight), policy):
-        other.budget = tight
-        order = tuple(inject_swap_order(given.orders[0], other, rank=0))
-        assert other.outcomes[0].budget == tight
-        assert simulate_alone(order, 0, fast).peak_activation_bytes <= tight
+    planner = policy.prepare(given, None)  # every rank's plan for the loose budget
+    order = given.orders[0]
+    assert planner.select(0, swap_candidates(order, 0), order).chosen_in_pipeline
+    other = build_schedule(replace(SPEC, swap=False, microbatches=6)).orders[0]
+    again = planner.select(0, swap_candidates(other, 0), other)
+    assert not again.chosen_in_pipeline and again.outcome is not None
+    assert simulate_alone(tuple(inject_swap_order(other, again)), 0,
+                          fast).peak_activation_bytes <= loose
+    plan = plan_swap(given, replace(policy, budget=tight)).ranks[0]
+    assert plan.outcome is not None and plan.outcome.budget == tight
+    order = tuple(inject_swap_order(given.orders[0], plan))
+    assert simulate_alone(order, 0, fast).peak_activation_bytes <= tight
 
 
 def test_the_alike_start_pairs_ranks_of_other_layer_counts_by_what_they_do() -> None:
@@ -212,26 +224,27 @@ def test_the_alike_start_pairs_ranks_of_other_layer_counts_by_what_they_do() -> 
     assert all(run.ranks[rank].peak_activation_bytes <= budget for rank in over)
 
 
-def test_a_policy_prepared_on_the_schedule_alone_still_plans_every_rank() -> None:
-    """A policy whose prepare takes the schedule only (as before the swap pass named the
-    ranks it plans) serves a pass over every rank."""
-    seen: list[int] = []
+def test_a_preparing_policy_is_prepared_once_and_its_planner_plans_every_rank() -> None:
+    """A policy that prepares is told the schedule and the ranks the pass plans (None:
+    every rank) once, and the planner it returns plans each of them."""
+    seen: list[tuple[int, object]] = []
 
     class Counting(MinGapPolicy):
-        def prepare(self, schedule: Schedule) -> None:
-            seen.append(schedule.num_ranks)
+        def prepare(self, schedule: Schedule, ranks: object) -> SwapPolicy:
+            seen.append((schedule.num_ranks, ranks))
+            return MinGapPolicy(self.min_gap)
 
     planned = inject_swap(build_schedule(replace(SPEC, swap=False)), Counting())
-    assert seen == [4] and _swapped(simulate(planned, SMALL)) > 0
+    assert seen == [(4, None)] and _swapped(simulate(planned, SMALL)) > 0
 
 
 def test_a_mixed_plan_on_one_rank_predicts_its_peak_exactly() -> None:
     plain = Schedule.from_orders([parse_order(ONE_RANK)])
     gen4 = replace(SMALL, link=Link(40.0, 40.0))
-    policy = PeakPolicy(gen4, 260, recompute="auto")
-    result = simulate(inject_swap(plain, policy), gen4).ranks[0]
-    outcome = policy.outcomes[0]
-    assert outcome.met and outcome.peak == result.peak_activation_bytes <= 260
+    plan = plan_swap(plain, PeakPolicy(gen4, 260, recompute="auto"))
+    result = simulate(apply_swap(plain, plan), gen4).ranks[0]
+    outcome = plan.outcome(0)
+    assert outcome is not None and outcome.met and outcome.peak == result.peak_activation_bytes <= 260
     assert outcome.exposed_copy == result.exposed_copy
     assert outcome.peak_no_swap == 6 * 400 == result.peak_activation_bytes_no_swap
     assert outcome.recomputed_layers == result.recomputed_layers > 0
@@ -243,7 +256,7 @@ def test_without_a_budget_auto_recomputes_nothing() -> None:
     assert not any(step is not None and step.type is StepType.RECOMPUTE
                    for order in planned.orders for step in order)
     with pytest.raises(ScheduleError, match="unknown recompute mode 'always'; use auto"):
-        PeakPolicy(GEN4, None, recompute="always")
+        PeakPolicy(GEN4, None, recompute="always")  # type: ignore[arg-type]
 
 
 SMALL_ARGS = ["--schedule", "1f1b", "--ranks", "4", "--microbatches", "8", "--preset",

@@ -16,7 +16,13 @@ from pathlib import Path
 
 import pytest
 
-from pipeswap.schedule import ScheduleError, ScheduleKind, ScheduleSpec, build_schedule
+from pipeswap.schedule import (
+    ScheduleError,
+    ScheduleKind,
+    ScheduleSpec,
+    build_planned,
+    build_schedule,
+)
 from pipeswap.schedule.costs import Link, TransformerShape, from_preset
 from pipeswap.schedule.policies import PeakPolicy
 from pipeswap.schedule.policies._parallel import plan_ranks
@@ -34,10 +40,11 @@ def test_plans_made_in_worker_processes_are_those_made_in_one() -> None:
     told: list[tuple[int, int, int]] = []
     made = {jobs: PeakPolicy(GEN4, budget, recompute="auto", jobs=jobs,
                              progress=lambda *said: told.append(said)) for jobs in (1, 2)}
-    schedules = {jobs: build_schedule(SPEC, policy) for jobs, policy in made.items()}
-    assert schedules[1].orders == schedules[2].orders
-    assert made[1].outcomes == made[2].outcomes
-    assert any(made[2].recomputed(rank) for rank in range(4))  # a plan worth comparing
+    built = {jobs: build_planned(SPEC, policy) for jobs, policy in made.items()}
+    assert built[1][0].orders == built[2][0].orders
+    plans = {jobs: plan for jobs, (_, plan) in built.items()}
+    assert plans[1] == plans[2] is not None  # the same plan: outcomes and choices included
+    assert any(plan.recomputed for plan in plans[2].ranks.values())  # a plan worth comparing
     # each rank reported once per policy, counted up to every rank
     assert sorted(said[1] for said in told) == [1, 1, 2, 2, 3, 3, 4, 4]
     assert multiprocessing.active_children() == []

@@ -15,7 +15,7 @@ from pipeswap.schedule.costs import CostModel, Link, TransformerShape, from_pres
 from pipeswap.schedule.policies import PeakPolicy
 from pipeswap.schedule.policies import _pipeline
 from pipeswap.schedule.policies import peak as peak_policy
-from pipeswap.schedule.recompute import inject_recompute
+from pipeswap.schedule.recompute_pass import inject_recompute
 from pipeswap.schedule.simulate import simulate, simulate_against, simulate_logged
 from pipeswap.schedule.steps import Order
 

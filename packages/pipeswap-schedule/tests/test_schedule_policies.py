@@ -13,12 +13,15 @@ from pipeswap.schedule import (
     MemoryBudgetPolicy,
     MinGapPolicy,
     PeakPolicy,
+    PlanOutcome,
     ScheduleError,
     ScheduleKind,
     ScheduleSpec,
     StageCosts,
     SwapCandidate,
     SwapPlacement,
+    SwapPlan,
+    build_planned,
     build_schedule,
     default_swap_policy,
     inject_swap,
@@ -30,6 +33,13 @@ from pipeswap.schedule import (
 from pipeswap.schedule.costs import Link
 from pipeswap.schedule.steps import Order
 
+def _outcomes(plan: SwapPlan | None) -> dict[int, PlanOutcome]:
+    """Each planned rank's outcome."""
+    assert plan is not None
+    found = {rank: plan.outcome(rank) for rank in plan.ranks}
+    return {rank: outcome for rank, outcome in found.items() if outcome is not None}
+
+
 ONE_F_ONE_B = ScheduleSpec(ScheduleKind.ONE_F_ONE_B, ranks=4, microbatches=8, swap=True)
 UNIT = CostModel(forward=1.0, backward=2.0, activation_bytes=100)
 
@@ -38,9 +48,9 @@ def test_the_budget_is_met_where_it_can_be_and_the_shortfall_said_where_not() ->
     # Without swap, 1F1B P=4 holds 4, 3, 2, 1 chunks at its peak on ranks 0..3. Rank 1 peaks
     # at the end of warm-up (chunks 0, 1, 2), when no chunk can be off the device yet.
     policy = MemoryBudgetPolicy(UNIT, budget={0: 300, 1: 250, 2: 200, 3: 100})
-    schedule = build_schedule(ONE_F_ONE_B, policy)
+    schedule, plan = build_planned(ONE_F_ONE_B, policy)
     result = simulate(schedule, UNIT)
-    outcomes = policy.outcomes
+    outcomes = _outcomes(plan)
     assert [outcomes[r].peak_no_swap for r in range(4)] == [400, 300, 200, 100]
     assert outcomes[0].met and outcomes[0].peak == 300
     assert not outcomes[1].met and outcomes[1].shortfall == 50
@@ -52,10 +62,10 @@ def test_the_budget_is_met_where_it_can_be_and_the_shortfall_said_where_not() ->
 
 
 def test_a_generous_budget_swaps_nothing() -> None:
-    policy = MemoryBudgetPolicy(UNIT, budget=10_000)
-    schedule = build_schedule(ONE_F_ONE_B, policy)
+    schedule, plan = build_planned(ONE_F_ONE_B, MemoryBudgetPolicy(UNIT, budget=10_000))
     assert all(chunks == () for chunks in swapped_chunks(schedule))
-    assert all(outcome.met and outcome.exposed_copy == 0 for outcome in policy.outcomes.values())
+    assert all(outcome.met and outcome.exposed_copy == 0
+               for outcome in _outcomes(plan).values())
 
 
 def test_the_budget_takes_the_chunks_that_stall_least() -> None:
@@ -64,10 +74,10 @@ def test_the_budget_takes_the_chunks_that_stall_least() -> None:
     # policy takes the chunks that stall least, so the same peak costs less exposed copy
     # time than with the gap rule, and its estimate is what the full simulation finds.
     costs = CostModel(forward=1.0, backward=4.0, activation_bytes=100, link=Link(50.0, 50.0))
-    policy = MemoryBudgetPolicy(costs, budget=300)
-    chosen = simulate(build_schedule(ONE_F_ONE_B, policy), costs).ranks[0]
+    schedule, plan = build_planned(ONE_F_ONE_B, MemoryBudgetPolicy(costs, budget=300))
+    chosen = simulate(schedule, costs).ranks[0]
     gap_rule = simulate(build_schedule(ONE_F_ONE_B, MinGapPolicy()), costs).ranks[0]
-    outcome = policy.outcomes[0]
+    outcome = _outcomes(plan)[0]
     assert outcome.met and chosen.peak_activation_bytes == gap_rule.peak_activation_bytes == 300
     assert outcome.exposed_copy == chosen.exposed_copy < gap_rule.exposed_copy
 
@@ -127,7 +137,7 @@ def test_the_peak_policy_swaps_only_what_lowers_a_ranks_peak() -> None:
     assert zero.peak_activation_bytes * 2 == zero.peak_activation_bytes_no_swap
     # Each chunk taken lowers the peak: without any one of them the rank holds more.
     order = build_schedule(dataclasses.replace(H100_1F1B, swap=False)).orders[0]
-    chosen = policy.select(swap_candidates(order, 0), order)
+    chosen = policy.select(0, swap_candidates(order, 0), order).placements
     for key in chosen:
         fewer = {k: p for k, p in chosen.items() if k != key}
         held = simulate(inject_swap(build_schedule(dataclasses.replace(H100_1F1B, swap=False)),
@@ -148,14 +158,14 @@ def test_the_gap_rule_swaps_for_nothing_where_the_peak_policy_does_not() -> None
 def test_a_budget_is_met_by_exposing_copies_and_says_how_much(chunks: int) -> None:
     costs = _h100()
     chunk = costs.chunk_bytes((0, 0)).total
-    policy = PeakPolicy(costs, budget=chunks * chunk, granularity="chunk")
-    result = simulate(build_schedule(H100_1F1B, policy), costs)
-    zero, outcome = result.ranks[0], policy.outcomes[0]
+    schedule, plan = build_planned(H100_1F1B, PeakPolicy(costs, budget=chunks * chunk,
+                                                          granularity="chunk"))
+    result = simulate(schedule, costs)
+    zero, outcome = result.ranks[0], _outcomes(plan)[0]
     assert outcome.met and zero.peak_activation_bytes <= chunks * chunk
     assert zero.exposed_copy > 0 and outcome.exposed_copy > 0  # the price, reported
-    without = PeakPolicy(costs, granularity="chunk")
-    build_schedule(H100_1F1B, without)
-    assert without.outcomes[0].exposed_copy == 0 and not without.outcomes[0].budget
+    alone = _outcomes(build_planned(H100_1F1B, PeakPolicy(costs, granularity="chunk"))[1])[0]
+    assert alone.exposed_copy == 0 and not alone.budget
     if chunks == 3:  # the old budget policy meets it too, with more stall on rank 0
         old = simulate(build_schedule(H100_1F1B, MemoryBudgetPolicy(costs, 3 * chunk)), costs)
         assert zero.exposed_copy <= old.ranks[0].exposed_copy
@@ -179,7 +189,7 @@ def test_the_default_policy_plans_on_uniform_layers() -> None:
 
 def test_the_default_policy_refuses_an_unknown_granularity() -> None:
     with pytest.raises(ScheduleError, match="unknown swap granularity 'layers'"):
-        default_swap_policy({0: 2}, "layers")
+        default_swap_policy({0: 2}, "layers")  # type: ignore[arg-type]
 
 
 class _Fixed:
@@ -188,6 +198,6 @@ class _Fixed:
     def __init__(self, chosen: dict[int, dict[tuple[int, int], SwapPlacement]]) -> None:
         self.chosen = chosen
 
-    def select(self, candidates: Sequence[SwapCandidate], order: Order
+    def select(self, rank: int, candidates: Sequence[SwapCandidate], order: Order
                ) -> dict[tuple[int, int], SwapPlacement]:
-        return self.chosen.get(candidates[0].rank if candidates else 0, {})
+        return self.chosen.get(rank, {})

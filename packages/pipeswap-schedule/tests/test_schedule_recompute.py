@@ -21,9 +21,11 @@ from pipeswap.schedule import (
     Step,
     StepError,
     StepType,
+    apply_swap,
     build_schedule,
     parse_order,
     parse_step,
+    plan_swap,
     validate,
 )
 from pipeswap.schedule.costs import ChunkBytes, CostModel, Link, StageCosts
@@ -202,21 +204,25 @@ def test_recompute_alone_recomputes_as_few_first_layers_as_meet_the_budget(budge
 
     costs, limit = _reference_costs(), parse_bytes(budget)
     plain = build_schedule(ScheduleSpec(ScheduleKind.ONE_F_ONE_B, ranks=8, microbatches=16))
-    policy = RecomputePolicy(costs, limit)
-    planned = policy.apply(plain)
+    plan = plan_swap(plain, RecomputePolicy(costs, limit))
+    planned = apply_swap(plain, plan)
     result = simulate(planned, costs)
     assert not any(s.type in (StepType.SWAP_LAUNCH_OFFLOAD, StepType.SWAP_STREAM_OFFLOAD)
                    for order in planned.orders for s in order if s is not None)
+    firsts = {rank: max(map(len, plan.ranks[rank].recomputed.values()), default=0)
+              for rank in plan.ranks}  # the first layers of every chunk, per rank
     for rank, order in zip(result.ranks, plain.orders):
-        outcome = policy.outcomes[rank.rank]
+        outcome, first = plan.outcome(rank.rank), firsts[rank.rank]
+        assert outcome is not None
         assert outcome.met and rank.peak_activation_bytes == outcome.peak <= limit
         forwards = [leaf.key for s in order if s is not None for leaf in s.compute_leaves
                     if leaf.type is StepType.FWD]
-        assert rank.recomputed_layers == outcome.layers * len(forwards)
-        if outcome.layers:  # one layer fewer would not fit
-            fewer = {key: tuple(range(outcome.layers - 1)) for key in forwards}
-            assert peak_without_swap(order, costs, fewer if outcome.layers > 1 else None) > limit
-    assert policy.outcomes[0].layers > policy.outcomes[7].layers  # the first rank holds most
+        assert rank.recomputed_layers == outcome.recomputed_layers == first * len(forwards)
+        assert outcome.recompute_s == pytest.approx(rank.recompute_s)
+        if first:  # one layer fewer would not fit
+            fewer = {key: tuple(range(first - 1)) for key in forwards}
+            assert peak_without_swap(order, costs, fewer if first > 1 else None) > limit
+    assert firsts[0] > firsts[7]  # the first rank holds most
 
 
 def test_a_budget_recompute_cannot_reach_is_reported_per_rank(cli: Cli) -> None:
@@ -249,7 +255,7 @@ def test_orders_and_convert_place_the_rc_steps(cli: Cli, tmp_path: Path) -> None
 
 
 def test_inject_recompute_refuses_a_chunk_nobody_forwards_and_a_second_rc() -> None:
-    from pipeswap.schedule.recompute import inject_recompute
+    from pipeswap.schedule.recompute_pass import inject_recompute
 
     schedule = Schedule.from_orders([parse_order("0F0 0B0")])
     with pytest.raises(ScheduleError, match=r"no rank forwards chunk \(stage, micro\) \(0, 1\)"):

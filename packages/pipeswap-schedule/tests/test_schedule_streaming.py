@@ -15,6 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pipeswap.schedule import (
+    PlanOutcome,
     Schedule,
     ScheduleError,
     ScheduleKind,
@@ -24,6 +25,8 @@ from pipeswap.schedule import (
     SwapCandidate,
     SwapLifecycleError,
     SwapPlacement,
+    SwapPlan,
+    build_planned,
     build_schedule,
     from_json,
     inject_swap,
@@ -41,7 +44,7 @@ from pipeswap.schedule.costs import (
     from_preset,
 )
 from pipeswap.schedule.formats import swap_summary
-from pipeswap.schedule.policies import GRANULARITIES, PeakPolicy
+from pipeswap.schedule.policies import GRANULARITIES, Granularity, PeakPolicy
 from pipeswap.schedule.simulate import simulate
 from pipeswap.schedule.steps import OVERLAPS, ChunkKey, Order
 from pipeswap.schedule.text import format_rank_lines, parse_rank_lines, parse_step
@@ -174,6 +177,13 @@ def test_without_duplex_loads_queue_behind_offloads() -> None:
     assert {s.stream for s in rank.spans if s.stream != "compute"} == {"copy"}
 
 
+def _outcome(plan: SwapPlan | None, rank: int) -> PlanOutcome:
+    """What the policy expected of ``rank``."""
+    found = None if plan is None else plan.outcome(rank)
+    assert found is not None
+    return found
+
+
 # -- the simulator against a recount of the program order -------------------------------------
 
 class _RandomPlacements:
@@ -182,7 +192,7 @@ class _RandomPlacements:
     def __init__(self, rng: random.Random, costs: CostModel) -> None:
         self.rng, self.costs = rng, costs
 
-    def select(self, candidates: Sequence[SwapCandidate], order: Order
+    def select(self, rank: int, candidates: Sequence[SwapCandidate], order: Order
                ) -> dict[ChunkKey, SwapPlacement]:
         chosen = {}
         for c in candidates:
@@ -379,14 +389,14 @@ def test_streaming_cuts_the_largest_peak_to_about_a_third_with_every_copy_hidden
     D2H stream, 16% slower than the forwards, falls behind by one chunk per six (else a
     chunk left on the device holds all of its 4 layers)."""
     costs = _h100()
-    policy = PeakPolicy(costs)
-    result = simulate(build_schedule(H100, policy), costs)
+    schedule, plan = build_planned(H100, PeakPolicy(costs))
+    result = simulate(schedule, costs)
     largest = max(r.peak_activation_bytes_no_swap for r in result.ranks)
     layer = costs.activation_bytes // 4
     assert max(r.peak_activation_bytes for r in result.ranks) <= 11 * layer < 0.35 * largest
     for rank in result.ranks:
         assert rank.exposed_copy == 0.0 and all(c.hidden for c in rank.swapped), rank.rank
-        assert rank.peak_activation_bytes == policy.outcomes[rank.rank].peak  # same count
+        assert rank.peak_activation_bytes == _outcome(plan, rank.rank).peak  # same count
     assert sum(c.streamed for r in result.ranks for c in r.swapped) > 0
     whole = simulate(build_schedule(H100, PeakPolicy(costs, granularity="chunk")), costs)
     assert max(r.peak_activation_bytes for r in whole.ranks) * 2 == largest
@@ -412,11 +422,13 @@ def test_a_quarter_needs_a_budget_and_costs_less_stall_streamed() -> None:
     costs = _h100()
     layer = costs.activation_bytes // 4
     stalls = {}
-    for granularity in ("chunk", "auto"):
-        policy = PeakPolicy(costs, budget=8 * layer, granularity=granularity)
-        result = simulate(build_schedule(H100, policy), costs)
+    granularities: tuple[Granularity, ...] = ("chunk", "auto")
+    for granularity in granularities:
+        schedule, plan = build_planned(H100, PeakPolicy(costs, budget=8 * layer,
+                                                        granularity=granularity))
+        result = simulate(schedule, costs)
         assert max(r.peak_activation_bytes for r in result.ranks) <= 8 * layer
-        assert all(outcome.met for outcome in policy.outcomes.values())
+        assert all(_outcome(plan, rank).met for rank in range(len(result.ranks)))
         stalls[granularity] = sum(r.exposed_copy for r in result.ranks)
     assert 0 < stalls["auto"] < stalls["chunk"] / 2
 
@@ -449,12 +461,12 @@ def test_auto_with_one_layer_a_chunk_is_the_chunk_policy(spec: ScheduleSpec) -> 
     ScheduleSpec(ScheduleKind.ZBV, ranks=2, microbatches=4, stages_per_rank=2, swap=True),
 ], ids=["1f1b", "interleaved-dxdw", "zbv"])
 def test_the_policy_counts_peaks_as_the_simulator_and_hides_its_copies(
-        spec: ScheduleSpec, granularity: str) -> None:
+        spec: ScheduleSpec, granularity: Granularity) -> None:
     costs = _h100(layers=3)
-    policy = PeakPolicy(costs, granularity=granularity)
-    result = simulate(build_schedule(spec, policy), costs)
+    schedule, plan = build_planned(spec, PeakPolicy(costs, granularity=granularity))
+    result = simulate(schedule, costs)
     for rank in result.ranks:
-        outcome = policy.outcomes[rank.rank]
+        outcome = _outcome(plan, rank.rank)
         assert rank.peak_activation_bytes == outcome.peak
         assert outcome.peak <= outcome.peak_no_swap == rank.peak_activation_bytes_no_swap
         assert rank.exposed_copy == 0.0, rank.rank
@@ -472,7 +484,8 @@ def test_auto_does_no_worse_than_whole_chunks() -> None:
 
 @settings(PROPERTY_SETTINGS, max_examples=40)
 @given(st.sampled_from(SPECS), st.sampled_from(GRANULARITIES), st.randoms(use_true_random=False))
-def test_the_policy_plans_what_the_simulator_finds(spec: ScheduleSpec, granularity: str,
+def test_the_policy_plans_what_the_simulator_finds(spec: ScheduleSpec,
+                                                  granularity: Granularity,
                                                   rng: random.Random) -> None:
     """On any costs: the policy's peak is the simulator's, its copies hide, and with a
     budget the policy says truly whether it was met."""
@@ -484,10 +497,11 @@ def test_the_policy_plans_what_the_simulator_finds(spec: ScheduleSpec, granulari
                       link=Link(rng.uniform(10.0, 400.0), rng.uniform(10.0, 400.0),
                                 duplex=rng.random() < 0.7))
     budget = rng.choice([None, None, rng.randint(per_layer, 4 * per_layer * layers)])
-    policy = PeakPolicy(costs, budget, granularity=granularity)
-    result = simulate(build_schedule(replace(spec, swap=True), policy), costs)
+    schedule, plan = build_planned(replace(spec, swap=True),
+                                   PeakPolicy(costs, budget, granularity=granularity))
+    result = simulate(schedule, costs)
     for rank in result.ranks:
-        outcome = policy.outcomes[rank.rank]
+        outcome = _outcome(plan, rank.rank)
         assert rank.peak_activation_bytes == outcome.peak or granularity == "chunk" or (
             layers == 1 and granularity == "auto")
         assert rank.peak_activation_bytes <= rank.peak_activation_bytes_no_swap
@@ -501,7 +515,7 @@ def test_an_unknown_granularity_is_refused() -> None:
     assert GRANULARITIES == ("auto", "chunk", "layer")
     with pytest.raises(ScheduleError, match="unknown swap granularity 'layers'; use one of "
                                             "auto, chunk, layer"):
-        PeakPolicy(CostModel(), granularity="layers")
+        PeakPolicy(CostModel(), granularity="layers")  # type: ignore[arg-type]
 
 
 def test_nothing_is_streamed_for_nothing() -> None:

@@ -33,14 +33,21 @@ from pipeswap.schedule import (
     validate,
     validate_rank,
 )
+from pipeswap.schedule.policies import Selection, SwapPolicy
 from pipeswap.schedule.policies.defaults import default_policy
 from pipeswap.schedule.steps import ACTIVATION_CONSUMERS, Order
-from pipeswap.schedule.swap import inject_swap_order
-
-GAP = MinGapPolicy()  # MindSpore hyper-parallel's rule: its worked examples
+from pipeswap.schedule.swap_order import inject_swap_order
+from pipeswap.schedule.swap_pass import rank_plan
 from pipeswap.schedule.text import format_order, parse_step
 
+GAP = MinGapPolicy()  # MindSpore hyper-parallel's rule: its worked examples
 Load = Callable[[str], Schedule]
+
+
+def _injected(order: Order, policy: SwapPolicy) -> list[Step | None]:
+    """``order`` (rank 0's) with the swap steps ``policy`` chooses for it."""
+    return inject_swap_order(order, rank_plan(0, policy.select(0, swap_candidates(order, 0),
+                                                                order)))
 
 
 def _strip_swap(schedule: Schedule) -> Schedule:
@@ -157,17 +164,17 @@ def test_hyper_parallel_single_stage_fsdp_case_verbatim() -> None:
     # it one compute earlier).
     order = parse_order("0UNSHARD 0F0 0SEND_F0 0F1 0SEND_F1 0F2 0SEND_F2 0F3 0SEND_F3 0RECV_B0 "
                         "0B0 0RECV_B1 0B1 0RECV_B2 0B2 0RECV_B3 0B3 0REDUCE_GRAD 0RESHARD")
-    assert format_order(inject_swap_order(order, MinGapPolicy())) == (
+    assert format_order(_injected(order, MinGapPolicy())) == (
         "0UNSHARD 0F0 0LO0 0SEND_F0 0F1 0LO1 0SEND_F1 0WO0 0F2 0LO2 0SEND_F2 0WO1 0F3 0LO3 "
         "0SEND_F3 0WO2 0RECV_B0 0LL0 0WL0 0B0 0RECV_B1 0WO3 0LL1 0WL1 0B1 0RECV_B2 0LL2 0WL2 0B2 "
         "0RECV_B3 0LL3 0WL3 0B3 0REDUCE_GRAD 0RESHARD")
     plain = parse_order(" ".join(str(s) for s in order[1:-2]))
-    done = inject_swap_order(plain, MinGapPolicy())
+    done = _injected(plain, MinGapPolicy())
     assert _pos(done, "0LL0") < _pos(done, "0F3")
 
 
 def test_hyper_parallel_gathered_stage_reloads_adjacent_to_the_backward() -> None:
-    done = inject_swap_order(parse_order("0UNSHARD 0F0 0F1 0F2 0F3 0B0 0RESHARD"), MinGapPolicy())
+    done = _injected(parse_order("0UNSHARD 0F0 0F1 0F2 0F3 0B0 0RESHARD"), MinGapPolicy())
     assert format_order(done[_pos(done, "0LL0"):_pos(done, "0B0") + 1]) == "0LL0 0WL0 0B0"
 
 
@@ -192,13 +199,13 @@ def test_fsdp_reload_overlaps_the_backward_stages_gather() -> None:
     # Another stage's gather (1UNSHARD) before stage 0's backward leaves stage 0's reload
     # right before that backward. (A fragment, stage 1 never computes: placement only.)
     order = parse_order("0UNSHARD 0F0 0F1 0F2 0F3 1UNSHARD 0B0 0B1 0B2 0B3 0RESHARD")
-    done = inject_swap_order(order, MinGapPolicy())
+    done = _injected(order, MinGapPolicy())
     assert format_order(done).startswith("0UNSHARD 0F0 0LO0 0F1 0LO1 0WO0")
     assert format_order(done[_pos(done, "0LL0"):_pos(done, "0B0") + 1]) == "0LL0 0WL0 0B0"
 
     gather_before = parse_order(
         "0UNSHARD 0F0 0F1 0F2 0F3 0RESHARD 0UNSHARD 0B0 0B1 0B2 0B3 0REDUCE_GRAD 0RESHARD")
-    done = inject_swap_order(gather_before, MinGapPolicy())
+    done = _injected(gather_before, MinGapPolicy())
     # every reload whose offload wait came before the re-gather launches ahead of it
     assert format_order(done[_pos(done, "0LL0"):_pos(done, "0B0") + 1]) == (
         "0LL0 0LL1 0LL2 0UNSHARD 0WL0 0B0")
@@ -209,7 +216,7 @@ def test_fsdp_with_dxdw_reloads_before_the_input_gradient() -> None:
     order = parse_order(
         "0UNSHARD 0F0 0SEND_F0 0F1 0SEND_F1 0F2 0SEND_F2 0F3 0SEND_F3 0RECV_B0 0I0 0W0 "
         "0RECV_B1 0I1 0W1 0RECV_B2 0I2 0W2 0RECV_B3 0I3 0W3 0REDUCE_GRAD 0RESHARD")
-    done = inject_swap_order(order, MinGapPolicy())
+    done = _injected(order, MinGapPolicy())
     lifecycle = [str(s) for s in done if s is not None and s.micro == 0 and s.stage == 0
                  and s.type not in (StepType.FWD_SEND, StepType.BWD_RECV)]
     assert lifecycle == ["0F0", "0LO0", "0WO0", "0LL0", "0WL0", "0I0", "0W0"]
@@ -225,7 +232,7 @@ def test_zero_width_steps_are_transparent_to_the_offload_wait() -> None:
     # issued.
     order = parse_order("0F0 0SEND_F0 0F1 0REDUCE_GRAD 0SEND_F1 0F2 0SEND_F2 0F3 0SEND_F3 "
                         "0RECV_B0 0B0 0RECV_B1 0B1 0RECV_B2 0B2 0RECV_B3 0B3")
-    done = inject_swap_order(order, MinGapPolicy())
+    done = _injected(order, MinGapPolicy())
     assert _pos(done, "0SEND_F1") + 1 == _pos(done, "0WO0")
 
 
@@ -235,7 +242,7 @@ def test_reload_never_precedes_the_offload_wait() -> None:
     # before WO.
     order = parse_order(
         "0UNSHARD 0F0 0RESHARD 0UNSHARD 0F1 0F2 0F3 0B0 0B1 0B2 0B3 0REDUCE_GRAD 0RESHARD")
-    done = inject_swap_order(order, MinGapPolicy())
+    done = _injected(order, MinGapPolicy())
     assert _pos(done, "0WO0") < _pos(done, "0LL0") < _pos(done, "0WL0")
     validate_rank(Schedule.from_orders([done]), 0)
 
@@ -249,7 +256,7 @@ def test_policy_decides_which_chunks_swap() -> None:
     validate(inject_swap(base, MinGapPolicy(3)))
 
     class Nothing:
-        def select(self, candidates: Sequence[SwapCandidate], order: Order
+        def select(self, rank: int, candidates: Sequence[SwapCandidate], order: Order
                    ) -> Collection[tuple[int, int]]:
             return ()
 
@@ -270,10 +277,10 @@ def test_a_rank_may_plan_only_its_own_swap(spec: ScheduleSpec) -> None:
     asked: list[int] = []
 
     class Recording:
-        def select(self, candidates: Sequence[SwapCandidate], order: Order
-                   ) -> Collection[tuple[int, int]] | Mapping[tuple[int, int], SwapPlacement]:
-            asked.append(candidates[0].rank)
-            return default_policy().select(candidates, order)
+        def select(self, rank: int, candidates: Sequence[SwapCandidate], order: Order
+                   ) -> Selection:
+            asked.append(rank)
+            return default_policy().select(rank, candidates, order)
 
     for rank in range(spec.ranks):
         asked.clear()
@@ -299,7 +306,7 @@ def test_policies_that_ask_for_the_impossible_are_refused() -> None:
         MinGapPolicy(2)
 
     class Greedy:
-        def select(self, candidates: Sequence[SwapCandidate], order: Order
+        def select(self, rank: int, candidates: Sequence[SwapCandidate], order: Order
                    ) -> Collection[tuple[int, int]]:
             return {c.key for c in candidates}
 
@@ -308,7 +315,7 @@ def test_policies_that_ask_for_the_impossible_are_refused() -> None:
         inject_swap(one_f_one_b(4, 8), Greedy())
 
     class Wide:
-        def select(self, candidates: Sequence[SwapCandidate], order: Order
+        def select(self, rank: int, candidates: Sequence[SwapCandidate], order: Order
                    ) -> Mapping[tuple[int, int], SwapPlacement]:
             return {c.key: SwapPlacement(2, 2) for c in candidates if c.gap >= 4}
 
@@ -320,7 +327,7 @@ def test_policies_that_ask_for_the_impossible_are_refused() -> None:
         def __init__(self, chunk: tuple[int, int]) -> None:
             self.chunk = chunk
 
-        def select(self, candidates: Sequence[SwapCandidate], order: Order
+        def select(self, rank: int, candidates: Sequence[SwapCandidate], order: Order
                    ) -> Collection[tuple[int, int]]:
             return {self.chunk}
 
@@ -328,7 +335,7 @@ def test_policies_that_ask_for_the_impossible_are_refused() -> None:
         inject_swap(one_f_one_b(2, 4), Stranger((9, 9)))
     forward_only = parse_order("0F0 0F1 0F2 0F3 0F4")  # forwarded, never backwarded here
     with pytest.raises(ScheduleError, match=r"\(0, 0\).*not candidates"):
-        inject_swap_order(forward_only, Stranger((0, 0)))
+        _injected(forward_only, Stranger((0, 0)))
 
 
 def test_injecting_twice_is_refused() -> None:
@@ -342,12 +349,12 @@ def test_a_placement_moves_the_offload_wait_and_the_load_launch() -> None:
     order = parse_order("0F0 0F1 0F2 0F3 0B0 0F4 0B1 0B2 0B3 0B4")
 
     class Placed:
-        def select(self, candidates: Sequence[SwapCandidate], order: Order
+        def select(self, rank: int, candidates: Sequence[SwapCandidate], order: Order
                    ) -> Mapping[tuple[int, int], SwapPlacement]:
             return {(0, 0): SwapPlacement(offload_slots=2, load_slots=1),
                     (0, 1): SwapPlacement(offload_slots=1, load_slots=2)}
 
-    placed = format_order(inject_swap_order(order, Placed()))
+    placed = format_order(_injected(order, Placed()))
     assert placed == ("0F0 0LO0 0F1 0LO1 0F2 0WO0 0WO1 0LL0 0F3 0LL1 0WL0 0B0 0F4 0WL1 0B1 "
                       "0B2 0B3 0B4")
     validate_rank(Schedule((tuple(parse_order(placed)),), (0,)), 0)

@@ -6,7 +6,14 @@ schedules without torch or a GPU.
 """
 
 from pipeswap.schedule.__about__ import __version__
-from pipeswap.schedule.build import Lowering, ScheduleKind, ScheduleSpec, build_schedule
+from pipeswap.schedule.build import (
+    V_SHAPED,
+    Lowering,
+    ScheduleKind,
+    ScheduleSpec,
+    build_planned,
+    build_schedule,
+)
 from pipeswap.schedule.costs import ChunkBytes, CostModel, Link, StageCosts
 from pipeswap.schedule.dxdw import split_dxdw
 from pipeswap.schedule.errors import (
@@ -32,47 +39,85 @@ from pipeswap.schedule.p2p import (
 )
 from pipeswap.schedule.policies import (
     GRANULARITIES,
-    BudgetOutcome,
+    RECOMPUTE_MODES,
     CostModelPolicy,
+    Granularity,
     MemoryBudgetPolicy,
     MinGapPolicy,
-    PeakOutcome,
     PeakPolicy,
-    SwapCandidate,
-    SwapPlacement,
+    RecomputeMode,
+    RecomputePolicy,
     SwapPolicy,
     default_swap_policy,
     uniform_layers,
 )
 from pipeswap.schedule.schedule import Schedule, StageMapping, stage_to_rank
 from pipeswap.schedule.simulate import RankResult, SimulationResult, simulate
-from pipeswap.schedule.steps import ChunkKey, Order, Step, StepType
-from pipeswap.schedule.swap import inject_swap, swap_candidates, swapped_chunks
+from pipeswap.schedule.steps import (
+    COMPUTE,
+    FSDP,
+    OVERLAPS,
+    P2P,
+    RECOMPUTE,
+    SENDS,
+    SWAP,
+    ChunkKey,
+    Order,
+    Step,
+    StepType,
+)
+from pipeswap.schedule.swap_order import swap_candidates
+from pipeswap.schedule.swap_pass import apply_swap, inject_swap, plan_swap, swapped_chunks
+from pipeswap.schedule.swap_plan import (
+    DEFAULT_PLACEMENT,
+    PlanOutcome,
+    RankPlan,
+    SwapCandidate,
+    SwapPlacement,
+    SwapPlan,
+)
 from pipeswap.schedule.text import format_order, parse_order, parse_step
 from pipeswap.schedule.transports import check_batches_alike, simulate_p2p
 from pipeswap.schedule.units import parse_bytes
-from pipeswap.schedule.validation import validate
+from pipeswap.schedule.validation import (
+    TRANSPORTS,
+    TransportModel,
+    check_order_layer_counts,
+    validate,
+)
 
 __all__ = [
-    "BudgetOutcome",
+    "COMPUTE",
     "ChunkBytes",
     "ChunkKey",
     "ChunkOrderError",
     "CostModel",
     "CostModelPolicy",
+    "DEFAULT_PLACEMENT",
     "DeadlockError",
+    "FSDP",
     "FSDPOrderError",
     "GRANULARITIES",
+    "Granularity",
     "Link",
     "Lowering",
     "MemoryBudgetPolicy",
     "MinGapPolicy",
+    "OVERLAPS",
     "Order",
+    "P2P",
     "P2PError",
     "ParseError",
-    "PeakOutcome",
     "PeakPolicy",
+    "PlanOutcome",
+    "RECOMPUTE",
+    "RECOMPUTE_MODES",
+    "RankPlan",
     "RankResult",
+    "RecomputeMode",
+    "RecomputePolicy",
+    "SENDS",
+    "SWAP",
     "Schedule",
     "ScheduleError",
     "ScheduleKind",
@@ -86,12 +131,19 @@ __all__ = [
     "SwapCandidate",
     "SwapLifecycleError",
     "SwapPlacement",
+    "SwapPlan",
     "SwapPolicy",
+    "TRANSPORTS",
+    "TransportModel",
+    "V_SHAPED",
     "ValidationError",
     "__version__",
     "add_fsdp_steps",
+    "apply_swap",
+    "build_planned",
     "build_schedule",
     "check_batches_alike",
+    "check_order_layer_counts",
     "coalesce_p2p",
     "default_swap_policy",
     "dumps_lines",
@@ -108,6 +160,7 @@ __all__ = [
     "parse_bytes",
     "parse_order",
     "parse_step",
+    "plan_swap",
     "simulate",
     "simulate_p2p",
     "split_dxdw",

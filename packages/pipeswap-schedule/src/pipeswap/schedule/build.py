@@ -8,7 +8,7 @@ so it sees the final FSDP steps and P2P batches and never splits one.
 from __future__ import annotations
 
 from collections.abc import Callable, Collection
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import Enum
 from typing import TypeVar
 
@@ -28,7 +28,7 @@ from pipeswap.schedule.p2p import (
     insert_send_recv_by_dependency,
     insert_send_recv_early,
 )
-from pipeswap.schedule.policies import SwapPolicy
+from pipeswap.schedule.policies.base import SwapPolicy
 from pipeswap.schedule.pytorch_family import (
     dualpipev,
     interleaved_zero_bubble,
@@ -36,7 +36,8 @@ from pipeswap.schedule.pytorch_family import (
     zbv,
 )
 from pipeswap.schedule.schedule import Schedule
-from pipeswap.schedule.swap import inject_swap
+from pipeswap.schedule.swap_pass import apply_swap, inject_swap, plan_swap
+from pipeswap.schedule.swap_plan import SwapPlan
 
 
 class ScheduleKind(Enum):
@@ -235,7 +236,19 @@ def build_schedule(spec: ScheduleSpec, swap_policy: SwapPolicy | None = None, *,
                    swap_ranks: Collection[int] | None = None) -> Schedule:
     """Generate ``spec.kind`` and apply the passes ``spec`` asks for (the swap pass on
     ``swap_ranks`` only, when given: a rank that runs alone plans only itself)."""
+    return build_planned(spec, swap_policy, swap_ranks=swap_ranks)[0]
+
+
+@gc_paused
+def build_planned(spec: ScheduleSpec, swap_policy: SwapPolicy | None = None, *,
+                  swap_ranks: Collection[int] | None = None
+                  ) -> tuple[Schedule, SwapPlan | None]:
+    """:func:`build_schedule`, and the swap plan its swap pass made (None where ``spec``
+    asks for no swap)."""
     schedule = generate(spec)
-    for _, apply in passes(spec, swap_policy, swap_ranks=swap_ranks):
+    for _, apply in passes(replace(spec, swap=False)):
         schedule = apply(schedule)
-    return schedule
+    if not spec.swap:
+        return schedule, None
+    plan = plan_swap(schedule, swap_policy, ranks=swap_ranks)
+    return apply_swap(schedule, plan), plan

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 from pipeswap.schedule.__about__ import __version__
 from pipeswap.schedule._gc import gc_paused
-from pipeswap.schedule.build import LOWERINGS, Lowering, ScheduleKind, ScheduleSpec, build_schedule
+from pipeswap.schedule.build import LOWERINGS, Lowering, ScheduleKind, ScheduleSpec, build_planned
 from pipeswap.schedule.costs import PRESETS
 from pipeswap.schedule.errors import ScheduleError
 from pipeswap.schedule.files import FileAccessError, read_text, write_text
@@ -24,21 +24,21 @@ from pipeswap.schedule.formats import (
     swap_summary,
 )
 from pipeswap.schedule.p2p import coalesce_p2p
-from pipeswap.schedule.policies import MinGapPolicy, SwapPolicy
+from pipeswap.schedule.policies import SwapPolicy
 from pipeswap.schedule.schedule import Schedule
 from pipeswap.schedule.simulate_cli import (
     LAYERS,
     MAX_LAYERS,
     Parser,
     choose_policy,
-    recomputed,
     cost_arguments,
     costs_from,
     count,
     policy_arguments,
     run_simulate,
 )
-from pipeswap.schedule.swap import inject_swap
+from pipeswap.schedule.swap_pass import inject_swap
+from pipeswap.schedule.swap_plan import SwapPlan
 from pipeswap.schedule.text import MAX_DIGITS
 from pipeswap.schedule.validation import TRANSPORTS, validate
 
@@ -152,7 +152,8 @@ def _spec_arguments() -> Parser:
     return parent
 
 
-def _build(args: argparse.Namespace, policy: SwapPolicy | None = None) -> Schedule:
+def _build(args: argparse.Namespace, policy: SwapPolicy | None
+           ) -> tuple[Schedule, SwapPlan | None]:
     spec = ScheduleSpec(
         kind=ScheduleKind(args.schedule),
         ranks=args.ranks,
@@ -163,11 +164,10 @@ def _build(args: argparse.Namespace, policy: SwapPolicy | None = None) -> Schedu
         less_memory=args.less_memory,
         fsdp=args.fsdp,
         batch_p2p=args.batch_p2p,
-        swap=args.swap or policy is not None,
+        swap=policy is not None,
         lowering=args.lowering,
     )
-    gap = MinGapPolicy(4 if args.swap_min_gap is None else args.swap_min_gap)
-    return build_schedule(spec, policy or (gap if args.swap else None))
+    return build_planned(spec, policy)
 
 
 def _parser() -> Parser:
@@ -188,6 +188,19 @@ def _parser() -> Parser:
     orders.add_argument("--format", choices=["grid", "json"], default="grid",
                         help="grid: 'rank N: <steps>' lines (default); json: machine-readable")
 
+    _add_validate(commands)
+    _add_convert(commands, policies, costs)
+    show = commands.add_parser(
+        "show", parents=[spec, policies, costs], help="render all ranks side by side with a swap summary",
+        description="Build a schedule and render it: one column per rank (swap steps marked *), "
+                    "then which (stage, micro) chunks each rank swaps.")
+    show.add_argument("--no-grid", action="store_true", help="print only the summary")
+
+    _add_simulate(commands, spec, policies)
+    return parser
+
+
+def _add_validate(commands: argparse._SubParsersAction[Parser]) -> None:
     check = commands.add_parser(
         "validate", help="check a schedule file; exit 0 if valid, 1 if not",
         description="Check a schedule (the JSON or grid that 'orders' prints): every stage "
@@ -219,6 +232,9 @@ def _parser() -> Parser:
                             "option a lag is only checked to be at least 1; give the model's "
                             "count to catch a schedule made for another model")
 
+
+def _add_convert(commands: argparse._SubParsersAction[Parser], policies: Parser,
+                 costs: Parser) -> None:
     convert = commands.add_parser(
         "convert", parents=[policies, costs],
         help="convert between JSON, grid lines and PyTorch's CSV; lower and swap",
@@ -256,12 +272,9 @@ def _parser() -> Parser:
                               "'validate --help')")
     convert.add_argument("--output", "-o", metavar="FILE", help="write here, not to stdout")
 
-    show = commands.add_parser(
-        "show", parents=[spec, policies, costs], help="render all ranks side by side with a swap summary",
-        description="Build a schedule and render it: one column per rank (swap steps marked *), "
-                    "then which (stage, micro) chunks each rank swaps.")
-    show.add_argument("--no-grid", action="store_true", help="print only the summary")
 
+def _add_simulate(commands: argparse._SubParsersAction[Parser], spec: Parser,
+                  policies: Parser) -> None:
     sim = commands.add_parser(
         "simulate", parents=[spec, policies, cost_arguments(param_bytes=True)],
         help="predict step time, bubbles, exposed copy time and peak memory per rank",
@@ -288,9 +301,6 @@ def _parser() -> Parser:
                           "pip install 'pipeswap-schedule[plot]')")
     sim.add_argument("--format", choices=["table", "json"], default="table",
                      help="table: ranks side by side (default); json: one object")
-    return parser
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """Run one command. Whatever goes wrong ends in one line on stderr and a non-zero exit,
     never a traceback."""
@@ -319,8 +329,7 @@ def _run(argv: Sequence[str] | None) -> int:
             return _convert(args)
         if args.command == "simulate":
             return run_simulate(args, _build)
-        policy, outcomes = choose_policy(args, costs_from(args))
-        schedule = recomputed(_build(args, policy), outcomes)
+        schedule, _ = _build(args, choose_policy(args, costs_from(args)))
         if args.command == "orders":
             print(dumps_json(schedule) if args.format == "json" else dumps_lines(schedule))
             return 0
@@ -345,11 +354,9 @@ def _convert(args: argparse.Namespace) -> int:
         schedule = LOWERINGS[Lowering(args.lowering)](schedule)
     if args.batch_p2p:
         schedule = coalesce_p2p(schedule)
-    policy, outcomes = choose_policy(args, costs_from(args))
-    if args.swap:
-        schedule = inject_swap(schedule, policy or MinGapPolicy(
-            4 if args.swap_min_gap is None else args.swap_min_gap))
-    schedule = recomputed(schedule, outcomes)
+    policy = choose_policy(args, costs_from(args))
+    if policy is not None:
+        schedule = inject_swap(schedule, policy)
     # with the model dimensions a chunk's layer count is known: check streamed lags against it
     validate(schedule, transport=args.transport, layers=args.layers_per_stage)
     text = {"json": lambda: dumps_json(schedule), "grid": lambda: dumps_lines(schedule),

@@ -14,7 +14,7 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import replace
-from typing import NoReturn, TypeVar
+from typing import Literal, NoReturn, TypeVar, get_args
 
 from pipeswap.schedule.costs import (
     CostModel,
@@ -39,7 +39,8 @@ from pipeswap.schedule.policies import (
 )
 from pipeswap.schedule.schedule import Schedule
 from pipeswap.schedule.simulate import simulate
-from pipeswap.schedule.simulate_report import Outcomes, render, report
+from pipeswap.schedule.simulate_report import render, report
+from pipeswap.schedule.swap_plan import SwapPlan
 from pipeswap.schedule.trace import write_chrome_trace
 from pipeswap.schedule.units import MAX_BYTES, parse_bytes, parse_size, parse_time
 
@@ -216,8 +217,9 @@ def costs_from(args: argparse.Namespace) -> CostModel:
 
 
 #: The policy ``--swap``, ``--policy`` and ``--budget`` use when no other is named.
-DEFAULT_POLICY = "peak"
-POLICIES = ("peak", "gap", "cost", "budget", "recompute")
+PolicyName = Literal["peak", "gap", "cost", "budget", "recompute"]
+DEFAULT_POLICY: PolicyName = "peak"
+POLICIES: tuple[PolicyName, ...] = get_args(PolicyName)
 
 
 def policy_arguments() -> Parser:
@@ -281,18 +283,54 @@ def usable_cores() -> int:
     return len(affinity(0)) if affinity is not None else os.cpu_count() or 1
 
 
-def choose_policy(args: argparse.Namespace, costs: CostModel
-                  ) -> tuple[SwapPolicy | None, Outcomes | None]:
-    """The policy the arguments ask for (None: no swap, or the gap rule's
-    ``--swap-min-gap``), and the object whose ``outcomes`` report per rank."""
+def choose_policy(args: argparse.Namespace, costs: CostModel) -> SwapPolicy | None:
+    """The policy the arguments ask for (None: no swap, and nothing recomputed)."""
     gap = getattr(args, "swap_min_gap", None)
+    granularity = getattr(args, "swap_granularity", None)
+    mode = getattr(args, "recompute", None)
+    _check_recompute(args, gap, mode)
+    if args.policy == "recompute":
+        if args.budget is None:
+            raise ScheduleError("--policy recompute needs --budget BYTES: it recomputes as "
+                                "few layers as bring each rank under it")
+        if args.swap or gap is not None or granularity is not None:
+            raise ScheduleError("--policy recompute swaps nothing: drop --swap, "
+                                "--swap-min-gap and --swap-granularity")
+        return RecomputePolicy(costs, args.budget)
+    if not (args.swap or args.policy is not None or args.budget is not None
+            or gap is not None or granularity is not None):
+        return None
+    name: PolicyName = args.policy or ("gap" if gap is not None else DEFAULT_POLICY)
+    if granularity not in (None, "auto") and name != "peak":
+        raise ScheduleError(f"--swap-granularity {granularity} applies to the peak policy; "
+                            f"the {name} policy swaps whole chunks: drop --swap-granularity, "
+                            "or use --policy peak")
+    if args.budget is not None and name not in ("peak", "budget"):
+        raise ScheduleError(f"--budget applies to --policy peak and --policy budget, not "
+                            f"{name}")
+    if name == "budget":
+        if args.budget is None:
+            raise ScheduleError("--policy budget needs --budget BYTES")
+        return MemoryBudgetPolicy(costs, args.budget)
+    if name == "peak":
+        told = None if args.budget is None else _Progress()
+        return PeakPolicy(costs, args.budget, granularity=granularity or "auto",
+                          recompute="never" if args.budget is None else mode or "auto",
+                          progress=told, choosing=None if told is None else told.choosing,
+                          jobs=getattr(args, "jobs", None) or usable_cores())
+    if name == "cost":
+        return CostModelPolicy(costs)
+    return MinGapPolicy(4 if gap is None else gap)
+
+
+def _check_recompute(args: argparse.Namespace, gap: int | None, mode: str | None) -> None:
+    """Refuse the gap threshold with another policy, and a recompute mode or ``--jobs``
+    that the arguments give nothing to apply to."""
     if gap is not None:
         MinGapPolicy(gap)  # its own check: >= 3
         if args.policy not in (None, "gap"):
             raise ScheduleError(f"--swap-min-gap sets the gap policy's threshold; drop it or "
                                 f"--policy {args.policy}")
-    granularity = getattr(args, "swap_granularity", None)
-    mode = getattr(args, "recompute", None)
     if mode is not None and args.budget is None and args.policy != "recompute":
         raise ScheduleError(f"--recompute {mode} says how to meet --budget, and there is none: "
                             "give --budget BYTES, or drop --recompute (without a budget "
@@ -309,41 +347,6 @@ def choose_policy(args: argparse.Namespace, costs: CostModel
         raise ScheduleError(f"--jobs {jobs} makes the peak policy's plans under --budget, "
                             "where it may recompute: give --budget BYTES (with --policy peak, "
                             "the default, and --recompute auto), or drop --jobs")
-    if args.policy == "recompute":
-        if args.budget is None:
-            raise ScheduleError("--policy recompute needs --budget BYTES: it recomputes as "
-                                "few layers as bring each rank under it")
-        if args.swap or gap is not None or granularity is not None:
-            raise ScheduleError("--policy recompute swaps nothing: drop --swap, "
-                                "--swap-min-gap and --swap-granularity")
-        return None, RecomputePolicy(costs, args.budget)
-    if not (args.swap or args.policy is not None or args.budget is not None
-            or gap is not None or granularity is not None):
-        return None, None
-    args.swap = True
-    name = args.policy or ("gap" if gap is not None else DEFAULT_POLICY)
-    if granularity not in (None, "auto") and name != "peak":
-        raise ScheduleError(f"--swap-granularity {granularity} applies to the peak policy; "
-                            f"the {name} policy swaps whole chunks: drop --swap-granularity, "
-                            "or use --policy peak")
-    if args.budget is not None and name not in ("peak", "budget"):
-        raise ScheduleError(f"--budget applies to --policy peak and --policy budget, not "
-                            f"{name}")
-    if name == "budget":
-        if args.budget is None:
-            raise ScheduleError("--policy budget needs --budget BYTES")
-        budget = MemoryBudgetPolicy(costs, args.budget)
-        return budget, budget
-    if name == "peak":
-        told = None if args.budget is None else _Progress()
-        peak = PeakPolicy(costs, args.budget, granularity=granularity or "auto",
-                          recompute="never" if args.budget is None else mode or "auto",
-                          progress=told, choosing=None if told is None else told.choosing,
-                          jobs=jobs or usable_cores())
-        return peak, peak
-    if name == "cost":
-        return CostModelPolicy(costs), None
-    return None, None  # gap: the builder applies --swap-min-gap
 
 
 #: After how many seconds a plan under a budget starts saying how far it is.
@@ -370,20 +373,15 @@ class _Progress:
             print(f"{what}, {spent:.0f} s", file=sys.stderr, flush=True)
 
 
-def recomputed(schedule: Schedule, outcomes: Outcomes | None) -> Schedule:
-    """``schedule`` with the recompute policy's RC steps, where that is the policy."""
-    return outcomes.apply(schedule) if isinstance(outcomes, RecomputePolicy) else schedule
-
-
 def run_simulate(args: argparse.Namespace,
-                 build: Callable[[argparse.Namespace, SwapPolicy | None], Schedule]) -> int:
+                 build: Callable[[argparse.Namespace, SwapPolicy | None],
+                                 tuple[Schedule, SwapPlan | None]]) -> int:
     if args.param_bytes is not None and not args.fsdp:
         raise ScheduleError("--param-bytes sizes the parameters FSDP gathers, but without "
                             "--fsdp the schedule gathers none, so it would change nothing: "
                             "add --fsdp, or drop --param-bytes")
     costs = costs_from(args)
-    policy, budget = choose_policy(args, costs)
-    schedule = recomputed(build(args, policy), budget)
+    schedule, plan = build(args, choose_policy(args, costs))
     result = simulate(schedule, costs, timeline=bool(args.trace or args.plot))
     if args.trace:
         with writing(args.trace):
@@ -391,6 +389,6 @@ def run_simulate(args: argparse.Namespace,
     if args.plot:
         with writing(args.plot):
             plot(result, args.plot)
-    summary = report(result, budget, fsdp=args.fsdp)  # the FSDP pass adds steps to every rank
+    summary = report(result, plan, fsdp=args.fsdp)  # the FSDP pass adds steps to every rank
     print(json.dumps(summary) if args.format == "json" else render(summary))
     return 0

@@ -9,11 +9,8 @@ from __future__ import annotations
 
 from typing import TypedDict
 
-from pipeswap.schedule.policies import MemoryBudgetPolicy, PeakPolicy, RecomputePolicy
 from pipeswap.schedule.simulate import SimulationResult
-
-#: The policies whose ``outcomes`` say per rank whether a budget was met.
-Outcomes = MemoryBudgetPolicy | PeakPolicy | RecomputePolicy
+from pipeswap.schedule.swap_plan import SwapPlan
 
 
 class ChunkReport(TypedDict):
@@ -68,9 +65,10 @@ class Report(TypedDict):
     per_rank: list[RankReport]
 
 
-def report(result: SimulationResult, budget: Outcomes | None, *, fsdp: bool) -> Report:
-    """The JSON object of ``--format json``; ``fsdp`` says whether the schedule gathers
-    parameters (its ``peak_memory_bytes`` then count them)."""
+def report(result: SimulationResult, plan: SwapPlan | None, *, fsdp: bool) -> Report:
+    """The JSON object of ``--format json``, a rank's budget as its ``plan`` says (where the
+    schedule was planned); ``fsdp`` says whether the schedule gathers parameters (its
+    ``peak_memory_bytes`` then count them)."""
     per_rank: list[RankReport] = []
     for rank in result.ranks:
         entry: RankReport = {
@@ -93,7 +91,7 @@ def report(result: SimulationResult, budget: Outcomes | None, *, fsdp: bool) -> 
                         "layer_lag": c.layer_lag, "load_depth": c.load_depth}
                        for c in rank.swapped],
         }
-        outcome = budget.outcomes.get(rank.rank) if budget is not None else None
+        outcome = None if plan is None else plan.outcome(rank.rank)
         if outcome is not None and outcome.budget is not None:
             entry["budget"] = {"bytes": outcome.budget, "met": outcome.met,
                                "shortfall_bytes": outcome.shortfall}

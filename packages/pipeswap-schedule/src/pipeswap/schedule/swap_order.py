@@ -15,12 +15,12 @@ existing steps, never inside one:
 ``WL``        make compute wait for the copy, right before the backward
 ============  ==============================================================================
 
-A policy that places each chunk (:class:`SwapPlacement`, as the default peak policy does)
+A plan that places each chunk (:class:`SwapPlacement`, as the default peak policy does)
 gets its placement on FSDP stages too: its copies were planned to hide behind those computes,
 and the rule above would leave a reload with no compute to hide behind when the stage's
 parameters stay gathered (one stage a rank, the common case).
 
-A policy that also recomputes layers (:class:`RecomputingPolicy`, as the peak policy does
+A plan that also recomputes layers (:attr:`RankPlan.recomputed`, as the peak policy's do
 with ``recompute="auto"``) gets an RC step right before each such chunk's forward (and its
 ``SO``). An order that has RC steps already is planned around them by the peak policy.
 
@@ -36,23 +36,16 @@ Compute slots count containers: an overlap of a backward and a forward is one sl
 Differences from MindSpore hyper-parallel: local control steps (FSDP, swap) are transparent when
 looking for a compute's P2P block, FSDP placement applies per stage, and a reload never
 precedes the offload wait. The pass is linear in the order length;
-:mod:`pipeswap.schedule.swap` runs it over every rank of a schedule.
+:mod:`pipeswap.schedule.swap_pass` runs it over every rank of a schedule.
 """
 
 from __future__ import annotations
 
 from bisect import bisect_left
-from collections.abc import Collection, Mapping
+from collections.abc import Callable
 from operator import itemgetter
 
 from pipeswap.schedule.errors import ScheduleError
-from pipeswap.schedule.policies.base import (
-    DEFAULT_PLACEMENT,
-    RecomputingPolicy,
-    SwapCandidate,
-    SwapPlacement,
-    SwapPolicy,
-)
 from pipeswap.schedule.steps import (
     ACTIVATION_CONSUMERS,
     COMM,
@@ -66,6 +59,7 @@ from pipeswap.schedule.steps import (
     StepType,
     chunk_leaf,
 )
+from pipeswap.schedule.swap_plan import RankPlan, SwapCandidate, SwapPlacement
 
 _OWN_SEND = {StepType.FWD: StepType.FWD_SEND, StepType.BWD: StepType.BWD_SEND,
              StepType.BWD_INPUT: StepType.BWD_SEND}
@@ -117,26 +111,44 @@ class _Slots:
         ]
 
 
-def inject_swap_order(order: Order, policy: SwapPolicy, *, rank: int = 0) -> list[Step | None]:
-    """Insert swap steps into one rank's order (see the module docstring for the anchors)."""
+def inject_swap_order(order: Order, plan: RankPlan) -> list[Step | None]:
+    """Insert ``plan``'s swap and RC steps into its rank's order (see the module docstring
+    for the anchors)."""
     slots = _Slots(order)
-    candidates = slots.candidates(rank)
-    chosen = policy.select(candidates, order)
-    recomputed = policy.recomputed(rank) if isinstance(policy, RecomputingPolicy) else {}
-    placed = isinstance(chosen, Mapping)  # the policy placed each chunk itself
-    selected: Mapping[ChunkKey, SwapPlacement] = (
-        chosen if isinstance(chosen, Mapping) else dict.fromkeys(chosen, DEFAULT_PLACEMENT))
-    unknown = (selected.keys() | recomputed.keys()) - {(c.stage, c.micro) for c in candidates}
+    candidates = slots.candidates(plan.rank)
+    unknown = (plan.placements.keys() | plan.recomputed.keys()) - {c.key for c in candidates}
     if unknown:
         raise ScheduleError(
-            f"the swap policy selected chunk(s) {sorted(unknown)} on rank {rank}, which are not "
-            "candidates (forward and backward must both run on this rank, backward later)"
+            f"the swap policy selected chunk(s) {sorted(unknown)} on rank {plan.rank}, which "
+            "are not candidates (forward and backward must both run on this rank, backward "
+            "later)"
         )
+    # Where each step goes: (container, before (0, 1) or after (2, 3) it, launches ahead of
+    # waits, the step); a stable sort keeps the candidates' order within each place.
+    placed_steps: list[tuple[int, int, Step]] = []
+    after_compute = _after_compute(order)
+    for candidate in candidates:
+        placed_steps += _chunk_steps(candidate, plan, slots, after_compute)
+    placed_steps.sort(key=itemgetter(0, 1))
+    out: list[Step | None] = []
+    done = 0  # the order's steps before this are in ``out``
+    for index, where, step in placed_steps:
+        if where < 2:
+            out += order[done:index]
+        else:
+            out += order[done:index + 1]
+        done = index + (where >= 2)
+        out.append(step)
+    out += order[done:]
+    return out
+
+
+def _after_compute(order: Order) -> Callable[[int], int]:
+    """Where a wait goes after the compute at an index: after the compute's own send in
+    the run of P2P (and zero-width) steps that follows it, else after the run's last P2P."""
     anchors: dict[int, int] = {}
 
     def after_compute(index: int) -> int:
-        """Where a wait goes after the compute at ``index``: after the compute's own send in
-        the run of P2P (and zero-width) steps that follows it, else after the run's last P2P."""
         if index in anchors:
             return anchors[index]
         step = order[index]
@@ -157,57 +169,56 @@ def inject_swap_order(order: Order, policy: SwapPolicy, *, rank: int = 0) -> lis
         anchors[index] = found
         return found
 
-    # Where each step goes: (container, before (0, 1) or after (2, 3) it, launches ahead of
-    # waits, the step); a stable sort keeps the candidates' order within each place.
-    placed_steps: list[tuple[int, int, Step]] = []
-    add = placed_steps.append
-    container = slots.container
-    for _, stage, micro, f_slot, b_slot in candidates:
-        layers = recomputed.get((stage, micro))
-        if layers:  # before the forward, and before its SO
-            add((container[f_slot], 0, Step(StepType.RECOMPUTE, stage, micro, layers=layers)))
-        placement = selected.get((stage, micro))
-        if placement is None:
-            continue
-        off, load, lag, depth = SwapPlacement(*placement)  # a plain tuple of three works
-        if lag and depth < 1:
-            raise ScheduleError(
-                f"the swap policy selected chunk {(stage, micro)} on rank {rank} with a load "
-                f"depth of {depth}; a streamed load runs at least one layer ahead (>= 1)")
-        if min(off, load, lag) < 0 or b_slot - f_slot < off + load + 1:
-            raise ScheduleError(
-                f"the swap policy selected chunk {(stage, micro)} on rank {rank} with "
-                f"{off} slot(s) to offload and {load} to reload, but its backward is "
-                f"{b_slot - f_slot} compute slot(s) after its forward; slots are >= 0 and the "
-                "offload must end before the reload starts (gap >= slots + 1)"
-            )
-        f_container, b_container = container[f_slot], container[b_slot]
-        wait_offload_at = after_compute(container[f_slot + off])
-        gathers = None if placed else slots.unshards.get(stage)
-        if gathers is None:  # H2D overlaps the computes right before the backward
-            load_at = container[b_slot - load]
-        else:  # FSDP stage: overlap the H2D with the last re-gather of its parameters, if any
-            latest = bisect_left(gathers, b_container) - 1
-            gather = gathers[latest] if latest >= 0 else -1
-            load_at = gather if gather > wait_offload_at else b_container
-        if lag:
-            add((f_container, 0, Step(StepType.SWAP_STREAM_OFFLOAD, stage, micro, lag=lag)))
-        else:
-            add((f_container, 2, chunk_leaf(StepType.SWAP_LAUNCH_OFFLOAD, stage, micro)))
-        add((wait_offload_at, 3, chunk_leaf(StepType.SWAP_WAIT_OFFLOAD, stage, micro)))
-        add((load_at, 0, Step(StepType.SWAP_STREAM_LOAD, stage, micro, lag=depth) if lag
-             else chunk_leaf(StepType.SWAP_LAUNCH_LOAD, stage, micro)))
-        add((b_container, 1, chunk_leaf(StepType.SWAP_WAIT_LOAD, stage, micro)))
-    placed_steps.sort(key=itemgetter(0, 1))
+    return after_compute
 
-    out: list[Step | None] = []
-    done = 0  # the order's steps before this are in ``out``
-    for index, where, step in placed_steps:
-        if where < 2:
-            out += order[done:index]
-        else:
-            out += order[done:index + 1]
-        done = index + (where >= 2)
-        out.append(step)
-    out += order[done:]
+
+def _chunk_steps(candidate: SwapCandidate, plan: RankPlan, slots: _Slots,
+                 after_compute: Callable[[int], int]) -> list[tuple[int, int, Step]]:
+    """Where ``candidate``'s RC and swap steps go under ``plan``: (container, before (0, 1)
+    or after (2, 3) it, the step)."""
+    _, stage, micro, f_slot, b_slot = candidate
+    out: list[tuple[int, int, Step]] = []
+    container = slots.container
+    layers = plan.recomputed.get((stage, micro))
+    if layers:  # before the forward, and before its SO
+        out.append((container[f_slot], 0, Step(StepType.RECOMPUTE, stage, micro, layers=layers)))
+    placement = plan.placements.get((stage, micro))
+    if placement is None:
+        return out
+    off, load, lag, depth = SwapPlacement(*placement)  # a plain tuple of three works
+    _check_placement(candidate, plan.rank, off, load, lag, depth)
+    f_container, b_container = container[f_slot], container[b_slot]
+    wait_offload_at = after_compute(container[f_slot + off])
+    gathers = slots.unshards.get(stage) if plan.gather_reloads else None
+    if gathers is None:  # H2D overlaps the computes right before the backward
+        load_at = container[b_slot - load]
+    else:  # FSDP stage: overlap the H2D with the last re-gather of its parameters, if any
+        latest = bisect_left(gathers, b_container) - 1
+        gather = gathers[latest] if latest >= 0 else -1
+        load_at = gather if gather > wait_offload_at else b_container
+    if lag:
+        out.append((f_container, 0, Step(StepType.SWAP_STREAM_OFFLOAD, stage, micro, lag=lag)))
+    else:
+        out.append((f_container, 2, chunk_leaf(StepType.SWAP_LAUNCH_OFFLOAD, stage, micro)))
+    out.append((wait_offload_at, 3, chunk_leaf(StepType.SWAP_WAIT_OFFLOAD, stage, micro)))
+    out.append((load_at, 0, Step(StepType.SWAP_STREAM_LOAD, stage, micro, lag=depth) if lag
+                else chunk_leaf(StepType.SWAP_LAUNCH_LOAD, stage, micro)))
+    out.append((b_container, 1, chunk_leaf(StepType.SWAP_WAIT_LOAD, stage, micro)))
     return out
+
+
+def _check_placement(candidate: SwapCandidate, rank: int, off: int, load: int, lag: int,
+                     depth: int) -> None:
+    """Refuse a placement its chunk's gap has no room for."""
+    key, gap = candidate.key, candidate.gap
+    if lag and depth < 1:
+        raise ScheduleError(
+            f"the swap policy selected chunk {key} on rank {rank} with a load "
+            f"depth of {depth}; a streamed load runs at least one layer ahead (>= 1)")
+    if min(off, load, lag) < 0 or gap < off + load + 1:
+        raise ScheduleError(
+            f"the swap policy selected chunk {key} on rank {rank} with "
+            f"{off} slot(s) to offload and {load} to reload, but its backward is "
+            f"{gap} compute slot(s) after its forward; slots are >= 0 and the "
+            "offload must end before the reload starts (gap >= slots + 1)"
+        )

@@ -10,7 +10,7 @@ names the rank, the step and what to change. The checks of one order are in
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import NoReturn
+from typing import Literal, NoReturn, get_args
 
 from pipeswap.schedule._gc import gc_paused
 from pipeswap.schedule._numbering import SHOWN, gaps
@@ -35,12 +35,13 @@ from pipeswap.schedule.transports import check_batches_alike, simulate_p2p, simu
 #: the two kinds on different communicators. ``tagged``: a send never waits and a message
 #: meets the receive with its tag (gloo, as the pipeswap runtime tags every message); only a
 #: compute waits, for the data it receives.
-TRANSPORTS = ("ordered", "nccl", "tagged")
+TransportModel = Literal["ordered", "nccl", "tagged"]
+TRANSPORTS: tuple[TransportModel, ...] = get_args(TransportModel)
 
 
 @gc_paused
 def validate(
-    schedule: Schedule, *, transport: str = "ordered", microbatches: int | None = None,
+    schedule: Schedule, *, transport: TransportModel = "ordered", microbatches: int | None = None,
     layers: int | Mapping[int, int] | None = None,
 ) -> None:
     """Check every rank's order, that every stage computes every microbatch (``microbatches``

@@ -5,48 +5,40 @@
 swaps only what lowers a rank's peak; :mod:`~pipeswap.schedule.policies.cost_model` two
 policies that swap whole chunks on a cost model; :mod:`~pipeswap.schedule.policies.defaults`
 the default policy on the costs known before anything runs;
-:mod:`~pipeswap.schedule.policies.recompute` recompute alone, which swaps nothing.
+:mod:`~pipeswap.schedule.policies.recompute_only` recompute alone, which swaps nothing. What
+they decide are values of :mod:`pipeswap.schedule.swap_plan`.
 """
 
 from pipeswap.schedule.policies.base import (
-    DEFAULT_PLACEMENT,
+    GRANULARITIES,
     MIN_FEASIBLE_GAP,
+    RECOMPUTE_MODES,
+    Granularity,
     MinGapPolicy,
-    SwapCandidate,
-    SwapPlacement,
-    RecomputingPolicy,
+    PreparingPolicy,
+    RecomputeMode,
+    Selection,
     SwapPolicy,
 )
-from pipeswap.schedule.policies.cost_model import (
-    BudgetOutcome,
-    CostModelPolicy,
-    MemoryBudgetPolicy,
-)
+from pipeswap.schedule.policies.cost_model import CostModelPolicy, MemoryBudgetPolicy
 from pipeswap.schedule.policies.defaults import default_policy, default_swap_policy, uniform_layers
-from pipeswap.schedule.policies.peak import (
-    GRANULARITIES,
-    RECOMPUTE_MODES,
-    PeakOutcome,
-    PeakPolicy,
-)
-from pipeswap.schedule.policies.recompute import RecomputeOutcome, RecomputePolicy
+from pipeswap.schedule.policies.peak import PeakPlanner, PeakPolicy
+from pipeswap.schedule.policies.recompute_only import RecomputePolicy
 
 __all__ = [
-    "BudgetOutcome",
     "CostModelPolicy",
-    "DEFAULT_PLACEMENT",
     "GRANULARITIES",
+    "Granularity",
     "MIN_FEASIBLE_GAP",
     "MemoryBudgetPolicy",
     "MinGapPolicy",
-    "PeakOutcome",
+    "PeakPlanner",
     "PeakPolicy",
+    "PreparingPolicy",
     "RECOMPUTE_MODES",
-    "RecomputeOutcome",
-    "RecomputingPolicy",
+    "RecomputeMode",
     "RecomputePolicy",
-    "SwapCandidate",
-    "SwapPlacement",
+    "Selection",
     "SwapPolicy",
     "default_policy",
     "default_swap_policy",

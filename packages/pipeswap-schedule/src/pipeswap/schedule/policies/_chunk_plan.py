@@ -24,8 +24,8 @@ from pipeswap.schedule.costs import CostModel
 from pipeswap.schedule.policies._profile import Profile
 from pipeswap.schedule.policies._slots import MAX_COPY_SLOTS, Timeline
 from pipeswap.schedule.policies._streams import AFTER, BEFORE, Copy, Stream
-from pipeswap.schedule.policies.base import SwapCandidate, SwapPlacement
 from pipeswap.schedule.steps import ChunkKey
+from pipeswap.schedule.swap_plan import SwapCandidate, SwapPlacement
 
 #: Placements to try, tightest first; zero slots (compute waits for the whole copy) only
 #: where a budget allows exposed copies.

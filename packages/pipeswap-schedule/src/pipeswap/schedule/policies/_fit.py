@@ -18,9 +18,9 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Mapping
 
 from pipeswap.schedule.costs import CostModel
-from pipeswap.schedule.policies.base import SwapPlacement
 from pipeswap.schedule.simulate import RankResult, SwappedChunk, simulate_alone
 from pipeswap.schedule.steps import ChunkKey, Order, StepType
+from pipeswap.schedule.swap_plan import SwapPlacement
 
 #: The most changes a fit makes, per chunk the plan swaps (and at least
 #: :data:`FEWEST_CHANGES`): each costs a few runs of the rank's order. A change mends two or

@@ -30,8 +30,9 @@ from dataclasses import dataclass
 from typing import Generic, Protocol, TypeVar
 
 from pipeswap.schedule.costs import CostModel
-from pipeswap.schedule.policies.base import SwapCandidate, SwapPlacement
-from pipeswap.schedule.steps import ChunkKey, Order
+from pipeswap.schedule.policies.base import Granularity
+from pipeswap.schedule.steps import ChunkKey
+from pipeswap.schedule.swap_plan import SwapCandidate, SwapPlacement
 
 #: Recompute levels per layer of a chunk: the ladder's resolution.
 LEVELS_PER_LAYER = 8
@@ -84,22 +85,6 @@ class Trial(Generic[_Outcome]):
         outcome = self.outcome
         return (outcome.shortfall, outcome.exposed_copy + outcome.recompute_s,
                 outcome.recompute_s)
-
-
-@dataclass(frozen=True)
-class Fixed:
-    """A plan made already, as a policy the swap pass can place: its chunks' placements and
-    recomputed layers."""
-
-    placements: Mapping[ChunkKey, SwapPlacement]
-    layers: Mapping[ChunkKey, tuple[int, ...]]
-
-    def select(self, candidates: Sequence[SwapCandidate], order: Order
-               ) -> Mapping[ChunkKey, SwapPlacement]:
-        return self.placements
-
-    def recomputed(self, rank: int) -> Mapping[ChunkKey, tuple[int, ...]]:
-        return self.layers
 
 
 def levels_for(layers: Sequence[int]) -> int:
@@ -185,7 +170,7 @@ def spread(count: int, k: int) -> tuple[int, ...]:
 
 
 def alike(candidates: Sequence[SwapCandidate], layers_of: Callable[[ChunkKey], int],
-          granularity: str
+          granularity: Granularity
           ) -> dict[tuple[int, int, int, int], tuple[dict[ChunkKey, tuple[int, ...]],
                                                      dict[ChunkKey, SwapPlacement]]]:
     """The rank's plans alike on every chunk, by ``(k, d, e, s)``: ``k`` of its layers

@@ -16,23 +16,27 @@ import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from multiprocessing.connection import Connection
-from typing import Any, Protocol
+from typing import Protocol, TypeVar, cast
 
 from pipeswap.schedule.schedule import Schedule
 
 
-class Planner(Protocol):
+_Options = TypeVar("_Options", covariant=True)
+_Made = TypeVar("_Made")
+
+
+class Planner(Protocol[_Options]):
     """What the workers run: a policy without callbacks (it is pickled to each)."""
 
-    def options_for(self, schedule: Schedule, rank: int) -> Any: ...
+    def options_for(self, schedule: Schedule, rank: int) -> _Options: ...
 
 
 #: The worker process's planner and schedule, set once by _start (a spawned worker serves
 #: one call of plan_ranks only).
-_work: tuple[Planner, Schedule] | None = None
+_work: tuple[Planner[object], Schedule] | None = None
 
 
-def _start(planner: Planner, schedule: Schedule, parent: Connection) -> None:
+def _start(planner: Planner[object], schedule: Schedule, parent: Connection) -> None:
     global _work
     _work = (planner, schedule)
     threading.Thread(target=_leave_with, args=(parent,), daemon=True).start()
@@ -48,28 +52,28 @@ def _leave_with(parent: Connection) -> None:
     os._exit(1)
 
 
-def _plan(rank: int) -> tuple[int, Any]:
+def _plan(rank: int) -> tuple[int, object]:
     assert _work is not None  # _start ran first: it is the pool's initializer
     planner, schedule = _work
     return rank, planner.options_for(schedule, rank)
 
 
-def plan_ranks(planner: Planner, schedule: Schedule, ranks: Sequence[int], jobs: int,
-               done: Callable[[int, int], None]) -> dict[int, Any]:
+def plan_ranks(planner: Planner[_Made], schedule: Schedule, ranks: Sequence[int], jobs: int,
+               done: Callable[[int, int], None]) -> dict[int, _Made]:
     """``planner.options_for(schedule, rank)`` for each of ``ranks``, in ``jobs`` worker
     processes; ``done`` is told (rank, ranks done so far) as each finishes. A worker's
     error is raised here (a worker that dies as BrokenProcessPool); however this ends, the
     workers end with it."""
     context = multiprocessing.get_context("spawn")
     watched, held = context.Pipe(duplex=False)  # nothing is sent: closing it stops them
-    out: dict[int, Any] = {}
+    out: dict[int, _Made] = {}
     pool = ProcessPoolExecutor(min(jobs, len(ranks)), context, _start,
                                (planner, schedule, watched))
     finished = False
     try:
         for future in as_completed([pool.submit(_plan, rank) for rank in ranks]):
             rank, options = future.result()
-            out[rank] = options
+            out[rank] = cast(_Made, options)  # what planner.options_for returns, pickled
             done(rank, len(out))
         finished = True
     finally:

@@ -27,9 +27,8 @@ from dataclasses import replace
 from typing import TypeVar
 
 from pipeswap.schedule.costs import CostModel
-from pipeswap.schedule.policies._mixed import Fixed, Outcome, Trial
+from pipeswap.schedule.policies._mixed import Outcome, Trial
 from pipeswap.schedule.schedule import Schedule
-from pipeswap.schedule.policies.base import SwapPlacement
 from pipeswap.schedule.simulate import (
     Logged,
     SimulationResult,
@@ -39,6 +38,7 @@ from pipeswap.schedule.simulate import (
 )
 from pipeswap.schedule.steps import ChunkKey, Order
 from pipeswap.schedule.swap_order import inject_swap_order
+from pipeswap.schedule.swap_plan import RankPlan, SwapPlacement
 
 _Outcome = TypeVar("_Outcome", bound=Outcome)
 
@@ -46,7 +46,7 @@ _Outcome = TypeVar("_Outcome", bound=Outcome)
 def placed(order: Order, rank: int, recomputed: Mapping[ChunkKey, tuple[int, ...]],
            placements: Mapping[ChunkKey, SwapPlacement]) -> Order:
     """``order`` with ``placements``' swap steps and ``recomputed``'s RC steps."""
-    return tuple(inject_swap_order(order, Fixed(placements, recomputed), rank=rank))
+    return tuple(inject_swap_order(order, RankPlan(rank, placements, recomputed)))
 
 
 def order_of(order: Order, rank: int, trial: Trial[_Outcome]) -> Order:

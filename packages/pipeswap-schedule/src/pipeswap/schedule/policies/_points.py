@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from pipeswap.schedule.costs import ChunkBytes, CostModel
-from pipeswap.schedule.policies.base import SwapCandidate, SwapPlacement
 from pipeswap.schedule.steps import COMPUTE, OVERLAPS, ChunkKey, Order, StepType
+from pipeswap.schedule.swap_plan import SwapCandidate, SwapPlacement
 
 
 class Choice(NamedTuple):

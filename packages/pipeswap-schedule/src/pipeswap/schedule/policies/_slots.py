@@ -13,8 +13,8 @@ from dataclasses import dataclass
 from itertools import accumulate
 
 from pipeswap.schedule.costs import CostModel
-from pipeswap.schedule.policies.base import SwapCandidate
 from pipeswap.schedule.steps import COMPUTE, OVERLAPS, ChunkKey, Order, StepType
+from pipeswap.schedule.swap_plan import SwapCandidate
 
 #: Fewest compute slots from forward to backward for a chunk swapped with one slot per copy
 #: to leave the device.

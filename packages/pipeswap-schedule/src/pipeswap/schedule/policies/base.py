@@ -1,18 +1,15 @@
-"""What a swap policy is: the chunks the swap pass offers it, the placement it may return,
-and the plain gap rule.
-
-A leaf module: the swap pass (:mod:`pipeswap.schedule.swap`) and every planner import it, and
-it imports neither, so the pass and the policies never import each other.
-"""
+"""What a swap policy is: the chunks the swap pass offers it and what it may decide, the
+options the planning policies share, and the plain gap rule."""
 
 from __future__ import annotations
 
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, NamedTuple, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Literal, Protocol, get_args, runtime_checkable
 
 from pipeswap.schedule.errors import ScheduleError
 from pipeswap.schedule.steps import ChunkKey, Order, StepType
+from pipeswap.schedule.swap_plan import RankPlan, SwapCandidate, SwapPlacement
 
 if TYPE_CHECKING:
     from pipeswap.schedule.schedule import Schedule
@@ -21,84 +18,38 @@ if TYPE_CHECKING:
 #: WO (after the first slot in between) to come before LL (before the last one).
 MIN_FEASIBLE_GAP = 3
 
+#: How the peak policy may swap a chunk. chunk: whole (LO/LL); layer: streamed layer by
+#: layer (SO/SL); auto: whichever lowers the peak more, chunk by chunk.
+Granularity = Literal["auto", "chunk", "layer"]
+GRANULARITIES: tuple[Granularity, ...] = get_args(Granularity)
+#: Whether the peak policy may recompute layers under a budget. auto: where that is faster
+#: than a stalled copy; never: swap only.
+RecomputeMode = Literal["auto", "never"]
+RECOMPUTE_MODES: tuple[RecomputeMode, ...] = get_args(RecomputeMode)
 
-class SwapCandidate(NamedTuple):
-    """A chunk whose forward and activation-consuming backward both run on ``rank``.
-
-    Slots are compute-slot indices in the rank's order; ``gap`` is how many slots the
-    backward comes after the forward. (An immutable record; a NamedTuple because a big
-    schedule has one per chunk and these build several times faster than a dataclass.)
-    """
-
-    rank: int
-    stage: int
-    micro: int
-    forward_slot: int
-    backward_slot: int
-
-    @property
-    def key(self) -> ChunkKey:
-        return (self.stage, self.micro)
-
-    @property
-    def gap(self) -> int:
-        return self.backward_slot - self.forward_slot
-
-
-class SwapPlacement(NamedTuple):
-    """Where a swapped chunk's waits go, in compute slots: the offload copy runs during the
-    ``offload_slots`` computes after the forward (``WO`` follows the last of them), the
-    reload during the ``load_slots`` computes before the backward (``LL`` precedes the
-    first). More slots hide a longer copy and keep the chunk on the device longer; zero
-    slots frees (or loads) the chunk right at its compute, and compute waits for the whole
-    copy. ``layer_lag`` 0 swaps the chunk whole; from 1 it streams the chunk layer by layer
-    (see :mod:`pipeswap.schedule.swap`), and the slots then bound what the forward's last
-    layers and the backward's last layer have to hide their copies behind. A streamed
-    chunk's ``load_depth`` says how many layers ahead of its backward its loads run (SL's
-    lag): each load hides behind that many layers' backward, at the cost of one more layer
-    resident for each beyond the first; a chunk swapped whole ignores it."""
-
-    offload_slots: int = 1
-    load_slots: int = 1
-    layer_lag: int = 0
-    load_depth: int = 1
-
-    @property
-    def streaming(self) -> bool:
-        return self.layer_lag > 0
-
-
-#: MindSpore hyper-parallel's placement: one compute to hide each copy.
-DEFAULT_PLACEMENT = SwapPlacement()
+#: What a policy decides for one rank: the chunks to swap (each placed as
+#: :data:`~pipeswap.schedule.swap_plan.DEFAULT_PLACEMENT`), a placement for each, or the
+#: rank's whole plan (recomputed layers and what the policy expects of it included).
+Selection = Collection[ChunkKey] | Mapping[ChunkKey, SwapPlacement] | RankPlan
 
 
 class SwapPolicy(Protocol):
-    """Chooses which candidate chunks of one rank get swapped; ``order`` is that rank's order
-    before swap injection (for policies that weigh costs or memory). A policy returns the
-    chunks (placed as :data:`DEFAULT_PLACEMENT`) or a placement for each."""
+    """Chooses which candidate chunks of ``rank`` get swapped; ``order`` is that rank's order
+    before swap injection (for policies that weigh costs or memory)."""
 
-    def select(self, candidates: Sequence[SwapCandidate], order: Order
-               ) -> Collection[ChunkKey] | Mapping[ChunkKey, SwapPlacement]:
-        ...
-
-
-@runtime_checkable
-class RecomputingPolicy(SwapPolicy, Protocol):
-    """A swap policy that may also choose layers to recompute: after :meth:`select` on a
-    rank, :meth:`recomputed` gives them per chunk, and the swap pass adds their RC steps."""
-
-    def recomputed(self, rank: int) -> Mapping[ChunkKey, tuple[int, ...]]:
+    def select(self, rank: int, candidates: Sequence[SwapCandidate], order: Order
+               ) -> Selection:
         ...
 
 
 @runtime_checkable
 class PreparingPolicy(SwapPolicy, Protocol):
     """A swap policy that looks at the whole schedule before it plans any rank: the swap
-    pass calls :meth:`prepare` once, with the schedule it is given and, where it plans only
-    some ranks, ``ranks=`` those (a ``prepare(schedule)`` of one argument serves a pass over
-    every rank)."""
+    pass calls :meth:`prepare` once, with the schedule it is given and the ranks it plans
+    (None: every rank), and asks the planner returned (which holds what one pass learns)
+    for each rank's plan instead of the policy."""
 
-    def prepare(self, schedule: Schedule, ranks: Collection[int] | None = None) -> None:
+    def prepare(self, schedule: Schedule, ranks: Collection[int] | None) -> SwapPolicy:
         ...
 
 
@@ -121,7 +72,8 @@ class MinGapPolicy:
                 f"compute before the reload launch), got {self.min_gap!r}"
             )
 
-    def select(self, candidates: Sequence[SwapCandidate], order: Order) -> Collection[ChunkKey]:
+    def select(self, rank: int, candidates: Sequence[SwapCandidate], order: Order
+               ) -> Collection[ChunkKey]:
         return {c.key for c in candidates if c.gap >= self.min_gap}
 
 

@@ -8,13 +8,14 @@ chunks whose backward is at least :data:`SAVING_GAP` slots after their forward s
 from __future__ import annotations
 
 from collections.abc import Collection, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from pipeswap.schedule.costs import CostModel
 from pipeswap.schedule.errors import ScheduleError
 from pipeswap.schedule.policies._slots import SAVING_GAP, Timeline, copy_times
-from pipeswap.schedule.policies.base import SwapCandidate, refuse_recompute
+from pipeswap.schedule.policies.base import refuse_recompute
 from pipeswap.schedule.steps import ChunkKey, Order
+from pipeswap.schedule.swap_plan import DEFAULT_PLACEMENT, PlanOutcome, RankPlan, SwapCandidate
 
 
 @dataclass(frozen=True)
@@ -30,11 +31,11 @@ class CostModelPolicy:
 
     costs: CostModel
 
-    def select(self, candidates: Sequence[SwapCandidate], order: Order) -> Collection[ChunkKey]:
+    def select(self, rank: int, candidates: Sequence[SwapCandidate], order: Order
+               ) -> Collection[ChunkKey]:
         refuse_recompute(order, "cost")
         if not candidates:
             return set()
-        rank = candidates[0].rank
         line = Timeline.of(order, self.costs, rank)
         duplex = self.costs.rank_link(rank).duplex
         usable = [c for c in candidates if c.gap >= SAVING_GAP]
@@ -66,26 +67,6 @@ class CostModelPolicy:
 
 
 @dataclass(frozen=True)
-class BudgetOutcome:
-    """What a memory-budget policy achieved on one rank (simulated on that rank alone)."""
-
-    rank: int
-    budget: int
-    peak: int  # with the chunks chosen
-    peak_no_swap: int
-    exposed_copy: float  # estimated compute stall of the chosen chunks' copies
-
-    @property
-    def met(self) -> bool:
-        return self.peak <= self.budget
-
-    @property
-    def shortfall(self) -> int:
-        """Bytes by which the peak stays over the budget (0 when met)."""
-        return max(0, self.peak - self.budget)
-
-
-@dataclass
 class MemoryBudgetPolicy:
     """Swap the chunks that bring each rank's activation peak under ``budget`` bytes, with
     the least exposed copy time.
@@ -93,12 +74,11 @@ class MemoryBudgetPolicy:
     Greedy: while the peak is over the budget, take the chunk that is off the device at the
     peak and would stall compute least (its copies' excess over the slots that hide them),
     and repeat. When no chunk can lower the peak further, the budget cannot be met: the
-    outcome per rank (:attr:`outcomes`) says by how much. ``budget`` may differ per rank.
+    outcome in each rank's plan says by how much. ``budget`` may differ per rank.
     """
 
     costs: CostModel
     budget: int | Mapping[int, int]
-    outcomes: dict[int, BudgetOutcome] = field(default_factory=dict)
 
     def budget_for(self, rank: int) -> int:
         if isinstance(self.budget, int):
@@ -107,9 +87,9 @@ class MemoryBudgetPolicy:
             raise ScheduleError(f"the memory budget gives no figure for rank {rank}")
         return self.budget[rank]
 
-    def select(self, candidates: Sequence[SwapCandidate], order: Order) -> Collection[ChunkKey]:
+    def select(self, rank: int, candidates: Sequence[SwapCandidate], order: Order
+               ) -> RankPlan:
         refuse_recompute(order, "budget")
-        rank = candidates[0].rank if candidates else 0
         budget = self.budget_for(rank)
         line = Timeline.of(order, self.costs, rank)
         held = line.held(candidates, self.costs)
@@ -131,9 +111,8 @@ class MemoryBudgetPolicy:
             movable = self.costs.chunk_bytes(best.key).movable
             for slot in range(best.forward_slot + 2, best.backward_slot - 1):
                 held[slot] -= movable
-        self.outcomes[rank] = BudgetOutcome(rank, budget, max(held, default=0), peak_no_swap,
-                                            exposed)
-        return chosen
+        return RankPlan(rank, dict.fromkeys(chosen, DEFAULT_PLACEMENT), outcome=PlanOutcome(
+            rank, max(held, default=0), peak_no_swap, exposed, budget), gather_reloads=True)
 
     def _stall(self, c: SwapCandidate, line: Timeline, rank: int) -> float:
         d2h, h2d = copy_times(self.costs, rank, c.key)

@@ -10,11 +10,12 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from pipeswap.schedule.costs import CostModel, StageCosts
+from pipeswap.schedule.policies.base import Granularity
 from pipeswap.schedule.policies.peak import PeakPolicy
 
 
 def default_policy() -> PeakPolicy:
-    """What :func:`pipeswap.schedule.swap.inject_swap` uses when given no policy: the peak
+    """What :func:`pipeswap.schedule.swap_pass.inject_swap` uses when given no policy: the peak
     policy on the default cost model (uniform chunks of one layer, a backward twice a
     forward), so it swaps only chunks that lower a rank's peak, copies hidden, whole (a chunk
     of one layer has nothing to stream). ``MinGapPolicy()`` gives MindSpore
@@ -22,7 +23,7 @@ def default_policy() -> PeakPolicy:
     return PeakPolicy(CostModel())
 
 
-def default_swap_policy(layer_counts: Mapping[int, int], granularity: str = "auto"
+def default_swap_policy(layer_counts: Mapping[int, int], granularity: Granularity = "auto"
                         ) -> PeakPolicy:
     """The runtime's default: the peak policy on :func:`uniform_layers` of ``layer_counts``
     (stage -> layers), choosing each chunk's granularity as ``granularity`` says

@@ -5,51 +5,42 @@ Nothing is swapped."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import NamedTuple
 
 from pipeswap.schedule.costs import CostModel
 from pipeswap.schedule.errors import ScheduleError
-from pipeswap.schedule.policies.cost_model import BudgetOutcome
-from pipeswap.schedule.recompute import inject_recompute
-from pipeswap.schedule.schedule import Schedule
+from pipeswap.schedule.recompute_pass import recomputed_in
 from pipeswap.schedule.simulate import peak_without_swap
 from pipeswap.schedule.steps import ChunkKey, Order, StepType
+from pipeswap.schedule.swap_plan import PlanOutcome, RankPlan, SwapCandidate
 
 
 @dataclass(frozen=True)
-class RecomputeOutcome(BudgetOutcome):
-    """What recompute alone reached on one rank: its first ``layers`` layers of every chunk
-    recomputed (``peak_no_swap``: with none; ``exposed_copy`` is 0, nothing is copied)."""
-
-    layers: int
-
-
-@dataclass
 class RecomputePolicy:
     """Per rank, the fewest first layers of every chunk to recompute for the rank's peak
     (counted as the simulator counts it) to fit ``budget`` bytes; every layer where even
-    that does not fit (``outcomes`` says by how much). :meth:`apply` adds the RC steps."""
+    that does not fit (the plan's outcome says by how much). Swaps nothing."""
 
     costs: CostModel
     budget: int
-    outcomes: dict[int, RecomputeOutcome] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if isinstance(self.budget, bool) or not isinstance(self.budget, int) or self.budget < 1:
             raise ScheduleError(f"the recompute policy's budget is a whole number of bytes "
                                 f">= 1, got {self.budget!r}")
 
-    def apply(self, schedule: Schedule) -> Schedule:
-        """``schedule`` (without swap or RC steps) with this policy's RC steps."""
-        self.outcomes = {}
-        chosen: dict[ChunkKey, tuple[int, ...]] = {}
-        for rank, order in enumerate(schedule.orders):
-            found = fewest_first_layers(order, self.costs, self.budget)
-            chosen.update(found.layers)
-            self.outcomes[rank] = RecomputeOutcome(rank, self.budget, found.peak, found.plain,
-                                                   0.0, layers=found.first)
-        return inject_recompute(schedule, chosen)
+    def select(self, rank: int, candidates: Sequence[SwapCandidate], order: Order
+               ) -> RankPlan:
+        if recomputed_in(order):
+            raise ScheduleError(f"rank {rank}'s order already recomputes layers; plan "
+                                "recompute on a schedule without RC steps")
+        found = fewest_first_layers(order, self.costs, self.budget)
+        counts = {key: len(layers) for key, layers in found.layers.items()}
+        return RankPlan(rank, {}, found.layers, PlanOutcome(
+            rank, found.peak, found.plain, 0.0, self.budget, sum(counts.values()),
+            recompute_seconds(self.costs, rank, counts)))
 
 
 class FirstLayers(NamedTuple):
@@ -95,3 +86,11 @@ def fewest_first_layers(order: Order, costs: CostModel, budget: int) -> FirstLay
         else:
             low = middle + 1
     return FirstLayers(low, recomputing(low), peak(low), peak(0))
+
+
+def recompute_seconds(costs: CostModel, rank: int, layers: Mapping[ChunkKey, int]) -> float:
+    """The compute seconds ``rank`` takes to recompute ``layers[key]`` layers of each chunk
+    (a forward's share per layer)."""
+    forward = {stage: costs.compute_time(StepType.FWD, stage, rank) / costs.stage_layers(stage)
+               for stage in {key[0] for key in layers}}
+    return sum(forward[key[0]] * count for key, count in layers.items())
