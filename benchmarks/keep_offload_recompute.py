@@ -43,7 +43,7 @@ from pipeswap.schedule import (
 from pipeswap.schedule.costs import CostModel, Link, TransformerShape, from_preset
 from pipeswap.schedule.policies import PeakPolicy, RecomputePolicy
 from pipeswap.schedule.simulate import SimulationResult, simulate
-from pipeswap.schedule.simulate_cli import usable_cores
+from pipeswap.schedule.cli.simulate_command import usable_cores
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _report import machine, publish  # noqa: E402

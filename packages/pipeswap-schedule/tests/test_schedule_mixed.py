@@ -25,6 +25,7 @@ from pipeswap.schedule import (
     parse_order,
     plan_swap,
 )
+from pipeswap.schedule.cli import simulate_command as simulate_cli
 from pipeswap.schedule.costs import CostModel, Link, StageCosts, TransformerShape, from_preset
 from pipeswap.schedule.policies import (
     CostModelPolicy,
@@ -32,7 +33,6 @@ from pipeswap.schedule.policies import (
     PeakPolicy,
     RecomputePolicy,
 )
-from pipeswap.schedule import simulate_cli
 from pipeswap.schedule.policies import _pipeline
 from pipeswap.schedule.policies import peak as peak_policy
 from pipeswap.schedule.recompute_pass import inject_recompute, recomputed_in

@@ -435,11 +435,15 @@ def test_a_quarter_needs_a_budget_and_costs_less_stall_streamed() -> None:
 
 def test_layer_granularity_streams_every_chunk_it_swaps() -> None:
     costs = _h100()
-    schedule = build_schedule(H100, PeakPolicy(costs, granularity="layer"))
+    schedule, plan = build_planned(H100, PeakPolicy(costs, granularity="layer"))
     kinds = {s.type for order in schedule.orders for s in order if s is not None}
     assert StepType.SWAP_STREAM_OFFLOAD in kinds and StepType.SWAP_LAUNCH_OFFLOAD not in kinds
     result = simulate(schedule, costs)
     assert all(r.exposed_copy == 0.0 for r in result.ranks)
+    assert plan is not None and all(  # the plan says so too, chunk by chunk
+        not ranked.whole and ranked.streamed == ranked.placements
+        and sorted(ranked.streamed) == sorted(swapped_chunks(schedule)[rank])
+        for rank, ranked in plan.ranks.items())
 
 
 @pytest.mark.parametrize("spec", [

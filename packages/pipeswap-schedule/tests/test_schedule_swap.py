@@ -33,11 +33,11 @@ from pipeswap.schedule import (
     validate,
     validate_rank,
 )
+from pipeswap.schedule.build import rank_plan
 from pipeswap.schedule.policies import Selection, SwapPolicy
 from pipeswap.schedule.policies.defaults import default_policy
 from pipeswap.schedule.steps import ACTIVATION_CONSUMERS, Order
 from pipeswap.schedule.swap_order import inject_swap_order
-from pipeswap.schedule.swap_pass import rank_plan
 from pipeswap.schedule.text import format_order, parse_step
 
 GAP = MinGapPolicy()  # MindSpore hyper-parallel's rule: its worked examples

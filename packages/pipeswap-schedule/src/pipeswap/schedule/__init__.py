@@ -11,8 +11,11 @@ from pipeswap.schedule.build import (
     Lowering,
     ScheduleKind,
     ScheduleSpec,
+    apply_swap,
     build_planned,
     build_schedule,
+    inject_swap,
+    plan_swap,
 )
 from pipeswap.schedule.costs import ChunkBytes, CostModel, Link, StageCosts
 from pipeswap.schedule.dxdw import split_dxdw
@@ -66,8 +69,7 @@ from pipeswap.schedule.steps import (
     Step,
     StepType,
 )
-from pipeswap.schedule.swap_order import swap_candidates
-from pipeswap.schedule.swap_pass import apply_swap, inject_swap, plan_swap, swapped_chunks
+from pipeswap.schedule.swap_order import swap_candidates, swapped_chunks
 from pipeswap.schedule.swap_plan import (
     DEFAULT_PLACEMENT,
     PlanOutcome,

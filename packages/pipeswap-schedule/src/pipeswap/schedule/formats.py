@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from pipeswap.schedule.errors import ParseError, ScheduleError
 from pipeswap.schedule.schedule import Schedule
 from pipeswap.schedule.steps import COMPUTE, OVERLAPS, SWAP, Step, StepType, format_layers
-from pipeswap.schedule.swap_pass import swapped_chunks
+from pipeswap.schedule.swap_order import swapped_chunks
 from pipeswap.schedule.text import (
     IDLE,
     dense_orders,

@@ -36,7 +36,7 @@ Compute slots count containers: an overlap of a backward and a forward is one sl
 Differences from MindSpore hyper-parallel: local control steps (FSDP, swap) are transparent when
 looking for a compute's P2P block, FSDP placement applies per stage, and a reload never
 precedes the offload wait. The pass is linear in the order length;
-:mod:`pipeswap.schedule.swap_pass` runs it over every rank of a schedule.
+:mod:`pipeswap.schedule.build.swap_pass` runs it over every rank of a schedule.
 """
 
 from __future__ import annotations
@@ -46,6 +46,7 @@ from collections.abc import Callable
 from operator import itemgetter
 
 from pipeswap.schedule.errors import ScheduleError
+from pipeswap.schedule.schedule import Schedule
 from pipeswap.schedule.steps import (
     ACTIVATION_CONSUMERS,
     COMM,
@@ -68,6 +69,18 @@ _OWN_SEND = {StepType.FWD: StepType.FWD_SEND, StepType.BWD: StepType.BWD_SEND,
 def swap_candidates(order: Order, rank: int = 0) -> list[SwapCandidate]:
     """Every chunk of ``order`` that could be swapped, in order of first forward."""
     return _Slots(order).candidates(rank)
+
+
+_OFFLOAD_LAUNCHES = frozenset({StepType.SWAP_LAUNCH_OFFLOAD, StepType.SWAP_STREAM_OFFLOAD})
+
+
+def swapped_chunks(schedule: Schedule) -> tuple[tuple[ChunkKey, ...], ...]:
+    """Per rank, the chunks that have a launch-offload step (whole or streaming), in
+    execution order."""
+    return tuple(
+        tuple(s.key for s in order if s is not None and s.type in _OFFLOAD_LAUNCHES)
+        for order in schedule.orders
+    )
 
 
 class _Slots:

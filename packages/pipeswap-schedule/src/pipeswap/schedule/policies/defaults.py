@@ -15,11 +15,11 @@ from pipeswap.schedule.policies.peak import PeakPolicy
 
 
 def default_policy() -> PeakPolicy:
-    """What :func:`pipeswap.schedule.swap_pass.inject_swap` uses when given no policy: the peak
-    policy on the default cost model (uniform chunks of one layer, a backward twice a
-    forward), so it swaps only chunks that lower a rank's peak, copies hidden, whole (a chunk
-    of one layer has nothing to stream). ``MinGapPolicy()`` gives MindSpore
-    hyper-parallel's orders."""
+    """What the swap pass (:func:`pipeswap.schedule.build.swap_pass.plan_swap`) uses when
+    given no policy: the peak policy on the default cost model (uniform chunks of one layer,
+    a backward twice a forward), so it swaps only chunks that lower a rank's peak, copies
+    hidden, whole (a chunk of one layer has nothing to stream). ``MinGapPolicy()`` gives
+    MindSpore hyper-parallel's orders."""
     return PeakPolicy(CostModel())
 
 

@@ -10,7 +10,25 @@ from collections.abc import Sequence
 
 from pipeswap.schedule.__about__ import __version__
 from pipeswap.schedule._gc import gc_paused
-from pipeswap.schedule.build import LOWERINGS, Lowering, ScheduleKind, ScheduleSpec, build_planned
+from pipeswap.schedule.build import (
+    LOWERINGS,
+    Lowering,
+    ScheduleKind,
+    ScheduleSpec,
+    build_planned,
+    inject_swap,
+)
+from pipeswap.schedule.cli.simulate_command import (
+    LAYERS,
+    MAX_LAYERS,
+    Parser,
+    choose_policy,
+    cost_arguments,
+    costs_from,
+    count,
+    policy_arguments,
+    run_simulate,
+)
 from pipeswap.schedule.costs import PRESETS
 from pipeswap.schedule.errors import ScheduleError
 from pipeswap.schedule.files import FileAccessError, read_text, write_text
@@ -26,18 +44,6 @@ from pipeswap.schedule.formats import (
 from pipeswap.schedule.p2p import coalesce_p2p
 from pipeswap.schedule.policies import SwapPolicy
 from pipeswap.schedule.schedule import Schedule
-from pipeswap.schedule.simulate_cli import (
-    LAYERS,
-    MAX_LAYERS,
-    Parser,
-    choose_policy,
-    cost_arguments,
-    costs_from,
-    count,
-    policy_arguments,
-    run_simulate,
-)
-from pipeswap.schedule.swap_pass import inject_swap
 from pipeswap.schedule.swap_plan import SwapPlan
 from pipeswap.schedule.text import MAX_DIGITS
 from pipeswap.schedule.validation import TRANSPORTS, validate
@@ -383,7 +389,3 @@ def _validate(args: argparse.Namespace) -> int:
     steps = sum(1 for order in schedule.orders for s in order if s is not None)
     print(f"valid: {schedule.num_ranks} ranks, {schedule.num_stages} stages, {steps} steps")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -11,7 +11,6 @@ from pipeswap.schedule._gc import gc_paused
 from pipeswap.schedule.policies.base import PreparingPolicy, Selection, SwapPolicy
 from pipeswap.schedule.policies.defaults import default_policy
 from pipeswap.schedule.schedule import Schedule
-from pipeswap.schedule.steps import ChunkKey, StepType
 from pipeswap.schedule.swap_order import inject_swap_order, swap_candidates
 from pipeswap.schedule.swap_plan import DEFAULT_PLACEMENT, RankPlan, SwapPlan
 
@@ -61,15 +60,3 @@ def inject_swap(schedule: Schedule, policy: SwapPolicy | None = None, *,
     """``schedule`` with the swap (and RC) steps ``policy`` plans for every rank (or only
     ``ranks``): :func:`apply_swap` of :func:`plan_swap`, for a caller that keeps no plan."""
     return apply_swap(schedule, plan_swap(schedule, policy, ranks=ranks))
-
-
-_OFFLOAD_LAUNCHES = frozenset({StepType.SWAP_LAUNCH_OFFLOAD, StepType.SWAP_STREAM_OFFLOAD})
-
-
-def swapped_chunks(schedule: Schedule) -> tuple[tuple[ChunkKey, ...], ...]:
-    """Per rank, the chunks that have a launch-offload step (whole or streaming), in
-    execution order."""
-    return tuple(
-        tuple(s.key for s in order if s is not None and s.type in _OFFLOAD_LAUNCHES)
-        for order in schedule.orders
-    )
