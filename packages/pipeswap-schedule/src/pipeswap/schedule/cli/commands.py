@@ -7,6 +7,7 @@ import os
 import re
 import sys
 from collections.abc import Sequence
+from typing import Literal, get_args
 
 from pipeswap.schedule.__about__ import __version__
 from pipeswap.schedule._gc import gc_paused
@@ -49,6 +50,11 @@ from pipeswap.schedule.text import MAX_DIGITS
 from pipeswap.schedule.validation import TRANSPORTS, validate
 
 PROG = "pipeswap-schedule"
+#: What ``orders --format`` prints, what ``convert --to`` writes, what ``simulate --format``
+#: prints.
+OrdersFormat = Literal["grid", "json"]
+ConvertFormat = Literal["json", "grid", "csv", "csv-compute"]
+ReportFormat = Literal["table", "json"]
 DESCRIPTION = """\
 Build pipeline-parallel schedules, inject activation-swap steps, check them, and look at them.
 No GPU or torch needed.
@@ -191,7 +197,7 @@ def _parser() -> Parser:
         epilog="The JSON form is {\"orders\": {\"0\": [\"0F0\", \"0LO0\", null, ...], ...}}: rank "
                "keys are strings, idle slots null. The grid form is one 'rank N: steps' line per "
                "rank. 'validate' reads both.")
-    orders.add_argument("--format", choices=["grid", "json"], default="grid",
+    orders.add_argument("--format", choices=get_args(OrdersFormat), default="grid",
                         help="grid: 'rank N: <steps>' lines (default); json: machine-readable")
 
     _add_validate(commands)
@@ -253,7 +259,7 @@ def _add_convert(commands: argparse._SubParsersAction[Parser], policies: Parser,
                f"  {PROG} convert zbv.csv --lower --swap --to json",
         formatter_class=argparse.RawDescriptionHelpFormatter)
     convert.add_argument("file", help="schedule file, or - for standard input")
-    convert.add_argument("--to", choices=["json", "grid", "csv", "csv-compute"],
+    convert.add_argument("--to", choices=get_args(ConvertFormat),
                          default="json", help="output form (default json); csv-compute keeps "
                          "only computes, as PyTorch's compute_only CSV")
     convert.add_argument("--lower", action="store_true",
@@ -305,7 +311,7 @@ def _add_simulate(commands: argparse._SubParsersAction[Parser], spec: Parser,
     sim.add_argument("--plot", metavar="FILE",
                      help="draw the timeline and memory (PNG/SVG/PDF by suffix; needs "
                           "pip install 'pipeswap-schedule[plot]')")
-    sim.add_argument("--format", choices=["table", "json"], default="table",
+    sim.add_argument("--format", choices=get_args(ReportFormat), default="table",
                      help="table: ranks side by side (default); json: one object")
 def main(argv: Sequence[str] | None = None) -> int:
     """Run one command. Whatever goes wrong ends in one line on stderr and a non-zero exit,

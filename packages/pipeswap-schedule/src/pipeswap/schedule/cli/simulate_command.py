@@ -288,7 +288,7 @@ def choose_policy(args: argparse.Namespace, costs: CostModel) -> SwapPolicy | No
     gap = getattr(args, "swap_min_gap", None)
     granularity = getattr(args, "swap_granularity", None)
     mode = getattr(args, "recompute", None)
-    _check_recompute(args, gap, mode)
+    _refuse_what_cannot_apply(args, gap, mode)
     if args.policy == "recompute":
         if args.budget is None:
             raise ScheduleError("--policy recompute needs --budget BYTES: it recomputes as "
@@ -323,7 +323,8 @@ def choose_policy(args: argparse.Namespace, costs: CostModel) -> SwapPolicy | No
     return MinGapPolicy(4 if gap is None else gap)
 
 
-def _check_recompute(args: argparse.Namespace, gap: int | None, mode: str | None) -> None:
+def _refuse_what_cannot_apply(args: argparse.Namespace, gap: int | None, mode: str | None
+                              ) -> None:
     """Refuse the gap threshold with another policy, and a recompute mode or ``--jobs``
     that the arguments give nothing to apply to."""
     if gap is not None:

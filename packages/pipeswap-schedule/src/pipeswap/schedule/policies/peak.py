@@ -4,7 +4,10 @@ It plans on the rank's own timeline, at slot resolution for whole chunks
 (:mod:`pipeswap.schedule.policies._chunk_plan`) or, where chunks have layers to stream, layer
 by layer (:mod:`pipeswap.schedule.policies._layer_plan`): a streamed chunk leaves the device
 while its forward still runs and comes back while its backward runs, so it saves memory even
-with a short gap.
+with a short gap. The policy is configuration only: what one swap pass learns (the plans
+chosen in the whole pipeline, the progress told) lives in the :class:`PeakPlanner` that
+:meth:`PeakPolicy.prepare` makes for that pass, and every rank's plan is the value
+:meth:`PeakPlanner.select` returns.
 """
 
 from __future__ import annotations
