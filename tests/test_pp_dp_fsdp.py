@@ -12,13 +12,13 @@ import pytest
 import torch
 
 from pipeswap.runtime.models.data import Corpus
+from pipeswap.runtime.executor.planning import named_policy
 from pipeswap.runtime.train import (
     ModeResult,
     TrainConfig,
     run_rank,
     stage_layer_counts,
     summarize,
-    swap_policy,
 )
 from pipeswap.schedule import SwapPolicy
 from pipeswap.schedule import ScheduleKind, ScheduleSpec, StepType, build_schedule
@@ -54,7 +54,7 @@ def _trained(case: str, data_parallel: bool = True) -> list[dict[str, ModeResult
 
 
 def _policy(config: TrainConfig) -> SwapPolicy | None:
-    return swap_policy(config.swap.policy, stage_layer_counts(config, len(Corpus.bundled().vocab)),
+    return named_policy(config.swap.policy, stage_layer_counts(config, len(Corpus.bundled().vocab)),
                        config.swap.granularity)
 
 

@@ -82,7 +82,7 @@ def test_pytorch_csv_in_and_out(name: str) -> None:
     from pipeswap.schedule import validate
     from pipeswap.schedule.formats import dumps_csv, loads_csv
     from pipeswap.schedule.p2p import insert_send_recv_by_dependency, insert_send_recv_early
-    from pipeswap.schedule.swap import inject_swap
+    from pipeswap.schedule import inject_swap
 
     actions = visualizer.get_schedule_ops(getattr(schedules, name), 2, 8, 2)
     theirs = io.StringIO()

@@ -20,12 +20,12 @@ import torch
 from pipeswap.runtime import RankFailedError, spawn
 from pipeswap.runtime.models.data import Corpus, batches
 from pipeswap.runtime.models.gpt import GPTConfig, build_gpt, lm_loss, split_stages
+from pipeswap.runtime.executor.planning import named_policy
 from pipeswap.runtime.train import (
     ModeResult,
     TrainConfig,
     run_rank,
     stage_layer_counts,
-    swap_policy,
 )
 from pipeswap.schedule import ScheduleKind, ScheduleSpec, Step, StepType, build_schedule
 from pipeswap.schedule.costs import ChunkBytes, CostModel, StageCosts
@@ -145,7 +145,7 @@ def test_swap_is_exact_and_lowers_the_peak(case: str) -> None:
     config = CASES[case]
     per_rank = _trained(case)
     want_loss, want_grads, stage_names = _reference(config)
-    schedule = build_schedule(_spec(config), swap_policy(config.swap.policy))
+    schedule = build_schedule(_spec(config), named_policy(config.swap.policy))
     seen: set[str] = set()
     last_rank = schedule.stage_ranks[-1]
     for rank, result in enumerate(per_rank):
@@ -205,7 +205,7 @@ def test_the_simulator_predicts_the_measured_peaks(case: str) -> None:
     config = CASES[case]
     per_rank = _trained(case)
     layer_counts = stage_layer_counts(config, len(Corpus.bundled().vocab))
-    schedule = build_schedule(_spec(config), swap_policy(config.swap.policy, layer_counts,
+    schedule = build_schedule(_spec(config), named_policy(config.swap.policy, layer_counts,
                                                          config.swap.granularity))
     after_input: dict[tuple[int, int], int] = {}
     layers: dict[tuple[int, int], tuple[ChunkBytes, ...]] = {}

@@ -26,10 +26,10 @@ from pipeswap.schedule import (
     ScheduleKind,
     ScheduleSpec,
     StepType,
-    build_schedule,
+    build_planned,
 )
 from pipeswap.schedule.costs import ChunkBytes, CostModel, StageCosts
-from pipeswap.schedule.recompute import recomputed_in
+from pipeswap.schedule.recompute_pass import recomputed_in
 from pipeswap.schedule.simulate import simulate
 from pipeswap.schedule.text import parse_order
 from pipeswap_pool import POOL
@@ -112,8 +112,11 @@ def test_a_budget_swapping_alone_cannot_meet_is_met_by_recomputing() -> None:
         assert config.swap.budget is not None
         never = budget_policy(plain.measured(), layer_counts, config.swap.budget,
                               granularity=config.swap.granularity, recompute="never")
-        build_schedule(_spec(config), never)
-        swap_only.append(never.outcomes[rank].shortfall)
+        _, plan = build_planned(_spec(config), never)
+        assert plan is not None
+        planned = plan.outcome(rank)
+        assert planned is not None
+        swap_only.append(planned.shortfall)
         swap = result["swap"]
         assert swap.budget_shortfall_bytes == 0, rank
         assert swap.peak_activation_bytes <= 64 << 10 < result["no-swap"].peak_activation_bytes

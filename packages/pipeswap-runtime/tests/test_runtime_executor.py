@@ -22,21 +22,22 @@ from pipeswap.runtime.models.gpt import GPTConfig, build_gpt, lm_loss, split_sta
 from pipeswap.runtime.train import parse_args
 from pipeswap.schedule import (
     ChunkBytes,
+    ChunkKey,
     CostModel,
     Lowering,
     MinGapPolicy,
+    Order,
+    RankPlan,
     ScheduleKind,
     ScheduleSpec,
-    RankPlan,
     StageCosts,
     StepType,
     SwapCandidate,
     SwapPlacement,
     build_schedule,
     loads,
+    simulate,
 )
-from pipeswap.schedule.simulate import simulate
-from pipeswap.schedule.steps import ChunkKey, Order
 
 
 

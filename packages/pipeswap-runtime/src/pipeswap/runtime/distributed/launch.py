@@ -15,6 +15,7 @@ step it had begun (:func:`mark_step`).
 
 from __future__ import annotations
 
+import ctypes
 import datetime
 import os
 import pickle
@@ -28,8 +29,14 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, suppress
 from typing import TYPE_CHECKING, TypeVar, cast
 
+from pipeswap.runtime.distributed.rank_failure import (
+    Ending,
+    RankFailure,
+    cause,
+    describe,
+    exit_summary,
+)
 from pipeswap.runtime.errors import PipelineSetupError
-from pipeswap.runtime.distributed.rank_failure import Ending, RankFailure, cause, describe, exit_summary
 
 if TYPE_CHECKING:
     from multiprocessing.process import BaseProcess
@@ -157,7 +164,6 @@ def _die_with_parent(parent: int) -> None:
     """Have the kernel kill this process when the launching one dies (Linux), so a killed
     launcher leaves no rank behind; elsewhere, the launcher's own clean-up has to do."""
     if sys.platform.startswith("linux"):
-        import ctypes
 
         with suppress(OSError, AttributeError):
             ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG

@@ -16,6 +16,13 @@ from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import Enum
+from pipeswap.runtime.errors import (
+    CheckpointError,
+    CheckpointIOError,
+    PeerFailedError,
+    PipelineCommError,
+    PipelineSetupError,
+)
 
 
 #: What torch's transports say when a peer is gone or silent (gloo raises a plain
@@ -114,13 +121,6 @@ def _one_line(message: str) -> str:
 
 def describe(error: BaseException, story: str, rank: int, step: int | None) -> RankFailure:
     """A rank's report of the exception that ended it."""
-    from pipeswap.runtime.errors import (
-        CheckpointError,
-        CheckpointIOError,
-        PeerFailedError,
-        PipelineCommError,
-        PipelineSetupError,
-    )
 
     message = _one_line(str(error))
     secondary = isinstance(error, PipelineCommError) or (

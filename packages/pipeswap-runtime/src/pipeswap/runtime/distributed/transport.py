@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import datetime
 import functools
+import pickle
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import suppress
 from dataclasses import dataclass
@@ -465,7 +466,6 @@ def agree(group: dist.ProcessGroup | None, ranks: Sequence[int]) -> None:
 
 def gather_object(value: object, group: dist.ProcessGroup | None = None) -> list[object] | None:
     """Every rank's picklable ``value`` on rank 0 (None elsewhere); needs no numpy."""
-    import pickle
 
     import torch
     import torch.distributed as dist

@@ -80,8 +80,7 @@ def forward_chunk(
     inputs: Sequence[torch.Tensor] | None = None,
     carries: Callable[[PyTree], Sequence[torch.Tensor]] | None = None,
     target: PyTree | None = None,
-    # Any: the loss function's own parameter types (the executor's LossFn takes tensors)
-    loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
+    loss_fn: Callable[..., torch.Tensor] | None = None,
     scale: int = 1,
     saving: AbstractContextManager[object] | None = None,
     keep: bool = False,
@@ -147,8 +146,7 @@ class ChunkAutograd:
         outputs, xs = self._take("B")
         live = _live(outputs, grads)
         if live:
-            # Any: None for the loss, which autograd takes but torch's stubs do not
-            given: Any = [g for _, g in live]
+            given: Any = [g for _, g in live]  # Any: None for a loss, as torch's stubs lack
             torch.autograd.backward([o for o, _ in live], given)
         return [x.grad for x in xs]
 

@@ -22,7 +22,7 @@ from collections import Counter
 from collections.abc import Callable, Collection, Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from pipeswap.runtime.errors import PipelineSetupError
 from pipeswap.runtime.executor.stage import PipelineStage, output_meta
@@ -122,7 +122,7 @@ class SavedRecorder:
             probe.close()
 
     def last_stage(self, stage: PipelineStage, meta: BoundaryMeta, target: PyTree,
-                   loss_fn: Callable[[Any, Any], torch.Tensor], device: torch.device,
+                   loss_fn: Callable[..., torch.Tensor], device: torch.device,
                    autocast: Callable[[], AbstractContextManager[object]]) -> None:
         """Record the last stage, whose chunks also keep what their loss saves: a dry run of
         its forward and ``loss_fn`` on ``target`` (one microbatch's), from zeros as ``meta``

@@ -22,8 +22,7 @@ from pipeswap.runtime.executor.microbatch import split_tree
 from pipeswap.runtime.executor.step_report import LayerMarks, MemoryAccount
 from pipeswap.runtime.executor.swap_session import SwapSession
 from pipeswap.runtime.executor.backward_split import SplitCache
-from pipeswap.schedule import ChunkKey, Step, StepType
-from pipeswap.schedule import COMPUTE, FSDP, OVERLAPS, P2P, SENDS
+from pipeswap.schedule import COMPUTE, FSDP, OVERLAPS, P2P, SENDS, ChunkKey, Step, StepType
 
 if TYPE_CHECKING:
     import torch

@@ -18,8 +18,17 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from pipeswap.runtime.errors import PipelineSetupError
-from pipeswap.schedule import ChunkBytes, ChunkKey, CostModel, Link, StageCosts, Step, StepType
-from pipeswap.schedule import COMPUTE, OVERLAPS
+from pipeswap.schedule import (
+    COMPUTE,
+    OVERLAPS,
+    ChunkBytes,
+    ChunkKey,
+    CostModel,
+    Link,
+    StageCosts,
+    Step,
+    StepType,
+)
 
 if TYPE_CHECKING:
     from pipeswap.platform import Platform

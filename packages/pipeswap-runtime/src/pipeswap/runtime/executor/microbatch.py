@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from pipeswap.runtime.errors import PipelineSetupError
+from pipeswap.runtime.distributed.transport import flatten
 
 if TYPE_CHECKING:
     import torch
@@ -29,7 +30,6 @@ def split_tree(batch: PyTree, microbatches: int, what: str) -> list[PyTree]:
     tensors), each tensor split along dimension 0 as :func:`split_microbatches` does."""
     from torch.utils._pytree import tree_unflatten
 
-    from pipeswap.runtime.distributed.transport import flatten
 
     leaves, spec = flatten(batch, what)
     parts = [split_microbatches(leaf, microbatches, what if len(leaves) == 1

@@ -23,8 +23,7 @@ from typing import TYPE_CHECKING
 from pipeswap.runtime.distributed.transport import BoundaryMeta, PyTree, Transfer, Transport
 from pipeswap.runtime.errors import PipelineCommError, PipelineSetupError
 from pipeswap.runtime.executor.stage import PipelineStage, output_meta
-from pipeswap.schedule import Step
-from pipeswap.schedule import SENDS
+from pipeswap.schedule import SENDS, Step
 
 if TYPE_CHECKING:
     import torch

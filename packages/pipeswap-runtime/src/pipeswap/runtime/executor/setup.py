@@ -15,7 +15,7 @@ import datetime
 import hashlib
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from pipeswap.runtime.distributed.transport import (
     BoundaryMeta,
@@ -31,6 +31,10 @@ from pipeswap.runtime.executor.planning import executor_policy
 from pipeswap.runtime.executor.sharded_stage import ShardedStage, fsdp_modules
 from pipeswap.runtime.executor.stage import PipelineStage, output_meta
 from pipeswap.schedule import (
+    FSDP,
+    RECOMPUTE,
+    SWAP,
+    TRANSPORTS,
     RankPlan,
     Schedule,
     ScheduleError,
@@ -38,14 +42,12 @@ from pipeswap.schedule import (
     ScheduleSpec,
     SwapPlan,
     TransportModel,
-    apply_swap,
-    build_schedule,
+    build_planned,
+    check_order_layer_counts,
     dumps_lines,
-    plan_swap,
     validate,
 )
-from pipeswap.schedule import FSDP, RECOMPUTE, SWAP
-from pipeswap.schedule import TRANSPORTS, check_order_layer_counts
+from pipeswap.runtime.executor.replay import ReplayTransport
 
 #: The steps each rank plans for itself: which chunks it swaps and which layers it recomputes.
 OWN_PLAN = SWAP | RECOMPUTE
@@ -162,12 +164,11 @@ def resolve_schedule(schedule: Schedule | ScheduleSpec | str, *, swap: SwapOptio
                 schedule = ScheduleSpec(
                     _kind(schedule), ranks=world, microbatches=microbatches,
                     stages_per_rank=len(stages), swap=swap is not None, fsdp=bool(sharded))
-            # swap steps are this rank's own and the last pass: plan only them (the other
-            # ranks' orders stay as built, their P2P what this rank's validation needs)
-            built = build_schedule(dataclasses.replace(schedule, swap=False))
-            if swap_policy is not None:
-                plan = plan_swap(built, swap_policy, ranks={rank})
-                built = apply_swap(built, plan)
+            elif swap is not None and not schedule.swap:
+                schedule = dataclasses.replace(schedule, swap=True)
+            # swap steps are this rank's own: plan only them (the other ranks' orders
+            # stay as built, their P2P what this rank's validation needs)
+            built, plan = build_planned(schedule, swap_policy, swap_ranks={rank})
         # NCCL's model unless asked: NCCL pairs sends and receives in order and by
         # communicator, and a schedule that passes on CPU then passes there. (Every micro
         # below the count: see _check_stages.)
@@ -304,7 +305,6 @@ def new_transport(schedule: Schedule, *, microbatches: int, device: torch.device
     data-parallel group of the control traffic. ``timeout``: the group's per-operation
     timeout, where not ``group``'s."""
     if replay is not None:
-        from pipeswap.runtime.executor.replay import ReplayTransport
 
         return ReplayTransport(replay, schedule.stage_ranks, microbatches, device)
     # A pipeline that spans the world: every rank creates the group, and torch names it
@@ -327,7 +327,7 @@ def exchange_shapes(example: PyTree | None, transport: Transport, *, schedule: S
                     sharded: Mapping[int, ShardedStage], device: torch.device,
                     autocast: Callable[[], AbstractContextManager[object]],
                     recorder: SavedRecorder | None = None, target: PyTree | None = None,
-                    loss_fn: Callable[[Any, Any], torch.Tensor] | None = None) -> None:
+                    loss_fn: Callable[..., torch.Tensor] | None = None) -> None:
     """Run each stage of this rank once on zeros, in stage order, passing what its output
     holds (the structure, shapes, dtypes, and which tensors carry a gradient) down the
     chain into ``transport.boundary`` (see :func:`pipeswap.runtime.executor.stage.output_meta`);

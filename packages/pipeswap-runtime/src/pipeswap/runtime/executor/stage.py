@@ -6,13 +6,15 @@ from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING
 
+from pipeswap.runtime.distributed.transport import MAX_BOUNDARY_TENSORS, BoundaryMeta, flatten
 from pipeswap.runtime.errors import PipelineSetupError
+from pipeswap.swap import find_layers
 
 if TYPE_CHECKING:
     import torch
     import torch.distributed as dist
 
-    from pipeswap.runtime.distributed.transport import BoundaryMeta, PyTree
+    from pipeswap.runtime.distributed.transport import PyTree
 
 
 class PipelineStage:
@@ -45,7 +47,6 @@ class PipelineStage:
         layers: Sequence[torch.nn.Module] | None = None,
         device: torch.device | str | None = None,
     ) -> None:
-        from pipeswap.swap import find_layers
 
         if not 0 <= stage_index < num_stages:
             raise PipelineSetupError(
@@ -75,7 +76,6 @@ class PipelineStage:
     def forward(self, value: PyTree) -> PyTree:
         """The module on ``value``, unpacked as the class docstring says; its output must be
         a pytree of tensors."""
-        from pipeswap.runtime.distributed.transport import flatten
 
         out: PyTree  # once flatten has checked it
         if isinstance(value, tuple):
@@ -102,7 +102,6 @@ def output_meta(stage: PipelineStage, meta: BoundaryMeta, device: torch.device,
     """
     import torch
 
-    from pipeswap.runtime.distributed.transport import MAX_BOUNDARY_TENSORS, BoundaryMeta
 
     index = stage.stage_index
     saved = {name: b.clone() for name, b in stage.module.named_buffers()}

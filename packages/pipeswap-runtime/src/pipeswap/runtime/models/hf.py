@@ -44,7 +44,8 @@ class CausalLMStage(torch.nn.Module):
     final norm and head (last stage). Takes token ids (first stage) or the hidden state, and
     returns the hidden state, or the logits on the last stage."""
 
-    def __init__(self, config: Any, rotary: torch.nn.Module, layers: Sequence[torch.nn.Module],
+    def __init__(self, config: Any,  # Any: a transformers config (untyped)
+                 rotary: torch.nn.Module, layers: Sequence[torch.nn.Module],
                  embed: torch.nn.Module | None = None, norm: torch.nn.Module | None = None,
                  head: torch.nn.Module | None = None) -> None:
         super().__init__()
@@ -82,7 +83,7 @@ def causal_lm_stages(model: torch.nn.Module, num_stages: int,
     that attends within a sliding window (its stages would build the full causal mask), and
     one whose head shares its embedding's weight across stages (nothing would sum that
     weight's two gradients)."""
-    inner: Any = getattr(model, "model", None)
+    inner: Any = getattr(model, "model", None)  # Any: transformers is untyped
     missing = [name for name, owner in (("model", model), ("lm_head", model),
                                         ("model.embed_tokens", inner),
                                         ("model.layers", inner), ("model.rotary_emb", inner),
@@ -94,7 +95,7 @@ def causal_lm_stages(model: torch.nn.Module, num_stages: int,
             "causal LMs of the Llama layout (model.embed_tokens, model.layers, "
             "model.rotary_emb, model.norm, lm_head); split other models by hand")
     assert inner is not None
-    config: Any = model.config
+    config: Any = model.config  # Any: transformers is untyped
     if getattr(config, "sliding_window", None) is not None and getattr(
             config, "use_sliding_window", True):
         raise PipelineSetupError(

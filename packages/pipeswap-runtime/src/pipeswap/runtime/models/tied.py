@@ -63,7 +63,6 @@ class TiedGradients:
     def sum_gradients(self) -> None:
         """Add the other rank's gradient of each tied parameter to this rank's (no gradient
         on one side counts as zero)."""
-        import torch
         import torch.distributed as dist
         from torch.distributed.tensor import DTensor
 

@@ -11,15 +11,18 @@ from collections.abc import Mapping
 from contextlib import AbstractContextManager, nullcontext
 from typing import TYPE_CHECKING
 
+from pipeswap.runtime.executor.microbatch import split_tree
+from pipeswap.runtime.executor.replay import Replay, input_boundaries, materialize
+from pipeswap.runtime.executor.sharded_stage import shard_stage
+from pipeswap.runtime.executor.stage import PipelineStage
 from pipeswap.runtime.train.config import TrainConfig
+from pipeswap.swap import find_layers
 
 if TYPE_CHECKING:
     import torch
     from torch.distributed.device_mesh import DeviceMesh
 
     from pipeswap.runtime.models.llama import LlamaConfig, TiedParameter
-    from pipeswap.runtime.executor.replay import Replay
-    from pipeswap.runtime.executor.stage import PipelineStage
 
 
 def build_stage_modules(config: TrainConfig, vocab: int,
@@ -43,8 +46,6 @@ def build_stages(config: TrainConfig, vocab: int, placement: tuple[int, ...], pp
     """This rank's pipeline stages of a freshly built model (the others are freed on return),
     each sharded with FSDP2 over the mesh's data-parallel dimension with ``fsdp``: every
     transformer block apart, the embedding and head with the stage's root."""
-    from pipeswap.runtime.executor.sharded_stage import shard_stage
-    from pipeswap.runtime.executor.stage import PipelineStage
 
     modules = build_stage_modules(config, vocab, device)
     group = None if mesh is None else mesh.get_group("pp")
@@ -64,7 +65,6 @@ def stage_layer_counts(config: TrainConfig, vocab: int) -> dict[int, int]:
     :attr:`PipelineStage.layers`), without building them."""
     import torch
 
-    from pipeswap.swap import find_layers
 
     with torch.device("meta"):
         stages = build_stage_modules(config, vocab)
@@ -94,9 +94,6 @@ def replay_of(config: TrainConfig, vocab: int, placement: tuple[int, ...],
     ``device`` alone and dropped after."""
     import torch
 
-    from pipeswap.runtime.executor.microbatch import split_tree
-    from pipeswap.runtime.executor.replay import Replay, input_boundaries, materialize
-    from pipeswap.runtime.executor.stage import PipelineStage
 
     rank = config.job.replay_rank
     assert rank is not None
@@ -124,8 +121,6 @@ def replay_stages(config: TrainConfig, vocab: int, placement: tuple[int, ...],
     a run's losses)."""
     import torch
 
-    from pipeswap.runtime.executor.replay import materialize
-    from pipeswap.runtime.executor.stage import PipelineStage
 
     seed = config.training.seed
     with torch.device("meta"):

@@ -173,15 +173,13 @@ class TrainConfig:
         detection = datetime.timedelta(seconds=self.job.timeout_s)
         return operation_timeout(detection, gloo=False).total_seconds()
 
-    # Field values below are typed Any: each keyword is a field of a different section, and
-    # no one type describes them all.
     @staticmethod
-    def of(**fields: Any) -> TrainConfig:
+    def of(**fields: Any) -> TrainConfig:  # Any: fields of several sections, several types
         """The defaults with some fields set by their own names, whatever their section:
         ``TrainConfig.of(ranks=2, steps=3)``."""
         return TrainConfig().but(**fields)
 
-    def but(self, **fields: Any) -> TrainConfig:
+    def but(self, **fields: Any) -> TrainConfig:  # Any: as in of, fields of any section
         """This config with some fields changed, named as in :meth:`of`."""
         unknown = sorted(set(fields) - set(_SECTION_OF))
         if unknown:

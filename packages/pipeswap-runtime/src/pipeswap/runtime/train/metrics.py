@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Union
 
 from pipeswap.runtime.executor.planning import Measured
 from pipeswap.runtime.train.config import TrainConfig
+from pipeswap.runtime.distributed.transport import gather_object
 
 if TYPE_CHECKING:
     import torch
@@ -119,7 +120,6 @@ def write_metrics(config: TrainConfig, mode: str, step: int, mine: dict[str, Fig
     every replica), tokens per second (the whole batch over the slowest rank's step) and
     each rank's peaks and bytes offloaded. A replayed rank writes its own (loss null unless it
     runs the last stage)."""
-    from pipeswap.runtime.distributed.transport import gather_object
 
     assert config.job.metrics is not None
     replayed = config.job.replay_rank is not None

@@ -11,7 +11,7 @@ from pipeswap.runtime.train.config import MODES, TrainConfig
 from pipeswap.runtime.train.metrics import ModeResult
 
 #: The ``--json`` object: JSON values of several kinds, read by other tools.
-Summary = dict[str, Any]
+Summary = dict[str, Any]  # Any: JSON values of several kinds, read back by key
 
 
 def summarize(config: TrainConfig, per_rank: list[dict[str, ModeResult]]) -> Summary:

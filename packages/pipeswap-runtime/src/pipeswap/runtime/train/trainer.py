@@ -19,9 +19,13 @@ from contextlib import AbstractContextManager, nullcontext
 from dataclasses import replace
 from typing import TYPE_CHECKING, TextIO
 
+from pipeswap.platform import get_platform
 from pipeswap.runtime.checkpoint.manifest import describe_skipped
+from pipeswap.runtime.checkpoint.save_load import load_checkpoint, save_checkpoint
 from pipeswap.runtime.distributed.launch import mark_step, pipeline_mesh
+from pipeswap.runtime.executor.measurements import measured_costs, probe_link
 from pipeswap.runtime.executor.options import DataParallel, FailureHandling, Numerics, SwapOptions
+from pipeswap.runtime.executor.pipeline_executor import PipelineExecutor
 from pipeswap.runtime.executor.planning import MEASURE_TO_PLAN, budget_policy, named_policy
 from pipeswap.runtime.train.components import (
     build_stages,
@@ -34,16 +38,22 @@ from pipeswap.runtime.train.config import TrainConfig
 from pipeswap.runtime.train.metrics import ModeResult, write_metrics
 from pipeswap.runtime.train.preflight import saved_model
 from pipeswap.runtime.train.summary import mib
-from pipeswap.schedule import format_order
+from pipeswap.schedule import (
+    ScheduleKind,
+    ScheduleSpec,
+    StageCosts,
+    build_schedule,
+    format_order,
+    simulate,
+)
 
 if TYPE_CHECKING:
     import torch
 
     from pipeswap.platform import AllocationPeak
-    from pipeswap.runtime.executor.pipeline_executor import PipelineExecutor
     from pipeswap.runtime.executor.stage import PipelineStage
     from pipeswap.runtime.models.tied import TiedGradients
-    from pipeswap.schedule import ChunkBytes, CostModel, Link, PeakPolicy, StageCosts
+    from pipeswap.schedule import ChunkBytes, CostModel, Link, PeakPolicy
 
 log = logging.getLogger("pipeswap.runtime.train")
 
@@ -63,9 +73,7 @@ class Trainer:
     def __init__(self, config: TrainConfig, rank: int, world_size: int) -> None:
         import torch
 
-        from pipeswap.platform import get_platform
         from pipeswap.runtime.models.data import Corpus
-        from pipeswap.schedule import ScheduleKind, ScheduleSpec, build_schedule
 
         parallel = config.parallel
         self.config, self.rank = config, rank
@@ -137,8 +145,6 @@ class Trainer:
         modes already run, whose measured chunk sizes a budget plans on)."""
         import torch
 
-        from pipeswap.runtime.checkpoint.save_load import load_checkpoint
-        from pipeswap.runtime.executor.pipeline_executor import PipelineExecutor
         from pipeswap.runtime.models.gpt import lm_loss
         from pipeswap.runtime.models.tied import TiedGradients
 
@@ -254,7 +260,6 @@ class Trainer:
         """This rank's costs as the mode without swap measured them (its computes, its
         chunks' bytes) and its host link as a probe measures it; None where the plan weighs
         layer counts alone (``--swap-costs layers``) or that mode did not run."""
-        from pipeswap.runtime.executor.measurements import measured_costs, probe_link
 
         if self.config.swap.costs != "measured" or plain is None or not plain.compute_seconds:
             return None
@@ -270,7 +275,6 @@ class Trainer:
         takes its own stages' mean for the stages it does not run)."""
         import torch.distributed as dist
 
-        from pipeswap.schedule import StageCosts, simulate
 
         everyone: list[dict[int, StageCosts]] = [dict(costs.stages)]
         if not self.replaying:
@@ -288,7 +292,6 @@ class Trainer:
                    tied: TiedGradients | None, result: ModeResult) -> None:
         """Step ``number``: one pipeline step, the optimizer's, a checkpoint when due, and
         the step's figures into ``result`` (and the metrics file)."""
-        from pipeswap.runtime.checkpoint.save_load import save_checkpoint
 
         config = self.config
         mark_step(number)
