@@ -81,7 +81,7 @@ from pipeswap.schedule.swap_plan import (
     SwapPlan,
 )
 from pipeswap.schedule.text import format_order, parse_order, parse_step
-from pipeswap.schedule.transports import check_batches_alike, simulate_p2p
+from pipeswap.schedule.transport_models import check_batches_alike, simulate_p2p
 from pipeswap.schedule.units import parse_bytes
 from pipeswap.schedule.validation import (
     TRANSPORTS,

@@ -4,7 +4,7 @@ ranks' sends and receives together under a transport.
 :func:`validate` raises the first problem as a typed :class:`ValidationError` whose message
 names the rank, the step and what to change. The checks of one order are in
 :mod:`pipeswap.schedule.order_checks`, the runs of all ranks in
-:mod:`pipeswap.schedule.transports`.
+:mod:`pipeswap.schedule.transport_models`.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from pipeswap.schedule.errors import (
 from pipeswap.schedule.order_checks import check_rank
 from pipeswap.schedule.schedule import Schedule
 from pipeswap.schedule.steps import ChunkKey, Order, StepType
-from pipeswap.schedule.transports import check_batches_alike, simulate_p2p, simulate_tagged
+from pipeswap.schedule.transport_models import check_batches_alike, simulate_p2p, simulate_tagged
 
 
 #: How sends and receives meet. ``ordered``: a send waits for its receive and the messages

@@ -40,7 +40,7 @@ analysis above (which nodes are weight nodes, the groups, the batches) runs once
 and graph shape (:class:`SplitCache`): each chunk only walks its graph to compare its shape
 and find the nodes.
 
-Recomputed layers (:mod:`pipeswap.swap.recompute`) run again when I first reads them, and
+Recomputed layers (:func:`pipeswap.swap.recompute_hooks`) run again when I first reads them, and
 what that makes is gone before W (the simulator counts it so): I computes their weight
 gradients too, their groups moved from W into I, and a release that reads them again gets
 stand-ins (the swap manager's ``releasing``). A first stage with recomputed layers runs its

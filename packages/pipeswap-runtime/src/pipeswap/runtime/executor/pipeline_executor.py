@@ -98,8 +98,8 @@ class PipelineExecutor:
     """Runs ``schedule`` over this rank's ``stages``.
 
     ``schedule``: a :class:`Schedule` (used as given), a :class:`ScheduleSpec`, or a schedule
-    name (``"gpipe"``, ``"1f1b"``, ``"interleaved-1f1b"``) built for this group's size, the
-    stage count and ``microbatches``. ``swap``: inject swap steps and run them, as
+    name (a :class:`~pipeswap.schedule.ScheduleKind` value: ``"gpipe"``, ``"1f1b"``, ...)
+    built for this group's size, the stage count and ``microbatches``. ``swap``: inject swap steps and run them, as
     :class:`SwapOptions` says (``True``: the default options). :attr:`plan` is what the
     swap pass decided for this rank (:class:`~pipeswap.schedule.RankPlan`: the chunks
     swapped or streamed, the layers recomputed, and what the policy expects: its peak and
@@ -336,7 +336,8 @@ class PipelineExecutor:
                        targets, self._input_meta)
             if not self._shapes_known:
                 state.at = "the exchange of stage boundary shapes"
-                _exchange_shapes(self, state)
+                self._input_meta = _exchange_shapes(self, state)
+                self._shapes_known = True
             self._run_order(state, StepTimes() if measure.compute else None)
             state.at = None
             self._end_step(state)
@@ -389,9 +390,10 @@ class PipelineExecutor:
                 self.transport, "the end-of-step agreement of the data-parallel group",
                 self._dp_control)
 
-def _exchange_shapes(executor: PipelineExecutor, state: StepState) -> None:
+def _exchange_shapes(executor: PipelineExecutor, state: StepState) -> BoundaryMeta | None:
     """Before the first step's order: every stage boundary's shapes, exchanged, and the
-    host buffers the swap plan needs, reserved."""
+    host buffers the swap plan needs, reserved; returns what the first stage's inputs
+    hold (None on other ranks), which later batches must keep."""
     # what the swapped stages' forwards save, to reserve the host buffers for
     recorder = (SavedRecorder(executor.manager, {key[0] for key in executor.swapped})
                 if executor.swapped else None)
@@ -406,9 +408,9 @@ def _exchange_shapes(executor: PipelineExecutor, state: StepState) -> None:
         state.at = "the reservation of host buffers"
         _reserve(executor.manager, executor.rank,
                  host_reservation(executor.schedule, executor.rank, recorder.sizes))
-    executor._shapes_known = True
-    if state.micro_inputs:
-        executor._input_meta = BoundaryMeta.of(state.micro_inputs[0], "the inputs")[0]
+    if not state.micro_inputs:
+        return None
+    return BoundaryMeta.of(state.micro_inputs[0], "the inputs")[0]
 
 
 def _start_watch(executor: PipelineExecutor, timeout_s: float | None

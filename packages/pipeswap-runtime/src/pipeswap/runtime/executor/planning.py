@@ -38,7 +38,7 @@ if TYPE_CHECKING:
     from pipeswap.runtime.executor.step_report import StepReport
 
 __all__ = ["MEASURE_TO_PLAN", "Measured", "PolicyName", "budget_policy", "executor_policy",
-           "named_policy"]
+           "named_policy", "named_swap"]
 
 #: The policies ``pipeswap-train --policy`` names: MindSpore hyper-parallel's gap rule,
 #: every chunk whose copies hide, or the peak policy.
@@ -100,6 +100,17 @@ def named_policy(name: PolicyName, layer_counts: Mapping[int, int] | None = None
     if name == "cost":
         return CostModelPolicy(CostModel())
     return None if layer_counts is None else default_swap_policy(layer_counts, granularity)
+
+
+def named_swap(name: PolicyName, layer_counts: Mapping[int, int] | None = None,
+               granularity: Granularity = "auto", costs: CostModel | None = None
+               ) -> SwapOptions:
+    """How a run swaps with the policy ``name``: as :func:`named_policy` says, except the
+    peak policy on measured ``costs``, which is the executor's default on them."""
+    if name == "peak" and costs is not None:
+        return SwapOptions(granularity=granularity, costs=costs)
+    return SwapOptions(named_policy(name, layer_counts, granularity),
+                       granularity="auto" if name != "peak" or layer_counts else granularity)
 
 
 def budget_policy(measured: Measured, layer_counts: Mapping[int, int], budget: int, *,

@@ -26,7 +26,7 @@ from pipeswap.runtime.distributed.launch import mark_step, pipeline_mesh
 from pipeswap.runtime.executor.measurements import measured_costs, probe_link
 from pipeswap.runtime.executor.options import DataParallel, FailureHandling, Numerics, SwapOptions
 from pipeswap.runtime.executor.pipeline_executor import PipelineExecutor
-from pipeswap.runtime.executor.planning import MEASURE_TO_PLAN, budget_policy, named_policy
+from pipeswap.runtime.executor.planning import MEASURE_TO_PLAN, budget_policy, named_swap
 from pipeswap.runtime.train.components import (
     build_stages,
     replay_of,
@@ -212,26 +212,21 @@ class Trainer:
         config = self.config
         if mode != "swap":
             return None, None
-        policy = named_policy(config.swap.policy, self.layer_counts, config.swap.granularity)
-        planner = None
-        if config.swap.budget is not None:
-            policy = planner = budget_policy(
-                earlier["no-swap"].measured(), self.layer_counts, config.swap.budget,
-                granularity=config.swap.granularity, recompute=config.swap.recompute,
-                costs=costs, everyone=None if self.replaying else _everyone)
-            if config.job.verbose and (self.replaying or self.rank == 0):
-                log.info("[%7s] planning swap%s under the budget of %s bytes a rank, weighed "
-                         "%s (a search over plans: under a second at 8 stages, about 5 s "
-                         "at 64)", mode,
-                         " and recompute" if config.swap.recompute == "auto" else "",
-                         f"{config.swap.budget:,}",
-                         "on this rank's own timeline" if self.replaying else
-                         "in the whole pipeline on every rank's measured costs")
-        elif costs is not None and config.swap.policy == "peak":
-            policy = None  # the executor's default, on the measured costs
-        return SwapOptions(policy, costs=costs if policy is None else None,
-                           granularity=config.swap.granularity if policy is None
-                           else "auto"), planner
+        if config.swap.budget is None:
+            return named_swap(config.swap.policy, self.layer_counts, config.swap.granularity,
+                              costs), None
+        planner = budget_policy(
+            earlier["no-swap"].measured(), self.layer_counts, config.swap.budget,
+            granularity=config.swap.granularity, recompute=config.swap.recompute,
+            costs=costs, everyone=None if self.replaying else _everyone)
+        if config.job.verbose and (self.replaying or self.rank == 0):
+            log.info("[%7s] planning swap%s under the budget of %s bytes a rank, weighed %s "
+                     "(a search over plans: under a second at 8 stages, about 5 s at 64)",
+                     mode, " and recompute" if config.swap.recompute == "auto" else "",
+                     f"{config.swap.budget:,}",
+                     "on this rank's own timeline" if self.replaying else
+                     "in the whole pipeline on every rank's measured costs")
+        return SwapOptions(planner), planner
 
     def _record_plan(self, mode: str, executor: PipelineExecutor, result: ModeResult,
                      planner: PeakPolicy | None, costs: CostModel | None) -> None:
