@@ -4,25 +4,9 @@ longer names a unit past its limit, so the list can only shrink."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
-from types import ModuleType
 
-DEV = Path(__file__).resolve().parent.parent / "dev.py"
-
-
-def _dev() -> ModuleType:
-    """dev.py as a module (its name is private here: nothing else imports it)."""
-    name = "_pipeswap_dev"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, DEV)
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module  # before running it: its dataclasses look themselves up
-        spec.loader.exec_module(module)
-    return sys.modules[name]
-
+from pipeswap_dev_module import dev_module
 
 MODULE = "packages/pipeswap-demo/src/pipeswap/demo/shapes.py"
 
@@ -41,7 +25,7 @@ def _tree(tmp_path: Path, source: str) -> Path:
 
 def test_functions_and_classes_within_their_limits_pass(tmp_path: Path) -> None:
     source = _function("short", 79) + "class Fits:\n" + _function("method", 79, "    ") * 3
-    assert _dev().code_shape_problems(_tree(tmp_path, source), {}) == []
+    assert dev_module().code_shape_problems(_tree(tmp_path, source), {}) == []
 
 
 def test_a_long_function_a_long_method_and_a_long_nested_function_are_refused(
@@ -49,7 +33,7 @@ def test_a_long_function_a_long_method_and_a_long_nested_function_are_refused(
     source = (_function("top", 80)
               + "class Holder:\n" + _function("method", 80, "    ")
               + "def outer() -> None:\n" + _function("inner", 80, "    "))
-    problems = _dev().code_shape_problems(_tree(tmp_path, source), {})
+    problems = dev_module().code_shape_problems(_tree(tmp_path, source), {})
     # outer holds inner, so it is past the limit too
     assert [p.split(":")[2] for p in problems] == ["top", "Holder.method", "outer", "outer.inner"]
     assert f"{MODULE}::top: a function of 81 lines" in problems[0]
@@ -57,20 +41,20 @@ def test_a_long_function_a_long_method_and_a_long_nested_function_are_refused(
 
 def test_a_long_class_is_refused(tmp_path: Path) -> None:
     source = "class Big:\n" + _function("method", 50, "    ") * 6  # 1 + 6 * 51 lines
-    problems = _dev().code_shape_problems(_tree(tmp_path, source), {})
+    problems = dev_module().code_shape_problems(_tree(tmp_path, source), {})
     assert problems == [f"{MODULE}::Big: a class of 307 lines; split it into units of at most "
                         "300"]
 
 
 def test_an_allow_listed_unit_passes_while_it_is_still_too_long(tmp_path: Path) -> None:
     root = _tree(tmp_path, _function("top", 100))
-    assert _dev().code_shape_problems(root, {f"{MODULE}::top": "being split"}) == []
+    assert dev_module().code_shape_problems(root, {f"{MODULE}::top": "being split"}) == []
 
 
 def test_an_allow_list_entry_fails_once_its_unit_fits_or_is_gone(tmp_path: Path) -> None:
     root = _tree(tmp_path, _function("top", 10))
     allowed = {f"{MODULE}::top": "being split", f"{MODULE}::gone": "being split"}
-    assert _dev().code_shape_problems(root, allowed) == [
+    assert dev_module().code_shape_problems(root, allowed) == [
         f"LONG_UNITS in dev.py lists {MODULE}::gone, which no longer exists: remove the entry",
         f"LONG_UNITS in dev.py lists {MODULE}::top, which is now within its limit: remove the "
         "entry",
@@ -79,5 +63,5 @@ def test_an_allow_list_entry_fails_once_its_unit_fits_or_is_gone(tmp_path: Path)
 
 def test_a_long_module_is_refused(tmp_path: Path) -> None:
     root = _tree(tmp_path, "x = 1\n" * 601)
-    assert _dev().code_shape_problems(root, {}) == [
+    assert dev_module().code_shape_problems(root, {}) == [
         f"{MODULE} has 601 lines; split it by job into modules of at most 600"]

@@ -4,27 +4,13 @@ line, and after the install stops with one line saying why torch sees no GPU and
 
 from __future__ import annotations
 
-import importlib.util
 import subprocess
 import sys
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 
-DEV = Path(__file__).resolve().parent.parent / "dev.py"
-
-
-def _dev() -> ModuleType:
-    """dev.py as a module (its name is private here: nothing else imports it)."""
-    name = "_pipeswap_dev"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, DEV)
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module  # before running it: its dataclasses look themselves up
-        spec.loader.exec_module(module)
-    return sys.modules[name]
+from pipeswap_dev_module import DEV, dev_module
 
 
 @pytest.mark.multiprocess
@@ -55,7 +41,7 @@ DRIVER = {"found": True, "error": "", "gpus": 2, "driver": "570.86", "cuda": "12
 
 def _problem(cuda: dict[str, object], driver: dict[str, object], visible: str | None = None
              ) -> str | None:
-    dev = _dev()
+    dev = dev_module()
     problem: str | None = dev.cuda_problem(dev.CudaFacts(**cuda), dev.DriverFacts(**driver),
                                            visible, WHAT)
     assert problem is None or "\n" not in problem
@@ -100,7 +86,7 @@ def test_each_reason_for_no_gpu_is_one_line_with_what_to_do() -> None:
 def test_the_probe_reads_this_pythons_torch() -> None:
     import torch
 
-    dev = _dev()
+    dev = dev_module()
     facts = dev.cuda_facts(Path(sys.executable))
     assert facts.torch == torch.__version__ and facts.cuda == torch.version.cuda
     assert facts.available == torch.cuda.is_available()

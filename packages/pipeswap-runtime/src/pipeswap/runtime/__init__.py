@@ -1,6 +1,10 @@
 """The pipeline executor: runs pipeswap schedules, swap steps included, over torch.distributed.
 
-torch is imported lazily where it can be: importing this package is cheap.
+Laid out by job: ``executor`` (the executor, its options, its set-up and the one place the
+runtime plans swap), ``distributed`` (transport, process groups, peer watch, launching),
+``checkpoint``, ``models`` (GPT, Llama, Hugging Face, the corpus), ``pipelining`` (PyTorch's
+schedule classes over the executor) and ``train`` (``pipeswap-train``). Importing it loads
+torch.
 """
 
 from pipeswap.runtime.__about__ import __version__
