@@ -59,7 +59,8 @@ def agree_then_fail(rank: int, world_size: int) -> dict[str, object]:
 
     import torch.distributed as dist
 
-    from pipeswap.runtime.distributed.transport import agree, break_links, members
+    from pipeswap.runtime.distributed.collectives import agree, members
+    from pipeswap.runtime.distributed.failure_board import break_links
 
     store = dist.distributed_c10d._get_default_store()
     ours = dist.new_group([1, 2, 3])

@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from pipeswap.runtime import SwapOptions
 from pipeswap.runtime import PipelineExecutor, PipelineStage
-from pipeswap.runtime.distributed.transport import _AGREE_TAG
+from pipeswap.runtime.distributed.collectives import AGREE_TAG
 from pipeswap.runtime.models.gpt import lm_loss
 from pipeswap.schedule import MinGapPolicy, ScheduleKind, ScheduleSpec, StepType, build_schedule
 
@@ -109,7 +109,7 @@ def train(rank: int, world_size: int, schedule: str, swap: bool) -> dict[str, An
 
     def counting(name: str) -> Callable[..., Any]:
         def call(ops: list[dist.P2POp]) -> Any:
-            if any(op.tag != _AGREE_TAG for op in ops):  # the end-of-step agreement's aside
+            if any(op.tag != AGREE_TAG for op in ops):  # the end-of-step agreement's aside
                 calls[name] += 1
             return originals[name](ops)
         return call

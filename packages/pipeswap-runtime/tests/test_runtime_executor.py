@@ -339,8 +339,8 @@ def test_a_schedule_missing_a_microbatch_is_refused(group: None) -> None:
 
 
 def test_the_allocator_peak_is_measured_on_request(group: None) -> None:
-    """``Measure(allocator=True)``: the allocator's peak above the step's start (torch's profiler on
-    CPU). It holds at least the saved activations the manager counts (allocated in the step
+    """``Measure(allocator=True)``: the allocator's peak above the step's start (torch's
+    profiler on CPU). It holds at least the saved activations the manager counts (allocated in the step
     and all alive at the counted peak), falls with swap, and is None when not measured."""
     spec = ScheduleSpec(ScheduleKind.GPIPE, ranks=1, microbatches=4)
     reports: dict[bool, StepReport] = {}
@@ -361,6 +361,29 @@ def test_the_allocator_peak_is_measured_on_request(group: None) -> None:
     assert with_swap is not None and without is not None and with_swap < without
     off = PipelineExecutor([PipelineStage(build_gpt(CONFIG, seed=0), 0, 1)], spec, 4, lm_loss)
     assert off.step(*_batch(7)).peak_allocated_bytes is None
+
+
+def test_what_a_step_measures_and_keeps_comes_back_in_its_report(group: None) -> None:
+    """A step's ``Measure`` is the step's alone: layers measured and outputs kept in that
+    step's report, none in the next; losses as tensors always, equal to the floats. Per-layer
+    bytes need counted activations, and a step asking for them without is refused."""
+    spec = ScheduleSpec(ScheduleKind.GPIPE, ranks=1, microbatches=4)
+    model = build_gpt(CONFIG, seed=0)
+    executor = PipelineExecutor([PipelineStage(model, 0, 1)], spec, 4, lm_loss,
+                                count_activations=True)
+    measured = executor.step(*_batch(7), measure=Measure(layers=True, outputs=True))
+    assert measured.layer_held.keys() == measured.chunk_bytes.keys() != set()
+    assert len(measured.outputs) == 4
+    assert all(isinstance(out, torch.Tensor) and not out.requires_grad
+               for out in measured.outputs)
+    assert [loss.item() for loss in measured.loss_tensors] == list(measured.losses)
+    plain = executor.step(*_batch(7))
+    assert plain.layer_held == {} and plain.outputs == ()
+    assert plain.losses == measured.losses and len(plain.loss_tensors) == 4
+    uncounted = PipelineExecutor([PipelineStage(build_gpt(CONFIG, seed=0), 0, 1)], spec, 4,
+                                 lm_loss)
+    with pytest.raises(PipelineSetupError, match=r"count_activations=True"):
+        uncounted.step(*_batch(7), measure=Measure(layers=True))
 
 
 class _StreamEvery:

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch.distributed.distributed_c10d import PrefixStore, Store
 
 from pipeswap.runtime.distributed import peer_watch as watch
-from pipeswap.runtime.distributed.transport import FailureBoard
+from pipeswap.runtime.distributed.failure_board import FailureBoard
 from pipeswap.runtime.distributed.process_groups import only_gloo, operation_timeout
 from pipeswap.runtime.distributed.peer_watch import PeerWatch
 

@@ -122,6 +122,9 @@ def test_the_mix_is_never_slower_than_swap_alone_or_recompute_alone(chunks: floa
         outcome = plan.outcome(rank.rank)
         assert outcome is not None and outcome.met and outcome.recomputed_layers == rank.recomputed_layers
         assert outcome.recompute_s == pytest.approx(rank.recompute_s)
+        # chosen in the whole pipeline: the step it predicts is the whole schedule's
+        assert plan.ranks[rank.rank].chosen_in_pipeline
+        assert outcome.step_time == results["mixed"].step_time
     assert sum(rank.recomputed_layers for rank in results["mixed"].ranks) > 0
 
 
@@ -248,6 +251,7 @@ def test_a_mixed_plan_on_one_rank_predicts_its_peak_exactly() -> None:
     assert outcome.exposed_copy == result.exposed_copy
     assert outcome.peak_no_swap == 6 * 400 == result.peak_activation_bytes_no_swap
     assert outcome.recomputed_layers == result.recomputed_layers > 0
+    assert outcome.step_time == result.step_time  # the rank's own step, as run alone
 
 
 def test_without_a_budget_auto_recomputes_nothing() -> None:

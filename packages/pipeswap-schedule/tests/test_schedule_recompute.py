@@ -277,10 +277,10 @@ def test_the_peak_refuses_a_layer_the_chunk_does_not_have() -> None:
 
 
 def test_describe_counts_rc_steps_and_w_never_runs_backwards() -> None:
-    from pipeswap.schedule.formats import describe
+    from pipeswap.schedule.formats import describe_schedule
 
     schedule = Schedule.from_orders([parse_order("0RC0:0-13 0F0 0I0 0W0")])
-    assert describe(schedule) == ("rank 0: 4 steps: 3 compute slots, 0 P2P, 0 swap, "
+    assert describe_schedule(schedule) == ("rank 0: 4 steps: 3 compute slots, 0 P2P, 0 swap, "
                                   "1 recompute, 0 idle")
     # every layer's W share moves to I; 0.015 - (0.015 / 14) * 14 rounds below 0
     costs = CostModel(activation_bytes=1400, stages={0: StageCosts(

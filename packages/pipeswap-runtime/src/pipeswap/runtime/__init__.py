@@ -3,8 +3,8 @@
 Laid out by job: ``executor`` (the executor, its options, its set-up and the one place the
 runtime plans swap), ``distributed`` (transport, process groups, peer watch, launching),
 ``checkpoint``, ``models`` (GPT, Llama, Hugging Face, the corpus), ``pipelining`` (PyTorch's
-schedule classes over the executor) and ``train`` (``pipeswap-train``). Importing it loads
-torch.
+schedule classes over the executor) and ``train`` (``pipeswap-train``). torch is imported
+lazily where it can be: importing this package is cheap.
 """
 
 from pipeswap.runtime.__about__ import __version__

@@ -6,7 +6,7 @@ docstring."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Literal, NamedTuple
 
 from pipeswap.schedule.costs import ChunkBytes, Link
 from pipeswap.schedule.steps import ChunkKey, Step, StepType
@@ -17,11 +17,16 @@ _LL = StepType.SWAP_LAUNCH_LOAD
 _SO, _SL = StepType.SWAP_STREAM_OFFLOAD, StepType.SWAP_STREAM_LOAD
 
 
+#: Where a span of a rank's timeline runs: its compute stream, or a copy stream (one each
+#: way, or one shared by both ways).
+SpanStream = Literal["compute", "d2h", "h2d", "copy"]
+
+
 class Span(NamedTuple):
     """Something that occupied a stream: for traces and plots. (A NamedTuple: a big schedule
     makes one per step, and these build several times faster than a dataclass.)"""
 
-    stream: str  # "compute", "d2h", "h2d", "copy"
+    stream: SpanStream
     label: str
     start: float
     end: float
@@ -176,7 +181,7 @@ def copy(state: RankState, offload: bool, size: int, key: ChunkKey, code: str,
     if not link.duplex:
         state.d2h = state.h2d = end
     if state.timeline:
-        stream = "copy" if not link.duplex else "d2h" if offload else "h2d"
+        stream: SpanStream = "copy" if not link.duplex else "d2h" if offload else "h2d"
         label = f"{key[0]}{code}{key[1]}" + ("" if layer is None else f".l{layer}")
         state.spans.append(Span(stream, label, start, end))
     return start, end

@@ -185,7 +185,7 @@ class CostModel:
         :meth:`stage_layers` layers (the remainders on the last layers, so that the layers
         add up to the chunk exactly)."""
         chunk = self.chunk_bytes(key)
-        return chunk.layers or split_layers(chunk, self.stage_layers(key[0]))
+        return chunk.layers or split_chunk_bytes(chunk, self.stage_layers(key[0]))
 
     def recomputed_layers(self, key: ChunkKey, recomputed: tuple[int, ...]
                           ) -> tuple[tuple[ChunkBytes, ...], tuple[int, ...]]:
@@ -244,7 +244,7 @@ class CostModel:
         return self.p2p_latency + self.boundary_bytes / self.p2p_bandwidth
 
 
-def split_layers(chunk: ChunkBytes, layers: int) -> tuple[ChunkBytes, ...]:
+def split_chunk_bytes(chunk: ChunkBytes, layers: int) -> tuple[ChunkBytes, ...]:
     """``chunk`` split evenly into ``layers`` layers; the remainders go to the last layers."""
 
     def share(amount: int, k: int) -> int:

@@ -201,7 +201,7 @@ def _cell(step: Step | None) -> str:
     return f"{text}*" if step.type in SWAP else text
 
 
-def describe(schedule: Schedule) -> str:
+def describe_schedule(schedule: Schedule) -> str:
     """Counts per rank: compute slots, overlaps, P2P, swap, recompute (where any), idle."""
     lines = []
     for rank, order in enumerate(schedule.orders):

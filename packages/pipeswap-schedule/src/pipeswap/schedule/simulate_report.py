@@ -106,7 +106,7 @@ def _bytes(value: int) -> str:
     return f"{value} B"
 
 
-def render(summary: Report) -> str:
+def render_report(summary: Report) -> str:
     """The table of ``summary``, one column per rank, and the step time."""
     ranks = summary["per_rank"]
     rows: list[tuple[str, list[str]]] = [

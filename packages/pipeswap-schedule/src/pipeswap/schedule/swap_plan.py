@@ -67,7 +67,9 @@ DEFAULT_PLACEMENT = SwapPlacement()
 
 @dataclass(frozen=True)
 class PlanOutcome:
-    """What a policy expected of one rank's plan, on that rank's own timeline."""
+    """What a policy expected of one rank's plan, on that rank's own timeline; its step too
+    where the policy simulated the plan (under a budget): the rank's own timeline's, or the
+    whole pipeline's where the plan was chosen there."""
 
     rank: int
     peak: int  # bytes of saved activations at the rank's highest point, with the plan
@@ -76,6 +78,7 @@ class PlanOutcome:
     budget: int | None = None
     recomputed_layers: int = 0  # layer forwards the rank's backwards run again
     recompute_s: float = 0.0  # the compute seconds they take
+    step_time: float | None = None  # seconds of the step the policy simulated, if it did
 
     @property
     def met(self) -> bool:

@@ -23,7 +23,7 @@ from collections.abc import Callable, Sequence
 from contextlib import suppress
 from typing import TYPE_CHECKING
 
-from pipeswap.runtime.distributed.transport import FailureBoard, break_links, clone_store
+from pipeswap.runtime.distributed.failure_board import FailureBoard, break_links, clone_store
 from pipeswap.runtime.distributed.process_groups import device_types, only_gloo
 
 if TYPE_CHECKING:

@@ -22,21 +22,19 @@ CPU backend (gloo) whatever the caller's group has (see :func:`with_cpu_backend`
 
 from __future__ import annotations
 
-import datetime
 import functools
-import pickle
 from collections.abc import Callable, Mapping, Sequence
-from contextlib import suppress
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeAlias, Union
 
+from pipeswap.runtime.distributed.collectives import AGREE_TAG
+from pipeswap.runtime.distributed.failure_board import BREAK_TAG, FailureBoard
 from pipeswap.runtime.errors import PeerFailedError, PipelineCommError, PipelineSetupError
 from pipeswap.schedule import Step, StepType
 
 if TYPE_CHECKING:
     import torch
     import torch.distributed as dist
-    from torch.distributed.distributed_c10d import Store
     from torch.utils._pytree import TreeSpec
 
 #: What crosses a stage boundary, and a batch's inputs and targets: a tensor, or tuples,
@@ -46,9 +44,7 @@ PyTree: TypeAlias = Union["torch.Tensor", Sequence["PyTree"], Mapping[str, "PyTr
 _DTYPES = ("float32", "float64", "float16", "bfloat16", "int64", "int32", "uint8", "bool")
 _MAX_DIMS = 8
 _RUNS_IN_TAGS = 512
-_BREAK_TAG = 2**31 - 1  # never a transfer's tag: see break_links
-_AGREE_TAG = _BREAK_TAG - 1  # nor this: see agree
-_MAX_TAG = _AGREE_TAG - 1
+_MAX_TAG = min(AGREE_TAG, BREAK_TAG) - 1  # the tags the collectives and the board keep
 #: The most tensors one stage boundary may hold: each has a message tag of its own.
 MAX_BOUNDARY_TENSORS = 16
 
@@ -175,69 +171,6 @@ class Transfer:
     works: list[dist.Work]  # one per tensor (or one for a whole batch, repeated, on NCCL)
     tensors: list[torch.Tensor]
     peer: int
-
-
-def clone_store(store: Store) -> Store:
-    """A client of ``store`` with a connection of its own (``Store.clone``, which torch's
-    type stubs omit)."""
-    cloned: Store = store.clone()  # type: ignore[attr-defined]
-    return cloned
-
-
-class FailureBoard:
-    """Where the first rank to fail posts what failed, so that its peers, which only see a
-    broken connection, can name the rank and step: one key of the rendezvous store per
-    communication group. A board spans several groups (a pipeline's and its data-parallel
-    one): a failure is posted in each, so it reaches every rank of every group."""
-
-    def __init__(self, stores: Sequence[Store]) -> None:
-        self._stores = list(stores)
-
-    def cloned(self) -> FailureBoard:
-        """The same board over connections of its own (one per thread: a store client
-        holds its lock through a blocking call)."""
-        return FailureBoard([clone_store(store) for store in self._stores])
-
-    @staticmethod
-    def of(*groups: dist.ProcessGroup) -> FailureBoard:
-        """The board of ``groups``, in the rendezvous store."""
-        import torch.distributed as dist
-
-        store = dist.distributed_c10d._get_default_store()
-        return FailureBoard([dist.distributed_c10d.PrefixStore(f"pipeswap/{group.group_name}/",
-                                                               store) for group in groups])
-
-    def post(self, text: str) -> None:
-        """Record ``text`` in each group unless another rank's failure came first there."""
-        for store in self._stores:
-            with suppress(Exception):  # the store may be gone with its rank; peers still fail
-                store.compare_set("failed", "", text)
-
-    def read(self) -> str | None:
-        """The first failure posted, if any (the first group's first)."""
-        for store in self._stores:
-            try:
-                if store.check(["failed"]):
-                    return bytes(store.get("failed")).decode("utf-8", "replace")
-            except Exception:  # noqa: BLE001 - no store, no story: the caller says what it saw
-                continue
-        return None
-
-
-def break_links(group: dist.ProcessGroup) -> None:
-    """Close this rank's connections in ``group`` so that every peer blocked on it fails at
-    once instead of at its timeout (gloo closes a connection whose receive timed out)."""
-    import torch
-    import torch.distributed as dist
-
-    me = dist.get_rank(group)
-    for peer in range(dist.get_world_size(group)):
-        if peer != me:
-            with suppress(Exception):
-                work = dist.irecv(torch.zeros(1), dist.get_global_rank(group, peer),
-                                  group=group, tag=_BREAK_TAG)
-                if work is not None:
-                    work.wait(datetime.timedelta(milliseconds=1))
 
 
 class Transport:
@@ -403,81 +336,3 @@ class Transport:
 
         for work in dist.batch_isend_irecv([dist.P2POp(op, tensor, peer, self.group, tag)]):
             work.wait()
-
-
-def all_gather_ints(value: int, group: dist.ProcessGroup | None) -> list[int]:
-    """Every rank's ``value`` (below 2**63), in rank order; a collective without pickling.
-
-    An all-reduce (sum) of one slot per rank, each rank filling its own: exact for int64, and
-    gloo's all-reduce of a few integers is faster than its all-gather (4 ranks on 2 cores:
-    about 0.6 ms against 4 ms when all arrive together, 2.8 against 3.8 ms after the last
-    one arrives). The set-up's agreements use it.
-    """
-    import torch
-    import torch.distributed as dist
-
-    slots = torch.zeros(dist.get_world_size(group), dtype=torch.int64)
-    slots[dist.get_rank(group)] = value
-    dist.all_reduce(slots, group=group)
-    values: list[int] = slots.tolist()
-    return values
-
-
-def members(group: dist.ProcessGroup | None) -> list[int]:
-    """The global ranks of ``group``, by group rank."""
-    import torch.distributed as dist
-
-    size = dist.get_world_size(group)
-    return list(range(size)) if group is None else [dist.get_global_rank(group, r)
-                                                     for r in range(size)]
-
-
-def agree(group: dist.ProcessGroup | None, ranks: Sequence[int]) -> None:
-    """Return once every rank of ``group`` (``ranks``: its :func:`members`) has called this
-    (raise where a peer broke its connections instead): a barrier shaped for the end of a
-    pipeline step, whose last rank to arrive is nearly always the first (its last backward
-    ends the step).
-
-    A star on group rank 0: the others send it a word and wait for its answer; it takes
-    every word, then answers all. Rank 0, arriving last, finds the words there and only
-    posts its answers; gloo's all-reduce makes the last rank wait for the rounds of a ring
-    (4 ranks on 2 cores: 0.7-0.9 ms against 2.2-2.6 ms for that rank). Its messages are
-    posted in batches like every other, and carry a tag no transfer has.
-    """
-    import torch
-    import torch.distributed as dist
-
-    if len(ranks) == 1:
-        return
-    if dist.get_rank(group) == 0:
-        words = torch.zeros(len(ranks) - 1, dtype=torch.int64)
-        for op in (dist.irecv, dist.isend):
-            for work in dist.batch_isend_irecv([
-                    dist.P2POp(op, words[i:i + 1], peer, group, _AGREE_TAG)
-                    for i, peer in enumerate(ranks[1:])]):
-                work.wait()
-        return
-    word, answer = torch.zeros(1, dtype=torch.int64), torch.zeros(1, dtype=torch.int64)
-    for work in dist.batch_isend_irecv([dist.P2POp(dist.isend, word, ranks[0], group, _AGREE_TAG),
-                                        dist.P2POp(dist.irecv, answer, ranks[0], group,
-                                                   _AGREE_TAG)]):
-        work.wait()
-
-
-def gather_object(value: object, group: dist.ProcessGroup | None = None) -> list[object] | None:
-    """Every rank's picklable ``value`` on rank 0 (None elsewhere); needs no numpy."""
-
-    import torch
-    import torch.distributed as dist
-
-    payload = torch.frombuffer(bytearray(pickle.dumps(value)), dtype=torch.uint8)
-    sizes = all_gather_ints(payload.numel(), group)
-    padded = torch.zeros(max(sizes), dtype=torch.uint8)
-    padded[:payload.numel()] = payload
-    rank = dist.get_rank(group)
-    chunks = [torch.zeros_like(padded) for _ in sizes] if rank == 0 else None
-    dist.gather(padded, chunks, dst=0 if group is None else dist.get_global_rank(group, 0),
-                group=group)
-    if chunks is None:
-        return None
-    return [pickle.loads(bytes(chunk[:size].tolist())) for chunk, size in zip(chunks, sizes)]

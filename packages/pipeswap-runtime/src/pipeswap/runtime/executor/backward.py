@@ -62,7 +62,7 @@ from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from pipeswap.runtime.executor.backward_split import Grads, Plan, SplitCache, find_plan
 
@@ -71,6 +71,10 @@ if TYPE_CHECKING:
     from torch.autograd.graph import GradientEdge, Node
 
     from pipeswap.runtime.distributed.transport import PyTree
+
+
+#: The backward steps a chunk has run so far: none, B, I (the dx half) or W after it.
+BackwardsRun = Literal["", "B", "I", "W"]
 
 
 def forward_chunk(
@@ -136,7 +140,7 @@ class ChunkAutograd:
     output: torch.Tensor | None = None  # the root W starts from when I found no dx path
     _grad: torch.Tensor | None = None  # the output's gradient, while W still needs it
     _plan: Plan | None = field(default=None, repr=False)
-    _done: str = ""  # "", "B", "I" or "W": the backward steps run so far
+    _done: BackwardsRun = ""  # the backward steps run so far
 
     def backward(self, grads: Sequence[torch.Tensor] | None) -> list[torch.Tensor | None]:
         """B: the whole backward from the outputs (``grads``: theirs; None for the scaled
@@ -219,7 +223,8 @@ class ChunkAutograd:
             if edges:  # frees the graph it runs (weight nodes and their subgraphs)
                 _engine(edges, grads, params, accumulate=True)
 
-    def _take(self, step: str) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
+    def _take(self, step: BackwardsRun
+              ) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
         """The outputs and the inputs, dropped from the chunk with its whole output (the
         caller keeps what it needs)."""
         if self._done or self.outputs is None or self.inputs is None:

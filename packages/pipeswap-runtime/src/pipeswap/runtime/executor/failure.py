@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterable
 from contextlib import suppress
 from typing import TYPE_CHECKING, TypeVar
 
-from pipeswap.runtime.distributed.transport import agree, members
+from pipeswap.runtime.distributed.collectives import agree, members
 from pipeswap.runtime.errors import PeerFailedError, PipelineCommError, PipelineError
 from pipeswap.runtime.distributed.peer_watch import stop_groups
 
@@ -88,7 +88,7 @@ class FailureProtocol:
         stop_groups(self.stopped)
 
     def agree(self, transport: Transport, what: str, group: dist.ProcessGroup | None) -> None:
-        """The step's end on every rank of ``group`` (:func:`~pipeswap.runtime.distributed.transport.agree`);
+        """The step's end on every rank of ``group`` (:func:`~pipeswap.runtime.distributed.collectives.agree`);
         a peer that failed makes it raise at once, naming that peer. A replayed rank has
         nobody to agree with."""
         if self.replayed:

@@ -83,7 +83,8 @@ def measured_costs(compute: Mapping[tuple[StepType, int], float],
         if forward is None or backward is None:
             raise PipelineSetupError(
                 f"no measured forward and backward of stage {stage}: measure a step that "
-                "runs them (executor.measure_compute) before planning on its costs")
+                "runs them (step(..., measure=Measure(compute=True))) before planning on its "
+                "costs")
         stages[stage] = StageCosts(forward, backward, backward_input=parts[0],
                                    backward_weight=parts[1], layers=layers)
     chunks = {key: ChunkBytes(held, pinned=held - movable)

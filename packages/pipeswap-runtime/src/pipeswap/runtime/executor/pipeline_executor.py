@@ -219,7 +219,7 @@ class PipelineExecutor:
                 microbatches=self.microbatches, sharded=self._sharded)
         except PipelineSetupError as exc:
             problem = exc
-        _setup.agree(built, problem, microbatches=self.microbatches, group=self._control,
+        _setup.agree_on_schedule(built, problem, microbatches=self.microbatches, group=self._control,
                      dp_group=self._dp_control, dp_size=self.dp_size, replay=self.replay)
         assert built is not None
         return built, plan
@@ -324,7 +324,7 @@ class PipelineExecutor:
                           loss_fn=partial(loss_fn, **loss_kwargs) if loss_kwargs and loss_fn
                           else loss_fn,
                           keep_outputs=measure.outputs,
-                          measure_layers=measure.layers and self.account)
+                          measure_layers=measure.layers)
         state.at = "its batch check"
         if self._watch is not None:
             assert self.transport.board is not None
@@ -332,6 +332,10 @@ class PipelineExecutor:
         try:
             # No collective first: a rank refusing its batch fails the step like any other
             # failure, and its peers stop at their first transfer with it.
+            if measure.layers and not self.account:
+                raise PipelineSetupError(
+                    "Measure(layers=True) measures the chunks' saved activations layer by "
+                    "layer: build the executor with count_activations=True (or with swap)")
             take_batch(self._interpreter.stages, self.rank, self.microbatches, state, inputs,
                        targets, self._input_meta)
             if not self._shapes_known:

@@ -37,12 +37,12 @@ from pipeswap.schedule import (
 if TYPE_CHECKING:
     from pipeswap.runtime.executor.step_report import StepReport
 
-__all__ = ["MEASURE_TO_PLAN", "Measured", "PolicyName", "budget_policy", "executor_policy",
+__all__ = ["MEASURE_TO_PLAN", "Measured", "TrainPolicy", "budget_policy", "executor_policy",
            "named_policy", "named_swap"]
 
 #: The policies ``pipeswap-train --policy`` names: MindSpore hyper-parallel's gap rule,
 #: every chunk whose copies hide, or the peak policy.
-PolicyName = Literal["gap", "cost", "peak"]
+TrainPolicy = Literal["gap", "cost", "peak"]
 
 #: What a step measures for a plan under a budget to rest on: each chunk held whole, layer
 #: by layer (with the executor counting activations).
@@ -89,7 +89,7 @@ def executor_policy(swap: SwapOptions, layer_counts: Mapping[int, int], rank: in
     return default
 
 
-def named_policy(name: PolicyName, layer_counts: Mapping[int, int] | None = None,
+def named_policy(name: TrainPolicy, layer_counts: Mapping[int, int] | None = None,
                  granularity: Granularity = "auto"
                  ) -> SwapPolicy | None:
     """The swap policy ``name`` says: ``gap`` (MindSpore hyper-parallel's rule), ``cost``
@@ -102,7 +102,7 @@ def named_policy(name: PolicyName, layer_counts: Mapping[int, int] | None = None
     return None if layer_counts is None else default_swap_policy(layer_counts, granularity)
 
 
-def named_swap(name: PolicyName, layer_counts: Mapping[int, int] | None = None,
+def named_swap(name: TrainPolicy, layer_counts: Mapping[int, int] | None = None,
                granularity: Granularity = "auto", costs: CostModel | None = None
                ) -> SwapOptions:
     """How a run swaps with the policy ``name``: as :func:`named_policy` says, except the

@@ -4,7 +4,7 @@ exchanged before the first step.
 
 Functions of what they are given (and of collectives over the groups they are given), so that
 the executor's constructor reads as the order of the checks. A problem one rank finds must
-raise on every rank, or the others would wait for it forever: :func:`agree` is the collective
+raise on every rank, or the others would wait for it forever: :func:`agree_on_schedule` is the collective
 that carries it.
 """
 
@@ -17,14 +17,10 @@ from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from typing import TYPE_CHECKING
 
-from pipeswap.runtime.distributed.transport import (
-    BoundaryMeta,
-    FailureBoard,
-    PyTree,
-    Transport,
-    all_gather_ints,
-)
+from pipeswap.runtime.distributed.collectives import all_gather_ints
+from pipeswap.runtime.distributed.failure_board import FailureBoard
 from pipeswap.runtime.distributed.process_groups import transport_group
+from pipeswap.runtime.distributed.transport import BoundaryMeta, PyTree, Transport
 from pipeswap.runtime.errors import PipelineSetupError
 from pipeswap.runtime.executor.options import SwapOptions
 from pipeswap.runtime.executor.planning import executor_policy
@@ -234,7 +230,7 @@ def _kind(name: str) -> ScheduleKind:
         raise PipelineSetupError(f"unknown schedule {name!r}; allowed: {allowed}") from None
 
 
-def agree(schedule: Schedule | None, problem: PipelineSetupError | None, *,
+def agree_on_schedule(schedule: Schedule | None, problem: PipelineSetupError | None, *,
           microbatches: int, group: dist.ProcessGroup | None,
           dp_group: dist.ProcessGroup | None, dp_size: int, replay: Replay | None) -> None:
     """One collective before any step (two with data parallel: over the pipeline, then

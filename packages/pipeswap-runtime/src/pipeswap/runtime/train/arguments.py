@@ -10,7 +10,7 @@ from pipeswap.runtime.train.config import (
     DTYPES,
     LOG_LEVELS,
     MODELS,
-    POLICIES,
+    TRAIN_POLICIES,
     SWAP_COSTS,
     TrainConfig,
 )
@@ -120,7 +120,7 @@ def _model_options(parser: argparse.ArgumentParser, defaults: TrainConfig) -> No
 
 def _swap_options(parser: argparse.ArgumentParser, defaults: TrainConfig) -> None:
     """The options of what swaps, how, and under which budget."""
-    parser.add_argument("--policy", choices=POLICIES, default=defaults.swap.policy,
+    parser.add_argument("--policy", choices=TRAIN_POLICIES, default=defaults.swap.policy,
                         help="which chunks to swap (default peak): peak, only those that "
                              "lower the rank's peak with copies hidden on a uniform cost "
                              "model; gap, MindSpore hyper-parallel's rule; cost, every chunk "

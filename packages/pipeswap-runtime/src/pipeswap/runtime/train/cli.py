@@ -24,7 +24,7 @@ from pipeswap.runtime.distributed.launch import (
     spawn,
 )
 from pipeswap.runtime.distributed.rank_failure import describe
-from pipeswap.runtime.distributed.transport import gather_object
+from pipeswap.runtime.distributed.collectives import gather_object
 from pipeswap.runtime.train.arguments import command_line
 from pipeswap.runtime.train.config import (
     MODES,

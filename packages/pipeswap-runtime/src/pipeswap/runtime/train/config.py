@@ -15,7 +15,7 @@ from typing import Any, Literal, TypeVar, get_args
 
 from pipeswap.runtime.distributed.launch import DEFAULT_TIMEOUT_S
 from pipeswap.runtime.distributed.process_groups import operation_timeout
-from pipeswap.runtime.executor.planning import PolicyName
+from pipeswap.runtime.executor.planning import TrainPolicy
 from pipeswap.schedule import Granularity, RecomputeMode
 
 #: The runs a job compares, in order.
@@ -33,7 +33,7 @@ MODES: tuple[Mode, ...] = get_args(Mode)
 MODELS: tuple[ModelFamily, ...] = get_args(ModelFamily)
 DTYPES: tuple[Dtype, ...] = get_args(Dtype)
 LOG_LEVELS: tuple[LogLevel, ...] = get_args(LogLevel)
-POLICIES: tuple[PolicyName, ...] = get_args(PolicyName)
+TRAIN_POLICIES: tuple[TrainPolicy, ...] = get_args(TrainPolicy)
 SWAP_COSTS: tuple[SwapCosts, ...] = get_args(SwapCosts)
 
 
@@ -82,7 +82,7 @@ class ParallelConfig:
 class SwapConfig:
     """Which chunks swap, how, and which modes the job runs to compare."""
 
-    policy: PolicyName = "peak"  # see executor.planning.named_policy()
+    policy: TrainPolicy = "peak"  # see executor.planning.named_policy()
     granularity: Granularity = "auto"  # the peak policy's: auto, chunk or layer (streaming)
     # per-rank bytes of saved activations the peak policy keeps each rank under, planned on
     # the chunk sizes the run without swap measured (compare mode only)
@@ -120,7 +120,7 @@ class CheckpointConfig:
     resume: str | None = None
     resume_from: tuple[tuple[str, str], ...] = ()  # (mode, checkpoint directory)
 
-    def resume_path(self, mode: str) -> str:
+    def resume_path(self, mode: Mode) -> str:
         assert self.resume is not None
         return dict(self.resume_from).get(mode, os.path.join(self.resume, mode))
 

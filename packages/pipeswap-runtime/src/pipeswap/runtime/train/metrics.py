@@ -9,8 +9,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Union
 
 from pipeswap.runtime.executor.planning import Measured
-from pipeswap.runtime.train.config import TrainConfig
-from pipeswap.runtime.distributed.transport import gather_object
+from pipeswap.runtime.train.config import Mode, TrainConfig
+from pipeswap.runtime.distributed.collectives import gather_object
 
 if TYPE_CHECKING:
     import torch
@@ -113,7 +113,7 @@ class ModeResult:
             "bytes_offloaded": report.bytes_offloaded})
 
 
-def write_metrics(config: TrainConfig, mode: str, step: int, mine: dict[str, Figure],
+def write_metrics(config: TrainConfig, mode: Mode, step: int, mine: dict[str, Figure],
                   rank: int) -> None:
     """After each step, on every rank: rank 0 gathers the ranks' figures and appends the
     step's line to ``config.job.metrics``: the step's loss (the mean microbatch loss over

@@ -16,7 +16,7 @@ from pipeswap.runtime.checkpoint.manifest import (
     newest_verified,
 )
 from pipeswap.runtime.errors import CheckpointError
-from pipeswap.runtime.train.config import TrainConfig
+from pipeswap.runtime.train.config import Mode, TrainConfig
 
 #: The model options a checkpoint's weights depend on, and how the command line names them.
 _MODEL_OPTIONS = {"family": "--model", "tie_embeddings": "--tie-embeddings", "width": "--width",
@@ -101,7 +101,7 @@ def plan_resume(config: TrainConfig, layout: Layout, verify: bool) -> ResumePlan
     return ResumePlan(tuple(paths), tuple(warnings))
 
 
-def _check_fits(config: TrainConfig, mode: str, path: Path, manifest: Manifest,
+def _check_fits(config: TrainConfig, mode: Mode, path: Path, manifest: Manifest,
                 layout: Layout) -> None:
     resume, steps = config.checkpoint.resume, config.training.steps
     name = f"--resume {resume}: {path}"

@@ -7,7 +7,7 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
-from pipeswap.runtime.train.config import MODES, TrainConfig
+from pipeswap.runtime.train.config import MODES, Mode, TrainConfig
 from pipeswap.runtime.train.metrics import ModeResult
 
 #: The ``--json`` object: JSON values of several kinds, read by other tools.
@@ -92,7 +92,7 @@ def summarize(config: TrainConfig, per_rank: list[dict[str, ModeResult]]) -> Sum
     }
 
 
-def _steps_run(per_rank: list[dict[str, ModeResult]], mode: str) -> int:
+def _steps_run(per_rank: list[dict[str, ModeResult]], mode: Mode) -> int:
     return max((len(result[mode].losses) for result in per_rank if mode in result), default=0)
 
 

@@ -34,7 +34,7 @@ from pipeswap.runtime.train.components import (
     stage_layer_counts,
     tied_parameters,
 )
-from pipeswap.runtime.train.config import TrainConfig
+from pipeswap.runtime.train.config import LogLevel, Mode, TrainConfig
 from pipeswap.runtime.train.metrics import ModeResult, write_metrics
 from pipeswap.runtime.train.preflight import saved_model
 from pipeswap.runtime.train.summary import mib
@@ -140,7 +140,7 @@ class Trainer:
             results[mode] = self.run_mode(mode, results)
         return results
 
-    def run_mode(self, mode: str, earlier: dict[str, ModeResult]) -> ModeResult:
+    def run_mode(self, mode: Mode, earlier: dict[str, ModeResult]) -> ModeResult:
         """Build this rank's stages afresh and train them in ``mode`` (``earlier``: the
         modes already run, whose measured chunk sizes a budget plans on)."""
         import torch
@@ -205,7 +205,7 @@ class Trainer:
         executor.close()  # its groups, before the next mode makes its own
         return result
 
-    def _swap_options(self, mode: str, earlier: dict[str, ModeResult], costs: CostModel | None
+    def _swap_options(self, mode: Mode, earlier: dict[str, ModeResult], costs: CostModel | None
                       ) -> tuple[SwapOptions | None, PeakPolicy | None]:
         """How ``mode`` swaps (None: it does not), and the peak policy under the budget
         where one is given (planned on what the mode without swap measured)."""
@@ -228,7 +228,7 @@ class Trainer:
                      "in the whole pipeline on every rank's measured costs")
         return SwapOptions(planner), planner
 
-    def _record_plan(self, mode: str, executor: PipelineExecutor, result: ModeResult,
+    def _record_plan(self, mode: Mode, executor: PipelineExecutor, result: ModeResult,
                      planner: PeakPolicy | None, costs: CostModel | None) -> None:
         """What this rank's swap plan expects, into ``result``: the peak and shortfall
         under a budget (warned where it is not met), the step time and exposed copy
@@ -282,7 +282,7 @@ class Trainer:
         ranks = simulate(executor.schedule, replace(costs, stages=stages), timeline=False).ranks
         return ranks[self.pp_rank].step_time
 
-    def train_step(self, mode: str, number: int, batch: Batch, executor: PipelineExecutor,
+    def train_step(self, mode: Mode, number: int, batch: Batch, executor: PipelineExecutor,
                    stages: list[PipelineStage], optimizer: torch.optim.Optimizer,
                    tied: TiedGradients | None, result: ModeResult) -> None:
         """Step ``number``: one pipeline step, the optimizer's, a checkpoint when due, and
@@ -322,7 +322,7 @@ class Trainer:
             self._progress(mode, number, report.seconds, report.losses,
                            report.peak_activation_bytes, report.peak_allocated_bytes, measured)
 
-    def _progress(self, mode: str, number: int, seconds: float, losses: tuple[float, ...],
+    def _progress(self, mode: Mode, number: int, seconds: float, losses: tuple[float, ...],
                   peak: int | None, allocated: int | None, measured: bool) -> None:
         steps = self.config.training.steps
         if self.replaying:
@@ -358,7 +358,7 @@ def _everyone(model: CostModel) -> CostModel:
     return replace(model, stages=stages, chunks=chunks)
 
 
-def setup_logging(rank: int, level: str, stream: TextIO) -> None:
+def setup_logging(rank: int, level: LogLevel, stream: TextIO) -> None:
     """The job's ranks log through ``logging``: the ``pipeswap`` loggers to ``stream``
     (standard error under --json, whose output is the summary alone), each line prefixed
     with the rank that wrote it (a user's own configuration of the ``pipeswap`` logger,

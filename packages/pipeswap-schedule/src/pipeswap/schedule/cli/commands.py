@@ -34,7 +34,7 @@ from pipeswap.schedule.costs import PRESETS
 from pipeswap.schedule.errors import ScheduleError
 from pipeswap.schedule.files import FileAccessError, read_text, write_text
 from pipeswap.schedule.formats import (
-    describe,
+    describe_schedule,
     dumps_csv,
     dumps_json,
     dumps_lines,
@@ -348,7 +348,7 @@ def _run(argv: Sequence[str] | None) -> int:
         if not args.no_grid:
             print(render_grid(schedule))
             print("\n* = swap step\n")
-        print(describe(schedule))
+        print(describe_schedule(schedule))
         print()
         print(swap_summary(schedule))
         return 0

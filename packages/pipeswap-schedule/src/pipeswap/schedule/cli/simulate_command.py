@@ -34,12 +34,13 @@ from pipeswap.schedule.policies import (
     MemoryBudgetPolicy,
     MinGapPolicy,
     PeakPolicy,
+    RecomputeMode,
     RecomputePolicy,
     SwapPolicy,
 )
 from pipeswap.schedule.schedule import Schedule
 from pipeswap.schedule.simulate import simulate
-from pipeswap.schedule.simulate_report import render, report
+from pipeswap.schedule.simulate_report import render_report, report
 from pipeswap.schedule.swap_plan import SwapPlan
 from pipeswap.schedule.trace import write_chrome_trace
 from pipeswap.schedule.units import MAX_BYTES, parse_bytes, parse_size, parse_time
@@ -323,8 +324,8 @@ def choose_policy(args: argparse.Namespace, costs: CostModel) -> SwapPolicy | No
     return MinGapPolicy(4 if gap is None else gap)
 
 
-def _refuse_what_cannot_apply(args: argparse.Namespace, gap: int | None, mode: str | None
-                              ) -> None:
+def _refuse_what_cannot_apply(args: argparse.Namespace, gap: int | None,
+                              mode: RecomputeMode | None) -> None:
     """Refuse the gap threshold with another policy, and a recompute mode or ``--jobs``
     that the arguments give nothing to apply to."""
     if gap is not None:
@@ -391,5 +392,5 @@ def run_simulate(args: argparse.Namespace,
         with writing(args.plot):
             plot(result, args.plot)
     summary = report(result, plan, fsdp=args.fsdp)  # the FSDP pass adds steps to every rank
-    print(json.dumps(summary) if args.format == "json" else render(summary))
+    print(json.dumps(summary) if args.format == "json" else render_report(summary))
     return 0

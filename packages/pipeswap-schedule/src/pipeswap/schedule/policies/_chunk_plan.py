@@ -10,7 +10,7 @@ Every step costs what it touches, not the rank's length, so that a rank of thous
 plans in milliseconds: the slots are kept in blocks that know their highest value
 (:class:`~pipeswap.schedule.policies._profile.Profile`), the chunks that may cover a slot are found by bisection (candidates come
 in forward order), and a copy's effect on its stream is replayed only as far as it reaches
-(:class:`~pipeswap.schedule.policies._streams.Stream`).
+(:class:`~pipeswap.schedule.policies._streams.CopyStream`).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from pipeswap.schedule.costs import CostModel
 from pipeswap.schedule.policies._profile import Profile
 from pipeswap.schedule.policies._slots import MAX_COPY_SLOTS, Timeline
-from pipeswap.schedule.policies._streams import AFTER, BEFORE, Copy, Stream
+from pipeswap.schedule.policies._streams import AFTER, BEFORE, Copy, CopyStream
 from pipeswap.schedule.steps import ChunkKey
 from pipeswap.schedule.swap_plan import SwapCandidate, SwapPlacement
 
@@ -53,8 +53,8 @@ class ChunkPlan:
         self.movable = [self._movable(c.key, by_stage) for c in self.candidates]
         self.d2h = [m / link.d2h_bandwidth for m in self.movable]
         self.h2d = [m / link.h2d_bandwidth for m in self.movable]
-        self.offloads = Stream()
-        self.loads = Stream() if link.duplex else self.offloads
+        self.offloads = CopyStream()
+        self.loads = CopyStream() if link.duplex else self.offloads
         # over a link of no limit every copy ends as it starts: none is ever late
         self.instant = math.inf == link.d2h_bandwidth == link.h2d_bandwidth
         self.chosen: dict[ChunkKey, SwapPlacement] = {}

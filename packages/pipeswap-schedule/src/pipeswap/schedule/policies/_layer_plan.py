@@ -23,7 +23,7 @@ from pipeswap.schedule.policies._points import Choice, LayerChunk, Points, Runs,
 from pipeswap.schedule.policies._points import changes as runs_changed
 from pipeswap.schedule.policies._profile import Profile
 from pipeswap.schedule.policies._slots import MAX_COPY_SLOTS
-from pipeswap.schedule.policies._streams import AFTER, BEFORE, INSIDE, Copy, Stream
+from pipeswap.schedule.policies._streams import AFTER, BEFORE, INSIDE, Copy, CopyStream
 from pipeswap.schedule.steps import ChunkKey
 from pipeswap.schedule.swap_plan import SwapCandidate, SwapPlacement
 
@@ -56,8 +56,8 @@ class LayerPlan:
         self.chunks = {c.key: points.chunk(c) for c in candidates if c.gap >= 1}
         self.taken: dict[ChunkKey, Way] = {}
         self.chosen: dict[ChunkKey, Choice] = {}
-        self.streams = ({"d2h": Stream(), "h2d": Stream()} if self.duplex
-                        else {"copy": Stream()})
+        self.streams = ({"d2h": CopyStream(), "h2d": CopyStream()} if self.duplex
+                        else {"copy": CopyStream()})
         self.keys = list(self.chunks)  # in forward order
         self.place = {key: at for at, key in enumerate(self.keys)}
         self.forwards = [c.forward_points for c in self.chunks.values()]
@@ -172,7 +172,7 @@ class LayerPlan:
         offloads, loads = self._copies(self.chunks[key], way)
         strict = not allow_stall and not self.stall  # every copy hides, and must
         moved: dict[ChunkKey, dict[int, float]] = {}  # offload ends that change, by owner
-        replays: list[tuple[Stream, dict[int, float], list[Copy], list[float]]] = []
+        replays: list[tuple[CopyStream, dict[int, float], list[Copy], list[float]]] = []
         for name, stream in self.streams.items():
             new = self._on(name, offloads, loads)
             changed, ends = stream.replay(key, new)
@@ -203,7 +203,7 @@ class LayerPlan:
         return changes, stall
 
     def _stall_change(self, key: ChunkKey,
-                      replays: list[tuple[Stream, dict[int, float], list[Copy], list[float]]],
+                      replays: list[tuple[CopyStream, dict[int, float], list[Copy], list[float]]],
                       changes: Changes) -> float:
         """How much the compute time all copies hold up (each copy's lateness past the
         compute that waits for it: a load's, an offload's a lag of layers later, or its WO)

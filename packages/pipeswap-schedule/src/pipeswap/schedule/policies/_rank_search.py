@@ -87,7 +87,7 @@ class RankSearch:
             run = simulate_alone(order_of(order, rank, trial), rank, self.costs)
             return replace(trial, outcome=replace(
                 trial.outcome, peak=run.peak_activation_bytes, exposed_copy=run.exposed_copy,
-                recompute_s=run.recompute_s))
+                recompute_s=run.recompute_s, step_time=run.step_time))
 
         def evaluate(recomputed: Mapping[ChunkKey, tuple[int, ...]], stall: bool
                      ) -> Trial[PlanOutcome]:

@@ -3,9 +3,9 @@ when every copy on it ends.
 
 Which chunks are taken (and where their copies are issued) fixes when every copy ends; a plan
 asks a stream what would change if one chunk's copies were replaced, without changing it
-(:meth:`Stream.replay`), then makes the change (:meth:`Stream.replace`). Both walk only from
-the first copy that moves until the queue runs as it did, so a change costs what it disturbs,
-not the length of the queue: what keeps planning linear in a long timeline.
+(:meth:`CopyStream.replay`), then makes the change (:meth:`CopyStream.replace`). Both walk
+only from the first copy that moves until the queue runs as it did, so a change costs what it
+disturbs, not the length of the queue: what keeps planning linear in a long timeline.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ class Copy(NamedTuple):
     deadline: float = math.inf
 
 
-class Stream:
+class CopyStream:
     """One copy stream's queue on a rank's own timeline, first in first out, with the end
     of every copy."""
 
@@ -45,8 +45,8 @@ class Stream:
         self.ends: list[float] = []
         self.owned: dict[ChunkKey, list[Copy]] = {}  # owner -> its copies, in queue order
 
-    def clone(self) -> Stream:
-        other = Stream()
+    def clone(self) -> CopyStream:
+        other = CopyStream()
         other.copies, other.ends = list(self.copies), list(self.ends)
         other.owned = dict(self.owned)  # the lists are replaced, never changed in place
         return other

@@ -20,7 +20,7 @@ from pipeswap.schedule.costs import CostModel
 from pipeswap.schedule.errors import ScheduleError
 from pipeswap.schedule.policies._mixed import Trial, alike, layer_counts
 from pipeswap.schedule.policies._parallel import plan_ranks
-from pipeswap.schedule.policies._pipeline import choose, placed, run_with
+from pipeswap.schedule.policies._pipeline import choose, order_of, placed, run_with
 from pipeswap.schedule.policies._rank_search import RankSearch
 from pipeswap.schedule.policies.base import (
     GRANULARITIES,
@@ -155,8 +155,13 @@ class PeakPolicy:
         starts = [{}] if len(options) < 2 else [{}, self._alike_start(schedule, options)]
         chosen = choose(schedule, self.costs, options, starts,
                         lambda trial: trial.outcome.recompute_s, self.choosing)
-        return PeakPlanner(self, {rank: (schedule.orders[rank], trial)
-                                  for rank, trial in chosen.items()}, len(planning))
+        step = run_with(schedule, self.costs, {
+            rank: order_of(schedule.orders[rank], rank, trial)
+            for rank, trial in chosen.items()}).step_time if chosen else None
+        return PeakPlanner(self, {
+            rank: (schedule.orders[rank],
+                   replace(trial, outcome=replace(trial.outcome, step_time=step)))
+            for rank, trial in chosen.items()}, len(planning))
 
     def options_for(self, schedule: Schedule, rank: int) -> list[Trial[PlanOutcome]] | None:
         """``rank``'s plans that meet its budget (or its one best) for the pipeline to
