@@ -83,15 +83,15 @@ class ModeResult:
         assert report.peak_activation_bytes is not None  # the trainer accounts every chunk
         assert report.peak_memory_bytes is not None
         self.losses.append(list(report.losses))
-        self.chunk_bytes = {key: (b.held, b.movable) for key, b in report.chunk_bytes.items()}
+        chunks = Measured.of(report)  # what a plan under a budget rests on
+        self.chunk_bytes = dict(chunks.chunk_bytes)
         self.chunk_bytes_after_input = dict(report.chunk_bytes_after_input)
         self.layer_bytes = {key: tuple((b.held, b.movable) for b in layers)
                             for key, layers in report.layer_bytes.items()}
         self.layer_bytes_after_input = dict(report.layer_bytes_after_input)
         self.recomputed_layers = report.recomputed_layers
         self.remade_bytes = {key: dict(made) for key, made in report.remade_bytes.items()}
-        self.layer_held = dict(report.layer_held)
-        self.layer_inputs = dict(report.layer_inputs)
+        self.layer_held, self.layer_inputs = dict(chunks.layer_held), dict(chunks.layer_inputs)
         if timed:
             self.step_seconds.append(report.seconds)
         if report.compute_seconds:
