@@ -1,11 +1,12 @@
 """The multi-process NCCL cases of ``gpu_check.py --nccl``: what each runs, and running one.
 
 Each case is one command through a public entry point (``pipeswap-train``, torchrun, or
-``benchmarks/nccl_job.py``, which uses :func:`pipeswap.runtime.distributed.launch.spawn`), started in a
-session of its own. A case that outlives its timeout is stopped with its whole process group
-(SIGTERM, then SIGKILL a few seconds later); a case that exits but leaves processes of its
-group running fails, and they are killed. Each gives one result line: ``ok``, ``FAILED`` with
-the first error line of its output, ``TIMED OUT after N s``, or ``skipped: why``.
+``benchmarks/nccl_job.py``, which uses :func:`pipeswap.runtime.distributed.launch.spawn`),
+started in a session of its own. A case that outlives its timeout is stopped with its whole
+process group (SIGTERM, then SIGKILL a few seconds later); a case that exits but leaves
+processes of its group running fails, and they are killed. Each gives one result line:
+``ok``, ``FAILED`` with the first error line of its output, ``TIMED OUT after N s``, or
+``skipped: why``.
 """
 
 from __future__ import annotations

@@ -9,8 +9,8 @@ through pipeswap's public API on one GPU a rank:
 pytree    ``--ranks`` P ranks x 2 stages (interleaved 1F1B, with swap) of a toy model whose
           stage boundaries are several tensors: a dict and then tuples of two tensors that
           carry a gradient (hidden state, gate), int64 position ids and a float mask that
-          cross forward only. Spawned with :func:`pipeswap.runtime.distributed.launch.spawn`. The loss
-          and every gradient must match the unsplit model's on one GPU.
+          cross forward only. Spawned with :func:`pipeswap.runtime.distributed.launch.spawn`.
+          The loss and every gradient must match the unsplit model's on one GPU.
 recover   1F1B with swap on P ranks (the bundled GPT); rank ``--failing-rank`` raises in its
           second forward of a step, later in its second backward: it must see its own
           error, every other rank a ``PeerFailedError`` naming it (promptly, not at the
@@ -145,7 +145,8 @@ def pytree_rank(rank: int, world: int, kind: str) -> dict[str, Any]:
     modules = [module.to(device) for module in pytree_modules(stages)]
     mine = [PipelineStage(module, index, stages) for index, module in enumerate(modules)
             if placement[index] == rank]
-    executor = PipelineExecutor(mine, spec, microbatches, lm_loss, swap=SwapOptions(MinGapPolicy(3)),
+    executor = PipelineExecutor(mine, spec, microbatches, lm_loss,
+                                swap=SwapOptions(MinGapPolicy(3)),
                                 platform=get_platform(str(device)))
     executor.step(ids, targets)  # the first step also exchanges the boundaries' shapes
     for stage in mine:

@@ -103,7 +103,8 @@ def train(rank: int, world_size: int, schedule: str, swap: bool) -> dict[str, An
     modules = build()
     stages = [PipelineStage(module, index, 4) for index, module in enumerate(modules)
               if placement[index] == rank]
-    executor = PipelineExecutor(stages, spec, MICRO, lm_loss, swap=SwapOptions(MinGapPolicy(3)) if swap else False)
+    executor = PipelineExecutor(stages, spec, MICRO, lm_loss,
+                                swap=SwapOptions(MinGapPolicy(3)) if swap else False)
     calls: Counter[str] = Counter()
     originals = {"batch_isend_irecv": dist.batch_isend_irecv}
 

@@ -1,8 +1,7 @@
-"""The autograd of a chunk's steps (pipeswap.runtime.executor.backward), on one process: W computes only
-the weight gradients (FLOPs), I then W gives what B gives (bit for bit where the order of the
-maths is the same), with swap, frozen parameters, no parameters and shared parameters; a
-stage's split is analysed once per graph shape and stays right when shapes or the model
-change."""
+"""The autograd of a chunk's steps (pipeswap.runtime.executor.backward), on one process: W computes
+only the weight gradients (FLOPs), I then W gives what B gives (bit for bit where the order of the
+maths is the same), with swap, frozen parameters, no parameters and shared parameters; a stage's
+split is analysed once per graph shape and stays right when shapes or the model change."""
 
 from __future__ import annotations
 
@@ -560,7 +559,8 @@ def test_the_executor_splits_zbv_backwards_into_exact_i_and_w_steps(group: None)
                   for index, part in enumerate(split_stages(model, 2))]
         spec = ScheduleSpec(ScheduleKind(kind), ranks=1, microbatches=4, stages_per_rank=2)
         # The gap rule swaps every chunk it can: exactness is tested on real copies.
-        executor = PipelineExecutor(stages, spec, 4, lm_loss, swap=SwapOptions(MinGapPolicy(3)) if swap else False)
+        executor = PipelineExecutor(stages, spec, 4, lm_loss,
+                                    swap=SwapOptions(MinGapPolicy(3)) if swap else False)
         report = executor.step(*batch)
         assert executor.manager.active_group_count() == 0
         assert (report.bytes_offloaded > 0) == swap

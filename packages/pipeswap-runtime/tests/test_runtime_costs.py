@@ -59,12 +59,14 @@ def test_a_slow_link_makes_the_plan_swap_less_and_expose_nothing() -> None:
     # and a moderate link: some chunks, still nothing exposed
     middle = _rank_zero(costs=CostModel(forward=1e-3, backward=2e-3,
                                         activation_bytes=1 << 20, link=Link(1e9, 5e8)))
-    assert middle.plan is not None and middle.plan.outcome is not None and middle.plan.outcome.exposed_copy == 0.0
+    assert (middle.plan is not None and middle.plan.outcome is not None
+            and middle.plan.outcome.exposed_copy == 0.0)
 
 
 def test_without_a_cost_model_the_plan_has_no_link_to_weigh() -> None:
     plain = _rank_zero()
-    assert plain.plan is not None and plain.plan.outcome is not None and plain.plan.outcome.exposed_copy == 0.0
+    assert (plain.plan is not None and plain.plan.outcome is not None
+            and plain.plan.outcome.exposed_copy == 0.0)
     assert plain.swapped  # every copy hides over a link of no limit
 
 
@@ -94,7 +96,8 @@ def test_a_link_of_no_bandwidth_is_refused_where_it_is_made(field: str, value: f
 
 
 def test_a_cost_model_is_for_the_default_policy_only() -> None:
-    with pytest.raises(PipelineSetupError, match="costs in SwapOptions applies to the default policy"):
+    with pytest.raises(PipelineSetupError,
+                       match="costs in SwapOptions applies to the default policy"):
         _rank_zero(costs=FAST, policy=MinGapPolicy())
 
 
@@ -129,6 +132,7 @@ def test_a_measured_step_times_its_computes_and_makes_the_cost_model_a_plan_weig
     assert all(costs.chunk_bytes(key).total == found.held
                for key, found in report.chunk_bytes.items())
     planned = _rank_zero(costs=costs)
-    assert planned.plan is not None and planned.plan.outcome is not None and planned.plan.outcome.exposed_copy == 0.0
+    assert (planned.plan is not None and planned.plan.outcome is not None
+            and planned.plan.outcome.exposed_copy == 0.0)
     with pytest.raises(PipelineSetupError, match="no measured forward and backward of stage 1"):
         measured_costs(report.compute_seconds, {}, Link(1e9, 1e9), {0: 2, 1: 2})

@@ -72,7 +72,8 @@ def _executor(swap: bool, fail_at: int = 0) -> tuple[PipelineExecutor, torch.nn.
     first, second = split_stages(model, 2)
     stages = [PipelineStage(first, 0, 2), PipelineStage(Flaky(second, fail_at), 1, 2)]
     # The gap rule swaps every chunk it can: exactness is tested on real copies.
-    return PipelineExecutor(stages, SPEC, 4, lm_loss, swap=SwapOptions(MinGapPolicy(3)) if swap else False), model
+    return PipelineExecutor(stages, SPEC, 4, lm_loss,
+                            swap=SwapOptions(MinGapPolicy(3)) if swap else False), model
 
 
 def _grads(model: torch.nn.Module) -> list[torch.Tensor]:
@@ -189,7 +190,8 @@ def test_schedules_are_checked_on_the_in_order_transport_unless_asked(group: Non
     with pytest.raises(PipelineSetupError, match="for 2 ranks but the process group has 1"):
         PipelineExecutor(stages, deferred, 4, lm_loss, check_transport="tagged")
     with pytest.raises(PipelineSetupError, match="check_transport='fast': use 'nccl'"):
-        PipelineExecutor(stages, deferred, 4, lm_loss, check_transport="fast")  # type: ignore[arg-type]
+        PipelineExecutor(stages, deferred, 4, lm_loss,
+                         check_transport="fast")  # type: ignore[arg-type]
 
 
 def test_refuses_to_run_without_a_process_group() -> None:
@@ -340,8 +342,8 @@ def test_a_schedule_missing_a_microbatch_is_refused(group: None) -> None:
 
 def test_the_allocator_peak_is_measured_on_request(group: None) -> None:
     """``Measure(allocator=True)``: the allocator's peak above the step's start (torch's
-    profiler on CPU). It holds at least the saved activations the manager counts (allocated in the step
-    and all alive at the counted peak), falls with swap, and is None when not measured."""
+    profiler on CPU). It holds at least the saved activations the manager counts (allocated in the
+    step and all alive at the counted peak), falls with swap, and is None when not measured."""
     spec = ScheduleSpec(ScheduleKind.GPIPE, ranks=1, microbatches=4)
     reports: dict[bool, StepReport] = {}
     for swap in (False, True):

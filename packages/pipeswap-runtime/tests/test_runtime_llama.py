@@ -1,7 +1,7 @@
-"""The Llama-style decoder and the generic layer splitter (pipeswap.runtime.models.llama), on one CPU
-process: stages chained equal the unsplit model bit for bit and keep its parameter names,
-attention is causal and grouped-query attention matches a per-head reference, bf16 autocast
-works, tied embeddings are found across stages, and bad input fails with a clear message."""
+"""The Llama-style decoder and the generic layer splitter (pipeswap.runtime.models.llama), on one
+CPU process: stages chained equal the unsplit model bit for bit and keep its parameter names,
+attention is causal and grouped-query attention matches a per-head reference, bf16 autocast works,
+tied embeddings are found across stages, and bad input fails with a clear message."""
 
 from __future__ import annotations
 

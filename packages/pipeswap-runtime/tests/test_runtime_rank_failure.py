@@ -6,7 +6,13 @@ import signal
 
 from pipeswap.runtime import CheckpointError, PeerFailedError, PipelineCommError
 from pipeswap.runtime.errors import CheckpointIOError
-from pipeswap.runtime.distributed.rank_failure import Ending, RankFailure, cause, describe, exit_summary
+from pipeswap.runtime.distributed.rank_failure import (
+    Ending,
+    RankFailure,
+    cause,
+    describe,
+    exit_summary,
+)
 
 
 def _raised(rank: int, error: BaseException, step: int | None = 3) -> RankFailure:

@@ -120,7 +120,8 @@ def test_the_mix_is_never_slower_than_swap_alone_or_recompute_alone(chunks: floa
     # each rank reports what it recomputes, as the simulator counts it
     for rank in results["mixed"].ranks:
         outcome = plan.outcome(rank.rank)
-        assert outcome is not None and outcome.met and outcome.recomputed_layers == rank.recomputed_layers
+        assert (outcome is not None and outcome.met
+                and outcome.recomputed_layers == rank.recomputed_layers)
         assert outcome.recompute_s == pytest.approx(rank.recompute_s)
         # chosen in the whole pipeline: the step it predicts is the whole schedule's
         assert plan.ranks[rank.rank].chosen_in_pipeline
@@ -247,7 +248,8 @@ def test_a_mixed_plan_on_one_rank_predicts_its_peak_exactly() -> None:
     plan = plan_swap(plain, PeakPolicy(gen4, 260, recompute="auto"))
     result = simulate(apply_swap(plain, plan), gen4).ranks[0]
     outcome = plan.outcome(0)
-    assert outcome is not None and outcome.met and outcome.peak == result.peak_activation_bytes <= 260
+    assert (outcome is not None and outcome.met
+            and outcome.peak == result.peak_activation_bytes <= 260)
     assert outcome.exposed_copy == result.exposed_copy
     assert outcome.peak_no_swap == 6 * 400 == result.peak_activation_bytes_no_swap
     assert outcome.recomputed_layers == result.recomputed_layers > 0

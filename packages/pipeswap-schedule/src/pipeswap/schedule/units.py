@@ -2,7 +2,8 @@
 line that takes one.
 
 Plain functions raising :class:`ValueError`, so that any parser can use them; the
-``pipeswap-schedule`` options wrap them as argparse types (:mod:`pipeswap.schedule.cli.simulate_command`).
+``pipeswap-schedule`` options wrap them as argparse types
+(:mod:`pipeswap.schedule.cli.simulate_command`).
 """
 
 from __future__ import annotations

@@ -18,9 +18,9 @@ On disk, a checkpoint directory given to :func:`save_checkpoint` holds::
     DIR/step-00000004/
     DIR/step-00000006.tmp/    a save in progress, or one a crash interrupted: never loaded
 
-``pipeswap.json``, the manifest (:mod:`pipeswap.runtime.checkpoint.manifest`), holds the step, the data
-position, the layout (which stages each global rank held), the saving job's description, and
-every other file's size and SHA-256, taken as each rank wrote its files.
+``pipeswap.json``, the manifest (:mod:`pipeswap.runtime.checkpoint.manifest`), holds the
+step, the data position, the layout (which stages each global rank held), the saving job's
+description, and every other file's size and SHA-256, taken as each rank wrote its files.
 :func:`load_checkpoint` loads the newest checkpoint whose files all verify, every rank
 checking a share of them, and says which newer ones it skipped and why. A save writes into
 ``step-N.tmp`` and rank 0 renames it to ``step-N`` once every rank's data and the manifest

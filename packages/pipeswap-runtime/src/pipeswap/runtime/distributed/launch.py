@@ -9,8 +9,8 @@ Docker send) or killed, its ranks go with it.
 
 The failure protocol tells a failed rank's peers at once, and a rank waiting on a hung peer
 fails at its timeout; so a hung rank ends the job within its peers' timeout plus those few
-seconds. Each rank's ending is a :class:`~pipeswap.runtime.distributed.rank_failure.RankFailure`, with the
-step it had begun (:func:`mark_step`).
+seconds. Each rank's ending is a :class:`~pipeswap.runtime.distributed.rank_failure.RankFailure`,
+with the step it had begun (:func:`mark_step`).
 """
 
 from __future__ import annotations

@@ -90,10 +90,10 @@ def only_gloo(config: str) -> bool:
 
 def operation_timeout(detection: datetime.timedelta, *, gloo: bool) -> datetime.timedelta:
     """The per-operation timeout of a group whose failed peers a watch finds in
-    ``detection`` (:mod:`pipeswap.runtime.distributed.peer_watch`). NCCL: long, so that its watchdog never
-    kills a rank for a long step; a stopped peer is found by its silence and the group
-    aborted. gloo: a blocked wait there ends by gloo's own timeout alone, so half again the
-    detection time, by when the watch has posted which rank went silent."""
+    ``detection`` (:mod:`pipeswap.runtime.distributed.peer_watch`). NCCL: long, so that its
+    watchdog never kills a rank for a long step; a stopped peer is found by its silence and
+    the group aborted. gloo: a blocked wait there ends by gloo's own timeout alone, so half
+    again the detection time, by when the watch has posted which rank went silent."""
     if gloo:
         return detection * 1.5
     return max(10 * detection, datetime.timedelta(minutes=30))

@@ -3,12 +3,12 @@ usable again.
 
 The rank that fails first posts why on the transport's failure board and stops its groups,
 the pipeline's communication group and the data-parallel ones (gloo's connections broken,
-NCCL's communicators aborted: :func:`~pipeswap.runtime.distributed.peer_watch.stop_groups`), so that every
-peer, in this replica or another, stops at its next transfer or collective with a
-:class:`~pipeswap.runtime.errors.PeerFailedError` naming that rank instead of waiting until
-its timeout. On NCCL, where a peer's operations do not fail by themselves, each rank's
-:class:`~pipeswap.runtime.distributed.peer_watch.PeerWatch` reads the post and stops its own groups. The
-step's collectives go through :func:`collective` and :meth:`FailureProtocol.agree`,
+NCCL's communicators aborted: :func:`~pipeswap.runtime.distributed.peer_watch.stop_groups`), so
+that every peer, in this replica or another, stops at its next transfer or collective with a
+:class:`~pipeswap.runtime.errors.PeerFailedError` naming that rank instead of waiting until its
+timeout. On NCCL, where a peer's operations do not fail by themselves, each rank's
+:class:`~pipeswap.runtime.distributed.peer_watch.PeerWatch` reads the post and stops its own
+groups. The step's collectives go through :func:`collective` and :meth:`FailureProtocol.agree`,
 which turn the broken connection into that error.
 """
 
@@ -39,7 +39,8 @@ class FailureProtocol:
     ``rank``: this rank in the pipeline; ``dp_group`` and ``dp_size``: its data-parallel
     group; ``replayed``: a replayed rank, which has nobody to tell or agree with;
     ``spans_world``: whether the pipeline's groups span the world (see :meth:`recover`);
-    ``stopped``: the groups a failure stops (:func:`~pipeswap.runtime.distributed.peer_watch.stop_groups`).
+    ``stopped``: the groups a failure stops
+    (:func:`~pipeswap.runtime.distributed.peer_watch.stop_groups`).
     """
 
     def __init__(self, rank: int, dp_group: dist.ProcessGroup | None, dp_size: int, *,
@@ -88,9 +89,9 @@ class FailureProtocol:
         stop_groups(self.stopped)
 
     def agree(self, transport: Transport, what: str, group: dist.ProcessGroup | None) -> None:
-        """The step's end on every rank of ``group`` (:func:`~pipeswap.runtime.distributed.collectives.agree`);
-        a peer that failed makes it raise at once, naming that peer. A replayed rank has
-        nobody to agree with."""
+        """The step's end on every rank of ``group``
+        (:func:`~pipeswap.runtime.distributed.collectives.agree`); a peer that failed makes it
+        raise at once, naming that peer. A replayed rank has nobody to agree with."""
         if self.replayed:
             return
         ranks = self._members.get(group)

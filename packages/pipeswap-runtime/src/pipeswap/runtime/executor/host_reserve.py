@@ -64,10 +64,10 @@ class SavedRecorder:
     @contextmanager
     def stage(self, stage: PipelineStage, *, protect: object = None) -> Iterator[None]:
         """Record what ``stage``'s module's forward inside the block saves (e.g. around
-        :func:`~pipeswap.runtime.executor.stage.output_meta`); ``protect``: tensors kept on the device
-        besides the module's inputs and output (a last stage's targets). The graph stays
-        alive until the block ends, which reads it. A stage not in :attr:`stages` is not
-        recorded."""
+        :func:`~pipeswap.runtime.executor.stage.output_meta`); ``protect``: tensors kept
+        on the device besides the module's inputs and output (a last stage's targets).
+        The graph stays alive until the block ends, which reads it. A stage not in
+        :attr:`stages` is not recorded."""
         if self.stages is not None and stage.stage_index not in self.stages:
             yield
             return

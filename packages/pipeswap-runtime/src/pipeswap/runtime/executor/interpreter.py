@@ -16,7 +16,13 @@ from typing import TYPE_CHECKING, ClassVar
 
 from pipeswap.runtime.executor.failure import collective
 from pipeswap.runtime.executor.backward import ChunkAutograd, forward_chunk
-from pipeswap.runtime.distributed.transport import BoundaryMeta, PyTree, Transfer, Transport, flatten
+from pipeswap.runtime.distributed.transport import (
+    BoundaryMeta,
+    PyTree,
+    Transfer,
+    Transport,
+    flatten,
+)
 from pipeswap.runtime.errors import PipelineError, PipelineSetupError
 from pipeswap.runtime.executor.microbatch import split_tree
 from pipeswap.runtime.executor.step_report import LayerMarks, MemoryAccount
@@ -187,7 +193,8 @@ class Interpreter:
 
     def _backward(self, state: StepState, step: Step) -> None:
         """B (dx and dw), I (dx) or W (dw) of one chunk; the autograd is in
-        :mod:`pipeswap.runtime.executor.backward`. The swap group ends after the chunk's last step."""
+        :mod:`pipeswap.runtime.executor.backward`. The swap group ends after the chunk's
+        last step."""
         key = step.key
         dx, dw = step.type is not StepType.BWD_WEIGHT, step.type is not StepType.BWD_INPUT
         stage_index, micro = key

@@ -99,11 +99,11 @@ class PipelineExecutor:
 
     ``schedule``: a :class:`Schedule` (used as given), a :class:`ScheduleSpec`, or a schedule
     name (a :class:`~pipeswap.schedule.ScheduleKind` value: ``"gpipe"``, ``"1f1b"``, ...)
-    built for this group's size, the stage count and ``microbatches``. ``swap``: inject swap steps and run them, as
-    :class:`SwapOptions` says (``True``: the default options). :attr:`plan` is what the
-    swap pass decided for this rank (:class:`~pipeswap.schedule.RankPlan`: the chunks
-    swapped or streamed, the layers recomputed, and what the policy expects: its peak and
-    exposed copy), None where the executor planned no swap.
+    built for this group's size, the stage count and ``microbatches``. ``swap``: inject swap
+    steps and run them, as :class:`SwapOptions` says (``True``: the default options). :attr:`plan`
+    is what the swap pass decided for this rank (:class:`~pipeswap.schedule.RankPlan`: the chunks
+    swapped or streamed, the layers recomputed, and what the policy expects: its peak and exposed
+    copy), None where the executor planned no swap.
 
     ``count_activations``: collect every chunk's saved tensors through the swap manager, so
     that :class:`StepReport` gives the peak of saved activations and each chunk's bytes
@@ -219,8 +219,9 @@ class PipelineExecutor:
                 microbatches=self.microbatches, sharded=self._sharded)
         except PipelineSetupError as exc:
             problem = exc
-        _setup.agree_on_schedule(built, problem, microbatches=self.microbatches, group=self._control,
-                     dp_group=self._dp_control, dp_size=self.dp_size, replay=self.replay)
+        _setup.agree_on_schedule(built, problem, microbatches=self.microbatches,
+                                 group=self._control, dp_group=self._dp_control,
+                                 dp_size=self.dp_size, replay=self.replay)
         assert built is not None
         return built, plan
 

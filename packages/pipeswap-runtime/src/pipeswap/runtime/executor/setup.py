@@ -4,8 +4,8 @@ exchanged before the first step.
 
 Functions of what they are given (and of collectives over the groups they are given), so that
 the executor's constructor reads as the order of the checks. A problem one rank finds must
-raise on every rank, or the others would wait for it forever: :func:`agree_on_schedule` is the collective
-that carries it.
+raise on every rank, or the others would wait for it forever: :func:`agree_on_schedule` is the
+collective that carries it.
 """
 
 from __future__ import annotations
@@ -178,7 +178,8 @@ def resolve_schedule(schedule: Schedule | ScheduleSpec | str, *, swap: SwapOptio
         raise PipelineSetupError(
             f"the schedule has FSDP steps for stage(s) {sorted(named - sharded.keys())}"
             f" of rank {rank}, which are not sharded with fully_shard: shard them "
-            "(pipeswap.runtime.executor.sharded_stage.shard_stage) or build the schedule with fsdp=False")
+            "(pipeswap.runtime.executor.sharded_stage.shard_stage) or build the schedule "
+            "with fsdp=False")
     if sharded and not named:
         raise PipelineSetupError(
             "the stages are sharded with fully_shard but the schedule has no FSDP steps "

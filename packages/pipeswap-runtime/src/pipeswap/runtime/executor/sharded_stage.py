@@ -72,8 +72,9 @@ class ShardedStage:
         if self.modules[0] is not module:
             raise PipelineSetupError(
                 f"stage {stage_index}'s module itself is not sharded, only parts of it: apply "
-                "fully_shard to the stage's module last (pipeswap.runtime.executor.sharded_stage.shard_stage "
-                "does), so that it is the FSDP root that holds the rest")
+                "fully_shard to the stage's module last "
+                "(pipeswap.runtime.executor.sharded_stage.shard_stage does), so that it is the "
+                "FSDP root that holds the rest")
         self.root = self.modules[0]  # module itself
         params = [p for m in self.modules for p in m.parameters(recurse=False)]
         # what UNSHARD gathers: every parameter at its full size (FSDP2 keeps each one a

@@ -141,7 +141,8 @@ class _PipelineSchedule:
 
     @property
     def report(self) -> StepReport | None:
-        """The last step's :class:`~pipeswap.runtime.executor.step_report.StepReport` (None before one)."""
+        """The last step's :class:`~pipeswap.runtime.executor.step_report.StepReport` (None
+        before one)."""
         return self._report
 
     def step(self, *args: object, target: PyTree | None = None,

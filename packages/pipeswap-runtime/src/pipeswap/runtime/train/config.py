@@ -41,7 +41,8 @@ SWAP_COSTS: tuple[SwapCosts, ...] = get_args(SwapCosts)
 class ModelConfig:
     """The model every rank builds whole (or, replayed, its own stages) from one seed."""
 
-    family: ModelFamily = "gpt"  # or llama: RMSNorm, rotary embeddings, grouped-query attention, SwiGLU
+    # or llama: RMSNorm, rotary embeddings, grouped-query attention, SwiGLU
+    family: ModelFamily = "gpt"
     tie_embeddings: bool = False  # llama: one weight for the embedding and the output
     width: int = 64
     layers: int | None = None  # default: two blocks per stage

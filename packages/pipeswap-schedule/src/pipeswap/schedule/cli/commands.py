@@ -203,7 +203,8 @@ def _parser() -> Parser:
     _add_validate(commands)
     _add_convert(commands, policies, costs)
     show = commands.add_parser(
-        "show", parents=[spec, policies, costs], help="render all ranks side by side with a swap summary",
+        "show", parents=[spec, policies, costs],
+        help="render all ranks side by side with a swap summary",
         description="Build a schedule and render it: one column per rank (swap steps marked *), "
                     "then which (stage, micro) chunks each rank swaps.")
     show.add_argument("--no-grid", action="store_true", help="print only the summary")
