@@ -17,7 +17,10 @@ where nothing outside it can see them.
 Buffers: a recomputed layer runs again on its buffers as its first run found them (copied
 then: later forwards may change them before this one's backward), and its buffers are put
 back afterwards, so a recompute leaves no trace in them (BatchNorm's running statistics
-move once).
+move once). Both writes go through ``.data``, which autograd's version counter does not
+see: other microbatches may have saved views of a buffer that never changes (a rotary
+table, a mask) for their backwards, and a counted write, even of the same values, would
+make those saved tensors look modified.
 """
 
 from __future__ import annotations
@@ -109,9 +112,8 @@ class Frame:
         self.slots, self.made = [None] * len(self.metas), 0
         self.fresh, self.remade = {}, 0
         buffers = [(b, b.clone()) for b, _ in self.buffers]
-        with torch.no_grad():
-            for buffer, first in self.buffers:
-                buffer.copy_(first)
+        for buffer, first in self.buffers:
+            buffer.data.copy_(first)  # uncounted: see the module's docstring
         token = _remaking.set(True)
         try:
             with ExitStack() as stack:
@@ -126,9 +128,8 @@ class Frame:
                     pass
         finally:
             _remaking.reset(token)
-            with torch.no_grad():
-                for buffer, before in buffers:
-                    buffer.copy_(before)
+            for buffer, before in buffers:
+                buffer.data.copy_(before)
         if self.made != len(self.metas):
             raise SwapError(
                 f"{self.describe()} saved {len(self.metas)} tensors for backward in its "
