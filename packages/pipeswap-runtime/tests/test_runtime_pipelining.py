@@ -11,6 +11,7 @@ import pytest
 
 import pipeswap.runtime.pipelining as ours
 from pipeswap.runtime import PipelineSetupError
+from pipeswap.runtime.pipelining import schedules
 from pipeswap.runtime.pipelining.schedules import _refusal
 
 theirs = pytest.importorskip("torch.distributed.pipelining")
@@ -38,6 +39,7 @@ def test_a_class_takes_pytorchs_arguments_in_pytorchs_order(name: str) -> None:
     ({"backward_requires_autograd": False}, "pipeswap's backward runs autograd"),
     ({"budget": 0}, "budget=0 keeps nothing"),
     ({"budget": 10, "policy": object()}, "budget=10 plans with the default policy; drop"),
+    ({"custom_backward": 1}, "stage 1 was built with dw_builder"),
 ])
 def test_what_cannot_be_honoured_is_named(arguments: dict[str, Any], message: str) -> None:
     """Checked inside the executor's agreed set-up (so every rank raises, see
@@ -45,7 +47,7 @@ def test_what_cannot_be_honoured_is_named(arguments: dict[str, Any], message: st
     defaults: dict[str, Any] = {
         "args_chunk_spec": None, "kwargs_chunk_spec": None, "output_merge_spec": None,
         "backward_requires_autograd": True, "swap_granularity": "auto", "budget": None,
-        "policy": None}
+        "policy": None, "custom_backward": None}
     assert _refusal(**defaults) is None
     said = _refusal(**{**defaults, **arguments})
     assert said is not None and message in said
@@ -55,3 +57,24 @@ def test_an_object_that_is_no_stage_is_refused() -> None:
     with pytest.raises(PipelineSetupError,
                        match="is neither torch.distributed.pipelining's PipelineStage nor"):
         ours.Schedule1F1B(object(), 4)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("name", ours.__all__)
+def test_a_class_is_one_of_pytorchs_kinds_of_schedule(name: str) -> None:
+    """isinstance and issubclass answer for pipeswap's class as for PyTorch's of that name,
+    so code that picks a code path by PyTorch's base classes takes the same one."""
+    mine, pytorchs = getattr(ours, name), getattr(theirs, name)
+    for base in (theirs.schedules.PipelineScheduleSingle,
+                 theirs.schedules.PipelineScheduleMulti):
+        assert issubclass(mine, base) == issubclass(pytorchs, base)
+    assert issubclass(mine, theirs.schedules._PipelineSchedule)
+
+
+def test_a_stage_with_a_weight_backward_of_its_own_is_refused() -> None:
+    """PyTorch's ``dw_builder`` is refused by name, not ignored (its weights' gradients
+    would stay None): checked in the agreed set-up, so here the check itself."""
+    class Stage:
+        stage_index, dw_builder = 2, staticmethod(lambda: (lambda: None))
+
+    assert schedules._custom_backward([Stage()]) == 2  # type: ignore[list-item]
+    assert schedules._custom_backward([]) is None

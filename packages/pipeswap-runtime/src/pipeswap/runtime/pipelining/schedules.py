@@ -9,6 +9,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any, ClassVar, TypedDict, cast
 
 import torch
+from torch.distributed.pipelining.schedules import PipelineScheduleMulti, PipelineScheduleSingle
 
 from pipeswap.runtime.errors import PipelineSetupError
 from pipeswap.runtime.executor.options import FailureHandling, Measure, Numerics, SwapOptions
@@ -82,7 +83,8 @@ class _PipelineSchedule:
         given: list[StageArgument] = (list(stages) if isinstance(stages, (list, tuple))
                                       else [cast(StageArgument, stages)])
         self._refusal = _refusal(args_chunk_spec, kwargs_chunk_spec, output_merge_spec,
-                                 backward_requires_autograd, swap_granularity, budget, policy)
+                                 backward_requires_autograd, swap_granularity, budget, policy,
+                                 _custom_backward(given))
         del defer_pp_recv  # PyTorch's runtime's receive timing; pipeswap's schedule has its own
         self._n_microbatches = n_microbatches
         self._loss_fn = loss_fn
@@ -184,8 +186,9 @@ class _PipelineSchedule:
 
 def _refusal(args_chunk_spec: object, kwargs_chunk_spec: object, output_merge_spec: object,
              backward_requires_autograd: bool, swap_granularity: str, budget: int | None,
-             policy: SwapPolicy | None) -> str | None:
-    """What pipeswap cannot honour of a schedule's arguments, if anything."""
+             policy: SwapPolicy | None, custom_backward: int | None = None) -> str | None:
+    """What pipeswap cannot honour of a schedule's arguments, if anything;
+    ``custom_backward``: a stage built with ``dw_builder``."""
     for spec, what in ((args_chunk_spec, "args_chunk_spec"),
                        (kwargs_chunk_spec, "kwargs_chunk_spec"),
                        (output_merge_spec, "output_merge_spec")):
@@ -197,12 +200,22 @@ def _refusal(args_chunk_spec: object, kwargs_chunk_spec: object, output_merge_sp
                 f"{', '.join(GRANULARITIES)}")
     if not backward_requires_autograd:
         return "pipeswap's backward runs autograd; drop backward_requires_autograd=False"
+    if custom_backward is not None:
+        return (f"stage {custom_backward} was built with dw_builder, a weight gradient of "
+                "its own, which pipeswap's backward (autograd's) would not call: build the "
+                "PipelineStage without dw_builder")
     if budget is not None and policy is not None:
         return f"budget={budget!r} plans with the default policy; drop policy=, or budget="
     if budget is not None and budget < 1:
         return (f"budget={budget!r} keeps nothing: give the activation bytes a rank may hold "
                 "(1 or more)")
     return None
+
+
+def _custom_backward(stages: Sequence[StageArgument]) -> int | None:
+    """The index of a stage built with PyTorch's ``dw_builder``, if any."""
+    return next((stage.stage_index for stage in stages
+                 if getattr(stage, "dw_builder", None) is not None), None)
 
 
 def _along_batch(spec: object) -> bool:
@@ -279,3 +292,15 @@ class ScheduleDualPipeV(_PipelineSchedule):
     """PyTorch's ``ScheduleDualPipeV``: stages in a V, as ZBV."""
 
     _kind = "dualpipev"
+
+
+# PyTorch's schedule bases are abstract classes: registered with them, pipeswap's classes
+# pass isinstance and issubclass as PyTorch's own do, for code that picks a stage layout or
+# a code path by class (torchtitan's V-shaped schedules, say)
+PipelineScheduleSingle.register(ScheduleGPipe)
+PipelineScheduleSingle.register(Schedule1F1B)
+PipelineScheduleMulti.register(ScheduleInterleaved1F1B)
+PipelineScheduleMulti.register(ScheduleLoopedBFS)
+PipelineScheduleMulti.register(ScheduleInterleavedZeroBubble)
+PipelineScheduleMulti.register(ScheduleZBVZeroBubble)
+PipelineScheduleMulti.register(ScheduleDualPipeV)
