@@ -17,6 +17,7 @@ import pipeswap.runtime.pipelining as pipeswap_pipelining
 WIDTH, BATCH, MICRO = 8, 16, 8
 SINGLE = {"ScheduleGPipe", "Schedule1F1B"}
 V_SHAPED = {"ScheduleZBVZeroBubble", "ScheduleDualPipeV"}
+ZERO_BUBBLE = {"ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble", "ScheduleDualPipeV"}
 CLASSES = ["ScheduleGPipe", "Schedule1F1B", "ScheduleInterleaved1F1B", "ScheduleLoopedBFS",
            "ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble", "ScheduleDualPipeV"]
 
@@ -67,8 +68,17 @@ def _run(schedule_of: Any, name: str, rank: int, world: int,
              for stage in stages for n, p in stage.submod.named_parameters()
              if p.grad is not None}
     report = getattr(schedule, "report", None)
+    # then forward only, on the same weights (nothing stepped them): eval's contract (which
+    # PyTorch's zero-bubble classes break on this torch: they split a backward eval has not)
+    evaluated: list[torch.Tensor] = []
+    out = None
+    if schedule_of is not torch_pipelining or name not in ZERO_BUBBLE:
+        with torch.no_grad():
+            out = schedule.eval(x if 0 in indices else None,
+                                target=y if count - 1 in indices else None, losses=evaluated)
     return {"losses": [loss.detach().clone() for loss in losses], "output": output,
-            "grads": grads, "swapped": 0 if report is None else report.swapped_chunks}
+            "grads": grads, "swapped": 0 if report is None else report.swapped_chunks,
+            "eval_losses": [loss.detach().clone() for loss in evaluated], "eval_output": out}
 
 
 def side_by_side(rank: int, world: int, name: str,

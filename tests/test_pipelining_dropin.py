@@ -18,7 +18,7 @@ pytestmark = pytest.mark.multiprocess  # full tier only, unless also marked ever
 
 pytest.importorskip("torch.distributed.pipelining")
 
-from pipeswap_dropin_workers import CLASSES, MICRO  # noqa: E402
+from pipeswap_dropin_workers import CLASSES, MICRO, ZERO_BUBBLE  # noqa: E402
 
 EVERYDAY = {("Schedule1F1B", 2), ("ScheduleZBVZeroBubble", 2)}
 
@@ -67,6 +67,18 @@ def test_each_class_matches_pytorchs_and_swap_changes_no_bit(name: str, world: i
         for key, grad in rank["pipeswap"]["grads"].items():
             assert torch.equal(rank["swap"]["grads"][key], grad), key
     assert sum(rank["swap"]["swapped"] for rank in ranks) > 0
+    # eval: forward only, the same losses and output as the step's (on the same weights),
+    # and as PyTorch's eval where PyTorch's class runs one (its zero-bubble classes do not)
+    modes = ("pipeswap", "swap") if name in ZERO_BUBBLE else ("torch", "pipeswap", "swap")
+    for mode in modes:
+        for rank in ranks:
+            assert (rank[mode]["eval_output"] is None) == (rank is not last[0])
+        mine = last[0][mode]
+        assert len(mine["eval_losses"]) == MICRO
+        assert torch.equal(mine["eval_output"], theirs["output"])
+        if scale is None:  # eval takes no loss_kwargs (PyTorch's neither)
+            assert all(torch.equal(a, b) for a, b in zip(mine["eval_losses"],
+                                                         theirs["losses"]))
     if scale is not None:  # the step's loss_kwargs reached the loss function
         plain = [rank for rank in _ranks(name, world) if rank["torch"]["losses"]][0]
         for loss, unscaled in zip(ours["losses"], plain["pipeswap"]["losses"]):

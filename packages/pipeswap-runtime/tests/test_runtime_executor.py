@@ -388,6 +388,38 @@ def test_what_a_step_measures_and_keeps_comes_back_in_its_report(group: None) ->
         uncounted.step(*_batch(7), measure=Measure(layers=True))
 
 
+def test_an_evaluation_runs_forwards_only_and_leaves_the_next_step_as_it_was(
+        group: None) -> None:
+    """``evaluate``: the step's forwards alone, its losses and outputs bit for bit, no
+    gradient, and no loss without targets. Run first, under ``torch.no_grad()``, it still
+    learns which boundary tensors carry a gradient: the step after it equals a step of an
+    executor that never evaluated."""
+    first, second = split_stages(build_gpt(CONFIG, seed=0), 2)
+    fresh = PipelineExecutor([PipelineStage(first, 0, 2), PipelineStage(second, 1, 2)], SPEC,
+                             4, lm_loss, swap=True)
+    want = fresh.step(*_batch(5), measure=Measure(outputs=True))
+    grads = [p.grad.clone() for p in (*first.parameters(), *second.parameters())
+             if p.grad is not None]
+    first, second = split_stages(build_gpt(CONFIG, seed=0), 2)
+    executor = PipelineExecutor([PipelineStage(first, 0, 2), PipelineStage(second, 1, 2)],
+                                SPEC, 4, lm_loss, swap=True)
+    with torch.no_grad():
+        evaluated = executor.evaluate(*_batch(5))
+    unlabelled = executor.evaluate(_batch(5)[0])
+    assert all(p.grad is None for p in (*first.parameters(), *second.parameters()))
+    assert evaluated.losses == want.losses and unlabelled.losses == ()
+    assert want.swapped_chunks > 0 and evaluated.swapped_chunks == evaluated.bytes_offloaded == 0
+    for got in (evaluated, unlabelled):
+        assert len(got.outputs) == len(want.outputs) == 4
+        assert all(isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
+                   and torch.equal(a, b) for a, b in zip(got.outputs, want.outputs))
+    stepped = executor.step(*_batch(5))
+    assert stepped.losses == want.losses
+    after = [p.grad for p in (*first.parameters(), *second.parameters()) if p.grad is not None]
+    assert len(after) == len(grads)
+    assert all(torch.equal(a, b) for a, b in zip(grads, after))
+
+
 class _StreamEvery:
     """Streams every chunk with room for its copies, its loads ``depth`` layers ahead, and
     recomputes ``recompute`` of every chunk's layers."""

@@ -31,6 +31,7 @@ from pipeswap.schedule.errors import (
     ValidationError,
 )
 from pipeswap.schedule.formats import dumps_lines, from_json, loads, to_json
+from pipeswap.schedule.forward_only import forward_order
 from pipeswap.schedule.fsdp import add_fsdp_steps
 from pipeswap.schedule.generators import gpipe, interleaved_1f1b_compute, one_f_one_b
 from pipeswap.schedule.order_checks import validate_rank
@@ -154,6 +155,7 @@ __all__ = [
     "default_swap_policy",
     "dumps_lines",
     "format_order",
+    "forward_order",
     "from_json",
     "gpipe",
     "inject_swap",

@@ -62,6 +62,7 @@ class StepState:
     keep_outputs: bool = False  # keep the last stage's outputs (outputs, below)
     measure_layers: bool = False  # measure every chunk held whole, layer by layer
     at: Step | str | None = None  # where the step is: the step of the order running, or why
+    forward_only: bool = False  # an evaluation: forwards alone, without autograd or swap
     losses: dict[int, torch.Tensor] = field(default_factory=dict)  # read once, at the end
     outputs: dict[int, PyTree] = field(default_factory=dict)  # the last stage's, if kept
     times: StepTimes | None = None  # what a measured step's computes took
@@ -117,15 +118,6 @@ class Interpreter:
 
         return torch.autocast(self.device.type, dtype=self.autocast_dtype)
 
-    def finish(self, state: StepState) -> None:
-        """After the order: every send is done, and every receive was consumed."""
-        for transfer in state.sends:
-            state.transport.wait(transfer)
-        if state.receives:
-            raise PipelineError(
-                f"rank {self.rank}: the schedule posted receives no step consumed: "
-                f"{', '.join(str(t.step) for t in state.receives.values())}")
-
     # -- computes --------------------------------------------------------------------------
 
     def _ready(self, state: StepState, step: Step) -> None:
@@ -139,23 +131,17 @@ class Interpreter:
 
     def _forward(self, state: StepState, step: Step) -> None:
         """F of one chunk: its input received, handed over or split from the batch, run
-        inside the chunk's swap group when it is accounted."""
+        inside the chunk's swap group when it is accounted (a forward-only step's alone,
+        without autograd)."""
         key = step.key
         stage_index, micro = key
         stage = self.stages[stage_index]
-        inputs: list[torch.Tensor] = []
-        x: PyTree
-        if stage.is_first:
-            x = state.micro_inputs[micro]
-        else:
-            meta = state.transport.boundary[stage_index - 1]
-            received = self._received(state, StepType.FWD_RECV, key)
-            if received is None:  # the previous stage runs here: hand over locally
-                received, _ = flatten(self._output(state, (stage_index - 1, micro)), "")
-            inputs = [leaf.requires_grad_(True)
-                      for leaf, grad in zip(received, meta.grads) if grad]
-            x = meta.unflatten(received)
-        target = state.micro_targets[micro] if stage.is_last else None
+        x, inputs = self._input(state, key)
+        target = state.micro_targets[micro] if stage.is_last and state.micro_targets else None
+        if state.forward_only:
+            state.chunks[key] = evaluate_chunk(stage, micro, x, target, state,
+                                               self.autocast())
+            return
         redo = self.recomputed.get(key)
         accounted = state.memory.every_chunk or key in self.swapped or redo is not None
         chain = state.session.chain(key)
@@ -190,6 +176,20 @@ class Interpreter:
                 chain.forward_done()
             state.memory.forward_done(key, state.session, marks)
         state.chunks[key] = chunk
+
+    def _input(self, state: StepState, key: ChunkKey) -> tuple[PyTree, list[torch.Tensor]]:
+        """A forward's input (split from the batch, received or handed over locally) and
+        its tensors that carry a gradient back."""
+        stage_index, micro = key
+        if self.stages[stage_index].is_first:
+            return state.micro_inputs[micro], []
+        meta = state.transport.boundary[stage_index - 1]
+        received = self._received(state, StepType.FWD_RECV, key)
+        if received is None:  # the previous stage runs here: hand over locally
+            received, _ = flatten(self._output(state, (stage_index - 1, micro)), "")
+        inputs = [leaf.requires_grad_(True) for leaf, grad in zip(received, meta.grads)
+                  if grad and not state.forward_only]
+        return meta.unflatten(received), inputs
 
     def _backward(self, state: StepState, step: Step) -> None:
         """B (dx and dw), I (dx) or W (dw) of one chunk; the autograd is in
@@ -389,6 +389,8 @@ def take_batch(stages: Mapping[int, PipelineStage], rank: int, microbatches: int
                 "keep the batch shape constant (pad), or build a new executor")
     if any(stage.is_last for stage in stages.values()):
         if targets is None:
+            if state.forward_only:
+                return  # an evaluation without a loss
             raise PipelineSetupError(f"rank {rank} runs the last stage: pass targets")
         state.micro_targets = split_tree(targets, microbatches, "targets")
 
@@ -411,3 +413,34 @@ def _carries(state: StepState, stage: PipelineStage
         return picked
 
     return carried
+
+
+def evaluate_chunk(stage: PipelineStage, micro: int, x: PyTree, target: PyTree | None,
+                   state: StepState, autocast: AbstractContextManager[object]
+                   ) -> ChunkAutograd:
+    """A forward-only step's forward of one chunk, without autograd: its output kept to
+    send on, and on the last stage the loss (where a target is given) and, where the step
+    keeps outputs, the output."""
+    import torch
+    from torch.utils._pytree import tree_map_only
+
+    with torch.no_grad(), autocast:
+        out = stage.forward(x)
+        loss_fn: Callable[..., torch.Tensor] | None = state.loss_fn  # targets: any pytree
+        loss = loss_fn(out, target) if target is not None and loss_fn is not None else None
+    if stage.is_last:
+        if loss is not None:
+            state.losses[micro] = loss.detach()
+        if state.keep_outputs:
+            state.outputs[micro] = tree_map_only(torch.Tensor, torch.Tensor.detach, out)
+    return ChunkAutograd((), (), out, loss)
+
+
+def finish_order(state: StepState, rank: int) -> None:
+    """After the order: every send is done, and every receive was consumed."""
+    for transfer in state.sends:
+        state.transport.wait(transfer)
+    if state.receives:
+        raise PipelineError(
+            f"rank {rank}: the schedule posted receives no step consumed: "
+            f"{', '.join(str(t.step) for t in state.receives.values())}")

@@ -56,7 +56,13 @@ from pipeswap.runtime.errors import PipelineError, PipelineSetupError
 from pipeswap.runtime.executor import setup as _setup
 from pipeswap.runtime.executor.failure import FailureProtocol
 from pipeswap.runtime.executor.host_reserve import SavedRecorder, host_reservation
-from pipeswap.runtime.executor.interpreter import Interpreter, LossFn, StepState, take_batch
+from pipeswap.runtime.executor.interpreter import (
+    Interpreter,
+    LossFn,
+    StepState,
+    finish_order,
+    take_batch,
+)
 from pipeswap.runtime.executor.measurements import TIMED, StepTimes
 from pipeswap.runtime.executor.options import (
     DataParallel,
@@ -81,7 +87,9 @@ from pipeswap.schedule import (
     ScheduleSpec,
     Step,
     StepType,
+    Order,
     TransportModel,
+    forward_order,
     swapped_chunks,
 )
 from pipeswap.swap import PoolExhaustedError, SwapManager, layer_hooks, recompute_hooks
@@ -280,6 +288,19 @@ class PipelineExecutor:
         (and, with ``Measure(outputs=True)``, the last stage's outputs) on the last stage's
         rank.
         """
+        return self._run(inputs, targets, measure, loss_kwargs, forward_only=False)
+
+    def evaluate(self, inputs: PyTree | None = None, targets: PyTree | None = None, *,
+                 measure: Measure = Measure(outputs=True),
+                 loss_kwargs: Mapping[str, object] | None = None) -> StepReport:
+        """Every microbatch of one batch forward only, without autograd, swap or recompute:
+        the step's forwards in its order, so outputs and losses are a step's bit for bit.
+        ``targets`` are optional: without them no loss. Every rank calls it, as ``step``."""
+        return self._run(inputs, targets, measure, loss_kwargs, forward_only=True)
+
+    def _run(self, inputs: PyTree | None, targets: PyTree | None, measure: Measure,
+             loss_kwargs: Mapping[str, object] | None, *, forward_only: bool) -> StepReport:
+        """A step or an evaluation, and its report."""
         if self._closed:
             raise PipelineError(f"rank {self.rank}: this executor was closed; build a new one")
         self._failure.check_ready()
@@ -288,7 +309,7 @@ class PipelineExecutor:
             self.platform.measure_allocations() if measure.allocator else nullcontext())
         skipped = self.manager.stats().skipped if self._runs == 0 and self.swapped else None
         with measuring as allocated:
-            state = self._step(inputs, targets, measure, loss_kwargs)
+            state = self._step(inputs, targets, measure, loss_kwargs, forward_only)
         if skipped is not None:  # said once a run: the same every step
             line = kept_on_device(self.rank, skipped, self.manager.stats().skipped)
             if line is not None:
@@ -304,7 +325,7 @@ class PipelineExecutor:
             losses = torch.stack(tensors).tolist()
         report = state.memory.report(
             losses=tuple(losses), seconds=time.perf_counter() - start,
-            swapped_chunks=len(self.swapped),
+            swapped_chunks=0 if forward_only else len(self.swapped),
             peak_allocated_bytes=None if allocated is None else allocated.peak_bytes)
         report = dataclasses.replace(
             report, loss_tensors=tensors,
@@ -315,17 +336,18 @@ class PipelineExecutor:
                                    copy_wait_seconds=state.times.copy_wait)
 
     def _step(self, inputs: PyTree | None, targets: PyTree | None, measure: Measure,
-              loss_kwargs: Mapping[str, object] | None) -> StepState:
+              loss_kwargs: Mapping[str, object] | None, forward_only: bool) -> StepState:
         """The step up to closing its swap session (the part Measure.allocator measures)."""
         self._runs += 1
         session = SwapSession(self.manager, f"x{id(self):x}.run{self._runs}")
         loss_fn = self._interpreter.loss_fn
         state = StepState(self._runs, self.transport, session,
-                          MemoryAccount.begin(self.manager, self.account),
+                          MemoryAccount.begin(self.manager, self.account and not forward_only),
                           loss_fn=partial(loss_fn, **loss_kwargs) if loss_kwargs and loss_fn
                           else loss_fn,
                           keep_outputs=measure.outputs,
-                          measure_layers=measure.layers)
+                          measure_layers=measure.layers and not forward_only,
+                          forward_only=forward_only)
         state.at = "its batch check"
         if self._watch is not None:
             assert self.transport.board is not None
@@ -343,7 +365,9 @@ class PipelineExecutor:
                 state.at = "the exchange of stage boundary shapes"
                 self._input_meta = _exchange_shapes(self, state)
                 self._shapes_known = True
-            self._run_order(state, StepTimes() if measure.compute else None)
+            order = self.schedule.orders[self.rank]
+            _run_order(self, state, forward_order(order) if forward_only else order,
+                       StepTimes() if measure.compute else None)
             state.at = None
             self._end_step(state)
         except BaseException as exc:
@@ -364,28 +388,10 @@ class PipelineExecutor:
         state.session.close()
         return state
 
-    def _run_order(self, state: StepState, times: StepTimes | None) -> None:
-        """Run this rank's order (``state.at``: the step running); with ``times``, each
-        compute timed, the device synchronized around it."""
-        for step in self.schedule.orders[self.rank]:
-            if step is None:
-                continue
-            state.at = step
-            if times is None or step.type not in TIMED:
-                self._interpreter.run(state, step)
-                continue
-            compute = self.platform.current_stream()
-            compute.synchronize()  # the device's time, not the launch's
-            begun = time.perf_counter()
-            self._interpreter.run(state, step)
-            compute.synchronize()
-            times.record(step, time.perf_counter() - begun)
-        state.times = times
-
     def _end_step(self, state: StepState) -> None:
         """After the order: sends done, receives consumed, and every rank agreeing that the
         step ran (the pipeline's, then the data-parallel group's)."""
-        self._interpreter.finish(state)
+        finish_order(state, self.rank)
         state.memory.flush()
         if self._watch is not None and self._watch.reason is not None:
             raise self.transport.failure("the end of the step", RuntimeError("stopped"))
@@ -395,20 +401,43 @@ class PipelineExecutor:
                 self.transport, "the end-of-step agreement of the data-parallel group",
                 self._dp_control)
 
+def _run_order(executor: PipelineExecutor, state: StepState, order: Order,
+               times: StepTimes | None) -> None:
+    """Run ``order`` (``state.at``: the step running); with ``times``, each compute
+    timed, the device synchronized around it."""
+    for step in order:
+        if step is None:
+            continue
+        state.at = step
+        if times is None or step.type not in TIMED:
+            executor._interpreter.run(state, step)
+            continue
+        compute = executor.platform.current_stream()
+        compute.synchronize()  # the device's time, not the launch's
+        begun = time.perf_counter()
+        executor._interpreter.run(state, step)
+        compute.synchronize()
+        times.record(step, time.perf_counter() - begun)
+    state.times = times
+
+
 def _exchange_shapes(executor: PipelineExecutor, state: StepState) -> BoundaryMeta | None:
     """Before the first step's order: every stage boundary's shapes, exchanged, and the
     host buffers the swap plan needs, reserved; returns what the first stage's inputs
     hold (None on other ranks), which later batches must keep."""
+    import torch
+
     # what the swapped stages' forwards save, to reserve the host buffers for
     recorder = (SavedRecorder(executor.manager, {key[0] for key in executor.swapped})
                 if executor.swapped else None)
-    _setup.exchange_shapes(
-        state.micro_inputs[0] if state.micro_inputs else None, executor.transport,
-        schedule=executor.schedule, rank=executor.rank, stages=executor._interpreter.stages,
-        sharded=executor._sharded, device=executor.platform.device,
-        autocast=executor._interpreter.autocast, recorder=recorder,
-        target=state.micro_targets[0] if state.micro_targets else None,
-        loss_fn=state.loss_fn)
+    with torch.enable_grad():  # which tensors carry a gradient, even from an evaluation
+        _setup.exchange_shapes(
+            state.micro_inputs[0] if state.micro_inputs else None, executor.transport,
+            schedule=executor.schedule, rank=executor.rank,
+            stages=executor._interpreter.stages, sharded=executor._sharded,
+            device=executor.platform.device, autocast=executor._interpreter.autocast,
+            recorder=recorder, target=state.micro_targets[0] if state.micro_targets else None,
+            loss_fn=state.loss_fn)
     if recorder is not None:
         state.at = "the reservation of host buffers"
         _reserve(executor.manager, executor.rank,

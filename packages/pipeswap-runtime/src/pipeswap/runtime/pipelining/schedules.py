@@ -161,13 +161,10 @@ class _PipelineSchedule:
             raise PipelineSetupError(
                 "step() runs the backward: call it with gradients enabled (not under "
                 "torch.no_grad())")
-        first = any(stage.is_first for stage in self._stages)
-        # the first stage's module takes the arguments as they are (its _FirstStage)
-        inputs = cast("PyTree", {"args": args, "kwargs": kwargs}) if first else None
         measure = replace(MEASURE_TO_PLAN if self._measuring else Measure(),
                           outputs=return_outputs)
-        report = self._report = self.executor.step(inputs, target, measure=measure,
-                                                   loss_kwargs=loss_kwargs)
+        report = self._report = self.executor.step(self._inputs(args, kwargs), target,
+                                                   measure=measure, loss_kwargs=loss_kwargs)
         if self.scale_grads and self._n_microbatches != 1:
             for module in self._modules:
                 for parameter in module.parameters():
@@ -182,6 +179,28 @@ class _PipelineSchedule:
             self._plan_budget()
             self._measuring = False
         return output
+
+    def eval(self, *args: object, target: PyTree | None = None,
+             losses: list[torch.Tensor] | None = None, **kwargs: object
+             ) -> Any:  # Any: the last stage's output, whatever the model returns
+        """PyTorch's ``eval``: the whole batch forward only (no gradient, no swap), the
+        same forwards as :meth:`step`'s; ``losses`` filled with each microbatch's loss where
+        ``target`` is given, and the last stage's output returned on its rank, merged along
+        dimension 0 (None elsewhere)."""
+        report = self.executor.evaluate(self._inputs(args, kwargs), target)
+        if not any(stage.is_last for stage in self._stages):
+            return None
+        if losses is not None and target is not None:
+            losses.clear()
+            losses.extend(report.loss_tensors)
+        return merged(list(report.outputs))
+
+    def _inputs(self, args: tuple[object, ...], kwargs: dict[str, object]) -> PyTree | None:
+        """What the executor splits into microbatches: on the first stage's rank the
+        arguments as they are, which its module (:class:`_FirstStage`) takes apart."""
+        if not any(stage.is_first for stage in self._stages):
+            return None
+        return cast("PyTree", {"args": args, "kwargs": kwargs})
 
 
 def _refusal(args_chunk_spec: object, kwargs_chunk_spec: object, output_merge_spec: object,
