@@ -19,11 +19,11 @@ _KEPT = frozenset({StepType.FWD, StepType.FWD_SEND, StepType.FWD_RECV,
                    StepType.FSDP_UNSHARD, StepType.FSDP_RESHARD})
 
 
-def forward_order(order: Order) -> Order:
+def forward_order(order: Order) -> tuple[Step, ...]:
     """``order``'s forward-only steps: its forwards (an overlap's forward on its own), the
     sends and receives of activations (a batch keeps those of its transfers), and FSDP's
     gathers and frees; idle slots dropped."""
-    kept: list[Step | None] = []
+    kept: list[Step] = []
     for step in order:
         if step is None:
             continue
