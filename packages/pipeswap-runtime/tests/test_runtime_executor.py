@@ -3,6 +3,8 @@ one, real autograd. Multi-process runs are in the root suite (tests/test_runtime
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from collections.abc import Sequence
 
 import pytest
@@ -485,3 +487,24 @@ def test_loads_further_ahead_change_no_bit_and_hold_what_the_simulator_says(
         PipelineExecutor([PipelineStage(part, index, 2) for index, part in
                           enumerate(split_stages(build_gpt(CONFIG, seed=0), 2))],
                          SPEC, 4, lm_loss, swap=SwapOptions(_StreamEvery(4)))
+
+
+_FAKE_GROUP = """
+import torch, torch.distributed as dist
+from torch.testing._internal.distributed.fake_pg import FakeStore
+from pipeswap.runtime import PipelineExecutor, PipelineSetupError, PipelineStage
+dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+try:
+    PipelineExecutor([PipelineStage(torch.nn.Linear(4, 4), 0, 2)], "1f1b", 2, None)
+except PipelineSetupError as exc:
+    print(exc)
+"""
+
+
+def test_a_fake_process_group_is_refused_in_one_line() -> None:
+    """torch's "fake" backend (a FakeStore) moves no data, so the ranks could not agree on
+    the schedule: refused by name, not with a disagreement nobody had."""
+    done = subprocess.run([sys.executable, "-c", _FAKE_GROUP], capture_output=True,
+                          text=True, timeout=120, check=False)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("the process group is torch's 'fake' backend"), done.stdout

@@ -512,6 +512,11 @@ def _check_distributed(stages: Sequence[PipelineStage], parallel: DataParallel,
         raise PipelineSetupError(
             "torch.distributed is not initialized: launch with torchrun, or use "
             "pipeswap.runtime.spawn, or call init_process_group first")
+    elif dist.get_backend(stages[0].group) == "fake":
+        raise PipelineSetupError(
+            "the process group is torch's 'fake' backend, whose collectives move no data: "
+            "the executor's set-up needs the ranks to agree, so run on gloo (CPU) or nccl, "
+            "or replay one rank alone (pipeswap.runtime.Replay)")
 
 
 def _layer_started(manager: SwapManager, marks: dict[int, LayerMarks], stage: int,
