@@ -48,15 +48,71 @@ def test_a_split_that_cannot_be_made_is_refused(args: tuple[Any, ...], message: 
         causal_lm_stages(torch.nn.Linear(2, 2), 1)
 
 
+#: Small random configs of the decoder families the splitter serves: Llama's layout with
+#: full, sliding-window (Mistral's default window, Qwen 2's upper layers) or mixed sliding and
+#: global attention (Gemma 3, with its own rotary table per kind and its logits capped), and
+#: mixture-of-experts layers (Mixtral, Qwen 3 MoE).
+FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
+    "qwen2-window": ("Qwen2Config", "Qwen2ForCausalLM",
+                     {"use_sliding_window": True, "sliding_window": 5, "max_window_layers": 2}),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 8}),
+    "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": 5}),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM",
+             {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}),
+    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", {"pad_token_id": 0, "eos_token_id": 1}),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM",
+               {"head_dim": 8, "sliding_window": 5, "final_logit_softcapping": 30.0,
+                "pad_token_id": 0, "eos_token_id": 1, "bos_token_id": 2}),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM",
+                {"num_local_experts": 4, "num_experts_per_tok": 2}),
+    "qwen3-moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+                  {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16,
+                   "head_dim": 8}),
+}
+SMALL = {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 6,
+         "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64,
+         "tie_word_embeddings": False}
+
+
+def _family(name: str) -> torch.nn.Module:
+    import transformers
+
+    config_class, model_class, extra = FAMILIES[name]
+    torch.manual_seed(0)
+    config = getattr(transformers, config_class)(**{**SMALL, **extra})
+    model: torch.nn.Module = getattr(transformers, model_class)(config)
+    return model.eval()
+
+
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_every_family_split_gives_the_unsplit_models_logits(name: str) -> None:
+    """Chained, the stages give the model's own logits bit for bit: on 12 tokens, longer
+    than the sliding windows (5), so a stage that masked a sliding layer in full would
+    differ."""
+    whole = _family(name)
+    generator = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, SMALL["vocab_size"], (2, 12), generator=generator)
+    want = whole(ids).logits
+    for stages in (causal_lm_stages(whole, 3), causal_lm_stages(whole, 2, [1, 5])):
+        hidden = ids
+        for stage in stages:
+            hidden = stage(hidden)
+        assert torch.equal(hidden, want)
+
+
 def test_a_model_the_stages_would_run_otherwise_is_refused() -> None:
-    """A sliding window (Mistral's default) the stages' full causal mask would ignore, and
-    a head tied to the embedding on another stage, whose two gradients nobody would sum."""
-    from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
+    """A kind of attention the stages cannot mask, and a head tied to the embedding on
+    another stage, whose two gradients nobody would sum."""
+    from transformers import LlamaConfig, LlamaForCausalLM
 
     small = {"vocab_size": 16, "hidden_size": 8, "intermediate_size": 16,
              "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1}
-    with pytest.raises(PipelineSetupError, match=r"sliding window \(config.sliding_window=4"):
-        causal_lm_stages(MistralForCausalLM(MistralConfig(**small)), 2)
+    chunked = LlamaForCausalLM(LlamaConfig(**small))
+    chunked.config.layer_types = ["chunked_attention", "full_attention"]
+    with pytest.raises(PipelineSetupError, match="attend as chunked_attention, which the stages"):
+        causal_lm_stages(chunked, 2)
     tied = LlamaForCausalLM(LlamaConfig(tie_word_embeddings=True, **small))
     with pytest.raises(PipelineSetupError, match="ties its head to its embedding"):
         causal_lm_stages(tied, 2)

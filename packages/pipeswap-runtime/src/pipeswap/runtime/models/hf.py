@@ -1,12 +1,16 @@
 """Hugging Face causal language models split into pipeline stages (``pipeswap-runtime[hf]``).
 
-A transformers causal LM of the Llama layout (``model.embed_tokens``, ``model.layers``,
-``model.rotary_emb``, ``model.norm``, ``lm_head``: Llama and models built like it, with full
-causal attention; transformers 5.25 or later) is split into stage modules that run exactly
-what the unsplit model runs on a batch without padding: the first stage embeds the tokens, each stage runs its run of decoder layers, the
-last normalises and projects to the vocabulary. Between stages goes only the hidden state.
-Each stage works out the rotary tables (cos and sin for every position) and the causal mask
-itself, from the hidden state's shape, as the unsplit model does once: they hold no
+A transformers causal LM whose decoder is a layer list (``model.embed_tokens``,
+``model.layers``, ``model.rotary_emb``, ``model.norm``, ``lm_head``: Llama, Qwen 2 and 3,
+Mistral, Phi-3, OLMo 2, Gemma 3, Mixtral, Qwen 3 MoE and models built like them;
+transformers 5.25 or later) is split into stage modules that run exactly what the unsplit
+model runs on a batch without padding: the first stage embeds the tokens, each stage runs
+its run of decoder layers, the last normalises, projects to the vocabulary (and caps the
+logits where the model does). Between stages goes only the hidden state. Each stage works
+out the rotary tables and the attention masks itself, from the hidden state's shape, as
+the unsplit model does once: each layer gets the mask of its kind (full causal, or within
+the sliding window, as the config's ``layer_types`` or ``sliding_window`` say) and, where
+the model keeps one rotary table per kind (Gemma 3), that kind's table. They hold no
 parameters, and sending them would cost a transfer per microbatch. The decoder layers are
 each stage's ``layers``, so streaming swap moves them one by one::
 
@@ -28,7 +32,8 @@ rather than move one copy per layer (they are a few kilobytes a microbatch).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import inspect
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -37,6 +42,9 @@ from pipeswap.runtime.errors import PipelineSetupError
 from pipeswap.runtime.models.gpt import even_runs
 
 __all__ = ["CausalLMStage", "causal_lm_stages", "causal_lm_loss"]
+
+#: The kinds of attention the stages mask, as transformers names a layer's.
+_MASKED = ("full_attention", "sliding_attention")
 
 
 class CausalLMStage(torch.nn.Module):
@@ -47,7 +55,8 @@ class CausalLMStage(torch.nn.Module):
     def __init__(self, config: Any,  # Any: a transformers config (untyped)
                  rotary: torch.nn.Module, layers: Sequence[torch.nn.Module],
                  embed: torch.nn.Module | None = None, norm: torch.nn.Module | None = None,
-                 head: torch.nn.Module | None = None) -> None:
+                 head: torch.nn.Module | None = None,
+                 layer_types: Sequence[str] | None = None) -> None:
         super().__init__()
         self.config = config
         self.embed_tokens = embed
@@ -55,23 +64,31 @@ class CausalLMStage(torch.nn.Module):
         self.layers = torch.nn.ModuleList(layers)
         self.norm = norm
         self.lm_head = head
+        # each layer's attention: full causal, or within the sliding window
+        self.layer_types = tuple(layer_types or ("full_attention",) * len(layers))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        from transformers.masking_utils import create_causal_mask
-
         hidden = self.embed_tokens(x) if self.embed_tokens is not None else x
         positions = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
-        mask = create_causal_mask(config=self.config, inputs_embeds=hidden,
-                                  attention_mask=None, cache=None, position_ids=positions)
-        tables = self.rotary_emb(hidden, position_ids=positions)
-        for layer in self.layers:
-            out = layer(hidden, attention_mask=mask, position_embeddings=tables,
+        kinds = set(self.layer_types)
+        masks = {kind: _mask_of(kind)(config=self.config, inputs_embeds=hidden,
+                                      attention_mask=None, cache=None, position_ids=positions)
+                 for kind in kinds}
+        # a rotary of one table per attention kind (Gemma 3's) is asked for each kind
+        by_kind = "layer_type" in inspect.signature(self.rotary_emb.forward).parameters
+        tables = {kind: self.rotary_emb(hidden, positions, kind) if by_kind
+                  else self.rotary_emb(hidden, position_ids=positions) for kind in kinds}
+        for layer, kind in zip(self.layers, self.layer_types):
+            out = layer(hidden, attention_mask=masks[kind], position_embeddings=tables[kind],
                         position_ids=positions)
             hidden = out[0] if isinstance(out, tuple) else out  # transformers 4: a tuple
         if self.norm is not None:
             hidden = self.norm(hidden)
         if self.lm_head is not None:
             hidden = self.lm_head(hidden)
+            cap = getattr(self.config, "final_logit_softcapping", None)
+            if cap is not None:  # as the unsplit model does after its head (Gemma's)
+                hidden = torch.tanh(hidden / cap) * cap
         return hidden
 
 
@@ -80,8 +97,9 @@ def causal_lm_stages(model: torch.nn.Module, num_stages: int,
     """``model`` (a transformers causal LM of the Llama layout) as ``num_stages`` stage
     modules: the decoder layers split evenly (the earlier stages taking the extra ones), or
     ``layers_per_stage`` a stage; every stage holds at least one layer. Refused: a model
-    that attends within a sliding window (its stages would build the full causal mask), and
-    one whose head shares its embedding's weight across stages (nothing would sum that
+    whose layers attend otherwise than causally (in full or within a sliding window, as the
+    config's ``layer_types`` or ``sliding_window`` say: each stage masks its own layers so),
+    and one whose head shares its embedding's weight across stages (nothing would sum that
     weight's two gradients)."""
     inner: Any = getattr(model, "model", None)  # Any: transformers is untyped
     missing = [name for name, owner in (("model", model), ("lm_head", model),
@@ -96,13 +114,7 @@ def causal_lm_stages(model: torch.nn.Module, num_stages: int,
             "model.rotary_emb, model.norm, lm_head); split other models by hand")
     assert inner is not None
     config: Any = model.config  # Any: transformers is untyped
-    if getattr(config, "sliding_window", None) is not None and getattr(
-            config, "use_sliding_window", True):
-        raise PipelineSetupError(
-            f"{type(model).__name__} attends within a sliding window (config.sliding_window="
-            f"{config.sliding_window}); its stages would build the full causal mask: set "
-            "config.sliding_window = None where no sequence is longer than the window, or "
-            "split the model by hand")
+    types = _layer_types(type(model).__name__, config, len(inner.layers))
     head, embed = getattr(model, "lm_head"), inner.embed_tokens
     if num_stages > 1 and getattr(head, "weight", None) is getattr(embed, "weight", 1):
         raise PipelineSetupError(
@@ -129,8 +141,41 @@ def causal_lm_stages(model: torch.nn.Module, num_stages: int,
     return [CausalLMStage(config, inner.rotary_emb, [blocks[k] for k in run],
                           embed=embed if index == 0 else None,
                           norm=inner.norm if index == last else None,
-                          head=head if index == last else None)
+                          head=head if index == last else None,
+                          layer_types=[types[k] for k in run])
             for index, run in enumerate(runs)]
+
+
+def _mask_of(kind: str) -> Callable[..., torch.Tensor | None]:
+    """transformers' mask function of a kind of attention (imported here: the [hf] extra)."""
+    from transformers.masking_utils import (
+        create_causal_mask,
+        create_sliding_window_causal_mask,
+    )
+
+    made: Callable[..., torch.Tensor | None] = (
+        create_sliding_window_causal_mask if kind == "sliding_attention" else create_causal_mask)
+    return made
+
+
+def _layer_types(name: str, config: Any,  # Any: a transformers config (untyped)
+                 count: int) -> list[str]:
+    """Each decoder layer's attention, as the unsplit model picks its mask: the config's
+    ``layer_types`` (Gemma 3 mixes sliding and global layers), else every layer sliding
+    where the config has a window (Mistral's), else full causal attention. Refused: a kind
+    of attention the stages do not mask, and bidirectional attention."""
+    given = getattr(config, "layer_types", None)
+    window = getattr(config, "sliding_window", None) is not None and getattr(
+        config, "use_sliding_window", True)
+    types = (list(given)[:count] if given else
+             ["sliding_attention" if window else "full_attention"] * count)
+    unknown = sorted(set(types) - set(_MASKED))
+    if unknown or getattr(config, "use_bidirectional_attention", False):
+        raise PipelineSetupError(
+            f"{name}'s layers attend as {', '.join(unknown) or 'bidirectional attention'}, "
+            f"which the stages cannot mask (they make {' and '.join(_MASKED)} masks): split "
+            "the model by hand")
+    return types
 
 
 def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
