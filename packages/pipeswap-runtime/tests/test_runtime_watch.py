@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch.distributed.distributed_c10d import PrefixStore, Store
 
 from pipeswap.runtime.distributed import peer_watch as watch
-from pipeswap.runtime.distributed.failure_board import FailureBoard
+from pipeswap.runtime.distributed.failure_board import FailureBoard, UnclonableStore, clone_store
 from pipeswap.runtime.distributed.process_groups import only_gloo, operation_timeout
 from pipeswap.runtime.distributed.peer_watch import PeerWatch
 
@@ -169,3 +169,35 @@ def test_close_frees_accelerator_groups_and_leaves_gloo_ones(
     assert destroyed == [nccl] and not nccl.aborted.is_set()
     free_groups([nccl, gloo], spans_world=False)  # type: ignore[list-item]
     assert destroyed == [nccl] and nccl.aborted.is_set() and not gloo.aborted.is_set()
+
+
+class _NoClone(Store):
+    """A store written in Python that gives no client a connection of its own."""
+
+
+def test_a_store_without_clone_is_named() -> None:
+    with pytest.raises(UnclonableStore, match="_NoClone"):
+        clone_store(_NoClone())
+
+
+def test_without_a_store_to_clone_the_executor_runs_unwatched_and_says_so(
+        group: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A group whose store cannot be cloned (the watch's connections) still trains: one
+    warning says no watch runs, and the step runs as it would without one."""
+    import torch
+
+    from pipeswap.runtime import FailureHandling, PipelineExecutor, PipelineStage
+    from pipeswap.runtime.executor import pipeline_executor
+
+    def unwatched(*args: Any, **kwargs: Any) -> PeerWatch:
+        raise UnclonableStore("_NoClone: no clone")
+
+    monkeypatch.setattr(pipeline_executor, "PeerWatch", unwatched)
+    torch.manual_seed(0)
+    stage = PipelineStage(torch.nn.Sequential(torch.nn.Linear(4, 4)), 0, 1)
+    with pytest.warns(UserWarning, match="no peer watch runs, as the rendezvous store cannot"):
+        executor = PipelineExecutor([stage], "gpipe", 2, torch.nn.functional.mse_loss,
+                                    failure=FailureHandling(timeout_s=5))
+    report = executor.step(torch.randn(4, 4), torch.randn(4, 4))
+    assert len(report.losses) == 2
+    executor.close()

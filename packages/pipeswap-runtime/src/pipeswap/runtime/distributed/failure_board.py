@@ -14,16 +14,24 @@ if TYPE_CHECKING:
     import torch.distributed as dist
     from torch.distributed.distributed_c10d import Store
 
-__all__ = ["BREAK_TAG", "FailureBoard", "break_links", "clone_store"]
+__all__ = ["BREAK_TAG", "FailureBoard", "UnclonableStore", "break_links", "clone_store"]
 
 #: The tag of the receives :func:`break_links` posts: never a transfer's.
 BREAK_TAG = 2**31 - 1
 
 
+class UnclonableStore(Exception):
+    """The store cannot give a client a connection of its own (a store written in Python
+    without ``clone``, or torch's test ``FakeStore``)."""
+
+
 def clone_store(store: Store) -> Store:
     """A client of ``store`` with a connection of its own (``Store.clone``, which torch's
-    type stubs omit)."""
-    cloned: Store = store.clone()  # type: ignore[attr-defined]
+    type stubs omit); :class:`UnclonableStore` where the store has none to give."""
+    try:
+        cloned: Store = store.clone()  # type: ignore[attr-defined]
+    except RuntimeError as exc:  # the C++ base's "pure virtual function" clone
+        raise UnclonableStore(f"{type(store).__name__}: {exc}") from exc
     return cloned
 
 

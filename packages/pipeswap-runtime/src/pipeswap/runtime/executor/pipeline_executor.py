@@ -41,6 +41,7 @@ from functools import partial
 from typing import TYPE_CHECKING
 
 from pipeswap.platform import AllocationPeak, Platform, get_platform
+from pipeswap.runtime.distributed.failure_board import UnclonableStore
 from pipeswap.runtime.distributed.peer_watch import PeerWatch, stop_groups
 from pipeswap.runtime.distributed.process_groups import (
     control_groups,
@@ -459,10 +460,17 @@ def _start_watch(executor: PipelineExecutor, timeout_s: float | None
         return None, None
     detection = (group_timeout(executor.group) if timeout_s is None
                  else datetime.timedelta(seconds=timeout_s))
-    watch = PeerWatch(
-        dist.get_rank(), _setup.neighbours(executor.schedule, executor.rank, executor.group,
-                                           executor.dp_group),
-        detection.total_seconds(), partial(stop_groups, executor._stopped))
+    try:
+        watch = PeerWatch(
+            dist.get_rank(), _setup.neighbours(executor.schedule, executor.rank,
+                                               executor.group, executor.dp_group),
+            detection.total_seconds(), partial(stop_groups, executor._stopped))
+    except UnclonableStore as exc:  # the same store on every rank: each degrades alike
+        warnings.warn(
+            f"rank {executor.rank}: no peer watch runs, as the rendezvous store cannot give "
+            f"the watch connections of its own ({exc}); a failed peer then stops this rank "
+            "only when its group's own timeout ends a transfer", stacklevel=4)
+        return None, None
     weakref.finalize(executor, watch.close)
     return watch, operation_timeout(detection, gloo=gloo)
 
