@@ -155,3 +155,51 @@ def budgeted(rank: int, world: int) -> dict[str, Any]:
                      "warned": [str(w.message) for w in said]}
         budget = int(steps[0]["peak"]) * 6 // 10
     return runs
+
+
+class _Shifted(torch.nn.Module):
+    """A stage that every step calls with keyword arguments too: a tensor split with the
+    batch (``shift``) and a plain number copied to every microbatch (``factor``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x: torch.Tensor, *, shift: torch.Tensor, factor: float) -> torch.Tensor:
+        out: torch.Tensor = torch.tanh(self.linear(x)) * factor + shift
+        return out
+
+
+def keyword_arguments(rank: int, world: int, name: str) -> dict[str, Any]:
+    """PyTorch's class and pipeswap's (with swap) on stages that take keyword arguments,
+    given to ``step`` and ``eval`` on every rank: each rank's losses, output and
+    gradients."""
+    count = world if name in SINGLE else 2 * world
+    torch.manual_seed(0)
+    modules = [_Shifted() for _ in range(count)]
+    x, y = batch()
+    shift = torch.linspace(-1, 1, BATCH).unsqueeze(1).expand(BATCH, WIDTH).contiguous()
+    found: dict[str, Any] = {}
+    for mode, schedule_of, options in (("torch", torch_pipelining, {}),
+                                       ("pipeswap", pipeswap_pipelining, {"swap": True})):
+        indices = stage_indices(name, rank, world)
+        stages = [torch_pipelining.PipelineStage(copy.deepcopy(modules[index]), index, count,
+                                                 torch.device("cpu")) for index in indices]
+        schedule = getattr(schedule_of, name)(stages[0] if name in SINGLE else stages,
+                                              n_microbatches=MICRO, loss_fn=loss_fn, **options)
+        losses: list[torch.Tensor] = []
+        first, last = 0 in indices, count - 1 in indices
+        output = schedule.step(*((x,) if first else ()), target=y if last else None,
+                               losses=losses, shift=shift, factor=2.0)
+        grads = {f"{stage.stage_index}.{n}": p.grad.clone()
+                 for stage in stages for n, p in stage.submod.named_parameters()
+                 if p.grad is not None}
+        evaluated: list[torch.Tensor] = []
+        out = None
+        if schedule_of is not torch_pipelining or name not in ZERO_BUBBLE:
+            with torch.no_grad():
+                out = schedule.eval(*((x,) if first else ()), target=y if last else None,
+                                    losses=evaluated, shift=shift, factor=2.0)
+        found[mode] = {"losses": [loss.detach() for loss in losses], "output": output,
+                       "eval_losses": evaluated, "eval_output": out, "grads": grads}
+    return found

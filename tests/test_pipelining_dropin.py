@@ -130,3 +130,25 @@ def test_a_budget_is_planned_on_what_the_first_step_measured() -> None:
             assert mine["grads"].keys() == theirs["grads"].keys()
             assert all(torch.equal(mine["grads"][n], g) for n, g in theirs["grads"].items())
     assert met  # the first rank's chunks wait for their backwards: swap reaches it
+
+
+@pytest.mark.parametrize("name", ["Schedule1F1B", "ScheduleZBVZeroBubble"])
+def test_keyword_arguments_reach_every_stage_as_pytorchs_classes_pass_them(name: str) -> None:
+    """``step(x, shift=tensor, factor=2.0)`` on every rank: each stage is called with its
+    microbatch's slice of the tensor and the number itself, as PyTorch's classes call it;
+    losses, outputs and gradients bit for bit, with swap, and ``eval`` too."""
+    from pipeswap_dropin_workers import keyword_arguments
+
+    ranks = POOL.run(keyword_arguments, 2, name, timeout_s=120)
+    last = [rank for rank in ranks if rank["torch"]["losses"]]
+    assert len(last) == 1
+    theirs, ours = last[0]["torch"], last[0]["pipeswap"]
+    assert len(ours["losses"]) == MICRO
+    assert all(torch.equal(a, b) for a, b in zip(ours["losses"], theirs["losses"]))
+    assert torch.equal(ours["output"], theirs["output"])
+    assert torch.equal(ours["eval_output"], theirs["output"])
+    assert all(torch.equal(a, b) for a, b in zip(ours["eval_losses"], theirs["losses"]))
+    for rank in ranks:
+        assert rank["pipeswap"]["grads"].keys() == rank["torch"]["grads"].keys() != set()
+        for key, grad in rank["torch"]["grads"].items():
+            assert torch.equal(rank["pipeswap"]["grads"][key], grad), key

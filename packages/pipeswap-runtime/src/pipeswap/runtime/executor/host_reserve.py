@@ -123,7 +123,8 @@ class SavedRecorder:
 
     def last_stage(self, stage: PipelineStage, meta: BoundaryMeta, target: PyTree,
                    loss_fn: Callable[..., torch.Tensor], device: torch.device,
-                   autocast: Callable[[], AbstractContextManager[object]]) -> None:
+                   autocast: Callable[[], AbstractContextManager[object]],
+                   kwargs: Mapping[str, object] | None = None) -> None:
         """Record the last stage, whose chunks also keep what their loss saves: a dry run of
         its forward and ``loss_fn`` on ``target`` (one microbatch's), from zeros as ``meta``
         describes its input, by :func:`~pipeswap.runtime.executor.stage.output_meta` as the other
@@ -147,7 +148,7 @@ class SavedRecorder:
         wrapped = PipelineStage(WithLoss(), stage.stage_index, stage.num_stages, stage.group,
                                 stage.layers)
         with self.stage(wrapped, protect=target):
-            output_meta(wrapped, meta, device, autocast)
+            output_meta(wrapped, meta, device, autocast, kwargs)
 
 
 def host_reservation(schedule: Schedule, rank: int, saved: Mapping[int, SavedSizes]

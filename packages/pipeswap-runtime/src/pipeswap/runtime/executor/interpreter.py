@@ -9,9 +9,10 @@ the step's chunks hold from one step of the order to the next.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
+from functools import partial
 from typing import TYPE_CHECKING, ClassVar
 
 from pipeswap.runtime.executor.failure import collective
@@ -58,6 +59,8 @@ class StepState:
     sends: list[Transfer] = field(default_factory=list)
     micro_inputs: list[PyTree] = field(default_factory=list)
     micro_targets: list[PyTree] = field(default_factory=list)
+    # per microbatch, the keyword arguments every stage of the rank is called with
+    micro_kwargs: Sequence[Mapping[str, object]] = ()
     loss_fn: LossFn | None = None  # the step's: the executor's, with the step's loss_kwargs
     keep_outputs: bool = False  # keep the last stage's outputs (outputs, below)
     measure_layers: bool = False  # measure every chunk held whole, layer by layer
@@ -138,8 +141,9 @@ class Interpreter:
         stage = self.stages[stage_index]
         x, inputs = self._input(state, key)
         target = state.micro_targets[micro] if stage.is_last and state.micro_targets else None
+        kwargs = state.micro_kwargs[micro] if state.micro_kwargs else None
         if state.forward_only:
-            state.chunks[key] = evaluate_chunk(stage, micro, x, target, state,
+            state.chunks[key] = evaluate_chunk(stage, micro, (x, kwargs), target, state,
                                                self.autocast())
             return
         redo = self.recomputed.get(key)
@@ -157,7 +161,7 @@ class Interpreter:
             self.recomputing[stage_index] = redo or frozenset()
         try:
             with self.autocast():
-                chunk = forward_chunk(stage.forward, x, inputs=inputs,
+                chunk = forward_chunk(partial(stage.forward, kwargs=kwargs), x, inputs=inputs,
                                       carries=_carries(state, stage), target=target,
                                       loss_fn=state.loss_fn, scale=self.loss_scale,
                                       saving=state.session.forward(key) if accounted else None,
@@ -171,7 +175,7 @@ class Interpreter:
             if chunk.value is not None:  # kept: nothing reads it in the step
                 state.outputs[micro] = chunk.value
         if accounted:
-            state.session.protect(key, [x, chunk.value, target])
+            state.session.protect(key, [x, chunk.value, target, kwargs])
             if chain is not None:
                 chain.forward_done()
             state.memory.forward_done(key, state.session, marks)
@@ -372,8 +376,13 @@ class Interpreter:
 def take_batch(stages: Mapping[int, PipelineStage], rank: int, microbatches: int,
                state: StepState, inputs: PyTree | None, targets: PyTree | None,
                input_meta: BoundaryMeta | None) -> None:
-    """Split this rank's part of the batch into microbatches, checking it fits;
-    ``input_meta``: what the first step's microbatches of the inputs held."""
+    """Split this rank's part of the batch into microbatches, checking it fits (and the
+    keyword arguments for every stage, given per microbatch); ``input_meta``: what the first
+    step's microbatches of the inputs held."""
+    if state.micro_kwargs and len(state.micro_kwargs) != microbatches:
+        raise PipelineSetupError(
+            f"rank {rank}: keyword arguments for {len(state.micro_kwargs)} microbatches, but "
+            f"the step runs {microbatches}: give one mapping per microbatch")
     if any(stage.is_first for stage in stages.values()):
         if inputs is None:
             raise PipelineSetupError(f"rank {rank} runs the first stage: pass inputs")
@@ -415,7 +424,8 @@ def _carries(state: StepState, stage: PipelineStage
     return carried
 
 
-def evaluate_chunk(stage: PipelineStage, micro: int, x: PyTree, target: PyTree | None,
+def evaluate_chunk(stage: PipelineStage, micro: int,
+                   call: tuple[PyTree, Mapping[str, object] | None], target: PyTree | None,
                    state: StepState, autocast: AbstractContextManager[object]
                    ) -> ChunkAutograd:
     """A forward-only step's forward of one chunk, without autograd: its output kept to
@@ -425,7 +435,7 @@ def evaluate_chunk(stage: PipelineStage, micro: int, x: PyTree, target: PyTree |
     from torch.utils._pytree import tree_map_only
 
     with torch.no_grad(), autocast:
-        out = stage.forward(x)
+        out = stage.forward(*call)
         loss_fn: Callable[..., torch.Tensor] | None = state.loss_fn  # targets: any pytree
         loss = loss_fn(out, target) if target is not None and loss_fn is not None else None
     if stage.is_last:

@@ -278,29 +278,35 @@ class PipelineExecutor:
     # -- one step --------------------------------------------------------------------------
 
     def step(self, inputs: PyTree | None = None, targets: PyTree | None = None, *,
-             measure: Measure = Measure(), loss_kwargs: Mapping[str, object] | None = None
-             ) -> StepReport:
+             measure: Measure = Measure(), loss_kwargs: Mapping[str, object] | None = None,
+             stage_kwargs: Sequence[Mapping[str, object]] = ()) -> StepReport:
         """Run every microbatch of one batch forward and backward, measuring what
         ``measure`` asks; ``loss_kwargs`` go to the loss function with each microbatch's
-        output and target.
+        output and target, ``stage_kwargs`` (one mapping per microbatch, any values) to
+        every stage of this rank with that microbatch.
 
         ``inputs`` is needed on the rank of the first stage, ``targets`` on the rank of the
         last (other ranks may pass them too; they are ignored). The report holds the losses
         (and, with ``Measure(outputs=True)``, the last stage's outputs) on the last stage's
         rank.
         """
-        return self._run(inputs, targets, measure, loss_kwargs, forward_only=False)
+        return self._run(inputs, targets, measure, loss_kwargs, stage_kwargs,
+                         forward_only=False)
 
     def evaluate(self, inputs: PyTree | None = None, targets: PyTree | None = None, *,
                  measure: Measure = Measure(outputs=True),
-                 loss_kwargs: Mapping[str, object] | None = None) -> StepReport:
+                 loss_kwargs: Mapping[str, object] | None = None,
+                 stage_kwargs: Sequence[Mapping[str, object]] = ()) -> StepReport:
         """Every microbatch of one batch forward only, without autograd, swap or recompute:
         the step's forwards in its order, so outputs and losses are a step's bit for bit.
         ``targets`` are optional: without them no loss. Every rank calls it, as ``step``."""
-        return self._run(inputs, targets, measure, loss_kwargs, forward_only=True)
+        return self._run(inputs, targets, measure, loss_kwargs, stage_kwargs,
+                         forward_only=True)
 
     def _run(self, inputs: PyTree | None, targets: PyTree | None, measure: Measure,
-             loss_kwargs: Mapping[str, object] | None, *, forward_only: bool) -> StepReport:
+             loss_kwargs: Mapping[str, object] | None,
+             stage_kwargs: Sequence[Mapping[str, object]], *, forward_only: bool
+             ) -> StepReport:
         """A step or an evaluation, and its report."""
         if self._closed:
             raise PipelineError(f"rank {self.rank}: this executor was closed; build a new one")
@@ -310,7 +316,8 @@ class PipelineExecutor:
             self.platform.measure_allocations() if measure.allocator else nullcontext())
         skipped = self.manager.stats().skipped if self._runs == 0 and self.swapped else None
         with measuring as allocated:
-            state = self._step(inputs, targets, measure, loss_kwargs, forward_only)
+            state = self._step(inputs, targets, measure, loss_kwargs, stage_kwargs,
+                               forward_only)
         if skipped is not None:  # said once a run: the same every step
             line = kept_on_device(self.rank, skipped, self.manager.stats().skipped)
             if line is not None:
@@ -318,26 +325,12 @@ class PipelineExecutor:
         # The step's device work included (nothing else waits for it on a rank without the
         # last stage, whose end-of-step agreement runs on the host).
         self.platform.current_stream().synchronize()
-        tensors = tuple(state.losses[m] for m in sorted(state.losses))
-        losses: list[float] = []
-        if tensors:  # one host sync for all of them
-            import torch
-
-            losses = torch.stack(tensors).tolist()
-        report = state.memory.report(
-            losses=tuple(losses), seconds=time.perf_counter() - start,
-            swapped_chunks=0 if forward_only else len(self.swapped),
-            peak_allocated_bytes=None if allocated is None else allocated.peak_bytes)
-        report = dataclasses.replace(
-            report, loss_tensors=tensors,
-            outputs=tuple(state.outputs[m] for m in sorted(state.outputs)))
-        if state.times is None:
-            return report
-        return dataclasses.replace(report, compute_seconds=state.times.means(),
-                                   copy_wait_seconds=state.times.copy_wait)
+        return _report(state, time.perf_counter() - start, allocated,
+                       0 if forward_only else len(self.swapped))
 
     def _step(self, inputs: PyTree | None, targets: PyTree | None, measure: Measure,
-              loss_kwargs: Mapping[str, object] | None, forward_only: bool) -> StepState:
+              loss_kwargs: Mapping[str, object] | None,
+              stage_kwargs: Sequence[Mapping[str, object]], forward_only: bool) -> StepState:
         """The step up to closing its swap session (the part Measure.allocator measures)."""
         self._runs += 1
         session = SwapSession(self.manager, f"x{id(self):x}.run{self._runs}")
@@ -348,7 +341,7 @@ class PipelineExecutor:
                           else loss_fn,
                           keep_outputs=measure.outputs,
                           measure_layers=measure.layers and not forward_only,
-                          forward_only=forward_only)
+                          micro_kwargs=stage_kwargs, forward_only=forward_only)
         state.at = "its batch check"
         if self._watch is not None:
             assert self.transport.board is not None
@@ -402,6 +395,25 @@ class PipelineExecutor:
                 self.transport, "the end-of-step agreement of the data-parallel group",
                 self._dp_control)
 
+def _report(state: StepState, seconds: float, allocated: AllocationPeak | None,
+            swapped: int) -> StepReport:
+    """What a step did on this rank: its losses (read in one host sync), counts, measures,
+    and the outputs it kept."""
+    import torch
+
+    tensors = tuple(state.losses[m] for m in sorted(state.losses))
+    losses: list[float] = torch.stack(tensors).tolist() if tensors else []
+    report = dataclasses.replace(
+        state.memory.report(losses=tuple(losses), seconds=seconds, swapped_chunks=swapped,
+                            peak_allocated_bytes=None if allocated is None
+                            else allocated.peak_bytes),
+        loss_tensors=tensors, outputs=tuple(state.outputs[m] for m in sorted(state.outputs)))
+    if state.times is None:
+        return report
+    return dataclasses.replace(report, compute_seconds=state.times.means(),
+                               copy_wait_seconds=state.times.copy_wait)
+
+
 def _run_order(executor: PipelineExecutor, state: StepState, order: Order,
                times: StepTimes | None) -> None:
     """Run ``order`` (``state.at``: the step running); with ``times``, each compute
@@ -438,7 +450,7 @@ def _exchange_shapes(executor: PipelineExecutor, state: StepState) -> BoundaryMe
             stages=executor._interpreter.stages, sharded=executor._sharded,
             device=executor.platform.device, autocast=executor._interpreter.autocast,
             recorder=recorder, target=state.micro_targets[0] if state.micro_targets else None,
-            loss_fn=state.loss_fn)
+            loss_fn=state.loss_fn, kwargs=state.micro_kwargs[0] if state.micro_kwargs else None)
     if recorder is not None:
         state.at = "the reservation of host buffers"
         _reserve(executor.manager, executor.rank,

@@ -324,14 +324,15 @@ def exchange_shapes(example: PyTree | None, transport: Transport, *, schedule: S
                     sharded: Mapping[int, ShardedStage], device: torch.device,
                     autocast: Callable[[], AbstractContextManager[object]],
                     recorder: SavedRecorder | None = None, target: PyTree | None = None,
-                    loss_fn: Callable[..., torch.Tensor] | None = None) -> None:
+                    loss_fn: Callable[..., torch.Tensor] | None = None,
+                    kwargs: Mapping[str, object] | None = None) -> None:
     """Run each stage of this rank once on zeros, in stage order, passing what its output
     holds (the structure, shapes, dtypes, and which tensors carry a gradient) down the
     chain into ``transport.boundary`` (see :func:`pipeswap.runtime.executor.stage.output_meta`);
     ``example``: a microbatch of the inputs, on the rank of the first stage. ``recorder``:
     also record what each stage's forward saves (the last stage's with its loss on
     ``target``, a microbatch of the targets, by ``loss_fn``), for the host buffers to
-    reserve."""
+    reserve. ``kwargs``: a microbatch's keyword arguments for every stage."""
     ranks = schedule.stage_ranks
     for index in range(schedule.num_stages):
         if ranks[index] != rank:
@@ -354,10 +355,10 @@ def exchange_shapes(example: PyTree | None, transport: Transport, *, schedule: S
         try:
             if stage.is_last:
                 assert recorder is not None and loss_fn is not None and target is not None
-                recorder.last_stage(stage, meta, target, loss_fn, device, autocast)
+                recorder.last_stage(stage, meta, target, loss_fn, device, autocast, kwargs)
                 break
             with recorder.stage(stage) if recorder is not None else nullcontext():
-                boundary = output_meta(stage, meta, device, autocast)
+                boundary = output_meta(stage, meta, device, autocast, kwargs)
         finally:
             if gathered is not None:
                 gathered.reshard()

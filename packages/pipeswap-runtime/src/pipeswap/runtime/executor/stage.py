@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING
 
@@ -73,17 +73,18 @@ class PipelineStage:
     def is_last(self) -> bool:
         return self.stage_index == self.num_stages - 1
 
-    def forward(self, value: PyTree) -> PyTree:
-        """The module on ``value``, unpacked as the class docstring says; its output must be
-        a pytree of tensors."""
-
+    def forward(self, value: PyTree, kwargs: Mapping[str, object] | None = None) -> PyTree:
+        """The module on ``value``, unpacked as the class docstring says, and on keyword
+        arguments the step gives every stage (``kwargs``: a microbatch's, tensors and other
+        values alike); its output must be a pytree of tensors."""
+        extra = kwargs or {}
         out: PyTree  # once flatten has checked it
         if isinstance(value, tuple):
-            out = self.module(*value)
+            out = self.module(*value, **extra)
         elif isinstance(value, dict):
-            out = self.module(**value)
+            out = self.module(**value, **extra)
         else:
-            out = self.module(value)
+            out = self.module(value, **extra)
         flatten(out, f"stage {self.stage_index}'s output")
         return out
 
@@ -92,7 +93,8 @@ class PipelineStage:
 
 
 def output_meta(stage: PipelineStage, meta: BoundaryMeta, device: torch.device,
-                autocast: Callable[[], AbstractContextManager[object]]) -> BoundaryMeta:
+                autocast: Callable[[], AbstractContextManager[object]],
+                kwargs: Mapping[str, object] | None = None) -> BoundaryMeta:
     """What ``stage`` outputs for an input described by ``meta``: its structure, shapes,
     dtypes, and which tensors carry a gradient back, from one dry run on zeros.
 
@@ -111,7 +113,7 @@ def output_meta(stage: PipelineStage, meta: BoundaryMeta, device: torch.device,
         leaves = [torch.zeros(leaf.shape, dtype=leaf.dtype, device=device).requires_grad_(grad)
                   for leaf, grad in zip(meta.leaves, meta.grads)]
         with autocast():
-            out = stage.forward(meta.unflatten(leaves))
+            out = stage.forward(meta.unflatten(leaves), kwargs)
         for name, b in stage.module.named_buffers():
             b.copy_(saved[name])
     boundary, _ = BoundaryMeta.of(out, f"stage {index}'s output")

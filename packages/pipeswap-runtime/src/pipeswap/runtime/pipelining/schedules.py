@@ -18,8 +18,8 @@ from pipeswap.runtime.executor.planning import MEASURE_TO_PLAN, Measured, budget
 from pipeswap.runtime.pipelining.stages import (
     StageArgument,
     merged,
+    microbatch_kwargs,
     pipeswap_stage,
-    with_kwargs,
 )
 from pipeswap.schedule import GRANULARITIES, Granularity, SwapPolicy, TransportModel
 
@@ -98,8 +98,7 @@ class _PipelineSchedule:
         self._granularity, self._transport = swap_granularity, check_transport
         self._failure_timeout_s = failure_timeout_s
         self._stages = [pipeswap_stage(stage) for stage in given]
-        self._modules = [stage.module for stage in self._stages]  # as the user built them
-        self._stages = [with_kwargs(stage) for stage in self._stages]
+        self._modules = [stage.module for stage in self._stages]
         self.executor = self._executor(not self._measuring and (swap or policy is not None),
                                        policy)
 
@@ -163,8 +162,9 @@ class _PipelineSchedule:
                 "torch.no_grad())")
         measure = replace(MEASURE_TO_PLAN if self._measuring else Measure(),
                           outputs=return_outputs)
-        report = self._report = self.executor.step(self._inputs(args, kwargs), target,
-                                                   measure=measure, loss_kwargs=loss_kwargs)
+        report = self._report = self.executor.step(
+            self._inputs(args), target, measure=measure, loss_kwargs=loss_kwargs,
+            stage_kwargs=microbatch_kwargs(kwargs, self._n_microbatches))
         if self.scale_grads and self._n_microbatches != 1:
             for module in self._modules:
                 for parameter in module.parameters():
@@ -187,7 +187,9 @@ class _PipelineSchedule:
         same forwards as :meth:`step`'s; ``losses`` filled with each microbatch's loss where
         ``target`` is given, and the last stage's output returned on its rank, merged along
         dimension 0 (None elsewhere)."""
-        report = self.executor.evaluate(self._inputs(args, kwargs), target)
+        report = self.executor.evaluate(
+            self._inputs(args), target,
+            stage_kwargs=microbatch_kwargs(kwargs, self._n_microbatches))
         if not any(stage.is_last for stage in self._stages):
             return None
         if losses is not None and target is not None:
@@ -195,12 +197,13 @@ class _PipelineSchedule:
             losses.extend(report.loss_tensors)
         return merged(list(report.outputs))
 
-    def _inputs(self, args: tuple[object, ...], kwargs: dict[str, object]) -> PyTree | None:
+    def _inputs(self, args: tuple[object, ...]) -> PyTree | None:
         """What the executor splits into microbatches: on the first stage's rank the
-        arguments as they are, which its module (:class:`_FirstStage`) takes apart."""
+        positional arguments, which its module is called with (keyword arguments go to
+        every stage, as PyTorch passes them)."""
         if not any(stage.is_first for stage in self._stages):
             return None
-        return cast("PyTree", {"args": args, "kwargs": kwargs})
+        return cast("PyTree", tuple(args))
 
 
 def _refusal(args_chunk_spec: object, kwargs_chunk_spec: object, output_merge_spec: object,

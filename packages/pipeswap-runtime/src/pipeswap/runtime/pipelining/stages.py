@@ -1,6 +1,7 @@
 """The stages the drop-in schedule classes take: PyTorch's ``PipelineStage`` (or any object
-with its attributes, :class:`TorchStageLike`) or pipeswap's, each made pipeswap's, and the
-first stage's module called as PyTorch's schedules call it."""
+with its attributes, :class:`TorchStageLike`) or pipeswap's, each made pipeswap's, and what
+they are called with: ``step``'s keyword arguments split per microbatch, for every stage,
+as PyTorch's schedules pass them."""
 
 from __future__ import annotations
 
@@ -8,13 +9,14 @@ from collections.abc import Sequence
 from typing import Protocol, Union
 
 import torch
+from torch.distributed.pipelining.microbatch import split_args_kwargs_into_chunks
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from pipeswap.runtime.distributed.transport import PyTree
 from pipeswap.runtime.errors import PipelineSetupError
 from pipeswap.runtime.executor.stage import PipelineStage
 
-__all__ = ["StageArgument", "TorchStageLike", "merged", "pipeswap_stage", "with_kwargs"]
+__all__ = ["StageArgument", "TorchStageLike", "merged", "microbatch_kwargs", "pipeswap_stage"]
 
 
 class TorchStageLike(Protocol):
@@ -29,20 +31,6 @@ class TorchStageLike(Protocol):
 
 #: A stage as the classes take it: PyTorch's, or pipeswap's own.
 StageArgument = Union[PipelineStage, TorchStageLike]
-
-
-class _FirstStage(torch.nn.Module):
-    """The first stage's module behind one called with ``args`` and ``kwargs`` (the executor
-    passes a dict as keyword arguments), so that ``step(*args, **kwargs)`` reaches it as
-    PyTorch's schedules call it: ``module(*args, **kwargs)``."""
-
-    def __init__(self, inner: torch.nn.Module) -> None:
-        super().__init__()
-        self.inner = inner
-
-    def forward(self, args: tuple[object, ...], kwargs: dict[str, object]) -> PyTree:
-        out: PyTree = self.inner(*args, **kwargs)
-        return out
 
 
 def pipeswap_stage(stage: StageArgument) -> PipelineStage:
@@ -60,15 +48,6 @@ def pipeswap_stage(stage: StageArgument) -> PipelineStage:
                          group=getattr(stage, "group", None), device=stage.device)
 
 
-def with_kwargs(stage: PipelineStage) -> PipelineStage:
-    """The first stage with its module behind :class:`_FirstStage`; others as they are."""
-    if not stage.is_first:
-        return stage
-    return PipelineStage(_FirstStage(stage.module), stage.stage_index,
-                         stage.num_stages, group=stage.group, layers=stage.layers,
-                         device=stage.device)
-
-
 def merged(outputs: Sequence[PyTree]) -> PyTree | None:
     """The microbatches' outputs joined along dimension 0, as PyTorch's default merge."""
     if not outputs:
@@ -80,3 +59,13 @@ def merged(outputs: Sequence[PyTree]) -> PyTree | None:
               for k in range(len(flat[0][0]))]
     whole: PyTree = tree_unflatten(leaves, spec)
     return whole
+
+
+def microbatch_kwargs(kwargs: dict[str, object], microbatches: int
+                      ) -> list[dict[str, object]]:
+    """``step``'s keyword arguments per microbatch, as PyTorch's schedules split them (its
+    own function: tensors along dimension 0, other values copied to each); none for none."""
+    if not kwargs:
+        return []
+    _, split = split_args_kwargs_into_chunks((), kwargs, microbatches)
+    return [dict(each) for each in split]
