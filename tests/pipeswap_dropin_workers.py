@@ -203,3 +203,33 @@ def keyword_arguments(rank: int, world: int, name: str) -> dict[str, Any]:
         found[mode] = {"losses": [loss.detach() for loss in losses], "output": output,
                        "eval_losses": evaluated, "eval_output": out, "grads": grads}
     return found
+
+
+def presplit(rank: int, world: int, name: str) -> dict[str, Any]:
+    """pipeswap's class given microbatches already split (``_step_microbatches``), and
+    PyTorch's given the whole batch to split (its ``_step_microbatches`` runs no backward
+    unless its ``step`` set it up): each rank's losses and gradients."""
+    count = world if name in SINGLE else 2 * world
+    modules = model(count)
+    x, y = batch()
+    arg_mbs = [(chunk,) for chunk in x.chunk(MICRO)]
+    target_mbs = list(y.chunk(MICRO))
+    found: dict[str, Any] = {}
+    for mode, schedule_of in (("torch", torch_pipelining), ("pipeswap", pipeswap_pipelining)):
+        indices = stage_indices(name, rank, world)
+        stages = [torch_pipelining.PipelineStage(copy.deepcopy(modules[index]), index, count,
+                                                 torch.device("cpu")) for index in indices]
+        schedule = getattr(schedule_of, name)(stages[0] if name in SINGLE else stages,
+                                              n_microbatches=MICRO, loss_fn=loss_fn)
+        losses: list[torch.Tensor] = []
+        first, last = 0 in indices, count - 1 in indices
+        if schedule_of is torch_pipelining:  # the reference: its step on the whole batch
+            schedule.step(x if first else None, target=y if last else None, losses=losses)
+        else:
+            schedule._step_microbatches(arg_mbs if first else None, None,
+                                        target_mbs if last else None, losses)
+        found[mode] = {"losses": [loss.detach() for loss in losses],
+                       "grads": {f"{stage.stage_index}.{n}": p.grad.clone()
+                                 for stage in stages for n, p in stage.submod.named_parameters()
+                                 if p.grad is not None}}
+    return found

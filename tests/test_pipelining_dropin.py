@@ -152,3 +152,21 @@ def test_keyword_arguments_reach_every_stage_as_pytorchs_classes_pass_them(name:
         assert rank["pipeswap"]["grads"].keys() == rank["torch"]["grads"].keys() != set()
         for key, grad in rank["torch"]["grads"].items():
             assert torch.equal(rank["pipeswap"]["grads"][key], grad), key
+
+
+@pytest.mark.parametrize("name", ["Schedule1F1B", "ScheduleInterleaved1F1B"])
+def test_microbatches_given_already_split_train_as_pytorchs_classes_do(name: str) -> None:
+    """``_step_microbatches(arg_mbs, kwarg_mbs, target_mbs, losses)``, the step on
+    microbatches a caller split itself: the losses and gradients of PyTorch's step on the
+    whole batch, bit for bit."""
+    from pipeswap_dropin_workers import presplit
+
+    ranks = POOL.run(presplit, 2, name, timeout_s=120)
+    last = [rank for rank in ranks if rank["torch"]["losses"]]
+    assert len(last) == 1 and len(last[0]["pipeswap"]["losses"]) == MICRO
+    assert all(torch.equal(a, b) for a, b in zip(last[0]["pipeswap"]["losses"],
+                                                 last[0]["torch"]["losses"]))
+    for rank in ranks:
+        assert rank["pipeswap"]["grads"].keys() == rank["torch"]["grads"].keys() != set()
+        for key, grad in rank["torch"]["grads"].items():
+            assert torch.equal(rank["pipeswap"]["grads"][key], grad), key

@@ -19,6 +19,7 @@ from pipeswap.runtime.executor.options import (
     DataParallel,
     FailureHandling,
     Measure,
+    Microbatches,
     Numerics,
     SwapOptions,
 )
@@ -34,6 +35,7 @@ __all__ = [
     "DataParallel",
     "FailureHandling",
     "Measure",
+    "Microbatches",
     "Numerics",
     "PeerFailedError",
     "PipelineCommError",

@@ -13,7 +13,7 @@ from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from functools import partial
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, ClassVar, cast
 
 from pipeswap.runtime.executor.failure import collective
 from pipeswap.runtime.executor.backward import ChunkAutograd, forward_chunk
@@ -26,6 +26,7 @@ from pipeswap.runtime.distributed.transport import (
 )
 from pipeswap.runtime.errors import PipelineError, PipelineSetupError
 from pipeswap.runtime.executor.microbatch import split_tree
+from pipeswap.runtime.executor.options import Microbatches
 from pipeswap.runtime.executor.step_report import LayerMarks, MemoryAccount
 from pipeswap.runtime.executor.swap_session import SwapSession
 from pipeswap.runtime.executor.backward_split import SplitCache
@@ -374,7 +375,8 @@ class Interpreter:
 
 
 def take_batch(stages: Mapping[int, PipelineStage], rank: int, microbatches: int,
-               state: StepState, inputs: PyTree | None, targets: PyTree | None,
+               state: StepState, inputs: PyTree | Microbatches | None,
+               targets: PyTree | Microbatches | None,
                input_meta: BoundaryMeta | None) -> None:
     """Split this rank's part of the batch into microbatches, checking it fits (and the
     keyword arguments for every stage, given per microbatch); ``input_meta``: what the first
@@ -386,7 +388,7 @@ def take_batch(stages: Mapping[int, PipelineStage], rank: int, microbatches: int
     if any(stage.is_first for stage in stages.values()):
         if inputs is None:
             raise PipelineSetupError(f"rank {rank} runs the first stage: pass inputs")
-        state.micro_inputs = split_tree(inputs, microbatches, "inputs")
+        state.micro_inputs = _split(inputs, microbatches, "inputs")
         meta = BoundaryMeta.of(state.micro_inputs[0], "the inputs")[0]
         if input_meta is not None and meta != input_meta:
             def shapes(m: BoundaryMeta) -> list[tuple[int, ...]]:
@@ -401,7 +403,7 @@ def take_batch(stages: Mapping[int, PipelineStage], rank: int, microbatches: int
             if state.forward_only:
                 return  # an evaluation without a loss
             raise PipelineSetupError(f"rank {rank} runs the last stage: pass targets")
-        state.micro_targets = split_tree(targets, microbatches, "targets")
+        state.micro_targets = _split(targets, microbatches, "targets")
 
 
 def _carries(state: StepState, stage: PipelineStage
@@ -454,3 +456,14 @@ def finish_order(state: StepState, rank: int) -> None:
         raise PipelineError(
             f"rank {rank}: the schedule posted receives no step consumed: "
             f"{', '.join(str(t.step) for t in state.receives.values())}")
+
+
+def _split(value: PyTree | Microbatches, microbatches: int, what: str) -> list[PyTree]:
+    """``value`` in microbatches: split along dimension 0, or as given already split."""
+    if not isinstance(value, Microbatches):
+        return split_tree(value, microbatches, what)
+    if len(value.parts) != microbatches:
+        raise PipelineSetupError(
+            f"{what} given in {len(value.parts)} microbatches, but the step runs "
+            f"{microbatches}: give one part per microbatch")
+    return [cast("PyTree", part) for part in value.parts]

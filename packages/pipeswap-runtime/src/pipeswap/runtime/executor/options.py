@@ -23,7 +23,8 @@ if TYPE_CHECKING:
 
     from pipeswap.swap import SwapManager
 
-__all__ = ["DataParallel", "FailureHandling", "Measure", "Numerics", "SwapOptions"]
+__all__ = ["DataParallel", "FailureHandling", "Measure", "Microbatches", "Numerics",
+           "SwapOptions"]
 
 
 @dataclass(frozen=True)
@@ -95,6 +96,15 @@ class Numerics:
 
     mean_loss: bool = True
     autocast_dtype: torch.dtype | None = None
+
+
+@dataclass(frozen=True)
+class Microbatches:
+    """A step's inputs or targets already split, one part per microbatch (as PyTorch's
+    ``_step_microbatches`` takes them), which the executor uses as they are instead of
+    splitting the whole batch along dimension 0."""
+
+    parts: tuple[object, ...]
 
 
 @dataclass(frozen=True)

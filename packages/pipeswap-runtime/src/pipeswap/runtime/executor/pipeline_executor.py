@@ -69,6 +69,7 @@ from pipeswap.runtime.executor.options import (
     DataParallel,
     FailureHandling,
     Measure,
+    Microbatches,
     Numerics,
     SwapOptions,
 )
@@ -277,7 +278,8 @@ class PipelineExecutor:
 
     # -- one step --------------------------------------------------------------------------
 
-    def step(self, inputs: PyTree | None = None, targets: PyTree | None = None, *,
+    def step(self, inputs: PyTree | Microbatches | None = None,
+             targets: PyTree | Microbatches | None = None, *,
              measure: Measure = Measure(), loss_kwargs: Mapping[str, object] | None = None,
              stage_kwargs: Sequence[Mapping[str, object]] = ()) -> StepReport:
         """Run every microbatch of one batch forward and backward, measuring what
@@ -286,14 +288,16 @@ class PipelineExecutor:
         every stage of this rank with that microbatch.
 
         ``inputs`` is needed on the rank of the first stage, ``targets`` on the rank of the
-        last (other ranks may pass them too; they are ignored). The report holds the losses
+        last (other ranks may pass them too; they are ignored): whole, split here along
+        dimension 0, or already split (:class:`Microbatches`). The report holds the losses
         (and, with ``Measure(outputs=True)``, the last stage's outputs) on the last stage's
         rank.
         """
         return self._run(inputs, targets, measure, loss_kwargs, stage_kwargs,
                          forward_only=False)
 
-    def evaluate(self, inputs: PyTree | None = None, targets: PyTree | None = None, *,
+    def evaluate(self, inputs: PyTree | Microbatches | None = None,
+                 targets: PyTree | Microbatches | None = None, *,
                  measure: Measure = Measure(outputs=True),
                  loss_kwargs: Mapping[str, object] | None = None,
                  stage_kwargs: Sequence[Mapping[str, object]] = ()) -> StepReport:
@@ -303,7 +307,8 @@ class PipelineExecutor:
         return self._run(inputs, targets, measure, loss_kwargs, stage_kwargs,
                          forward_only=True)
 
-    def _run(self, inputs: PyTree | None, targets: PyTree | None, measure: Measure,
+    def _run(self, inputs: PyTree | Microbatches | None,
+             targets: PyTree | Microbatches | None, measure: Measure,
              loss_kwargs: Mapping[str, object] | None,
              stage_kwargs: Sequence[Mapping[str, object]], *, forward_only: bool
              ) -> StepReport:
@@ -328,7 +333,8 @@ class PipelineExecutor:
         return _report(state, time.perf_counter() - start, allocated,
                        0 if forward_only else len(self.swapped))
 
-    def _step(self, inputs: PyTree | None, targets: PyTree | None, measure: Measure,
+    def _step(self, inputs: PyTree | Microbatches | None,
+              targets: PyTree | Microbatches | None, measure: Measure,
               loss_kwargs: Mapping[str, object] | None,
               stage_kwargs: Sequence[Mapping[str, object]], forward_only: bool) -> StepState:
         """The step up to closing its swap session (the part Measure.allocator measures)."""

@@ -12,7 +12,13 @@ import torch
 from torch.distributed.pipelining.schedules import PipelineScheduleMulti, PipelineScheduleSingle
 
 from pipeswap.runtime.errors import PipelineSetupError
-from pipeswap.runtime.executor.options import FailureHandling, Measure, Numerics, SwapOptions
+from pipeswap.runtime.executor.options import (
+    FailureHandling,
+    Measure,
+    Microbatches,
+    Numerics,
+    SwapOptions,
+)
 from pipeswap.runtime.executor.pipeline_executor import PipelineExecutor
 from pipeswap.runtime.executor.planning import MEASURE_TO_PLAN, Measured, budget_policy
 from pipeswap.runtime.pipelining.stages import (
@@ -156,6 +162,34 @@ class _PipelineSchedule:
         microbatch's loss and the last stage's output is returned (merged along dimension
         0; None elsewhere, or without ``return_outputs``); ``loss_kwargs`` go to the loss
         function with each microbatch's output and target."""
+        return self._train(self._inputs(args), target,
+                           microbatch_kwargs(kwargs, self._n_microbatches), losses,
+                           return_outputs, loss_kwargs)
+
+    def _step_microbatches(self, arg_mbs: list[tuple[object, ...]] | None = None,
+                           kwarg_mbs: list[dict[str, object]] | None = None,
+                           target_mbs: list[PyTree] | None = None,
+                           losses: list[torch.Tensor] | None = None,
+                           return_outputs: bool = True,
+                           loss_kwargs: dict[str, object] | None = None) -> PyTree | None:
+        """PyTorch's step on microbatches already split: ``arg_mbs`` (each microbatch's
+        positional arguments, on the first stage's rank), ``kwarg_mbs`` (each one's keyword
+        arguments, for every stage of the rank) and ``target_mbs`` (on the last stage's
+        rank), ``n_microbatches`` of each (checked in the step, so a wrong count fails it on
+        every rank)."""
+        first = any(stage.is_first for stage in self._stages)
+        inputs = (Microbatches(tuple(tuple(args) for args in arg_mbs))
+                  if first and arg_mbs is not None else None)
+        targets = None if target_mbs is None else Microbatches(tuple(target_mbs))
+        return self._train(inputs, targets, [dict(k) for k in kwarg_mbs or ()], losses,
+                           return_outputs, loss_kwargs)
+
+    def _train(self, inputs: PyTree | Microbatches | None,
+               targets: PyTree | Microbatches | None, stage_kwargs: list[dict[str, object]],
+               losses: list[torch.Tensor] | None, return_outputs: bool,
+               loss_kwargs: dict[str, object] | None) -> PyTree | None:
+        """One training step of the executor, then PyTorch's gradient scaling, losses and
+        merged output; the plan under a budget made after the first."""
         if not torch.is_grad_enabled():
             raise PipelineSetupError(
                 "step() runs the backward: call it with gradients enabled (not under "
@@ -163,8 +197,8 @@ class _PipelineSchedule:
         measure = replace(MEASURE_TO_PLAN if self._measuring else Measure(),
                           outputs=return_outputs)
         report = self._report = self.executor.step(
-            self._inputs(args), target, measure=measure, loss_kwargs=loss_kwargs,
-            stage_kwargs=microbatch_kwargs(kwargs, self._n_microbatches))
+            inputs, targets, measure=measure, loss_kwargs=loss_kwargs,
+            stage_kwargs=stage_kwargs)
         if self.scale_grads and self._n_microbatches != 1:
             for module in self._modules:
                 for parameter in module.parameters():
