@@ -233,3 +233,39 @@ def presplit(rank: int, world: int, name: str) -> dict[str, Any]:
                                  for stage in stages for n, p in stage.submod.named_parameters()
                                  if p.grad is not None}}
     return found
+
+
+def by_name(rank: int, world: int, name: str, swap: bool) -> dict[str, Any]:
+    """A trainer that picks its schedule by name and builds it from PyTorch's arguments, as
+    torchtitan's ``build_pipeline_schedule`` does (its calls, made here): with PyTorch's
+    ``get_schedule_class`` and pipeswap's (``swap`` bound to the class): each rank's
+    losses and gradients."""
+    from torch.distributed.pipelining.schedules import PipelineScheduleMulti
+    from torch.distributed.pipelining.schedules import get_schedule_class as pytorchs
+
+    from pipeswap.runtime.pipelining import get_schedule_class as pipeswaps
+
+    found: dict[str, Any] = {}
+    for mode in ("torch", "pipeswap"):
+        schedule_class: Any = (pytorchs(name) if mode == "torch"
+                               else pipeswaps(name, swap=True) if swap else pipeswaps(name))
+        looped = issubclass(schedule_class, PipelineScheduleMulti)
+        count = 2 * world if looped else world
+        modules = model(count)
+        indices = stage_indices("ScheduleZBVZeroBubble" if name == "ZBVZeroBubble"
+                                else "ScheduleInterleaved1F1B" if looped else "Schedule1F1B",
+                                rank, world)
+        stages = [torch_pipelining.PipelineStage(copy.deepcopy(modules[index]), index, count,
+                                                 torch.device("cpu")) for index in indices]
+        schedule = schedule_class(stages if looped else stages[0], n_microbatches=MICRO,
+                                  loss_fn=loss_fn, scale_grads=False)
+        x, y = batch()
+        losses: list[torch.Tensor] = []
+        schedule.step(x if 0 in indices else None, target=y if count - 1 in indices else None,
+                      losses=losses)
+        found[mode] = {"losses": [loss.detach() for loss in losses], "looped": looped,
+                       "swapped": mode == "pipeswap" and schedule.report.swapped_chunks > 0,
+                       "grads": {f"{stage.stage_index}.{n}": p.grad.clone()
+                                 for stage in stages for n, p in stage.submod.named_parameters()
+                                 if p.grad is not None}}
+    return found

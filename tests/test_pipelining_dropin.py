@@ -170,3 +170,23 @@ def test_microbatches_given_already_split_train_as_pytorchs_classes_do(name: str
         assert rank["pipeswap"]["grads"].keys() == rank["torch"]["grads"].keys() != set()
         for key, grad in rank["torch"]["grads"].items():
             assert torch.equal(rank["pipeswap"]["grads"][key], grad), key
+
+
+@pytest.mark.parametrize(("name", "swap"), [("1F1B", True), ("ZBVZeroBubble", True),
+                                            ("Interleaved1F1B", False)])
+def test_a_trainer_that_picks_its_schedule_by_name_gets_pipeswaps(name: str, swap: bool) -> None:
+    """The calls torchtitan's ``build_pipeline_schedule`` makes (a class by name, looped or
+    not by PyTorch's base class, built from PyTorch's arguments, ``step``), once with
+    PyTorch's ``get_schedule_class`` and once with pipeswap's (swap bound to the class):
+    the same layout, losses and gradients bit for bit, and swap happened."""
+    from pipeswap_dropin_workers import by_name
+
+    ranks = POOL.run(by_name, 2, name, swap, timeout_s=120)
+    for rank in ranks:
+        assert rank["pipeswap"]["looped"] == rank["torch"]["looped"]
+        assert rank["pipeswap"]["grads"].keys() == rank["torch"]["grads"].keys() != set()
+        for key, grad in rank["torch"]["grads"].items():
+            assert torch.equal(rank["pipeswap"]["grads"][key], grad), key
+        assert all(torch.equal(a, b) for a, b in zip(rank["pipeswap"]["losses"],
+                                                     rank["torch"]["losses"], strict=True))
+    assert any(rank["pipeswap"]["swapped"] for rank in ranks) == swap

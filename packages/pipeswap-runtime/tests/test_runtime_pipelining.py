@@ -15,9 +15,10 @@ from pipeswap.runtime.pipelining import schedules
 from pipeswap.runtime.pipelining.schedules import _refusal
 
 theirs = pytest.importorskip("torch.distributed.pipelining")
+CLASSES = [name for name in ours.__all__ if name.startswith("Schedule")]
 
 
-@pytest.mark.parametrize("name", ours.__all__)
+@pytest.mark.parametrize("name", CLASSES)
 def test_a_class_takes_pytorchs_arguments_in_pytorchs_order(name: str) -> None:
     def parameters(function: Callable[..., object]) -> list[tuple[str, object]]:
         return [(p.name, p.default) for p in inspect.signature(function).parameters.values()
@@ -59,7 +60,7 @@ def test_an_object_that_is_no_stage_is_refused() -> None:
         ours.Schedule1F1B(object(), 4)  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize("name", ours.__all__)
+@pytest.mark.parametrize("name", CLASSES)
 def test_a_class_is_one_of_pytorchs_kinds_of_schedule(name: str) -> None:
     """isinstance and issubclass answer for pipeswap's class as for PyTorch's of that name,
     so code that picks a code path by PyTorch's base classes takes the same one."""
@@ -78,3 +79,16 @@ def test_a_stage_with_a_weight_backward_of_its_own_is_refused() -> None:
 
     assert schedules._custom_backward([Stage()]) == 2  # type: ignore[list-item]
     assert schedules._custom_backward([]) is None
+
+
+def test_a_class_by_pytorchs_name_with_options_bound() -> None:
+    """``get_schedule_class`` takes PyTorch's names in any case and refuses others as
+    PyTorch's does; with options, a subclass that still answers PyTorch's base classes."""
+    assert ours.get_schedule_class("zbvzerobubble") is ours.ScheduleZBVZeroBubble
+    assert ours.get_schedule_class("1F1B") is ours.Schedule1F1B
+    bound = ours.get_schedule_class("Interleaved1F1B", swap=True, budget=1 << 20)
+    assert issubclass(bound, ours.ScheduleInterleaved1F1B)
+    assert issubclass(bound, theirs.schedules.PipelineScheduleMulti)
+    assert inspect.signature(bound).parameters.keys() >= {"stages", "n_microbatches"}
+    with pytest.raises(ValueError, match=r"Unknown schedule name 'ZB'.*'DualPipeV'"):
+        ours.get_schedule_class("ZB")

@@ -24,6 +24,7 @@ divided by ``n_microbatches`` once the step is done, as PyTorch does. The execut
 schedule, as with PyTorch's classes.
 """
 
+from pipeswap.runtime.pipelining.by_name import get_schedule_class
 from pipeswap.runtime.pipelining.schedules import (
     Schedule1F1B,
     ScheduleDualPipeV,
@@ -42,4 +43,5 @@ __all__ = [
     "ScheduleLoopedBFS",
     "ScheduleZBVZeroBubble",
     "Schedule1F1B",
+    "get_schedule_class",
 ]
