@@ -269,3 +269,49 @@ def by_name(rank: int, world: int, name: str, swap: bool) -> dict[str, Any]:
                                  for stage in stages for n, p in stage.submod.named_parameters()
                                  if p.grad is not None}}
     return found
+
+
+def fsdp_wrapped(rank: int, world: int, name: str) -> dict[str, Any]:
+    """Stages whose modules are ``fully_shard``ed roots over a data-parallel dimension of
+    one (as torchtitan shards every stage, even at degree 1), run by PyTorch's class and by
+    pipeswap's without and with swap: each rank's gradients (full tensors)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+
+    mesh = init_device_mesh("cpu", (world, 1), mesh_dim_names=("pp", "dp"))
+    count = world if name in SINGLE else 2 * world
+    modules = model(count)
+    indices = stage_indices(name, rank, world)
+    found: dict[str, Any] = {}
+    for mode, schedule_of, options in (("torch", torch_pipelining, {}),
+                                       ("pipeswap", pipeswap_pipelining, {}),
+                                       ("swap", pipeswap_pipelining, {"swap": True})):
+        stages = []
+        for index in indices:
+            module = copy.deepcopy(modules[index])
+            fully_shard(module, mesh=mesh["dp"])
+            stages.append(torch_pipelining.PipelineStage(
+                module, index, count, torch.device("cpu"), group=mesh.get_group("pp")))
+        schedule = getattr(schedule_of, name)(stages[0] if name in SINGLE else stages,
+                                              n_microbatches=MICRO, loss_fn=loss_fn, **options)
+        x, y = batch()
+        schedule.step(x if 0 in indices else None, target=y if count - 1 in indices else None)
+        found[mode] = {
+            f"{stage.stage_index}.{n}": (p.grad.full_tensor() if isinstance(p.grad, DTensor)
+                                         else p.grad).clone()
+            for stage in stages for n, p in stage.submod.named_parameters()
+            if p.grad is not None}
+    return found
+
+
+def unpipelined(count: int) -> dict[str, torch.Tensor]:
+    """The gradients of the mean microbatch loss of ``count`` stages run in one process,
+    keyed as the workers key theirs."""
+    modules = model(count)
+    x, y = batch()
+    total = sum(loss_fn(torch.nn.Sequential(*modules)(xs), ys)
+                for xs, ys in zip(x.chunk(MICRO), y.chunk(MICRO)))
+    (total / MICRO).backward()
+    return {f"{index}.{n}": p.grad.clone() for index, module in enumerate(modules)
+            for n, p in module.named_parameters() if p.grad is not None}

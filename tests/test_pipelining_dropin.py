@@ -190,3 +190,23 @@ def test_a_trainer_that_picks_its_schedule_by_name_gets_pipeswaps(name: str, swa
         assert all(torch.equal(a, b) for a, b in zip(rank["pipeswap"]["losses"],
                                                      rank["torch"]["losses"], strict=True))
     assert any(rank["pipeswap"]["swapped"] for rank in ranks) == swap
+
+
+@pytest.mark.parametrize("name", ["Schedule1F1B", "ScheduleZBVZeroBubble"])
+def test_stages_that_are_fsdp_roots_run_as_pytorchs_and_keep_every_gradient(name: str) -> None:
+    """Each stage's module ``fully_shard``ed as a root (degree one, as torchtitan does):
+    pipeswap's gradients are the unpipelined model's (to rounding: the microbatches sum in
+    another order), swap changes no bit, and on 1F1B they are PyTorch's bit for bit."""
+    from pipeswap_dropin_workers import fsdp_wrapped, unpipelined
+
+    ranks = POOL.run(fsdp_wrapped, 2, name, timeout_s=120)
+    want = unpipelined(2 if name == "Schedule1F1B" else 4)
+    got = {key: grad for rank in ranks for key, grad in rank["pipeswap"].items()}
+    assert got.keys() == want.keys()
+    for key, grad in got.items():
+        assert torch.allclose(grad, want[key], rtol=1e-5, atol=1e-7), key
+    for rank in ranks:
+        for key, grad in rank["pipeswap"].items():
+            assert torch.equal(rank["swap"][key], grad), key
+            if name == "Schedule1F1B":
+                assert torch.equal(rank["torch"][key], grad), key
