@@ -65,3 +65,79 @@ def train(rank: int, world: int, schedule: str, swap: bool) -> dict[str, Any]:
             "losses": report.losses, "swapped": report.swapped_chunks,
             "streamed": len(executor.streamed), "layers": [len(s.layers) for s in stages],
             "logged": [line for line in lines if "leaves these saved tensors" in line]}
+
+
+#: Small random configs of the decoder families the splitter serves: Llama's layout with
+#: full, sliding-window (Mistral's default window, Qwen 2's upper layers) or mixed sliding and
+#: global attention (Gemma 3, with its own rotary table per kind and its logits capped), and
+#: mixture-of-experts layers (Mixtral, Qwen 3 MoE).
+FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
+    "qwen2-window": ("Qwen2Config", "Qwen2ForCausalLM",
+                     {"use_sliding_window": True, "sliding_window": 5, "max_window_layers": 2}),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 8}),
+    "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": 5}),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM",
+             {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}),
+    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", {"pad_token_id": 0, "eos_token_id": 1}),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM",
+               {"head_dim": 8, "sliding_window": 5, "final_logit_softcapping": 30.0,
+                "pad_token_id": 0, "eos_token_id": 1, "bos_token_id": 2}),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM",
+                {"num_local_experts": 4, "num_experts_per_tok": 2}),
+    "qwen3-moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+                  {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16,
+                   "head_dim": 8}),
+}
+SMALL = {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 6,
+         "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64,
+         "tie_word_embeddings": False}
+
+
+def family(name: str) -> torch.nn.Module:
+    import transformers
+
+    config_class, model_class, extra = FAMILIES[name]
+    torch.manual_seed(0)
+    config = getattr(transformers, config_class)(**{**SMALL, **extra})
+    model: torch.nn.Module = getattr(transformers, model_class)(config)
+    return model.eval()
+
+
+FAMILY_MICRO, FAMILY_BATCH, FAMILY_SEQ = 4, 8, 12
+
+
+def family_tokens() -> torch.Tensor:
+    return torch.randint(0, SMALL["vocab_size"], (FAMILY_BATCH, FAMILY_SEQ),
+                         generator=torch.Generator().manual_seed(2))
+
+
+def family_reference(name: str) -> dict[str, torch.Tensor]:
+    """The unsplit model's gradients of the mean microbatch loss, in training mode."""
+    whole, ids = family(name).train(), family_tokens()
+    for micro in ids.chunk(FAMILY_MICRO):
+        loss: torch.Tensor = causal_lm_loss(whole(micro).logits, micro) / FAMILY_MICRO
+        loss.backward()  # type: ignore[no-untyped-call]
+    return {key: p.grad for key, p in whole.named_parameters() if p.grad is not None}
+
+
+def train_families(rank: int, world: int) -> dict[str, dict[str, Any]]:
+    """Each family split over the ranks (1F1B), one step without and one with swap from the
+    same weights: this rank's gradients by the unsplit model's names, and what it swapped."""
+    found: dict[str, dict[str, Any]] = {}
+    for name in FAMILIES:
+        found[name] = {}
+        for mode in ("plain", "swap"):
+            whole = family(name).train()
+            stage = PipelineStage(causal_lm_stages(whole, world)[rank], rank, world)
+            executor = PipelineExecutor([stage], "1f1b", FAMILY_MICRO, causal_lm_loss,
+                                        swap=mode == "swap")
+            ids = family_tokens()
+            report = executor.step(ids, ids)
+            executor.close()
+            found[name][mode] = {key: p.grad for key, p in whole.named_parameters()
+                                 if p.grad is not None}
+            if mode == "swap":
+                found[name]["swapped"] = report.swapped_chunks
+    return found

@@ -15,6 +15,7 @@ pytest.importorskip("transformers")
 
 from pipeswap.runtime import PipelineSetupError  # noqa: E402
 from pipeswap.runtime.models.hf import causal_lm_loss, causal_lm_stages  # noqa: E402
+from pipeswap_hf_workers import FAMILIES  # noqa: E402
 
 
 def test_the_stages_chained_give_the_unsplit_models_logits_and_loss() -> None:
@@ -48,50 +49,14 @@ def test_a_split_that_cannot_be_made_is_refused(args: tuple[Any, ...], message: 
         causal_lm_stages(torch.nn.Linear(2, 2), 1)
 
 
-#: Small random configs of the decoder families the splitter serves: Llama's layout with
-#: full, sliding-window (Mistral's default window, Qwen 2's upper layers) or mixed sliding and
-#: global attention (Gemma 3, with its own rotary table per kind and its logits capped), and
-#: mixture-of-experts layers (Mixtral, Qwen 3 MoE).
-FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
-    "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
-    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
-    "qwen2-window": ("Qwen2Config", "Qwen2ForCausalLM",
-                     {"use_sliding_window": True, "sliding_window": 5, "max_window_layers": 2}),
-    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 8}),
-    "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": 5}),
-    "phi3": ("Phi3Config", "Phi3ForCausalLM",
-             {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}),
-    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", {"pad_token_id": 0, "eos_token_id": 1}),
-    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM",
-               {"head_dim": 8, "sliding_window": 5, "final_logit_softcapping": 30.0,
-                "pad_token_id": 0, "eos_token_id": 1, "bos_token_id": 2}),
-    "mixtral": ("MixtralConfig", "MixtralForCausalLM",
-                {"num_local_experts": 4, "num_experts_per_tok": 2}),
-    "qwen3-moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
-                  {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16,
-                   "head_dim": 8}),
-}
-SMALL = {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 6,
-         "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64,
-         "tie_word_embeddings": False}
-
-
-def _family(name: str) -> torch.nn.Module:
-    import transformers
-
-    config_class, model_class, extra = FAMILIES[name]
-    torch.manual_seed(0)
-    config = getattr(transformers, config_class)(**{**SMALL, **extra})
-    model: torch.nn.Module = getattr(transformers, model_class)(config)
-    return model.eval()
-
-
 @pytest.mark.parametrize("name", sorted(FAMILIES))
 def test_every_family_split_gives_the_unsplit_models_logits(name: str) -> None:
     """Chained, the stages give the model's own logits bit for bit: on 12 tokens, longer
     than the sliding windows (5), so a stage that masked a sliding layer in full would
     differ."""
-    whole = _family(name)
+    from pipeswap_hf_workers import SMALL, family
+
+    whole = family(name)
     generator = torch.Generator().manual_seed(1)
     ids = torch.randint(0, SMALL["vocab_size"], (2, 12), generator=generator)
     want = whole(ids).logits
@@ -148,3 +113,25 @@ def test_a_split_llama_trains_with_the_unsplit_models_gradients(schedule: str) -
     for rank in swapped:  # three steps, one line, where the rank swaps
         assert len(rank["logged"]) == (1 if rank["swapped"] else 0)
     assert any("rotary cos and sin" in line for rank in swapped for line in rank["logged"])
+
+
+@pytest.mark.multiprocess
+def test_every_family_trains_on_two_ranks_with_the_unsplit_models_gradients() -> None:
+    """Each family split over two gloo ranks (1F1B), one step: every gradient is the
+    unsplit model's (to rounding: the microbatches sum in another order), and with swap
+    every bit is the same, the mixture-of-experts models' routed activations, whose sizes
+    depend on the data, included."""
+    from pipeswap_hf_workers import family_reference, train_families
+    from pipeswap_pool import POOL
+
+    ranks = POOL.run(train_families, 2, timeout_s=240)
+    for name in FAMILIES:
+        want = family_reference(name)
+        got = {key: grad for rank in ranks for key, grad in rank[name]["plain"].items()}
+        assert got.keys() == want.keys(), name
+        for key, grad in want.items():
+            assert torch.allclose(got[key], grad, rtol=1e-4, atol=1e-6), (name, key)
+        for rank in ranks:
+            for key, grad in rank[name]["plain"].items():
+                assert torch.equal(rank[name]["swap"][key], grad), (name, key)
+        assert sum(rank[name]["swapped"] for rank in ranks) > 0, name
