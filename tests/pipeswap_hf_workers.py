@@ -140,4 +140,35 @@ def train_families(rank: int, world: int) -> dict[str, dict[str, Any]]:
                                  if p.grad is not None}
             if mode == "swap":
                 found[name]["swapped"] = report.swapped_chunks
+        found[name].update(_budgeted(name, rank, world))
+    return found
+
+
+def _budgeted(name: str, rank: int, world: int) -> dict[str, Any]:
+    """PyTorch's 1F1B class over pipeswap without a budget and under one no plan meets
+    (one byte: every chunk swapped or recomputed as far as it goes), two steps from the same
+    weights (the first measures what the second's plan rests on): the second step's
+    gradients of each, and what the budgeted one swapped and recomputed."""
+    import warnings
+
+    from pipeswap.runtime.pipelining import Schedule1F1B
+
+    found: dict[str, Any] = {}
+    for mode, options in (("dropin", {}), ("budget", {"budget": 1})):
+        whole = family(name).train()
+        stage = PipelineStage(causal_lm_stages(whole, world)[rank], rank, world)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the budget no plan meets, said per rank
+            schedule = Schedule1F1B(stage, FAMILY_MICRO, causal_lm_loss, **options)
+            ids = family_tokens()
+            for _ in range(2):
+                whole.zero_grad()
+                schedule.step(ids if rank == 0 else None, target=ids if rank == world - 1
+                              else None)
+        found[mode] = {key: p.grad for key, p in whole.named_parameters() if p.grad is not None}
+        if mode == "budget":
+            report = schedule.report
+            assert report is not None
+            found["budget_moved"] = report.swapped_chunks + report.recomputed_layers
+        schedule.executor.close()
     return found

@@ -118,9 +118,10 @@ def test_a_split_llama_trains_with_the_unsplit_models_gradients(schedule: str) -
 @pytest.mark.multiprocess
 def test_every_family_trains_on_two_ranks_with_the_unsplit_models_gradients() -> None:
     """Each family split over two gloo ranks (1F1B), one step: every gradient is the
-    unsplit model's (to rounding: the microbatches sum in another order), and with swap
-    every bit is the same, the mixture-of-experts models' routed activations, whose sizes
-    depend on the data, included."""
+    unsplit model's (to rounding: the microbatches sum in another order), and with swap,
+    or through PyTorch's class under a budget, every bit is the same, the
+    mixture-of-experts models' routed activations, whose sizes depend on the data,
+    included."""
     from pipeswap_hf_workers import family_reference, train_families
     from pipeswap_pool import POOL
 
@@ -135,3 +136,9 @@ def test_every_family_trains_on_two_ranks_with_the_unsplit_models_gradients() ->
             for key, grad in rank[name]["plain"].items():
                 assert torch.equal(rank[name]["swap"][key], grad), (name, key)
         assert sum(rank[name]["swapped"] for rank in ranks) > 0, name
+        # under a budget (PyTorch's class, planned on what its first step measured): the
+        # same bits as without one, with chunks swapped or layers recomputed
+        for rank in ranks:
+            for key, grad in rank[name]["dropin"].items():
+                assert torch.equal(rank[name]["budget"][key], grad), (name, key)
+        assert sum(rank[name]["budget_moved"] for rank in ranks) > 0, name
