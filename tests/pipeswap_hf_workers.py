@@ -154,12 +154,12 @@ def _budgeted(name: str, rank: int, world: int) -> dict[str, Any]:
     from pipeswap.runtime.pipelining import Schedule1F1B
 
     found: dict[str, Any] = {}
-    for mode, options in (("dropin", {}), ("budget", {"budget": 1})):
+    for mode, budget in (("dropin", None), ("budget", 1)):
         whole = family(name).train()
         stage = PipelineStage(causal_lm_stages(whole, world)[rank], rank, world)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the budget no plan meets, said per rank
-            schedule = Schedule1F1B(stage, FAMILY_MICRO, causal_lm_loss, **options)
+            schedule = Schedule1F1B(stage, FAMILY_MICRO, causal_lm_loss, budget=budget)
             ids = family_tokens()
             for _ in range(2):
                 whole.zero_grad()
