@@ -172,3 +172,41 @@ def _budgeted(name: str, rank: int, world: int) -> dict[str, Any]:
             found["budget_moved"] = report.swapped_chunks + report.recomputed_layers
         schedule.executor.close()
     return found
+
+
+def tied_model() -> Any:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=LAYERS,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ,
+        tie_word_embeddings=True))
+
+
+def tied_reference() -> dict[str, torch.Tensor]:
+    """The unsplit tied model's gradients of the mean microbatch loss."""
+    whole, ids = tied_model(), tokens()
+    for micro in ids.chunk(MICRO):
+        loss: torch.Tensor = causal_lm_loss(whole(micro).logits, micro) / MICRO
+        loss.backward()  # type: ignore[no-untyped-call]
+    return {name: p.grad for name, p in whole.named_parameters() if p.grad is not None}
+
+
+def train_tied(rank: int, world: int, swap: bool) -> dict[str, torch.Tensor]:
+    """A Llama whose head is tied to its embedding, split over the ranks (the embedding on
+    the first, the head on the last): one step, the tied weight's two gradients summed by
+    TiedGradients; this rank's gradients by the unsplit model's names."""
+    from pipeswap.runtime.models.llama import tied_parameter_names
+    from pipeswap.runtime.models.tied import TiedGradients
+
+    whole = tied_model()
+    modules = causal_lm_stages(whole, world)
+    stage = PipelineStage(modules[rank], rank, world)
+    tied = TiedGradients([stage], list(range(world)), tied_parameter_names(modules))
+    executor = PipelineExecutor([stage], "1f1b", MICRO, causal_lm_loss, swap=swap)
+    ids = tokens()
+    executor.step(ids, ids)
+    tied.sum_gradients()
+    executor.close()
+    return {name: p.grad for name, p in whole.named_parameters() if p.grad is not None}

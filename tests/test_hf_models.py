@@ -68,8 +68,10 @@ def test_every_family_split_gives_the_unsplit_models_logits(name: str) -> None:
 
 
 def test_a_model_the_stages_would_run_otherwise_is_refused() -> None:
-    """A kind of attention the stages cannot mask, and a head tied to the embedding on
-    another stage, whose two gradients nobody would sum."""
+    """A kind of attention the stages cannot mask is refused; a head tied to the
+    embedding stays one parameter on the first and the last stage, found as a pair."""
+    from pipeswap.runtime.models.llama import TiedParameter, tied_parameter_names
+
     from transformers import LlamaConfig, LlamaForCausalLM
 
     small = {"vocab_size": 16, "hidden_size": 8, "intermediate_size": 16,
@@ -79,8 +81,11 @@ def test_a_model_the_stages_would_run_otherwise_is_refused() -> None:
     with pytest.raises(PipelineSetupError, match="attend as chunked_attention, which the stages"):
         causal_lm_stages(chunked, 2)
     tied = LlamaForCausalLM(LlamaConfig(tie_word_embeddings=True, **small))
-    with pytest.raises(PipelineSetupError, match="ties its head to its embedding"):
-        causal_lm_stages(tied, 2)
+    first, last = causal_lm_stages(tied, 2)
+    assert first.embed_tokens is not None and last.lm_head is not None
+    assert first.embed_tokens.weight is last.lm_head.weight
+    assert tied_parameter_names([first, last]) == [
+        TiedParameter(0, "embed_tokens.weight", 1, "lm_head.weight")]
     assert len(causal_lm_stages(tied, 1)) == 1  # one stage holds both: nothing to sum
 
 
@@ -142,3 +147,26 @@ def test_every_family_trains_on_two_ranks_with_the_unsplit_models_gradients() ->
             for key, grad in rank[name]["dropin"].items():
                 assert torch.equal(rank[name]["budget"][key], grad), (name, key)
         assert sum(rank[name]["budget_moved"] for rank in ranks) > 0, name
+
+
+@pytest.mark.multiprocess
+def test_a_head_tied_across_ranks_gets_the_unsplit_models_gradient() -> None:
+    """The embedding on rank 0 and the head tied to it on rank 1: with the two uses'
+    gradients summed (TiedGradients), both ranks hold the unsplit model's gradient of the
+    shared weight, every other gradient is the unsplit model's too, and swap changes no
+    bit."""
+    from pipeswap_hf_workers import tied_reference, train_tied
+    from pipeswap_pool import POOL
+
+    want = tied_reference()
+    plain, swapped = (POOL.run(train_tied, 2, swap, timeout_s=120) for swap in (False, True))
+    shared = "model.embed_tokens.weight"
+    assert shared in want and "lm_head.weight" not in want  # one parameter, one name
+    for rank in plain:
+        assert torch.allclose(rank[shared], want[shared], rtol=1e-4, atol=1e-6)
+    merged = {name: grad for rank in plain for name, grad in rank.items()}
+    assert merged.keys() == want.keys()
+    for name, grad in want.items():
+        assert torch.allclose(merged[name], grad, rtol=1e-4, atol=1e-6), name
+    for mine, theirs in zip(swapped, plain):
+        assert all(torch.equal(mine[name], grad) for name, grad in theirs.items())

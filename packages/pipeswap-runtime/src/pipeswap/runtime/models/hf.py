@@ -98,9 +98,11 @@ def causal_lm_stages(model: torch.nn.Module, num_stages: int,
     modules: the decoder layers split evenly (the earlier stages taking the extra ones), or
     ``layers_per_stage`` a stage; every stage holds at least one layer. Refused: a model
     whose layers attend otherwise than causally (in full or within a sliding window, as the
-    config's ``layer_types`` or ``sliding_window`` say: each stage masks its own layers so),
-    and one whose head shares its embedding's weight across stages (nothing would sum that
-    weight's two gradients)."""
+    config's ``layer_types`` or ``sliding_window`` say: each stage masks its own layers so).
+    A head tied to the embedding (``tie_word_embeddings``) stays one parameter object on
+    the first and the last stage: across ranks each computes its own use's gradient, which
+    :class:`~pipeswap.runtime.models.tied.TiedGradients` sums (find the pair with
+    :func:`~pipeswap.runtime.models.llama.tied_parameter_names` on every stage module)."""
     inner: Any = getattr(model, "model", None)  # Any: transformers is untyped
     missing = [name for name, owner in (("model", model), ("lm_head", model),
                                         ("model.embed_tokens", inner),
@@ -116,12 +118,6 @@ def causal_lm_stages(model: torch.nn.Module, num_stages: int,
     config: Any = model.config  # Any: transformers is untyped
     types = _layer_types(type(model).__name__, config, len(inner.layers))
     head, embed = getattr(model, "lm_head"), inner.embed_tokens
-    if num_stages > 1 and getattr(head, "weight", None) is getattr(embed, "weight", 1):
-        raise PipelineSetupError(
-            f"{type(model).__name__} ties its head to its embedding (tie_word_embeddings), "
-            "which sit on the first and last stages: untie them (build with "
-            "tie_word_embeddings=False), or sum the shared weight's gradient across the two "
-            "ranks yourself (pipeswap.runtime.models.tied)")
     blocks = list(inner.layers)
     if layers_per_stage is None:
         if not 1 <= num_stages <= len(blocks):
