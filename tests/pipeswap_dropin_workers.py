@@ -39,6 +39,12 @@ def model(stages: int, inner: int = WIDTH) -> list[torch.nn.Sequential]:
                                 torch.nn.Linear(inner, WIDTH)) for _ in range(stages)]
 
 
+def _stages(modules: list[Any], indices: list[int], count: int) -> list[Any]:
+    """PyTorch stages of fresh copies of the ``modules`` this rank runs."""
+    return [torch_pipelining.PipelineStage(copy.deepcopy(modules[index]), index, count,
+                                           torch.device("cpu")) for index in indices]
+
+
 def batch() -> tuple[torch.Tensor, torch.Tensor]:
     generator = torch.Generator().manual_seed(1)
     return (torch.randn(BATCH, WIDTH, generator=generator),
@@ -56,8 +62,7 @@ def _run(schedule_of: Any, name: str, rank: int, world: int,
     count = world if name in SINGLE else 2 * world
     modules = model(count)
     indices = stage_indices(name, rank, world)
-    stages = [torch_pipelining.PipelineStage(copy.deepcopy(modules[index]), index, count,
-                                             torch.device("cpu")) for index in indices]
+    stages = _stages(modules, indices, count)
     schedule = getattr(schedule_of, name)(stages[0] if name in SINGLE else stages,
                                           n_microbatches=MICRO, loss_fn=loss_fn, **options)
     x, y = batch()
@@ -183,8 +188,7 @@ def keyword_arguments(rank: int, world: int, name: str) -> dict[str, Any]:
     for mode, schedule_of, options in (("torch", torch_pipelining, {}),
                                        ("pipeswap", pipeswap_pipelining, {"swap": True})):
         indices = stage_indices(name, rank, world)
-        stages = [torch_pipelining.PipelineStage(copy.deepcopy(modules[index]), index, count,
-                                                 torch.device("cpu")) for index in indices]
+        stages = _stages(modules, indices, count)
         schedule = getattr(schedule_of, name)(stages[0] if name in SINGLE else stages,
                                               n_microbatches=MICRO, loss_fn=loss_fn, **options)
         losses: list[torch.Tensor] = []
@@ -217,8 +221,7 @@ def presplit(rank: int, world: int, name: str) -> dict[str, Any]:
     found: dict[str, Any] = {}
     for mode, schedule_of in (("torch", torch_pipelining), ("pipeswap", pipeswap_pipelining)):
         indices = stage_indices(name, rank, world)
-        stages = [torch_pipelining.PipelineStage(copy.deepcopy(modules[index]), index, count,
-                                                 torch.device("cpu")) for index in indices]
+        stages = _stages(modules, indices, count)
         schedule = getattr(schedule_of, name)(stages[0] if name in SINGLE else stages,
                                               n_microbatches=MICRO, loss_fn=loss_fn)
         losses: list[torch.Tensor] = []
@@ -255,8 +258,7 @@ def by_name(rank: int, world: int, name: str, swap: bool) -> dict[str, Any]:
         indices = stage_indices("ScheduleZBVZeroBubble" if name == "ZBVZeroBubble"
                                 else "ScheduleInterleaved1F1B" if looped else "Schedule1F1B",
                                 rank, world)
-        stages = [torch_pipelining.PipelineStage(copy.deepcopy(modules[index]), index, count,
-                                                 torch.device("cpu")) for index in indices]
+        stages = _stages(modules, indices, count)
         schedule = schedule_class(stages if looped else stages[0], n_microbatches=MICRO,
                                   loss_fn=loss_fn, scale_grads=False)
         x, y = batch()

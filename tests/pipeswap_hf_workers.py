@@ -15,26 +15,31 @@ from pipeswap.runtime.models.hf import causal_lm_loss, causal_lm_stages
 LAYERS, BATCH, SEQ, MICRO, VOCAB = 8, 8, 16, 4, 64
 
 
-def model() -> Any:
+def model(tie_word_embeddings: bool = False) -> Any:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
     return LlamaForCausalLM(LlamaConfig(
         vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=LAYERS,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ))
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ,
+        tie_word_embeddings=tie_word_embeddings))
 
 
 def tokens() -> torch.Tensor:
     return torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
 
 
-def reference() -> dict[str, torch.Tensor]:
-    """The unsplit model's gradients of the mean microbatch loss."""
-    whole, ids = model(), tokens()
-    for micro in ids.chunk(MICRO):
-        loss: torch.Tensor = causal_lm_loss(whole(micro).logits, micro) / MICRO
+def unsplit_gradients(whole: torch.nn.Module, ids: torch.Tensor, microbatches: int
+                      ) -> dict[str, torch.Tensor]:
+    """The unsplit model's gradients of the mean microbatch loss on ``ids``."""
+    for micro in ids.chunk(microbatches):
+        loss: torch.Tensor = causal_lm_loss(whole(micro).logits, micro) / microbatches
         loss.backward()  # type: ignore[no-untyped-call]
     return {name: p.grad for name, p in whole.named_parameters() if p.grad is not None}
+
+
+def reference() -> dict[str, torch.Tensor]:
+    return unsplit_gradients(model(), tokens(), MICRO)
 
 
 def train(rank: int, world: int, schedule: str, swap: bool) -> dict[str, Any]:
@@ -114,12 +119,7 @@ def family_tokens() -> torch.Tensor:
 
 
 def family_reference(name: str) -> dict[str, torch.Tensor]:
-    """The unsplit model's gradients of the mean microbatch loss, in training mode."""
-    whole, ids = family(name).train(), family_tokens()
-    for micro in ids.chunk(FAMILY_MICRO):
-        loss: torch.Tensor = causal_lm_loss(whole(micro).logits, micro) / FAMILY_MICRO
-        loss.backward()  # type: ignore[no-untyped-call]
-    return {key: p.grad for key, p in whole.named_parameters() if p.grad is not None}
+    return unsplit_gradients(family(name).train(), family_tokens(), FAMILY_MICRO)
 
 
 def train_families(rank: int, world: int) -> dict[str, dict[str, Any]]:
@@ -174,23 +174,8 @@ def _budgeted(name: str, rank: int, world: int) -> dict[str, Any]:
     return found
 
 
-def tied_model() -> Any:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    return LlamaForCausalLM(LlamaConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=LAYERS,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ,
-        tie_word_embeddings=True))
-
-
 def tied_reference() -> dict[str, torch.Tensor]:
-    """The unsplit tied model's gradients of the mean microbatch loss."""
-    whole, ids = tied_model(), tokens()
-    for micro in ids.chunk(MICRO):
-        loss: torch.Tensor = causal_lm_loss(whole(micro).logits, micro) / MICRO
-        loss.backward()  # type: ignore[no-untyped-call]
-    return {name: p.grad for name, p in whole.named_parameters() if p.grad is not None}
+    return unsplit_gradients(model(tie_word_embeddings=True), tokens(), MICRO)
 
 
 def train_tied(rank: int, world: int, swap: bool) -> dict[str, torch.Tensor]:
@@ -200,7 +185,7 @@ def train_tied(rank: int, world: int, swap: bool) -> dict[str, torch.Tensor]:
     from pipeswap.runtime.models.llama import tied_parameter_names
     from pipeswap.runtime.models.tied import TiedGradients
 
-    whole = tied_model()
+    whole = model(tie_word_embeddings=True)
     modules = causal_lm_stages(whole, world)
     stage = PipelineStage(modules[rank], rank, world)
     tied = TiedGradients([stage], list(range(world)), tied_parameter_names(modules))

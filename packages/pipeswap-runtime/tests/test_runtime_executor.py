@@ -10,13 +10,15 @@ from collections.abc import Sequence
 import pytest
 import torch
 
-from pipeswap.runtime import Measure, SwapOptions
 from pipeswap.runtime import (
+    Measure,
+    Microbatches,
     PipelineError,
     PipelineExecutor,
     PipelineSetupError,
     PipelineStage,
     StepReport,
+    SwapOptions,
 )
 from pipeswap.runtime.distributed.transport import TensorMeta
 from pipeswap.runtime.executor.microbatch import split_microbatches
@@ -420,6 +422,26 @@ def test_an_evaluation_runs_forwards_only_and_leaves_the_next_step_as_it_was(
     after = [p.grad for p in (*first.parameters(), *second.parameters()) if p.grad is not None]
     assert len(after) == len(grads)
     assert all(torch.equal(a, b) for a, b in zip(grads, after))
+
+
+def test_microbatches_given_split_are_used_as_given_and_counted(group: None) -> None:
+    """Inputs and targets already split (``Microbatches``) give the step on the whole
+    batch bit for bit; a wrong count of parts, or of per-microbatch keyword arguments, is
+    refused naming both counts."""
+    executor, _ = _executor(swap=False)
+    inputs, targets = _batch(5)
+    whole = executor.step(inputs, targets)
+    split = executor.step(Microbatches(tuple(inputs.chunk(4))),
+                          Microbatches(tuple(targets.chunk(4))))
+    assert split.losses == whole.losses
+    fresh, _ = _executor(swap=False)
+    with pytest.raises(PipelineSetupError,
+                       match="inputs given in 2 microbatches, but the step runs 4"):
+        fresh.step(Microbatches(tuple(inputs.chunk(2))), targets)
+    fresh, _ = _executor(swap=False)
+    with pytest.raises(PipelineSetupError,
+                       match="keyword arguments for 3 microbatches, but the step runs 4"):
+        fresh.step(inputs, targets, stage_kwargs=[{}] * 3)
 
 
 class _StreamEvery:

@@ -47,17 +47,6 @@ class PipeswapOptions(TypedDict, total=False):
     failure_timeout_s: float | None
 
 
-__all__ = [
-    "ScheduleDualPipeV",
-    "ScheduleGPipe",
-    "ScheduleInterleaved1F1B",
-    "ScheduleInterleavedZeroBubble",
-    "ScheduleLoopedBFS",
-    "ScheduleZBVZeroBubble",
-    "Schedule1F1B",
-]
-
-
 class _PipelineSchedule:
     """A pipeswap schedule with the constructor and ``step`` of PyTorch's class of the same
     name; see the module docstring."""
