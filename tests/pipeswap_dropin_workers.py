@@ -162,6 +162,56 @@ def budgeted(rank: int, world: int) -> dict[str, Any]:
     return runs
 
 
+class _Routed(torch.nn.Module):
+    """A stage whose saved activations depend on the data, as a mixture-of-experts layer
+    that drops tokens makes them: only the rows whose first feature is positive go through
+    the wide expert (what it saves grows with them); the rest pass unchanged."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down = torch.nn.Linear(WIDTH, 256), torch.nn.Linear(256, WIDTH)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = (x[:, 0] > 0).nonzero().squeeze(1)
+        routed = self.down(torch.tanh(self.up(x.index_select(0, rows))))
+        return x.index_add(0, rows, routed)
+
+
+def routed_budget(rank: int, world: int) -> dict[str, Any]:
+    """Schedule1F1B on stages of data-dependent size, two steps without a budget and two
+    under one below the first step's peak: each step's losses, gradients and counted peak,
+    the plan's peak, the stages it found of varying size and what it said of them."""
+    import warnings
+
+    x, y = batch()
+    runs: dict[str, Any] = {}
+    for run, budget in (("plain", None), ("budget", 1)):
+        torch.manual_seed(0)
+        module = [_Routed() for _ in range(world)][rank]
+        stage = torch_pipelining.PipelineStage(module, rank, world, torch.device("cpu"))
+        with warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always")
+            schedule = pipeswap_pipelining.Schedule1F1B(stage, n_microbatches=MICRO,
+                                                        loss_fn=loss_fn, budget=budget)
+            steps = []
+            for _ in range(2):
+                losses: list[torch.Tensor] = []
+                schedule.step(x if rank == 0 else None,
+                              target=y if rank == world - 1 else None, losses=losses)
+                report = schedule.report
+                assert report is not None
+                steps.append({"losses": losses, "peak": report.peak_activation_bytes,
+                              "moved": report.swapped_chunks + report.recomputed_layers,
+                              "grads": {n: p.grad.clone() for n, p in module.named_parameters()
+                                        if p.grad is not None}})
+                module.zero_grad()
+        runs[run] = {"steps": steps, "varying": schedule.varying,
+                     "planned": None if schedule.planned is None else schedule.planned,
+                     "said": [str(w.message) for w in said]}
+        schedule.executor.close()
+    return runs
+
+
 class _Shifted(torch.nn.Module):
     """A stage that every step calls with keyword arguments too: a tensor split with the
     batch (``shift``) and a plain number copied to every microbatch (``factor``)."""

@@ -75,7 +75,8 @@ def train(rank: int, world: int, schedule: str, swap: bool) -> dict[str, Any]:
 #: Small random configs of the decoder families the splitter serves: Llama's layout with
 #: full, sliding-window (Mistral's default window, Qwen 2's upper layers) or mixed sliding and
 #: global attention (Gemma 3, with its own rotary table per kind and its logits capped), and
-#: mixture-of-experts layers (Mixtral, Qwen 3 MoE).
+#: mixture-of-experts layers (Mixtral, Qwen 3 MoE), trained with their router loss weighted
+#: enough that a gradient without it would differ.
 FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
     "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
@@ -90,10 +91,11 @@ FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
                {"head_dim": 8, "sliding_window": 5, "final_logit_softcapping": 30.0,
                 "pad_token_id": 0, "eos_token_id": 1, "bos_token_id": 2}),
     "mixtral": ("MixtralConfig", "MixtralForCausalLM",
-                {"num_local_experts": 4, "num_experts_per_tok": 2}),
+                {"num_local_experts": 4, "num_experts_per_tok": 2,
+                 "output_router_logits": True, "router_aux_loss_coef": 0.5}),
     "qwen3-moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
                   {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16,
-                   "head_dim": 8}),
+                   "head_dim": 8, "output_router_logits": True, "router_aux_loss_coef": 0.5}),
 }
 SMALL = {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 6,
          "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64,
@@ -119,7 +121,12 @@ def family_tokens() -> torch.Tensor:
 
 
 def family_reference(name: str) -> dict[str, torch.Tensor]:
-    return unsplit_gradients(family(name).train(), family_tokens(), FAMILY_MICRO)
+    """The unsplit model's gradients of its own loss (with its router loss, where it adds
+    one), averaged over the microbatches."""
+    whole, ids = family(name).train(), family_tokens()
+    for micro in ids.chunk(FAMILY_MICRO):
+        (whole(micro, labels=micro).loss / FAMILY_MICRO).backward()
+    return {key: p.grad for key, p in whole.named_parameters() if p.grad is not None}
 
 
 def train_families(rank: int, world: int) -> dict[str, dict[str, Any]]:
@@ -157,8 +164,8 @@ def _budgeted(name: str, rank: int, world: int) -> dict[str, Any]:
     for mode, budget in (("dropin", None), ("budget", 1)):
         whole = family(name).train()
         stage = PipelineStage(causal_lm_stages(whole, world)[rank], rank, world)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # the budget no plan meets, said per rank
+        with warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always")  # the budget no plan meets, said per rank
             schedule = Schedule1F1B(stage, FAMILY_MICRO, causal_lm_loss, budget=budget)
             ids = family_tokens()
             for _ in range(2):
@@ -170,6 +177,9 @@ def _budgeted(name: str, rank: int, world: int) -> dict[str, Any]:
             report = schedule.report
             assert report is not None
             found["budget_moved"] = report.swapped_chunks + report.recomputed_layers
+            found["varying"] = schedule.varying
+            found["sizing_said"] = [str(w.message) for w in said
+                                    if "sizes every microbatch" in str(w.message)]
         schedule.executor.close()
     return found
 

@@ -53,18 +53,26 @@ def test_a_split_that_cannot_be_made_is_refused(args: tuple[Any, ...], message: 
 def test_every_family_split_gives_the_unsplit_models_logits(name: str) -> None:
     """Chained, the stages give the model's own logits bit for bit: on 12 tokens, longer
     than the sliding windows (5), so a stage that masked a sliding layer in full would
-    differ."""
+    differ. The mixture-of-experts models' router loss, made from routing sums carried
+    across the stages, is the unsplit model's bit for bit too, and so is the total loss."""
     from pipeswap_hf_workers import SMALL, family
 
-    whole = family(name)
+    whole = family(name).train()
     generator = torch.Generator().manual_seed(1)
     ids = torch.randint(0, SMALL["vocab_size"], (2, 12), generator=generator)
-    want = whole(ids).logits
+    want = whole(ids, labels=ids)
     for stages in (causal_lm_stages(whole, 3), causal_lm_stages(whole, 2, [1, 5])):
-        hidden = ids
+        carried: tuple[torch.Tensor, ...] = (ids,)
         for stage in stages:
-            hidden = stage(hidden)
-        assert torch.equal(hidden, want)
+            out = stage(*carried)
+            carried = out if isinstance(out, tuple) else (out,)
+        assert torch.equal(carried[0], want.logits)
+        if getattr(whole.config, "output_router_logits", False):
+            logits, router = carried
+            assert torch.equal(router, whole.router_aux_loss_coef * want.aux_loss)
+            assert torch.equal(causal_lm_loss((logits, router), ids), want.loss)
+        else:
+            assert len(carried) == 1
 
 
 def test_a_model_the_stages_would_run_otherwise_is_refused() -> None:
@@ -80,6 +88,10 @@ def test_a_model_the_stages_would_run_otherwise_is_refused() -> None:
     chunked.config.layer_types = ["chunked_attention", "full_attention"]
     with pytest.raises(PipelineSetupError, match="attend as chunked_attention, which the stages"):
         causal_lm_stages(chunked, 2)
+    routed = LlamaForCausalLM(LlamaConfig(**small))
+    routed.config.output_router_logits = True  # asks for a router loss it has no routers for
+    with pytest.raises(PipelineSetupError, match="asks for its router loss"):
+        causal_lm_stages(routed, 2)
     tied = LlamaForCausalLM(LlamaConfig(tie_word_embeddings=True, **small))
     first, last = causal_lm_stages(tied, 2)
     assert first.embed_tokens is not None and last.lm_head is not None
@@ -147,6 +159,11 @@ def test_every_family_trains_on_two_ranks_with_the_unsplit_models_gradients() ->
             for key, grad in rank[name]["dropin"].items():
                 assert torch.equal(rank[name]["budget"][key], grad), (name, key)
         assert sum(rank[name]["budget_moved"] for rank in ranks) > 0, name
+        # each routed expert saves what it got, but every token goes to top-k experts, so
+        # a chunk's bytes add up alike in every microbatch: no stage is sized otherwise
+        # than measured, and the plan says so of none
+        for rank in ranks:
+            assert rank[name]["varying"] == () and rank[name]["sizing_said"] == [], name
 
 
 @pytest.mark.multiprocess

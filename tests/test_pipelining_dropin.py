@@ -132,6 +132,48 @@ def test_a_budget_is_planned_on_what_the_first_step_measured() -> None:
     assert met  # the first rank's chunks wait for their backwards: swap reaches it
 
 
+def test_a_budget_sizes_chunks_whose_bytes_depend_on_the_data_as_the_largest() -> None:
+    """Stages whose saved bytes follow the data (tokens dropped by a router): the plan
+    under a budget sizes each stage's microbatches as its largest measured chunk and says
+    so once, so the next step on the same data never holds more than the plan expected;
+    losses and gradients stay bit for bit the run's without a budget."""
+    from pipeswap_dropin_workers import routed_budget
+
+    ranks = POOL.run(routed_budget, 2, timeout_s=120)
+    for rank, found in enumerate(ranks):
+        plain, budget = found["plain"], found["budget"]
+        [varying] = budget["varying"]
+        assert varying.stage == rank and varying.smallest < varying.largest
+        [said] = [line for line in budget["said"] if "sizes every microbatch" in line]
+        assert f"stage {rank}'s chunks measured {varying.smallest:,} to" in said
+        assert plain["varying"] == ()
+        assert budget["steps"][1]["peak"] <= budget["planned"].peak
+        for mine, theirs in zip(budget["steps"], plain["steps"]):
+            assert all(torch.equal(a, b) for a, b in zip(mine["losses"], theirs["losses"]))
+            assert all(torch.equal(mine["grads"][n], g) for n, g in theirs["grads"].items())
+    assert sum(found["budget"]["steps"][1]["moved"] for found in ranks) > 0
+
+
+def test_sizing_for_a_plan_takes_each_stages_largest_chunk_where_they_differ() -> None:
+    """Measured.at_largest: a stage whose chunks' movable bytes differ is sized as its
+    largest chunk (per layer too) and named; pinned bytes alone differing (a storage
+    counted where first held) change nothing."""
+    from pipeswap.runtime.executor.planning import Measured, VaryingChunks
+
+    measured = Measured({(0, 0): (120, 100), (0, 1): (100, 100),    # pinned differ alone
+                         (1, 0): (60, 50), (1, 1): (90, 80), (1, 2): (70, 60)},
+                        {(1, 0): (20, 40), (1, 1): (50, 40), (1, 2): (30, 40)},
+                        {(1, 0): (8, 8), (1, 1): (8, 9), (1, 2): (8, 8)})
+    sized, varying = measured.at_largest()
+    assert varying == (VaryingChunks(1, 50, 80),)
+    assert sized.chunk_bytes == {(0, 0): (120, 100), (0, 1): (100, 100),
+                                 (1, 0): (90, 80), (1, 1): (90, 80), (1, 2): (90, 80)}
+    assert sized.layer_held == {key: (50, 40) for key in ((1, 0), (1, 1), (1, 2))}
+    assert sized.layer_inputs == {key: (8, 9) for key in ((1, 0), (1, 1), (1, 2))}
+    same = Measured({(0, 0): (10, 10)}, {}, {})
+    assert same.at_largest() == (same, ())
+
+
 @pytest.mark.parametrize("name", ["Schedule1F1B", "ScheduleZBVZeroBubble"])
 def test_keyword_arguments_reach_every_stage_as_pytorchs_classes_pass_them(name: str) -> None:
     """``step(x, shift=tensor, factor=2.0)`` on every rank: each stage is called with its

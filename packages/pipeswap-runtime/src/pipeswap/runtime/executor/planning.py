@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Literal, TypeVar
 
 from pipeswap.runtime.errors import PipelineSetupError
 from pipeswap.runtime.executor.measurements import check_costs, measured_chunks, with_layer_counts
@@ -37,8 +37,8 @@ from pipeswap.schedule import (
 if TYPE_CHECKING:
     from pipeswap.runtime.executor.step_report import StepReport
 
-__all__ = ["MEASURE_TO_PLAN", "Measured", "TrainPolicy", "budget_policy", "executor_policy",
-           "named_policy", "named_swap"]
+__all__ = ["MEASURE_TO_PLAN", "Measured", "TrainPolicy", "VaryingChunks", "budget_policy",
+           "executor_policy", "named_policy", "named_swap"]
 
 #: The policies ``pipeswap-train --policy`` names: MindSpore hyper-parallel's gap rule,
 #: every chunk whose copies hide, or the peak policy.
@@ -63,6 +63,56 @@ class Measured:
         return cls({key: (found.held, found.movable)
                     for key, found in report.chunk_bytes.items()},
                    dict(report.layer_held), dict(report.layer_inputs))
+
+    def at_largest(self) -> tuple[Measured, tuple[VaryingChunks, ...]]:
+        """The chunks sized for a plan, and the stages whose chunks differed by microbatch.
+
+        A chunk's activations can depend on the data: mixture-of-experts routing sends each
+        microbatch's tokens to the experts in other numbers, and each expert saves what it
+        got, so one step's sizes say little of the next step's. Where a stage's chunks'
+        movable bytes differ so, each chunk is sized as the stage's largest (its bytes, per
+        layer too), so that the plan holds the budget wherever later routing stays within
+        what the measured step saw. Pinned bytes alone may differ between a model's
+        microbatches (a storage they share counts in whichever chunk held it first): that
+        changes nothing."""
+        like: dict[ChunkKey, ChunkKey] = {}
+        varying: list[VaryingChunks] = []
+        for stage in sorted({key[0] for key in self.chunk_bytes}):
+            movable = {key: found[1] for key, found in self.chunk_bytes.items()
+                       if key[0] == stage}
+            if len(set(movable.values())) == 1:
+                continue
+            top = max(sorted(movable), key=movable.__getitem__)
+            varying.append(VaryingChunks(stage, min(movable.values()), movable[top]))
+            like.update({key: top for key, size in movable.items() if size < movable[top]})
+        return (Measured(_sized(self.chunk_bytes, like), _sized(self.layer_held, like),
+                         _sized(self.layer_inputs, like)), tuple(varying))
+
+
+Found = TypeVar("Found")
+
+
+def _sized(found: Mapping[ChunkKey, Found], like: Mapping[ChunkKey, ChunkKey]
+           ) -> dict[ChunkKey, Found]:
+    """``found`` with each chunk given the figures of the chunk ``like`` sizes it as."""
+    return {key: found[like.get(key, key)] for key in found if like.get(key, key) in found}
+
+
+@dataclass(frozen=True)
+class VaryingChunks:
+    """A stage whose chunks measured different bytes in different microbatches: the
+    smallest and the largest (which a budget's plan sizes them all as)."""
+
+    stage: int
+    smallest: int  # movable bytes of a chunk
+    largest: int
+
+    def describe(self, rank: int) -> str:
+        return (f"rank {rank}: stage {self.stage}'s chunks measured {self.smallest:,} to "
+                f"{self.largest:,} bytes by microbatch (mixture-of-experts routing, or "
+                "microbatches of unequal sizes): the budget's plan sizes every microbatch of "
+                "the stage as the largest, so a later step peaks above the plan only where "
+                "its data asks for more than the measured step's")
 
 
 def executor_policy(swap: SwapOptions, layer_counts: Mapping[int, int], rank: int

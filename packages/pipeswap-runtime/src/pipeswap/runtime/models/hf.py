@@ -6,7 +6,8 @@ Mistral, Phi-3, OLMo 2, Gemma 3, Mixtral, Qwen 3 MoE and models built like them;
 transformers 5.25 or later) is split into stage modules that run exactly what the unsplit
 model runs on a batch without padding: the first stage embeds the tokens, each stage runs
 its run of decoder layers, the last normalises, projects to the vocabulary (and caps the
-logits where the model does). Between stages goes only the hidden state. Each stage works
+logits where the model does). Between stages goes only the hidden state (and, for a
+mixture-of-experts model asked for its router loss, the routing sums: below). Each stage works
 out the rotary tables and the attention masks itself, from the hidden state's shape, as
 the unsplit model does once: each layer gets the mask of its kind (full causal, or within
 the sliding window, as the config's ``layer_types`` or ``sliding_window`` say) and, where
@@ -28,12 +29,24 @@ The stage modules share the model's parameters (nothing is copied), so
 What stays on the device: every decoder layer of a stage saves the same rotary tables for
 its backward, so a streamed chunk's layers share them, and swap keeps them on the device
 rather than move one copy per layer (they are a few kilobytes a microbatch).
+
+The router loss: a mixture-of-experts model whose config sets ``output_router_logits`` adds
+``router_aux_loss_coef`` times a load-balancing loss to its language-model loss. That loss is
+a product of two means over every routed layer of the model (the share of top-k choices
+each expert got, and its mean router probability), so no stage can compute its own part.
+transformers sums both layer by layer before dividing; the stages carry the two running sums
+(one number per expert each) forward with the hidden state, each adding its own layers', and
+the last stage makes the loss from them. The sums are the unsplit model's to the bit (the
+same additions in the same order), and the router's gradient flows back through the
+probability sums. The last stage then returns ``(logits, weighted router loss)``, which
+:func:`causal_lm_loss` adds to the language-model loss as the unsplit model does.
 """
 
 from __future__ import annotations
 
 import inspect
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -41,23 +54,62 @@ import torch
 from pipeswap.runtime.errors import PipelineSetupError
 from pipeswap.runtime.models.gpt import even_runs
 
-__all__ = ["CausalLMStage", "causal_lm_stages", "causal_lm_loss"]
+__all__ = ["CausalLMStage", "RouterLoss", "causal_lm_stages", "causal_lm_loss"]
 
 #: The kinds of attention the stages mask, as transformers names a layer's.
 _MASKED = ("full_attention", "sliding_attention")
 
 
+@dataclass(frozen=True)
+class RouterLoss:
+    """A mixture-of-experts model's load-balancing loss, as its stages add it: the module
+    class whose output ``index`` is a layer's router logits, the experts and how many each
+    token picks, the loss's weight, and how many routed layers the whole model has (the
+    means divide by every layer's rows)."""
+
+    router: type[torch.nn.Module]
+    index: int
+    experts: int
+    top_k: int
+    coefficient: float
+    layers: int
+
+    def add(self, sums: tuple[torch.Tensor, torch.Tensor], logits: torch.Tensor
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The running (choices, probabilities) per expert with one layer's router logits
+        added, as transformers adds them (counted in float32 where it counts so)."""
+        choices, probs = sums
+        weights = torch.nn.functional.softmax(logits, dim=-1)
+        _, chosen = torch.topk(weights, self.top_k, dim=-1)
+        counting = torch.float32 if logits.device.type in ("cpu", "mps") else torch.int32
+        choices = choices + torch.histc(chosen.reshape(-1).to(counting), bins=self.experts,
+                                        min=0, max=self.experts)
+        return choices, probs + weights.float().sum(dim=0)
+
+    def loss(self, sums: tuple[torch.Tensor, torch.Tensor], rows: int) -> torch.Tensor:
+        """The weighted loss of a microbatch of ``rows`` tokens from the whole model's sums."""
+        choices, probs = sums
+        total = float(self.layers * rows)
+        shares = choices / total
+        balance = torch.sum(shares * (probs / total).unsqueeze(0)) * self.experts
+        return self.coefficient * balance
+
+
 class CausalLMStage(torch.nn.Module):
     """One stage of a causal LM: the embedding (first stage), a run of decoder layers, the
     final norm and head (last stage). Takes token ids (first stage) or the hidden state, and
-    returns the hidden state, or the logits on the last stage."""
+    returns the hidden state, or the logits on the last stage. With ``routing``, the routing
+    sums travel after the hidden state, and the last stage returns ``(logits, router
+    loss)``."""
 
     def __init__(self, config: Any,  # Any: a transformers config (untyped)
                  rotary: torch.nn.Module, layers: Sequence[torch.nn.Module],
                  embed: torch.nn.Module | None = None, norm: torch.nn.Module | None = None,
                  head: torch.nn.Module | None = None,
-                 layer_types: Sequence[str] | None = None) -> None:
+                 layer_types: Sequence[str] | None = None,
+                 routing: RouterLoss | None = None) -> None:
         super().__init__()
+        self.routing = routing
         self.config = config
         self.embed_tokens = embed
         self.rotary_emb = rotary
@@ -67,8 +119,38 @@ class CausalLMStage(torch.nn.Module):
         # each layer's attention: full causal, or within the sliding window
         self.layer_types = tuple(layer_types or ("full_attention",) * len(layers))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, *sums: torch.Tensor
+                ) -> torch.Tensor | tuple[torch.Tensor, ...]:
         hidden = self.embed_tokens(x) if self.embed_tokens is not None else x
+        if self.routing is None:
+            return self._decode(hidden, [])
+        logits: list[torch.Tensor] = []
+        hidden = self._decode(hidden, logits)
+        index = self.routing.index
+        running = (sums[0], sums[1]) if sums else (
+            torch.zeros(self.routing.experts, dtype=torch.float32, device=hidden.device),
+            torch.zeros(self.routing.experts, dtype=torch.float32, device=hidden.device))
+        for made in logits:
+            running = self.routing.add(running, made[index] if isinstance(made, tuple)
+                                       else made)
+        if self.lm_head is not None:
+            return hidden, self.routing.loss(running, x.shape[0] * x.shape[1])
+        return (hidden, *running)
+
+    def _decode(self, hidden: torch.Tensor, routed: list[Any]) -> torch.Tensor:
+        """The stage's layers, norm and head on ``hidden``; each router's output appended to
+        ``routed`` as its layer makes it (hooked for this call only: a recompute in
+        backward makes them again, and they must not count twice)."""
+        hooks = [module.register_forward_hook(lambda _m, _a, out: routed.append(out))
+                 for module in self.layers.modules()
+                 if self.routing is not None and isinstance(module, self.routing.router)]
+        try:
+            return self._layers(hidden)
+        finally:
+            for hook in hooks:
+                hook.remove()
+
+    def _layers(self, hidden: torch.Tensor) -> torch.Tensor:
         positions = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
         kinds = set(self.layer_types)
         masks = {kind: _mask_of(kind)(config=self.config, inputs_embeds=hidden,
@@ -102,7 +184,9 @@ def causal_lm_stages(model: torch.nn.Module, num_stages: int,
     A head tied to the embedding (``tie_word_embeddings``) stays one parameter object on
     the first and the last stage: across ranks each computes its own use's gradient, which
     :class:`~pipeswap.runtime.models.tied.TiedGradients` sums (find the pair with
-    :func:`~pipeswap.runtime.models.llama.tied_parameter_names` on every stage module)."""
+    :func:`~pipeswap.runtime.models.llama.tied_parameter_names` on every stage module).
+    A mixture-of-experts model whose config sets ``output_router_logits`` gets its router
+    loss (:class:`RouterLoss`)."""
     inner: Any = getattr(model, "model", None)  # Any: transformers is untyped
     missing = [name for name, owner in (("model", model), ("lm_head", model),
                                         ("model.embed_tokens", inner),
@@ -134,12 +218,39 @@ def causal_lm_stages(model: torch.nn.Module, num_stages: int,
         starts = [sum(counts[:k]) for k in range(num_stages)]
         runs = [range(start, start + count) for start, count in zip(starts, counts)]
     last = num_stages - 1
+    routing = _router_loss(model, inner)
     return [CausalLMStage(config, inner.rotary_emb, [blocks[k] for k in run],
                           embed=embed if index == 0 else None,
                           norm=inner.norm if index == last else None,
                           head=head if index == last else None,
-                          layer_types=[types[k] for k in run])
+                          layer_types=[types[k] for k in run], routing=routing)
             for index, run in enumerate(runs)]
+
+
+def _router_loss(model: Any, inner: Any  # Any: transformers is untyped
+                 ) -> RouterLoss | None:
+    """The router loss the unsplit model adds, where its config asks for one
+    (``output_router_logits``): the router module as transformers records its logits, and
+    the loss's constants as the model holds them. Refused: a model that asks for the loss
+    but does not say how its routers are found."""
+    if not getattr(model.config, "output_router_logits", False):
+        return None
+    recorded = getattr(inner, "_can_record_outputs", None) or {}
+    recorder = recorded.get("router_logits")
+    experts, top_k, coefficient = (getattr(model, name, None) for name in
+                                   ("num_experts", "num_experts_per_tok",
+                                    "router_aux_loss_coef"))
+    router = getattr(recorder, "target_class", None)
+    if (router is None or experts is None or top_k is None or coefficient is None
+            or getattr(recorder, "layer_name", None)):
+        raise PipelineSetupError(
+            f"{type(model).__name__} asks for its router loss (output_router_logits), but "
+            "the stages cannot find its routers' logits or the loss's constants "
+            "(num_experts, num_experts_per_tok, router_aux_loss_coef): set "
+            "config.output_router_logits = False, or split the model by hand")
+    layers = sum(isinstance(module, router) for module in inner.layers.modules())
+    return RouterLoss(router, int(getattr(recorder, "index", 0)), int(experts), int(top_k),
+                      float(coefficient), layers)
 
 
 def _mask_of(kind: str) -> Callable[..., torch.Tensor | None]:
@@ -174,10 +285,14 @@ def _layer_types(name: str, config: Any,  # Any: a transformers config (untyped)
     return types
 
 
-def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+def causal_lm_loss(output: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
+                   labels: torch.Tensor) -> torch.Tensor:
     """The next-token loss of a microbatch: the logits at each position against the label
     one position on (``labels`` as the model's ``input_ids``, ignored where -100), averaged
-    over the tokens, in float32 as transformers computes it."""
+    over the tokens, in float32 as transformers computes it; plus the router loss where the
+    last stage returns ``(logits, router loss)``."""
+    logits, router = output if isinstance(output, tuple) else (output, None)
     shifted = logits[:, :-1, :].float()
-    return torch.nn.functional.cross_entropy(shifted.flatten(0, 1), labels[:, 1:].flatten(),
+    loss = torch.nn.functional.cross_entropy(shifted.flatten(0, 1), labels[:, 1:].flatten(),
                                              ignore_index=-100)
+    return loss if router is None else loss + router.to(loss.device)

@@ -20,7 +20,12 @@ from pipeswap.runtime.executor.options import (
     SwapOptions,
 )
 from pipeswap.runtime.executor.pipeline_executor import PipelineExecutor
-from pipeswap.runtime.executor.planning import MEASURE_TO_PLAN, Measured, budget_policy
+from pipeswap.runtime.executor.planning import (
+    MEASURE_TO_PLAN,
+    Measured,
+    VaryingChunks,
+    budget_policy,
+)
 from pipeswap.runtime.pipelining.stages import (
     StageArgument,
     merged,
@@ -88,6 +93,9 @@ class _PipelineSchedule:
         #: what the plan under ``budget`` expects of this rank (its peak, and by how much
         #: it misses the budget): after the first step, which measured what it plans on
         self.planned: PlanOutcome | None = None
+        #: the stages whose chunks the measuring step found of different sizes by
+        #: microbatch (the plan sizes each as its stage's largest)
+        self.varying: tuple[VaryingChunks, ...] = ()
         self._measuring = budget is not None  # the first step runs without swap, measuring
         self._report: StepReport | None = None
         self._granularity, self._transport = swap_granularity, check_transport
@@ -122,12 +130,14 @@ class _PipelineSchedule:
         same point of its run, as the set-up's agreement needs)."""
         assert self._budget is not None and self._report is not None
         layers = {stage.stage_index: len(stage.layers) for stage in self._stages}
-        policy = budget_policy(Measured.of(self._report), layers, self._budget,
-                               granularity=self._granularity)
+        measured, self.varying = Measured.of(self._report).at_largest()
+        policy = budget_policy(measured, layers, self._budget, granularity=self._granularity)
         self.executor.close()
         self.executor = self._executor(True, policy)
         plan = self.executor.plan
         self.planned = None if plan is None else plan.outcome
+        for varying in self.varying:
+            warnings.warn(varying.describe(self.executor.rank), stacklevel=3)
         if self.planned is not None and self.planned.shortfall:
             warnings.warn(
                 f"rank {self.executor.rank}: no plan meets the budget of {self._budget:,} "

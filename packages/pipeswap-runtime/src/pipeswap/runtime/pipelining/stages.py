@@ -49,16 +49,22 @@ def pipeswap_stage(stage: StageArgument) -> PipelineStage:
 
 
 def merged(outputs: Sequence[PyTree]) -> PyTree | None:
-    """The microbatches' outputs joined along dimension 0, as PyTorch's default merge."""
+    """The microbatches' outputs joined along dimension 0, as PyTorch's default merge; a
+    tensor of no dimensions (a per-microbatch loss term) is stacked, one value a
+    microbatch, where PyTorch's merge fails."""
     if not outputs:
         return None
     flat = [tree_flatten(output) for output in outputs]
     spec = flat[0][1]
-    leaves = [torch.cat([leaves[k] for leaves, _ in flat])
+    leaves = [_joined([leaves[k] for leaves, _ in flat])
               if isinstance(flat[0][0][k], torch.Tensor) else flat[0][0][k]
               for k in range(len(flat[0][0]))]
     whole: PyTree = tree_unflatten(leaves, spec)
     return whole
+
+
+def _joined(parts: list[torch.Tensor]) -> torch.Tensor:
+    return torch.stack(parts) if parts[0].dim() == 0 else torch.cat(parts)
 
 
 def microbatch_kwargs(kwargs: dict[str, object], microbatches: int

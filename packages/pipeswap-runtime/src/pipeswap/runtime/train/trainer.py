@@ -215,8 +215,12 @@ class Trainer:
         if config.swap.budget is None:
             return named_swap(config.swap.policy, self.layer_counts, config.swap.granularity,
                               costs), None
+        measured, varying = earlier["no-swap"].measured().at_largest()
+        if config.job.verbose:
+            for stages in varying:
+                log.info("[%7s] %s", mode, stages.describe(self.rank))
         planner = budget_policy(
-            earlier["no-swap"].measured(), self.layer_counts, config.swap.budget,
+            measured, self.layer_counts, config.swap.budget,
             granularity=config.swap.granularity, recompute=config.swap.recompute,
             costs=costs, everyone=None if self.replaying else _everyone)
         if config.job.verbose and (self.replaying or self.rank == 0):
