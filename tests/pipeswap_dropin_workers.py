@@ -323,18 +323,42 @@ def by_name(rank: int, world: int, name: str, swap: bool) -> dict[str, Any]:
     return found
 
 
-def fsdp_wrapped(rank: int, world: int, name: str) -> dict[str, Any]:
-    """Stages whose modules are ``fully_shard``ed roots over a data-parallel dimension of
-    one (as torchtitan shards every stage, even at degree 1), run by PyTorch's class and by
-    pipeswap's without and with swap: each rank's gradients (full tensors)."""
+def normed_model(stages: int) -> list[torch.nn.Sequential]:
+    """:func:`model` with a final norm on the last stage (a gradient PyTorch's zero-bubble
+    classes have lost under FSDP)."""
+    modules = model(stages)
+    modules[-1].append(torch.nn.LayerNorm(WIDTH))
+    return modules
+
+
+def replica_batch(replica: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Data-parallel replica ``replica``'s batch (replica 0's is :func:`batch`)."""
+    if replica == 0:
+        return batch()
+    generator = torch.Generator().manual_seed(1 + replica)
+    return (torch.randn(BATCH, WIDTH, generator=generator),
+            torch.randn(BATCH, WIDTH, generator=generator))
+
+
+def fsdp_wrapped(rank: int, world: int, names: list[str], dp: int = 1) -> dict[str, Any]:
+    """Stages whose blocks and modules are ``fully_shard``ed over a data-parallel dimension
+    of ``dp`` (torchtitan shards each block, then every stage's root, at degree 1 too; each
+    replica has its own batch), run by PyTorch's class and by pipeswap's without and with swap: for each class
+    of ``names``, this rank's gradients (full tensors)."""
     from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world // dp, dp), mesh_dim_names=("pp", "dp"))
+    return {name: _fsdp_steps(mesh, name) for name in names}
+
+
+def _fsdp_steps(mesh: Any, name: str) -> dict[str, Any]:
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor
 
-    mesh = init_device_mesh("cpu", (world, 1), mesh_dim_names=("pp", "dp"))
-    count = world if name in SINGLE else 2 * world
-    modules = model(count)
-    indices = stage_indices(name, rank, world)
+    pp = mesh["pp"].size()
+    count = pp if name in SINGLE else 2 * pp
+    modules = normed_model(count)
+    indices = stage_indices(name, mesh["pp"].get_local_rank(), pp)
     found: dict[str, Any] = {}
     for mode, schedule_of, options in (("torch", torch_pipelining, {}),
                                        ("pipeswap", pipeswap_pipelining, {}),
@@ -342,12 +366,15 @@ def fsdp_wrapped(rank: int, world: int, name: str) -> dict[str, Any]:
         stages = []
         for index in indices:
             module = copy.deepcopy(modules[index])
+            for child in module:  # each block, then the root (the norm's), as torchtitan
+                if isinstance(child, torch.nn.Linear):
+                    fully_shard(child, mesh=mesh["dp"])
             fully_shard(module, mesh=mesh["dp"])
             stages.append(torch_pipelining.PipelineStage(
                 module, index, count, torch.device("cpu"), group=mesh.get_group("pp")))
         schedule = getattr(schedule_of, name)(stages[0] if name in SINGLE else stages,
                                               n_microbatches=MICRO, loss_fn=loss_fn, **options)
-        x, y = batch()
+        x, y = replica_batch(mesh["dp"].get_local_rank())
         schedule.step(x if 0 in indices else None, target=y if count - 1 in indices else None)
         found[mode] = {
             f"{stage.stage_index}.{n}": (p.grad.full_tensor() if isinstance(p.grad, DTensor)
@@ -357,11 +384,13 @@ def fsdp_wrapped(rank: int, world: int, name: str) -> dict[str, Any]:
     return found
 
 
-def unpipelined(count: int) -> dict[str, torch.Tensor]:
-    """The gradients of the mean microbatch loss of ``count`` stages run in one process,
-    keyed as the workers key theirs."""
-    modules = model(count)
-    x, y = batch()
+def unpipelined(count: int, normed: bool = False, replica: int = 0
+                ) -> dict[str, torch.Tensor]:
+    """The gradients of the mean microbatch loss of ``count`` stages (of
+    :func:`normed_model` where ``normed``) run in one process on ``replica``'s batch, keyed
+    as the workers key theirs."""
+    modules = normed_model(count) if normed else model(count)
+    x, y = replica_batch(replica)
     whole = torch.nn.Sequential(*modules)
     total = torch.stack([loss_fn(whole(xs), ys)
                          for xs, ys in zip(x.chunk(MICRO), y.chunk(MICRO))]).sum()
