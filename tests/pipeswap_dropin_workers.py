@@ -255,7 +255,10 @@ def keyword_arguments(rank: int, world: int, name: str) -> dict[str, Any]:
                 out = schedule.eval(*((x,) if first else ()), target=y if last else None,
                                     losses=evaluated, shift=shift, factor=2.0)
         found[mode] = {"losses": [loss.detach() for loss in losses], "output": output,
-                       "eval_losses": evaluated, "eval_output": out, "grads": grads}
+                       "eval_losses": evaluated, "eval_output": out, "grads": grads,
+                       "grads_after_eval": {
+                           f"{stage.stage_index}.{n}": p.grad.clone() for stage in stages
+                           for n, p in stage.submod.named_parameters() if p.grad is not None}}
     return found
 
 

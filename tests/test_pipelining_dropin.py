@@ -178,7 +178,9 @@ def test_sizing_for_a_plan_takes_each_stages_largest_chunk_where_they_differ() -
 def test_keyword_arguments_reach_every_stage_as_pytorchs_classes_pass_them(name: str) -> None:
     """``step(x, shift=tensor, factor=2.0)`` on every rank: each stage is called with its
     microbatch's slice of the tensor and the number itself, as PyTorch's classes call it;
-    losses, outputs and gradients bit for bit, with swap, and ``eval`` too."""
+    losses, outputs and gradients bit for bit, with swap, and ``eval`` too, which leaves
+    the gradients a step made as they are (PyTorch's 1F1B ``eval`` divides them by the
+    microbatch count on this torch: its gradient scaling runs though no backward did)."""
     from pipeswap_dropin_workers import keyword_arguments
 
     ranks = POOL.run(keyword_arguments, 2, name, timeout_s=120)
@@ -194,6 +196,7 @@ def test_keyword_arguments_reach_every_stage_as_pytorchs_classes_pass_them(name:
         assert rank["pipeswap"]["grads"].keys() == rank["torch"]["grads"].keys() != set()
         for key, grad in rank["torch"]["grads"].items():
             assert torch.equal(rank["pipeswap"]["grads"][key], grad), key
+            assert torch.equal(rank["pipeswap"]["grads_after_eval"][key], grad), key
 
 
 @pytest.mark.parametrize("name", ["Schedule1F1B", "ScheduleInterleaved1F1B"])
