@@ -126,24 +126,29 @@ class CausalLMStage(torch.nn.Module):
             return self._decode(hidden, [])
         logits: list[torch.Tensor] = []
         hidden = self._decode(hidden, logits)
-        index = self.routing.index
         running = (sums[0], sums[1]) if sums else (
             torch.zeros(self.routing.experts, dtype=torch.float32, device=hidden.device),
             torch.zeros(self.routing.experts, dtype=torch.float32, device=hidden.device))
         for made in logits:
-            running = self.routing.add(running, made[index] if isinstance(made, tuple)
-                                       else made)
+            running = self.routing.add(running, made)
         if self.lm_head is not None:
             return hidden, self.routing.loss(running, x.shape[0] * x.shape[1])
         return (hidden, *running)
 
-    def _decode(self, hidden: torch.Tensor, routed: list[Any]) -> torch.Tensor:
-        """The stage's layers, norm and head on ``hidden``; each router's output appended to
-        ``routed`` as its layer makes it (hooked for this call only: a recompute in
+    def _decode(self, hidden: torch.Tensor, routed: list[torch.Tensor]) -> torch.Tensor:
+        """The stage's layers, norm and head on ``hidden``; each router's logits appended
+        to ``routed`` as its layer makes them (hooked for this call only: a recompute in
         backward makes them again, and they must not count twice)."""
-        hooks = [module.register_forward_hook(lambda _m, _a, out: routed.append(out))
-                 for module in self.layers.modules()
-                 if self.routing is not None and isinstance(module, self.routing.router)]
+        routing = self.routing
+
+        def record(_module: torch.nn.Module, _args: object, out: object) -> None:
+            assert routing is not None
+            made = out[routing.index] if isinstance(out, tuple) else out
+            assert isinstance(made, torch.Tensor)
+            routed.append(made)
+
+        hooks = [module.register_forward_hook(record) for module in self.layers.modules()
+                 if routing is not None and isinstance(module, routing.router)]
         try:
             return self._layers(hidden)
         finally:
