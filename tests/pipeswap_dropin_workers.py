@@ -114,7 +114,8 @@ def refused(rank: int, world: int, case: str) -> str:
         spec = (along_1,) if case == "spec" and rank == 0 else None  # one rank's, not all
         schedule = getattr(pipeswap_pipelining, name)(
             stages[0] if name in SINGLE and case != "single" else stages, n_microbatches=MICRO,
-            loss_fn=None if case == "loss" and last else loss_fn, args_chunk_spec=spec)
+            loss_fn=None if case == "loss" and last else loss_fn, args_chunk_spec=spec,
+            budget=10**6 if case == "budget" and rank == 0 else None)
         x, y = batch()
         if case == "batch":
             x = x[:BATCH - 1]  # 15 rows do not split into 8 microbatches

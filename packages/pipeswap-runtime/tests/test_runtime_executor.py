@@ -523,6 +523,46 @@ except PipelineSetupError as exc:
 """
 
 
+_ALONE_ON_A_FAKE_GROUP = """
+import copy, warnings, torch, torch.distributed as dist
+from torch.testing._internal.distributed.fake_pg import FakeStore
+from torch.distributed.pipelining import PipelineStage
+from pipeswap.runtime.pipelining import Schedule1F1B, ScheduleInterleavedZeroBubble
+warnings.simplefilter("error")
+dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=1)
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 8))
+x, y = torch.randn(4, 8), torch.randn(4, 8)
+loss = lambda out, target: torch.nn.functional.mse_loss(out, target)
+reference = copy.deepcopy(model)
+for xs, ys in zip(x.chunk(2), y.chunk(2)):
+    loss(reference(xs), ys).backward()
+for cls in (Schedule1F1B, ScheduleInterleavedZeroBubble):
+    mine = copy.deepcopy(model)
+    stage = PipelineStage(mine, 0, 1, torch.device("cpu"))
+    cls(stage if cls is Schedule1F1B else [stage], 2, loss_fn=loss, scale_grads=False).step(
+        x, target=y)
+    print(all(torch.equal(a.grad, b.grad) for a, b in zip(mine.parameters(),
+                                                          reference.parameters())))
+    stage = PipelineStage(mine, 0, 1, torch.device("cpu"))
+    mine.zero_grad(set_to_none=True)
+    out = cls(stage if cls is Schedule1F1B else [stage], 2).step(x)  # no loss: forward only
+    whole = torch.cat([mine(part) for part in x.chunk(2)]).detach()
+    print(torch.equal(out, whole), all(p.grad is None for p in mine.parameters()))
+"""
+
+
+def test_a_rank_alone_runs_on_a_fake_group_and_without_a_loss_forward_only() -> None:
+    """One rank, one stage, on torch's "fake" backend (as PyTorch's single-stage tests
+    run): nothing to agree on or watch, so it trains as plain autograd does, bit for bit,
+    with no warning; and a schedule given no loss function runs forward only, as PyTorch's
+    classes do: the module's output, no gradient."""
+    done = subprocess.run([sys.executable, "-c", _ALONE_ON_A_FAKE_GROUP], capture_output=True,
+                          text=True, timeout=120, check=False)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["True", "True", "True"] * 2, done.stdout
+
+
 def test_a_fake_process_group_is_refused_in_one_line() -> None:
     """torch's "fake" backend (a FakeStore) moves no data, so the ranks could not agree on
     the schedule: refused by name, not with a disagreement nobody had."""

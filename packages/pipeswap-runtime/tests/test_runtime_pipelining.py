@@ -83,7 +83,8 @@ def test_a_stage_with_a_weight_backward_of_its_own_is_refused() -> None:
 
 def test_a_class_by_pytorchs_name_with_options_bound() -> None:
     """``get_schedule_class`` takes PyTorch's names in any case and refuses others as
-    PyTorch's does; with options, a subclass that still answers PyTorch's base classes."""
+    PyTorch's does; with options, a subclass that still answers PyTorch's base classes;
+    the bases' own names give PyTorch's bases."""
     assert ours.get_schedule_class("zbvzerobubble") is ours.ScheduleZBVZeroBubble
     assert ours.get_schedule_class("1F1B") is ours.Schedule1F1B
     bound = ours.get_schedule_class("Interleaved1F1B", swap=True, budget=1 << 20)
@@ -92,3 +93,8 @@ def test_a_class_by_pytorchs_name_with_options_bound() -> None:
     assert inspect.signature(bound).parameters.keys() >= {"stages", "n_microbatches"}
     with pytest.raises(ValueError, match=r"Unknown schedule name 'ZB'.*'DualPipeV'"):
         ours.get_schedule_class("ZB")
+    # the names of PyTorch's two bases give them, as PyTorch's function does
+    for name in ("PipelineScheduleSingle", "pipelineschedulemulti"):
+        assert ours.get_schedule_class(name) is theirs.schedules.get_schedule_class(name)
+    with pytest.raises(ValueError, match="PipelineScheduleSingle is PyTorch's abstract base"):
+        ours.get_schedule_class("PipelineScheduleSingle", swap=True)

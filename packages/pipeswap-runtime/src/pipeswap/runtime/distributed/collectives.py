@@ -28,6 +28,8 @@ def all_gather_ints(value: int, group: dist.ProcessGroup | None) -> list[int]:
     import torch
     import torch.distributed as dist
 
+    if dist.get_world_size(group) == 1:  # nothing to gather (and a 'fake' group moves none)
+        return [value]
     slots = torch.zeros(dist.get_world_size(group), dtype=torch.int64)
     slots[dist.get_rank(group)] = value
     dist.all_reduce(slots, group=group)
@@ -82,6 +84,8 @@ def gather_object(value: object, group: dist.ProcessGroup | None = None) -> list
     import torch
     import torch.distributed as dist
 
+    if dist.get_world_size(group) == 1:
+        return [value]
     payload = torch.frombuffer(bytearray(pickle.dumps(value)), dtype=torch.uint8)
     sizes = all_gather_ints(payload.numel(), group)
     padded = torch.zeros(max(sizes), dtype=torch.uint8)

@@ -78,10 +78,13 @@ class FailureHandling:
     ``setup_check``: called first in the set-up every rank agrees on, so that a
     :class:`~pipeswap.runtime.PipelineSetupError` it raises (a wrapper's check of its own
     arguments) fails the set-up on every rank, not on this one alone while the others
-    wait."""
+    wait. ``agreed``: what a wrapper was given that every rank must have been given alike
+    (its options, as text), agreed on with the schedule: where ranks differ, the set-up
+    fails on every rank, each naming its own."""
 
     timeout_s: float | None = None
     setup_check: Callable[[], None] | None = None
+    agreed: str = ""
 
 
 @dataclass(frozen=True)

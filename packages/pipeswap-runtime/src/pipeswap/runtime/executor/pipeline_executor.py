@@ -171,7 +171,7 @@ class PipelineExecutor:
             replayed=replay is not None)
         self._sharded: dict[int, ShardedStage] = {}
         self.schedule, self.plan = self._agreed_schedule(
-            schedule, swapping, check_transport, failure.setup_check, loss_fn)
+            schedule, swapping, check_transport, failure, loss_fn)
         self.manager = (swapping.manager if swapping is not None and swapping.manager
                         else None) or SwapManager(self.platform)
         for stage in self.stages:
@@ -208,7 +208,7 @@ class PipelineExecutor:
 
     def _agreed_schedule(self, schedule: Schedule | ScheduleSpec | str,
                          swap: SwapOptions | None, transport: TransportModel,
-                         setup_check: Callable[[], None] | None, loss_fn: LossFn | None
+                         failure: FailureHandling, loss_fn: LossFn | None
                          ) -> tuple[Schedule, RankPlan | None]:
         """The schedule this rank runs, checked here and agreed on by every rank (a problem
         one rank finds raises on all), with this rank's swap plan."""
@@ -216,8 +216,8 @@ class PipelineExecutor:
         plan: RankPlan | None = None
         problem: PipelineSetupError | None = None
         try:
-            if setup_check is not None:
-                setup_check()
+            if failure.setup_check is not None:
+                failure.setup_check()
             _setup.check_stages_run_here(self.stages, self.platform.device, loss_fn)
             layer_counts = _setup.own_layer_counts(self.stages, self.replay)
             _setup.check_transport(transport, self.group, self.replay)
@@ -231,7 +231,8 @@ class PipelineExecutor:
             problem = exc
         _setup.agree_on_schedule(built, problem, microbatches=self.microbatches,
                                  group=self._control, dp_group=self._dp_control,
-                                 dp_size=self.dp_size, replay=self.replay)
+                                 dp_size=self.dp_size, replay=self.replay,
+                                 agreed=failure.agreed)
         assert built is not None
         return built, plan
 
@@ -476,13 +477,15 @@ def _start_watch(executor: PipelineExecutor, timeout_s: float | None
     gloo = executor.replay is None and only_gloo(with_cpu_backend(executor.group))
     if executor.replay is not None or (timeout_s is None and gloo):
         return None, None
+    peers = _setup.neighbours(executor.schedule, executor.rank, executor.group,
+                              executor.dp_group)
+    if set(peers) <= {dist.get_rank()}:  # a rank alone: nobody to watch
+        return None, None
     detection = (group_timeout(executor.group) if timeout_s is None
                  else datetime.timedelta(seconds=timeout_s))
     try:
-        watch = PeerWatch(
-            dist.get_rank(), _setup.neighbours(executor.schedule, executor.rank,
-                                               executor.group, executor.dp_group),
-            detection.total_seconds(), partial(stop_groups, executor._stopped))
+        watch = PeerWatch(dist.get_rank(), peers, detection.total_seconds(),
+                          partial(stop_groups, executor._stopped))
     except UnclonableStore as exc:  # the same store on every rank: each degrades alike
         warnings.warn(
             f"rank {executor.rank}: no peer watch runs, as the rendezvous store cannot give "
@@ -538,7 +541,8 @@ def _check_distributed(stages: Sequence[PipelineStage], parallel: DataParallel,
         raise PipelineSetupError(
             "torch.distributed is not initialized: launch with torchrun, or use "
             "pipeswap.runtime.spawn, or call init_process_group first")
-    elif dist.get_backend(stages[0].group) == "fake":
+    elif (dist.get_backend(stages[0].group) == "fake"
+          and dist.get_world_size(stages[0].group) > 1):
         raise PipelineSetupError(
             "the process group is torch's 'fake' backend, whose collectives move no data: "
             "the executor's set-up needs the ranks to agree, so run on gloo (CPU) or nccl, "

@@ -233,11 +233,12 @@ def _kind(name: str) -> ScheduleKind:
 
 def agree_on_schedule(schedule: Schedule | None, problem: PipelineSetupError | None, *,
           microbatches: int, group: dist.ProcessGroup | None,
-          dp_group: dist.ProcessGroup | None, dp_size: int, replay: Replay | None) -> None:
+          dp_group: dist.ProcessGroup | None, dp_size: int, replay: Replay | None,
+          agreed: str = "") -> None:
     """One collective before any step (two with data parallel: over the pipeline, then
     over the data-parallel group): every rank has a schedule its stages fit, and all run
-    the same one. Any problem raises on every rank of every replica, so none waits
-    forever. A replayed rank has nobody to agree with."""
+    the same one, given the same ``agreed`` options. Any problem raises on every rank of
+    every replica, so none waits forever. A replayed rank has nobody to agree with."""
     if replay is not None:
         if problem is not None:
             raise problem
@@ -246,7 +247,7 @@ def agree_on_schedule(schedule: Schedule | None, problem: PipelineSetupError | N
     if schedule is not None:  # swap and recompute steps are each rank's own plan: the rest
         shared = schedule.map_orders(lambda _, order: tuple(  # must agree
             step for step in order if step is None or step.type not in OWN_PLAN))
-        text = f"{dumps_lines(shared)}|{schedule.stage_ranks}|{microbatches}"
+        text = f"{dumps_lines(shared)}|{schedule.stage_ranks}|{microbatches}|{agreed}"
         fingerprint = int.from_bytes(hashlib.sha256(text.encode()).digest()[:7], "big")
     everyone = all_gather_ints(fingerprint * 2 + (problem is not None), group)
     bad = [rank for rank, value in enumerate(everyone) if value % 2]
@@ -270,6 +271,10 @@ def agree_on_schedule(schedule: Schedule | None, problem: PipelineSetupError | N
             "with the same schedule, options and microbatch count in every replica")
     if len({value // 2 for value in everyone}) != 1:
         prints = [f"{value // 2:014x}" for value in everyone]
+        if agreed:
+            raise PipelineSetupError(
+                f"the ranks were given different schedules or arguments (fingerprints by "
+                f"rank: {prints}; this rank: {agreed}): give every rank the same ones")
         raise PipelineSetupError(
             f"the ranks were given different schedules (fingerprints by rank: {prints}); "
             "build the executor with the same schedule, options and microbatch count on "

@@ -8,6 +8,8 @@ from __future__ import annotations
 from functools import partialmethod
 from typing import TYPE_CHECKING
 
+from torch.distributed.pipelining.schedules import PipelineScheduleMulti, PipelineScheduleSingle
+
 from pipeswap.runtime.pipelining.schedules import (
     Schedule1F1B,
     ScheduleDualPipeV,
@@ -38,17 +40,34 @@ _BY_NAME: dict[str, type[_PipelineSchedule]] = {
 }
 
 
+#: The names PyTorch's function also answers with its abstract bases (which pipeswap's
+#: classes are registered with), for code that asks which kind a name is.
+_BASES: dict[str, type[PipelineScheduleSingle] | type[PipelineScheduleMulti]] = {
+    "PipelineScheduleSingle": PipelineScheduleSingle,
+    "PipelineScheduleMulti": PipelineScheduleMulti,
+}
+
+
 def get_schedule_class(schedule_name: str, **options: Unpack[PipeswapOptions]
-                       ) -> type[_PipelineSchedule]:
+                       ) -> type[_PipelineSchedule | PipelineScheduleSingle
+                                 | PipelineScheduleMulti]:
     """pipeswap's class of ``schedule_name`` (PyTorch's names, any case: ``"1F1B"``,
     ``"ZBVZeroBubble"``, ...); with ``options`` (``swap=True``, ``budget=``, ...) a subclass
     that passes them to every schedule it builds, so code that only names the class (and
-    calls it with PyTorch's arguments) swaps. An unknown name raises ``ValueError`` naming
-    the known ones, as PyTorch's function does."""
+    calls it with PyTorch's arguments) swaps. ``"PipelineScheduleSingle"`` and
+    ``"PipelineScheduleMulti"`` give PyTorch's abstract bases, as PyTorch's function does
+    (they build no schedule, so they take no options). An unknown name raises
+    ``ValueError`` naming the known ones, as PyTorch's function does."""
+    base = {name.lower(): cls for name, cls in _BASES.items()}.get(schedule_name.lower())
+    if base is not None:
+        if options:
+            raise ValueError(f"{schedule_name} is PyTorch's abstract base, which builds no "
+                             f"schedule: options {sorted(options)} go with a schedule's name")
+        return base
     found = {name.lower(): cls for name, cls in _BY_NAME.items()}.get(schedule_name.lower())
     if found is None:
         raise ValueError(f"Unknown schedule name '{schedule_name}'. The valid options are "
-                         f"{list(_BY_NAME)}")
+                         f"{[*_BY_NAME, *_BASES]}")
     if not options:
         return found
     bound = dict(options)  # the caller's own keywords, where given, take precedence

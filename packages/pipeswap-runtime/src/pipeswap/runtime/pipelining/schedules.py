@@ -87,7 +87,16 @@ class _PipelineSchedule:
                                  _custom_backward(given))
         del defer_pp_recv  # PyTorch's runtime's receive timing; pipeswap's schedule has its own
         self._n_microbatches = n_microbatches
-        self._loss_fn = loss_fn
+        # without a loss function, as in PyTorch's classes, every step runs forward only
+        self._trains = loss_fn is not None
+        self._loss_fn = loss_fn or _no_loss
+        self._agreed = (f"{type(self).__name__}(n_microbatches={n_microbatches}, loss_fn="
+                        f"{'given' if loss_fn is not None else 'None'}, "
+                        f"scale_grads={scale_grads}, swap={swap}, policy="
+                        f"{type(policy).__name__ if policy is not None else None}, "
+                        f"budget={budget!r}, swap_granularity={swap_granularity!r}, "
+                        f"check_transport={check_transport!r}, "
+                        f"failure_timeout_s={failure_timeout_s!r})")
         self.scale_grads = scale_grads
         self._budget = budget
         #: what the plan under ``budget`` expects of this rank (its peak, and by how much
@@ -114,7 +123,8 @@ class _PipelineSchedule:
                 swap=options if swap else False,
                 count_activations=True if self._budget is not None else None,
                 check_transport=self._transport, numerics=Numerics(mean_loss=False),
-                failure=FailureHandling(self._failure_timeout_s, setup_check=self._check))
+                failure=FailureHandling(self._failure_timeout_s, setup_check=self._check,
+                                        agreed=self._agreed))
         except PipelineSetupError as exc:
             raise PipelineSetupError(f"{type(self).__name__}: {exc}") from exc
 
@@ -188,7 +198,12 @@ class _PipelineSchedule:
                losses: list[torch.Tensor] | None, return_outputs: bool,
                loss_kwargs: dict[str, object] | None) -> PyTree | None:
         """One training step of the executor, then PyTorch's gradient scaling, losses and
-        merged output; the plan under a budget made after the first."""
+        merged output; the plan under a budget made after the first. Without a loss
+        function, the forwards alone (PyTorch's classes then run no backward)."""
+        if not self._trains:
+            report = self.executor.evaluate(inputs, None, stage_kwargs=stage_kwargs)
+            last = any(stage.is_last for stage in self._stages)
+            return merged(list(report.outputs)) if last and return_outputs else None
         if not torch.is_grad_enabled():
             raise PipelineSetupError(
                 "step() runs the backward: call it with gradients enabled (not under "
@@ -237,6 +252,12 @@ class _PipelineSchedule:
         if not any(stage.is_first for stage in self._stages):
             return None
         return cast("PyTree", tuple(args))
+
+
+def _no_loss(output: object, target: object) -> torch.Tensor:
+    """The loss function of a schedule given none: its steps run forward only, as PyTorch's
+    do, so no loss is ever asked for."""
+    raise PipelineSetupError("no loss_fn was given to the schedule: pass one to train")
 
 
 def _refusal(args_chunk_spec: object, kwargs_chunk_spec: object, output_merge_spec: object,
