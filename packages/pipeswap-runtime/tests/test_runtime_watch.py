@@ -183,11 +183,15 @@ def test_a_store_without_clone_is_named() -> None:
 def test_without_a_store_to_clone_the_executor_runs_unwatched_and_says_so(
         group: None, monkeypatch: pytest.MonkeyPatch) -> None:
     """A group whose store cannot be cloned (the watch's connections) still trains: one
-    warning says no watch runs, and the step runs as it would without one."""
+    warning says no watch runs, and the step runs as it would without one. (The rank is
+    alone here, so it is given a neighbour to watch; alone, it watches nobody and says
+    nothing.)"""
+    import warnings
+
     import torch
 
     from pipeswap.runtime import FailureHandling, PipelineExecutor, PipelineStage
-    from pipeswap.runtime.executor import pipeline_executor
+    from pipeswap.runtime.executor import pipeline_executor, setup
 
     def unwatched(*args: Any, **kwargs: Any) -> PeerWatch:
         raise UnclonableStore("_NoClone: no clone")
@@ -195,6 +199,11 @@ def test_without_a_store_to_clone_the_executor_runs_unwatched_and_says_so(
     monkeypatch.setattr(pipeline_executor, "PeerWatch", unwatched)
     torch.manual_seed(0)
     stage = PipelineStage(torch.nn.Sequential(torch.nn.Linear(4, 4)), 0, 1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # alone: no watch, and no word of one
+        PipelineExecutor([stage], "gpipe", 2, torch.nn.functional.mse_loss,
+                         failure=FailureHandling(timeout_s=5)).close()
+    monkeypatch.setattr(setup, "neighbours", lambda *args: [1])
     with pytest.warns(UserWarning, match="no peer watch runs, as the rendezvous store cannot"):
         executor = PipelineExecutor([stage], "gpipe", 2, torch.nn.functional.mse_loss,
                                     failure=FailureHandling(timeout_s=5))

@@ -90,11 +90,13 @@ class _PipelineSchedule:
         # without a loss function, as in PyTorch's classes, every step runs forward only
         self._trains = loss_fn is not None
         self._loss_fn = loss_fn or _no_loss
-        self._agreed = (f"{type(self).__name__}(n_microbatches={n_microbatches}, loss_fn="
+        # what every rank must be given alike: what decides the steps' traffic (forward
+        # only; a first step that measures, then a new executor) and what the gradients
+        # mean; swap, its policy and the budget's size are each rank's own
+        self._agreed = (f"{type(self).__name__}(loss_fn="
                         f"{'given' if loss_fn is not None else 'None'}, "
-                        f"scale_grads={scale_grads}, swap={swap}, policy="
-                        f"{type(policy).__name__ if policy is not None else None}, "
-                        f"budget={budget!r}, swap_granularity={swap_granularity!r}, "
+                        f"scale_grads={scale_grads}, budget="
+                        f"{'given' if budget is not None else 'None'}, "
                         f"check_transport={check_transport!r}, "
                         f"failure_timeout_s={failure_timeout_s!r})")
         self.scale_grads = scale_grads
