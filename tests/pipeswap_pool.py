@@ -29,7 +29,7 @@ from typing import Any
 import torch.multiprocessing as mp
 
 from pipeswap.runtime import RankFailedError
-from pipeswap.runtime.distributed.launch import _die_with_parent, _free_port  # as spawn does
+from pipeswap.runtime.distributed.launch import _die_with_parent, _served_store  # as spawn
 
 SIZE = 4  # the most ranks a pooled case runs
 CASE_LIMIT_S = 900.0  # a case still running after this is hung: its ranks are killed
@@ -45,7 +45,7 @@ def _serve(rank: int, tasks: Any, results: Any, parent: int) -> None:
         job, fn, args, world, port, timeout_s = task
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                           WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-                          LOCAL_WORLD_SIZE=str(world))
+                          LOCAL_WORLD_SIZE=str(world), TORCHELASTIC_USE_AGENT_STORE="True")
         try:
             dist.init_process_group("gloo", rank=rank, world_size=world,
                                     timeout=datetime.timedelta(seconds=timeout_s))
@@ -101,14 +101,14 @@ class RankPool:
             self.close()
             self._start()
         self._job += 1
-        port = _free_port()
-        for rank in range(world):
-            self._tasks[rank].put((self._job, fn, args, world, port, timeout_s))
-        try:
-            values, failures = self._collect(world, timeout_s)
-        except BaseException:  # interrupted: the ranks may be mid-case, so none is reused
-            self.close()
-            raise
+        with _served_store(world, timeout_s) as port:  # the store here, as spawn serves it
+            for rank in range(world):
+                self._tasks[rank].put((self._job, fn, args, world, port, timeout_s))
+            try:
+                values, failures = self._collect(world, timeout_s)
+            except BaseException:  # interrupted: the ranks may be mid-case, so none is reused
+                self.close()
+                raise
         if failures:
             if not all(process.is_alive() for process in self._processes) or any(
                     "still running" in text for text in failures.values()):

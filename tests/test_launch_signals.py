@@ -76,22 +76,31 @@ def test_stopping_the_launcher_stops_every_rank(signum: int) -> None:
             launcher.wait()
 
 
+THREE = [*COMMAND[:3], "--ranks", "3", "--microbatches", "3", "--batch-size", "3",
+         *COMMAND[9:]]
 FAULTS = {
-    # a rank killed outright: its peers' transfers break at once
-    "killed": (signal.SIGKILL, COMMAND, 20.0, r"rank 1 died \(SIGKILL\) at step \d+; the other "
-                                              r"ranks stopped"),
+    # a rank killed outright: its peers' transfers break at once (rank 0 too: the launcher,
+    # not rank 0, serves the rendezvous store the ranks and their failure board use)
+    "killed": (1, signal.SIGKILL, COMMAND, 20.0,
+               r"rank 1 died \(SIGKILL\) at step \d+; the other ranks stopped"),
+    "rank 0 killed": (0, signal.SIGKILL, THREE, 20.0,
+                      r"rank 0 died \(SIGKILL\) at step \d+; the other ranks stopped"),
     # a rank stopped (hung) in a pipeline of FSDP replicas: the device mesh's groups too
     # must give up at --timeout
-    "hung": (signal.SIGSTOP, [*COMMAND, "--dp", "2", "--fsdp", "--batch-size", "4",
-                              "--timeout", "10"], 10.0 + 10.0,
+    "hung": (1, signal.SIGSTOP, [*COMMAND, "--dp", "2", "--fsdp", "--batch-size", "4",
+                                 "--timeout", "10"], 10.0 + 10.0,
              r"rank 1 hung at step \d+: the other ranks waited their timeout \(10 s\) for it"),
+    "rank 0 hung": (0, signal.SIGSTOP, [*THREE, "--timeout", "10"], 10.0 + 10.0,
+                    r"rank 0 hung at step \d+: the other ranks waited their timeout \(10 s\)"),
+    "middle rank hung": (1, signal.SIGSTOP, [*THREE, "--timeout", "10"], 10.0 + 10.0,
+                         r"rank 1 hung at step \d+: the other ranks waited their timeout"),
 }
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 @pytest.mark.parametrize("fault", sorted(FAULTS))
 def test_a_rank_that_dies_or_hangs_ends_the_job_with_one_line(fault: str) -> None:
-    signum, command, bound_s, headline = FAULTS[fault]
+    which, signum, command, bound_s, headline = FAULTS[fault]
     launcher = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                 text=True)
     try:
@@ -102,7 +111,7 @@ def test_a_rank_that_dies_or_hangs_ends_the_job_with_one_line(fault: str) -> Non
         ranks = sorted(pid for pid in _children(launcher.pid)
                        if "spawn" in (Path("/proc") / str(pid) / "cmdline").read_text())
         started = time.monotonic()
-        os.kill(ranks[1], signum)  # ranks start in order: the second is rank 1
+        os.kill(ranks[which], signum)  # ranks start in order: the second is rank 1
         code = launcher.wait(timeout=bound_s + 60)
         took = time.monotonic() - started
         stderr = launcher.stderr.read() if launcher.stderr else ""

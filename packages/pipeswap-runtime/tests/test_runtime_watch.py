@@ -4,9 +4,11 @@ records its abort."""
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 from collections.abc import Callable
+from contextlib import suppress
 from typing import Any
 
 import pytest
@@ -210,3 +212,33 @@ def test_without_a_store_to_clone_the_executor_runs_unwatched_and_says_so(
     report = executor.step(torch.randn(4, 4), torch.randn(4, 4))
     assert len(report.losses) == 2
     executor.close()
+
+
+def _listening(port: int) -> set[str]:
+    """The local addresses (hex, as /proc/net/tcp writes them) listening on ``port``."""
+    found = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with suppress(OSError), open(table) as lines:
+            for line in list(lines)[1:]:
+                local, state = line.split()[1], line.split()[3]
+                address, at = local.split(":")
+                if int(at, 16) == port and state == "0A":  # LISTEN
+                    found.add(address)
+    return found
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/net/tcp")
+def test_the_launchers_store_listens_on_loopback_only() -> None:
+    """The rendezvous store spawn serves (in the launcher, so no rank holds it) takes
+    connections on 127.0.0.1 alone: nothing off this host can set or read its keys."""
+    from datetime import timedelta
+
+    from pipeswap.runtime.distributed.launch import _served_store
+
+    with _served_store(1, 5.0) as port:
+        assert _listening(port) == {"0100007F"}
+        client = dist.TCPStore(  # type: ignore[attr-defined]
+            "127.0.0.1", port, is_master=False, timeout=timedelta(seconds=5))
+        client.set("key", "value")
+        assert client.get("key") == b"value"
+    assert _listening(port) == set()  # gone with the block

@@ -7,9 +7,12 @@ the job: ranks still running a few seconds after another failed are killed, and 
 launching process is interrupted (Ctrl-C), terminated (SIGTERM, as ``timeout``, Slurm and
 Docker send) or killed, its ranks go with it.
 
-The failure protocol tells a failed rank's peers at once, and a rank waiting on a hung peer
-fails at its timeout; so a hung rank ends the job within its peers' timeout plus those few
-seconds. Each rank's ending is a :class:`~pipeswap.runtime.distributed.rank_failure.RankFailure`,
+The rendezvous store (where the ranks meet, and where the failure board and the peer watch
+keep their keys) is served by the launching process, on the loopback interface only: no rank
+holds it, so any rank, rank 0 included, may die or stop and the others still reach it, and
+nothing off this host can. The failure protocol tells a failed rank's peers at once, and a
+rank waiting on a hung peer fails at its timeout; so a hung rank ends the job within its
+peers' timeout plus those few seconds. Each rank's ending is a :class:`~pipeswap.runtime.distributed.rank_failure.RankFailure`,
 with the step it had begun (:func:`mark_step`).
 """
 
@@ -153,11 +156,25 @@ def _select_device(backend: str) -> None:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
 
 
-def _free_port() -> int:
+@contextmanager
+def _served_store(world_size: int, timeout_s: float) -> Iterator[int]:
+    """A rendezvous store served here while the block runs, listening on 127.0.0.1 only (a
+    socket bound there, handed to the store); its port. The ranks join it as torchrun's
+    workers join their agent's (``TORCHELASTIC_USE_AGENT_STORE``)."""
+    from torch.distributed import TCPStore  # type: ignore[attr-defined]  # public, unstubbed
+
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
+        sock.listen(max(128, 2 * world_size))
         port: int = sock.getsockname()[1]
-        return port
+        store = TCPStore("127.0.0.1", port, world_size, is_master=True,
+                              timeout=datetime.timedelta(seconds=timeout_s),
+                              wait_for_workers=False, master_listen_fd=sock.fileno())
+        sock.detach()  # the store closes it
+    try:
+        yield port
+    finally:
+        del store
 
 
 def _die_with_parent(parent: int) -> None:
@@ -181,7 +198,8 @@ def _rank_main(rank: int, world_size: int, port: int, backend: str, timeout_s: f
     _progress = _Progress(steps, rank)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
-                      LOCAL_WORLD_SIZE=str(world_size))  # as torchrun: all on this host
+                      LOCAL_WORLD_SIZE=str(world_size),  # as torchrun: all on this host
+                      TORCHELASTIC_USE_AGENT_STORE="True")  # the launcher serves the store
     try:
         _select_device(backend)
         dist.init_process_group(backend, rank=rank, world_size=world_size,
@@ -214,18 +232,18 @@ def spawn(fn: Callable[..., T], world_size: int, *args: object, backend: str = "
     context = mp.get_context("spawn")
     results: Results = context.SimpleQueue()
     steps = context.Array("q", [-1] * world_size, lock=False)  # each rank's step, -1: none
-    port = _free_port()
-    processes: list[BaseProcess] = [
-        context.Process(target=_rank_main, name=f"pipeswap-rank{rank}",
-                        args=(rank, world_size, port, backend, timeout_s, fn, args, results,
-                              os.getpid(), steps))
-        for rank in range(world_size)]
     values: dict[int, T] = {}
     failures: dict[int, RankFailure] = {}
-    with _stopping_on_signals(), _stopped_at_exit(processes):
-        for process in processes:
-            process.start()
-        _collect(processes, results, values, failures, steps)
+    with _served_store(world_size, timeout_s) as port:
+        processes: list[BaseProcess] = [
+            context.Process(target=_rank_main, name=f"pipeswap-rank{rank}",
+                            args=(rank, world_size, port, backend, timeout_s, fn, args,
+                                  results, os.getpid(), steps))
+            for rank in range(world_size)]
+        with _stopping_on_signals(), _stopped_at_exit(processes):
+            for process in processes:
+                process.start()
+            _collect(processes, results, values, failures, steps)
     if failures:
         story = "\n".join(f"--- rank {rank} ---\n{failure.story.rstrip()}"
                           for rank, failure in sorted(failures.items()))
