@@ -12,7 +12,8 @@ import pytest
 import pipeswap.runtime.pipelining as ours
 from pipeswap.runtime import PipelineSetupError
 from pipeswap.runtime.pipelining import schedules
-from pipeswap.runtime.pipelining.schedules import _refusal
+from pipeswap.runtime.pipelining.schedules import _bad_value, _refusal
+from pipeswap.schedule import MinGapPolicy
 
 theirs = pytest.importorskip("torch.distributed.pipelining")
 CLASSES = [name for name in ours.__all__ if name.startswith("Schedule")]
@@ -38,7 +39,6 @@ def test_a_class_takes_pytorchs_arguments_in_pytorchs_order(name: str) -> None:
     ({"swap_granularity": "layers"},
      "unknown swap_granularity 'layers'; use one of auto, chunk, layer"),
     ({"backward_requires_autograd": False}, "pipeswap's backward runs autograd"),
-    ({"budget": 0}, "budget=0 keeps nothing"),
     ({"budget": 10, "policy": object()}, "budget=10 plans with the default policy; drop"),
     ({"custom_backward": 1}, "stage 1 was built with dw_builder"),
 ])
@@ -52,6 +52,41 @@ def test_what_cannot_be_honoured_is_named(arguments: dict[str, Any], message: st
     assert _refusal(**defaults) is None
     said = _refusal(**{**defaults, **arguments})
     assert said is not None and message in said
+
+
+@pytest.mark.parametrize(("arguments", "message"), [
+    ({"n_microbatches": 0}, "n_microbatches=0: give a whole number of microbatches, 1 or"),
+    ({"n_microbatches": 4.0}, "n_microbatches=4.0: give a whole number"),
+    ({"n_microbatches": True}, "n_microbatches=True: give a whole number"),
+    ({"scale_grads": "yes"}, "scale_grads='yes': give True or False"),
+    ({"swap": 1}, "swap=1: give True or False"),
+    ({"budget": "abc"}, "budget='abc': give the activation bytes a rank may hold as a whole"),
+    ({"budget": 1.5e6}, "budget=1500000.0: give the activation bytes"),
+    ({"budget": 2e9}, "(2_000_000_000, not 2e9)"),
+    ({"budget": True}, "budget=True: give the activation bytes"),
+    ({"budget": 0}, "budget=0: give the activation bytes a rank may hold as a whole number, "
+                    "1 or more"),
+    ({"policy": "peak"}, "policy='peak' is no swap policy (it has no select method)"),
+    ({"check_transport": "NCCL"}, "check_transport='NCCL': give one of ordered, nccl, tagged"),
+    ({"failure_timeout_s": 0}, "failure_timeout_s=0: give the seconds a silent peer"),
+    ({"failure_timeout_s": -1.0}, "failure_timeout_s=-1.0: give the seconds"),
+    ({"failure_timeout_s": float("inf")}, "failure_timeout_s=inf: give the seconds"),
+    ({"failure_timeout_s": "10"}, "failure_timeout_s='10': give the seconds"),
+    ({"failure_timeout_s": True}, "failure_timeout_s=True: give the seconds"),
+])
+def test_an_argument_of_the_wrong_type_or_range_is_named(arguments: dict[str, Any],
+                                                          message: str) -> None:
+    """Each drop-in argument of a wrong type or range (a bool is no number, a float no byte
+    count) is named with what to give; checked inside the agreed set-up, so every rank
+    raises it. Good values pass."""
+    good: dict[str, Any] = {
+        "n_microbatches": 4, "scale_grads": True, "swap": False, "budget": None,
+        "policy": None, "check_transport": "nccl", "failure_timeout_s": None}
+    assert _bad_value(**good) is None
+    assert _bad_value(**{**good, "budget": 1 << 30, "failure_timeout_s": 2.5,
+                         "policy": MinGapPolicy()}) is None
+    said = _bad_value(**{**good, **arguments})
+    assert said is not None and message in said, said
 
 
 def test_an_object_that_is_no_stage_is_refused() -> None:

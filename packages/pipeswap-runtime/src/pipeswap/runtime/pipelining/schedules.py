@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import math
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import replace
@@ -32,7 +33,13 @@ from pipeswap.runtime.pipelining.stages import (
     microbatch_kwargs,
     pipeswap_stage,
 )
-from pipeswap.schedule import GRANULARITIES, Granularity, SwapPolicy, TransportModel
+from pipeswap.schedule import (
+    GRANULARITIES,
+    TRANSPORTS,
+    Granularity,
+    SwapPolicy,
+    TransportModel,
+)
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
@@ -82,9 +89,13 @@ class _PipelineSchedule:
     ) -> None:
         given: list[StageArgument] = (list(stages) if isinstance(stages, (list, tuple))
                                       else [cast(StageArgument, stages)])
-        self._refusal = _refusal(args_chunk_spec, kwargs_chunk_spec, output_merge_spec,
-                                 backward_requires_autograd, swap_granularity, budget, policy,
-                                 _custom_backward(given))
+        self._refusal = _bad_value(
+            n_microbatches=n_microbatches, scale_grads=scale_grads, swap=swap, budget=budget,
+            policy=policy, check_transport=check_transport,
+            failure_timeout_s=failure_timeout_s) or _refusal(
+                args_chunk_spec, kwargs_chunk_spec, output_merge_spec,
+                backward_requires_autograd, swap_granularity, budget, policy,
+                _custom_backward(given))
         del defer_pp_recv  # PyTorch's runtime's receive timing; pipeswap's schedule has its own
         self._n_microbatches = n_microbatches
         # without a loss function, as in PyTorch's classes, every step runs forward only
@@ -262,6 +273,35 @@ def _no_loss(output: object, target: object) -> torch.Tensor:
     raise PipelineSetupError("no loss_fn was given to the schedule: pass one to train")
 
 
+def _bad_value(*, n_microbatches: object, scale_grads: object, swap: object, budget: object,
+               policy: object, check_transport: object, failure_timeout_s: object
+               ) -> str | None:
+    """The first argument of a wrong type or range, said with what to give instead (a
+    ``bool`` is no number here, nor a float a byte count)."""
+    def whole(value: object) -> bool:
+        return isinstance(value, int) and not isinstance(value, bool)
+
+    if not whole(n_microbatches) or cast(int, n_microbatches) < 1:
+        return f"n_microbatches={n_microbatches!r}: give a whole number of microbatches, 1 or more"
+    for name, flag in (("scale_grads", scale_grads), ("swap", swap)):
+        if not isinstance(flag, bool):
+            return f"{name}={flag!r}: give True or False"
+    if budget is not None and (not whole(budget) or cast(int, budget) < 1):
+        return (f"budget={budget!r}: give the activation bytes a rank may hold as a whole "
+                "number, 1 or more (2_000_000_000, not 2e9), or None")
+    if policy is not None and not callable(getattr(policy, "select", None)):
+        return (f"policy={policy!r} is no swap policy (it has no select method): give a "
+                "pipeswap.schedule policy (PeakPolicy(...), MinGapPolicy(), ...), or None")
+    if check_transport not in TRANSPORTS:
+        return f"check_transport={check_transport!r}: give one of {', '.join(TRANSPORTS)}"
+    if failure_timeout_s is not None and (
+            isinstance(failure_timeout_s, bool) or not isinstance(failure_timeout_s, (int, float))
+            or not 0 < failure_timeout_s < math.inf):
+        return (f"failure_timeout_s={failure_timeout_s!r}: give the seconds a silent peer "
+                "is waited for, a number above 0 (or None: the group's timeout)")
+    return None
+
+
 def _refusal(args_chunk_spec: object, kwargs_chunk_spec: object, output_merge_spec: object,
              backward_requires_autograd: bool, swap_granularity: str, budget: int | None,
              policy: SwapPolicy | None, custom_backward: int | None = None) -> str | None:
@@ -284,9 +324,6 @@ def _refusal(args_chunk_spec: object, kwargs_chunk_spec: object, output_merge_sp
                 "PipelineStage without dw_builder")
     if budget is not None and policy is not None:
         return f"budget={budget!r} plans with the default policy; drop policy=, or budget="
-    if budget is not None and budget < 1:
-        return (f"budget={budget!r} keeps nothing: give the activation bytes a rank may hold "
-                "(1 or more)")
     return None
 
 
