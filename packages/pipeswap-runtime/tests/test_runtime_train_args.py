@@ -60,6 +60,8 @@ BAD = [
     (["--batch-size", "0"], ["--batch-size must be at least 1, got 0"]),
     (["--batch-size", "10"], ["--batch-size 10 does not split into 8 microbatches"]),
     (["--steps", "-5"], ["--steps must be at least 1, got -5"]),
+    (["--steps", "1000000000000"], ["--steps must be at most 100000000, got 1000000000000",
+                                   "a larger number is a typo"]),
     (["--microbatches", "0"], ["--microbatches must be at least 1, got 0"]),
     (["--ranks", "0"], ["--ranks must be at least 1, got 0"]),
     (["--stages-per-rank", "0"], ["--stages-per-rank must be at least 1, got 0"]),

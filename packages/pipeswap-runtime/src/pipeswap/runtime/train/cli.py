@@ -53,6 +53,7 @@ from pipeswap.schedule import V_SHAPED, ScheduleError, ScheduleKind, ScheduleSpe
 #: torch, some 200 MB before any model, all started at once: a few dozen already crowd a
 #: workstation, and a slip such as --ranks 512 would exhaust its memory.
 _MAX_RANKS = 64
+_MAX_STEPS = 100_000_000  # optimizer steps per mode: years of training at any speed
 #: Most (stage, microbatch) pairs in a schedule, ranks x stages per rank x microbatches. Every
 #: rank builds and walks the whole schedule, about six steps a pair: at this size that takes
 #: seconds and hundreds of MB in each rank, and it is checked before anything is built.
@@ -188,7 +189,8 @@ def _check_numbers(parser: argparse.ArgumentParser, args: argparse.Namespace, ra
          "each rank is a process of its own with its own torch, all running at once"),
         ("--stages-per-rank", args.stages_per_rank, 1, None, ""),
         ("--microbatches", args.microbatches, 1, None, ""),
-        ("--steps", args.steps, 1, None, ""),
+        ("--steps", args.steps, 1, _MAX_STEPS,
+         "more would run for years; a larger number is a typo"),
         ("--batch-size", args.batch_size, 1, None, ""),
         ("--seq-len", args.seq_len, 1, chars - 2,
          f"the bundled corpus has {chars} characters, so use {chars - 2} or less"),
