@@ -12,6 +12,7 @@ import os
 import sys
 import tempfile
 import traceback
+from contextlib import AbstractContextManager, ExitStack, nullcontext
 from typing import NoReturn
 
 from pipeswap.runtime.errors import CheckpointError
@@ -24,7 +25,8 @@ from pipeswap.runtime.distributed.launch import (
     spawn,
 )
 from pipeswap.runtime.distributed.rank_failure import describe
-from pipeswap.runtime.distributed.collectives import gather_object
+from pipeswap.runtime.checkpoint.ownership import claimed
+from pipeswap.runtime.distributed.collectives import all_gather_ints, gather_object
 from pipeswap.runtime.train.arguments import command_line
 from pipeswap.runtime.train.config import (
     MODES,
@@ -339,9 +341,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"pipeswap-train: {parallel.schedule}, {shape}{replicas}, {plan} {where}; "
               "spawning the ranks ...", flush=True)
     try:
-        per_rank = spawn(run_rank, parallel.world, config,
-                         backend=backend_for(config.training.device),
-                         timeout_s=config.group_timeout_s)
+        with _claim(config):
+            per_rank = spawn(run_rank, parallel.world, config,
+                             backend=backend_for(config.training.device),
+                             timeout_s=config.group_timeout_s)
+    except CheckpointError as exc:  # the directory is another run's
+        print(f"pipeswap-train: error: {exc}", file=sys.stderr)
+        return 2
     except RankFailedError as exc:
         return _failed(config, exc)
     except KeyboardInterrupt:
@@ -352,6 +358,15 @@ def main(argv: list[str] | None = None) -> int:
         return exc.code if isinstance(exc.code, int) else 1
     _report(config, args, per_rank)
     return 0
+
+
+def _claim(config: TrainConfig) -> AbstractContextManager[object]:
+    """The checkpoint directory claimed for this run while it trains (nothing to claim
+    without one)."""
+    save_dir = config.checkpoint.save_dir
+    if save_dir is None:
+        return nullcontext()
+    return claimed(save_dir, f"--checkpoint-dir {save_dir}")
 
 
 def _failed(config: TrainConfig, failure: RankFailedError) -> int:
@@ -377,17 +392,19 @@ def _main_torchrun(config: TrainConfig, args: argparse.Namespace) -> NoReturn:
 
     rank, world = init_from_env(backend_for(config.training.device), config.group_timeout_s)
     code = 0
-    try:
-        gathered = gather_object(run_rank(rank, world, config))
-        dist.barrier()  # nobody tears the group down while another rank still uses it
-        dist.destroy_process_group()
-    except Exception as exc:  # noqa: BLE001 - one line; torchrun sees the exit code
-        failure = describe(exc, traceback.format_exc(), rank, current_step())
-        if config.job.log_level == "debug":
-            print(failure.story, file=sys.stderr)
-        print(f"pipeswap-train: error: {failure.headline(config.job.timeout_s)}",
-              file=sys.stderr, flush=True)
-        gathered, code = None, 2 if failure.user_error else 1
+    with ExitStack() as claim:
+        try:
+            _claim_on_rank0(config, rank, claim)
+            gathered = gather_object(run_rank(rank, world, config))
+            dist.barrier()  # nobody tears the group down while another rank still uses it
+            dist.destroy_process_group()
+        except Exception as exc:  # noqa: BLE001 - one line; torchrun sees the exit code
+            failure = describe(exc, traceback.format_exc(), rank, current_step())
+            if config.job.log_level == "debug":
+                print(failure.story, file=sys.stderr)
+            print(f"pipeswap-train: error: {failure.headline(config.job.timeout_s)}",
+                  file=sys.stderr, flush=True)
+            gathered, code = None, 2 if failure.user_error else 1
     if gathered is not None:
         _report(config, args, [_results(entry) for entry in gathered])
     # Leave without the interpreter's teardown, as the spawned ranks do (multiprocessing ends
@@ -397,6 +414,21 @@ def _main_torchrun(config: TrainConfig, args: argparse.Namespace) -> NoReturn:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+def _claim_on_rank0(config: TrainConfig, rank: int, stack: ExitStack) -> None:
+    """Under torchrun, rank 0 claims the checkpoint directory for the job (held in
+    ``stack``); where it cannot, every rank raises, so none starts training."""
+    problem: CheckpointError | None = None
+    if rank == 0:
+        try:
+            stack.enter_context(_claim(config))
+        except CheckpointError as exc:
+            problem = exc
+    if any(all_gather_ints(problem is not None, None)):
+        raise problem or CheckpointError(
+            f"--checkpoint-dir {config.checkpoint.save_dir} is in use by another run (rank "
+            "0 says which)")
 
 
 def _results(entry: object) -> dict[str, ModeResult]:
