@@ -168,6 +168,19 @@ def test_a_resumed_run_goes_on_exactly(tmp_path: Path,
     assert first["losses"]["swap"] == whole["losses"]["swap"][:2]
     assert resumed["losses"]["swap"] == whole["losses"]["swap"][2:]
     assert (tmp_path / "swap" / "latest").is_file()
+    # Other training options: refused by name before any rank starts, unless the run is
+    # told to go on with its own.
+    resume = ["--ranks", "2", *SMALL, "--swap-only", "--steps", "3", "--resume", str(tmp_path)]
+    for changed, said in ((["--lr", "0.01"], "--lr 0.003 saved, 0.01 here"),
+                          (["--seed", "7"], "--seed 0 saved, 7 here")):
+        with pytest.raises(SystemExit) as refused:
+            parse_args([*resume, *changed])
+        assert refused.value.code == 2
+        err = capsys.readouterr().err
+        assert "was saved with other training options (" + said in err, err
+        assert "or add --resume-anyway to go on with these" in err
+        config, _ = parse_args([*resume, *changed, "--resume-anyway"])
+        assert config.checkpoint.resume_anyway
     # One byte of a saved shard changed: the launcher refuses before any rank starts.
     shard = next((tmp_path / "swap" / "step-00000002").glob("*.distcp"))
     data = bytearray(shard.read_bytes())

@@ -191,7 +191,13 @@ def _run_options(parser: argparse.ArgumentParser, defaults: TrainConfig) -> None
                         help="go on from the newest checkpoint in DIR/<mode> whose files "
                              "verify against their checksums; --steps counts "
                              "from the run's start, so a checkpoint of step 2 and --steps 4 "
-                             "run steps 3 and 4, as the uninterrupted run would")
+                             "run steps 3 and 4, as the uninterrupted run would. A "
+                             "checkpoint saved with other training options (--lr, "
+                             "--batch-size, --seed, --microbatches, the data) is refused")
+    saving.add_argument("--resume-anyway", action="store_true",
+                        help="with --resume: go on from a checkpoint saved with other "
+                             "training options, with this run's (the model and the layout "
+                             "must still match)")
     parser.add_argument("--replay-rank", type=int, metavar="R",
                         help="run pipeline rank R of --ranks alone, in this process, on one "
                              "device: its stages only (fresh weights), what it would receive "

@@ -119,6 +119,7 @@ class CheckpointConfig:
     save_dir: str | None = None
     every: int | None = None
     resume: str | None = None
+    resume_anyway: bool = False  # go on from a checkpoint of other training options
     resume_from: tuple[tuple[str, str], ...] = ()  # (mode, checkpoint directory)
 
     def resume_path(self, mode: Mode) -> str:

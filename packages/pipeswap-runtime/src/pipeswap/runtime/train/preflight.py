@@ -5,6 +5,7 @@ returns or raises one line for the user; the command line turns it into its erro
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,9 +17,12 @@ from pipeswap.runtime.checkpoint.manifest import (
     newest_verified,
 )
 from pipeswap.runtime.errors import CheckpointError
+from pipeswap.runtime.models.data import Corpus
 from pipeswap.runtime.train.config import Mode, TrainConfig
 
 #: The model options a checkpoint's weights depend on, and how the command line names them.
+_TRAINING_OPTIONS = {"lr": "--lr", "batch_size": "--batch-size", "seed": "--seed",
+                     "microbatches": "--microbatches", "data": "the data"}
 _MODEL_OPTIONS = {"family": "--model", "tie_embeddings": "--tie-embeddings", "width": "--width",
                   "layers": "--layers", "heads": "--heads", "seq_len": "--seq-len"}
 
@@ -110,6 +114,7 @@ def _check_fits(config: TrainConfig, mode: Mode, path: Path, manifest: Manifest,
             f"{name} was saved by a job of {manifest.layout.describe()}, but this job has "
             f"{layout.describe()}: resume with the layout it was saved with (the same --ranks, "
             "--dp, --stages-per-rank and --schedule), or start afresh")
+    _check_training(config, name, manifest.job.get("training"))
     saved = manifest.job.get("model")
     if isinstance(saved, dict):
         mine = saved_model(config)
@@ -125,6 +130,31 @@ def _check_fits(config: TrainConfig, mode: Mode, path: Path, manifest: Manifest,
     if manifest.data_position >= steps:
         raise CheckpointError(f"{name}: its data position {manifest.data_position} is past "
                               f"the {steps} batches of --steps {steps}: give more steps")
+
+
+def _check_training(config: TrainConfig, name: str, saved: object) -> None:
+    """Refuse a checkpoint saved with other training options, unless told to go on with
+    this run's (``--resume-anyway``): resumed so, the run is no longer the one it
+    continues."""
+    if not isinstance(saved, dict) or config.checkpoint.resume_anyway:
+        return
+    mine = saved_training(config)
+    differ = [f"{option} {saved.get(key)!r} saved, {mine[key]!r} here"
+              for key, option in _TRAINING_OPTIONS.items() if saved.get(key) != mine[key]]
+    if differ:
+        raise CheckpointError(f"{name} was saved with other training options "
+                              f"({'; '.join(differ)}): give the options it was saved with, "
+                              "or add --resume-anyway to go on with these")
+
+
+def saved_training(config: TrainConfig) -> dict[str, object]:
+    """The training options a checkpoint records, which a resumed run must share: the
+    learning rate, the batch and its split, the seed, and the data (the bundled corpus's
+    digest)."""
+    text = Corpus.bundled().text
+    return {"lr": config.training.lr, "batch_size": config.training.batch_size,
+            "seed": config.training.seed, "microbatches": config.parallel.microbatches,
+            "data": "bundled:" + hashlib.sha256(text.encode("utf-8")).hexdigest()[:16]}
 
 
 def saved_model(config: TrainConfig) -> dict[str, object]:

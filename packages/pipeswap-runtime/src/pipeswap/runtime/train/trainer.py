@@ -36,7 +36,7 @@ from pipeswap.runtime.train.components import (
 )
 from pipeswap.runtime.train.config import LogLevel, Mode, TrainConfig
 from pipeswap.runtime.train.metrics import ModeResult, write_metrics
-from pipeswap.runtime.train.preflight import saved_model
+from pipeswap.runtime.train.preflight import saved_model, saved_training
 from pipeswap.runtime.train.summary import mib
 from pipeswap.schedule import (
     ScheduleKind,
@@ -313,7 +313,8 @@ class Trainer:
                                    or (every is not None and number % every == 0)):
             save_checkpoint(os.path.join(saving, mode), step=number, stages=stages,
                             optimizer=optimizer, data_position=number,
-                            job={"model": saved_model(config)})
+                            job={"model": saved_model(config),
+                                 "training": saved_training(config)})
         # a run with no other step to time (one step, a resumed one too) times this one
         only = number == config.training.steps and not result.step_seconds
         result.record(report, measured=measured, timed=not (measured or timing) or only)
