@@ -7,6 +7,10 @@ from __future__ import annotations
 
 import json
 import shutil
+import signal
+import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -132,7 +136,43 @@ def test_each_file_is_hashed_as_it_is_written(group: None, tmp_path: Path) -> No
 
     from pipeswap.runtime.checkpoint.hashing_writer import digesting_writer
 
-    writer, sums = digesting_writer(tmp_path)
+    writer, sums, refused = digesting_writer(tmp_path)
     save({"w": torch.arange(1000.0), "n": 3}, storage_writer=writer)
     assert set(sums) == {entry.name for entry in tmp_path.iterdir()}  # .metadata as renamed
     assert all(file_sum(tmp_path / name) == value for name, value in sums.items())
+    assert refused == []
+
+
+_DISK_REFUSES = """
+import os, resource, signal, sys, datetime, torch, torch.distributed as dist
+from pipeswap.runtime import PipelineStage
+from pipeswap.runtime.errors import CheckpointIOError
+from pipeswap.runtime.checkpoint import save_checkpoint
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[2])
+dist.init_process_group("gloo", rank=0, world_size=1, timeout=datetime.timedelta(seconds=30))
+stage = PipelineStage(torch.nn.Linear(256, 256), 0, 1)
+optimizer = torch.optim.SGD(stage.module.parameters(), lr=0.1, momentum=0.9)
+stage.module(torch.ones(1, 256)).sum().backward()
+optimizer.step()
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails, as on a full disk
+resource.setrlimit(resource.RLIMIT_FSIZE, (64 << 10, resource.RLIM_INFINITY))
+try:
+    save_checkpoint(sys.argv[1], step=1, stages=[stage], optimizer=optimizer, data_position=1)
+except CheckpointIOError as exc:
+    print(exc)
+"""
+
+
+@pytest.mark.skipif(not hasattr(signal, "SIGXFSZ"), reason="needs RLIMIT_FSIZE")
+def test_a_write_the_disk_refuses_names_its_cause_and_file(tmp_path: Path) -> None:
+    """A save the disk refuses (here a file-size limit, which fails a write as a full disk
+    does) says why and which file, not torch's "unexpected pos" alone."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    done = subprocess.run([sys.executable, "-c", _DISK_REFUSES, str(tmp_path), str(port)],
+                          capture_output=True, text=True, timeout=120, check=False)
+    said = done.stdout.strip()
+    assert said.startswith(f"saving step 1 into {tmp_path}/step-00000001.tmp failed: File "
+                           "too large (writing "), (said, done.stderr[-2000:])
+    assert said.endswith(".distcp): free space on that disk, or save elsewhere"), said

@@ -21,9 +21,11 @@ class _Digesting(io.IOBase):
     """A file opened for writing that hashes every byte written through it. DCP writes each
     file front to back (its offsets are ``tell()`` before each item), never seeking back."""
 
-    def __init__(self, file: Any) -> None:  # Any: the binary file DCP's stream wraps
+    def __init__(self, file: Any,  # Any: the binary file DCP's stream wraps
+                 path: str, failures: list[str]) -> None:
         super().__init__()
         self._file = file
+        self._path, self._failures = path, failures
         self._digest = hashlib.sha256()
         self.size = 0
 
@@ -34,8 +36,14 @@ class _Digesting(io.IOBase):
         view = memoryview(data)
         self._digest.update(view)
         self.size += view.nbytes
-        written: int = self._file.write(view)
-        return written
+        try:
+            written: int = self._file.write(view)
+            if written < view.nbytes:  # the rest refused: the next write would say why
+                self._file.write(view[written:])
+        except OSError as exc:  # torch's zip writer would say only "unexpected pos"
+            self._failures.append(f"{exc.strerror or exc} (writing {self._path})")
+            raise
+        return view.nbytes
 
     def tell(self) -> int:
         position: int = self._file.tell()
@@ -43,7 +51,11 @@ class _Digesting(io.IOBase):
 
     def flush(self) -> None:
         if not self._file.closed:
-            self._file.flush()
+            try:
+                self._file.flush()
+            except OSError as exc:
+                self._failures.append(f"{exc.strerror or exc} (writing {self._path})")
+                raise
 
     def fileno(self) -> int:
         number: int = self._file.fileno()
@@ -65,6 +77,7 @@ class _DigestingFileSystem(FileSystem):
     def __init__(self) -> None:
         super().__init__()
         self.sums: dict[str, FileSum] = {}
+        self.failures: list[str] = []  # the writes the disk refused, with their files
         self._lock = threading.Lock()  # DCP may write files from several threads
 
     @contextmanager
@@ -73,16 +86,17 @@ class _DigestingFileSystem(FileSystem):
             if "w" not in mode:
                 yield stream
                 return
-            digesting = _Digesting(stream)
+            digesting = _Digesting(stream, str(path), self.failures)
             yield digesting
         with self._lock:
             self.sums[Path(path).name.removesuffix(".tmp")] = digesting.sum()
 
 
-def digesting_writer(path: Path) -> tuple[FileSystemWriter, dict[str, FileSum]]:
-    """A writer of a DCP checkpoint into ``path``, and the sums of the files it writes (filled
-    as it writes them)."""
+def digesting_writer(path: Path
+                     ) -> tuple[FileSystemWriter, dict[str, FileSum], list[str]]:
+    """A writer of a DCP checkpoint into ``path``, the sums of the files it writes (filled
+    as it writes them), and the writes the disk refused (each with its file)."""
     writer = FileSystemWriter(path)
     fs = _DigestingFileSystem()
     writer.fs = fs
-    return writer, fs.sums
+    return writer, fs.sums, fs.failures

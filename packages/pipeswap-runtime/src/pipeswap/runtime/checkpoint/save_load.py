@@ -113,6 +113,7 @@ def save_checkpoint(directory: str | os.PathLike[str], *, step: int,
     options, say), kept in the manifest so that a resuming job can be checked against it
     before it starts."""
     import torch.distributed as dist
+    from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.state_dict_saver import save
 
     from pipeswap.runtime.checkpoint.hashing_writer import digesting_writer
@@ -139,8 +140,15 @@ def save_checkpoint(directory: str | os.PathLike[str], *, step: int,
     final = checkpoint_path(root, step)
     staging = final.with_name(final.name + ".tmp")
     _on_rank0(lambda: _prepare(root, staging), f"preparing {staging}")
-    writer, sums = digesting_writer(staging)
-    save(_state(stages, optimizer).flat(), storage_writer=writer)
+    writer, sums, refused = digesting_writer(staging)
+    try:
+        save(_state(stages, optimizer).flat(), storage_writer=writer)
+    except (Exception, CheckpointException) as exc:  # DCP's is a BaseException
+        if not refused:
+            raise
+        raise CheckpointIOError(
+            f"saving step {step} into {staging} failed: {refused[0]}: free space on that "
+            "disk, or save elsewhere") from exc
     every: list[Any] = [None] * dist.get_world_size()  # Any: each rank's pickled sums
     dist.all_gather_object(every, sums)
     files = {name: value for rank_sums in every for name, value in rank_sums.items()}
