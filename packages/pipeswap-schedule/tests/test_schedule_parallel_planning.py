@@ -140,3 +140,97 @@ def test_the_command_line_plans_alike_with_any_number_of_jobs(cli: Cli) -> None:
 def test_jobs_that_cannot_apply_are_refused(cli: Cli, extra: list[str], message: str) -> None:
     code, out, err = cli("simulate", *SMALL_ARGS, *extra)
     assert code == 2 and out == "" and message in err and err.count("\n") == 1
+
+
+_CALLER_OF_STUCK_WORKERS = _KILLED_CALLER.replace(
+    "    plan_ranks(Blocking(sys.argv[1]), schedule, [0, 1], 2, lambda rank, done: None)",
+    "    from pipeswap.schedule.policies._parallel import PlanningWorkerError\n"
+    "    try:\n"
+    "        plan_ranks(Blocking(sys.argv[1]), schedule, [0, 1], 2, lambda r, d: None)\n"
+    "    except PlanningWorkerError as exc:\n"
+    "        print(exc)")
+assert _CALLER_OF_STUCK_WORKERS != _KILLED_CALLER
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+@pytest.mark.parametrize("signum", [signal.SIGKILL, signal.SIGSTOP], ids=["killed", "stopped"])
+def test_a_worker_that_dies_or_stays_stopped_ends_the_planning_in_one_line(
+        tmp_path: Path, signum: int) -> None:
+    """A worker killed (the pool breaks) or stopped (seen in /proc) fails the planning
+    with one line naming what happened, within a few seconds; no worker outlives it."""
+    from pipeswap.schedule.policies._parallel import STOPPED_S
+
+    script = tmp_path / "caller.py"
+    script.write_text(_CALLER_OF_STUCK_WORKERS)
+    pids = tmp_path / "pids"
+    pids.mkdir()
+    caller = subprocess.Popen([sys.executable, str(script), str(pids)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while len(list(pids.iterdir())) < 2:
+            assert caller.poll() is None and time.monotonic() < deadline
+            time.sleep(0.05)
+        workers = [int(p.name) for p in pids.iterdir()]
+        started = time.monotonic()
+        os.kill(workers[0], signum)
+        out, err = caller.communicate(timeout=STOPPED_S + 30)
+        took = time.monotonic() - started
+    finally:
+        if caller.poll() is None:
+            caller.kill()
+            caller.wait()
+    lines = out.strip().splitlines()
+    assert caller.returncode == 0 and len(lines) == 1 and "Traceback" not in err, (out, err)
+    if signum == signal.SIGKILL:
+        assert lines[0].startswith("a planning worker died (killed, or out of memory) with 0 "
+                                   "of 2 ranks planned"), lines
+        assert took < 10
+    else:
+        assert lines[0].startswith(f"planning worker {workers[0]} has been stopped (SIGSTOP, "
+                                   f"or a debugger) for {STOPPED_S:g} s"), lines
+        assert STOPPED_S <= took < STOPPED_S + 10
+    deadline = time.monotonic() + 30
+    while any(_alive(pid) for pid in workers):
+        assert time.monotonic() < deadline, f"workers {workers} outlived their caller"
+        time.sleep(0.05)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_ctrl_c_while_workers_plan_is_one_line(tmp_path: Path) -> None:
+    """Ctrl-C (SIGINT to the whole process group, as a terminal sends it) while workers
+    plan: one line, exit 130, and no worker left."""
+    args = ["--schedule", "1f1b", "--ranks", "32", "--microbatches", "64", "--preset",
+            "h100-pcie5", "--hidden", "4096", "--seq-len", "4096", "--layers-per-stage", "4",
+            "--budget", "20GiB", "--jobs", "2"]
+    command = subprocess.Popen([sys.executable, "-m", "pipeswap.schedule.cli", "simulate", *args],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        workers: list[int] = []
+        while len(workers) < 2:  # both workers started
+            assert command.poll() is None and time.monotonic() < deadline
+            workers = [int(entry.name) for entry in Path("/proc").iterdir()
+                       if entry.name.isdigit() and _parent(int(entry.name)) == command.pid]
+            time.sleep(0.1)
+        time.sleep(1.0)  # planning
+        os.killpg(command.pid, signal.SIGINT)
+        out, err = command.communicate(timeout=30)
+    finally:
+        if command.poll() is None:
+            command.kill()
+            command.wait()
+    assert command.returncode == 130, (out, err)
+    assert err.strip().splitlines() == ["pipeswap-schedule: interrupted"], err
+    deadline = time.monotonic() + 30
+    while any(_alive(pid) for pid in workers):
+        assert time.monotonic() < deadline, f"workers {workers} outlived their caller"
+        time.sleep(0.05)
+
+
+def _parent(pid: int) -> int | None:
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return None

@@ -327,6 +327,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         # the interpreter's own flush at exit has nothing left to fail on.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
+    except KeyboardInterrupt:  # Ctrl-C: the planning workers, if any, are gone already
+        print(f"{PROG}: interrupted", file=sys.stderr)
+        return 130
 
 
 @gc_paused  # the whole command: between the passes, each paused alone, the cyclic collector
