@@ -183,7 +183,9 @@ def _run_options(parser: argparse.ArgumentParser, defaults: TrainConfig) -> None
     saving = parser.add_argument_group("checkpoints (torch.distributed.checkpoint)")
     saving.add_argument("--checkpoint-dir", metavar="DIR",
                         help="save each mode's run (model, optimizer, step, data position, "
-                             "random state) into DIR/no-swap and DIR/swap at its last step")
+                             "random state) into DIR/no-swap and DIR/swap at its last step. "
+                             "The run claims DIR while it lives: another run given it is "
+                             "refused")
     saving.add_argument("--checkpoint-every", type=int, metavar="N",
                         help="with --checkpoint-dir: also after every N steps (the two newest "
                              "are kept)")
