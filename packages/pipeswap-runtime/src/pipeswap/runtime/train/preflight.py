@@ -17,7 +17,6 @@ from pipeswap.runtime.checkpoint.manifest import (
     newest_verified,
 )
 from pipeswap.runtime.errors import CheckpointError
-from pipeswap.runtime.models.data import Corpus
 from pipeswap.runtime.train.config import Mode, TrainConfig
 
 #: The model options a checkpoint's weights depend on, and how the command line names them.
@@ -151,6 +150,8 @@ def saved_training(config: TrainConfig) -> dict[str, object]:
     """The training options a checkpoint records, which a resumed run must share: the
     learning rate, the batch and its split, the seed, and the data (the bundled corpus's
     digest)."""
+    from pipeswap.runtime.models.data import Corpus  # with torch: the launcher checks first
+
     text = Corpus.bundled().text
     return {"lr": config.training.lr, "batch_size": config.training.batch_size,
             "seed": config.training.seed, "microbatches": config.parallel.microbatches,
