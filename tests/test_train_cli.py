@@ -274,3 +274,17 @@ def test_a_replayed_rank_plans_a_budget_as_the_full_run_would() -> None:
     assert entry["planned_in_pipeline"] is False  # the other ranks' costs are not there
     assert entry["step_time_s_swap_predicted"] > 0
     assert entry["exposed_copy_s_swap_predicted"] >= 0
+
+
+def test_the_host_pool_cap_is_an_option_and_a_short_one_says_so() -> None:
+    """--host-pool-bytes caps each rank's pinned host buffers: with room the run is bit for
+    bit the run without swap; a cap one buffer short fails every rank with the error that
+    names the option to raise."""
+    from pipeswap.runtime import RankFailedError
+
+    roomy = _pooled(["--ranks", "2", *SMALL, "--host-pool-bytes", "64MiB"])
+    assert roomy["losses_match"] and roomy["max_abs_loss_diff"] == 0.0
+    with pytest.raises(RankFailedError) as short:
+        _pooled(["--ranks", "2", *SMALL, "--host-pool-bytes", "4KiB"])
+    assert "host buffer pool exhausted" in str(short.value)
+    assert "pipeswap-train's --host-pool-bytes" in str(short.value)

@@ -521,7 +521,7 @@ def test_a_failed_launch_leaves_the_group_intact_and_returns_its_buffers() -> No
     tensors = [torch.randn(4096, requires_grad=True) for _ in range(6)]  # 16 KiB each
     with mgr.group_context("g"):
         loss = torch.stack([(t * 1).sin().sum() for t in tensors]).sum()
-    with pytest.raises(PoolExhaustedError, match="raise max_bytes"):
+    with pytest.raises(PoolExhaustedError, match="raise the cap .SwapManager's pool_bytes"):
         mgr.launch_offload("g")  # the fifth buffer does not fit under the cap
     assert mgr.group_state("g") is GroupState.COLLECTING
     assert mgr.stats().host_bytes_in_use == 0

@@ -101,8 +101,9 @@ def test_a_reservation_over_the_cap_says_by_how_much_and_pins_nothing() -> None:
     pool.acquire(4096)
     with pytest.raises(PoolExhaustedError, match=(
             r"reserving host buffers for 3 storages needs 20480 bytes more than the pool "
-            r"holds \(4096 allocated\), 4096 over its cap of 20480: raise max_bytes "
-            r"\(SwapManager's pool_bytes\) to at least 24576")):
+            r"holds \(4096 allocated\), 4096 over its cap of 20480: raise the cap "
+            r"\(SwapManager's pool_bytes, pipeswap-train's --host-pool-bytes\) to at least "
+            r"24576")):
         pool.reserve([4096, 4096, 16384])  # the block in use counts for one
     assert pool.allocated_blocks == 1 and pool.reserved_bytes == 0
     with pytest.raises(ValueError, match="sizes are positive byte counts"):

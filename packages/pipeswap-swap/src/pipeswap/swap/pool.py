@@ -92,9 +92,9 @@ class HostBufferPool:
                 raise PoolExhaustedError(
                     f"reserving host buffers for {len(sizes)} storages needs {extra} bytes "
                     f"more than the pool holds ({self.allocated_bytes} allocated), {over} "
-                    f"over its cap of {self.max_bytes}: raise max_bytes (SwapManager's "
-                    f"pool_bytes) to at least {self.allocated_bytes + extra}, or swap fewer "
-                    "activations at a time")
+                    f"over its cap of {self.max_bytes}: raise the cap (SwapManager's "
+                    "pool_bytes, pipeswap-train's --host-pool-bytes) to at least "
+                    f"{self.allocated_bytes + extra}, or swap fewer activations at a time")
             for size, count in sorted(missing.items()):
                 for _ in range(count):
                     self._free.setdefault(size, []).append(self._allocate(size))
@@ -169,5 +169,6 @@ class HostBufferPool:
                 return block
         raise PoolExhaustedError(
             f"host buffer pool exhausted: need {size} bytes, {self.allocated_bytes} of "
-            f"{self.max_bytes} allocated and {self.in_use_bytes} in use; raise max_bytes or "
-            "swap fewer activations at a time")
+            f"{self.max_bytes} allocated and {self.in_use_bytes} in use; raise the cap "
+            "(SwapManager's pool_bytes, pipeswap-train's --host-pool-bytes) or swap fewer "
+            "activations at a time")

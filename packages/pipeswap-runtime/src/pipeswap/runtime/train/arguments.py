@@ -138,6 +138,12 @@ def _swap_options(parser: argparse.ArgumentParser, defaults: TrainConfig) -> Non
                              "needed (see --recompute), planned on the chunk and layer sizes "
                              "the run without swap measures (so not with --swap-only or "
                              "--no-swap); a budget no plan meets is reported per rank")
+    parser.add_argument("--host-pool-bytes", type=_bytes, metavar="BYTES",
+                        help="the pinned host memory each rank may hold for swapped "
+                             "activations (e.g. 40GiB; default: half this host's memory, "
+                             "shared among the ranks it runs). Pinned memory cannot be paged "
+                             "out: lower it where the host runs other work, raise it where a "
+                             "plan needs more")
     parser.add_argument("--recompute", choices=RECOMPUTE_MODES,
                         help="with --budget: auto (the default) lets the plan also recompute "
                              "layers (keep a layer's input, run its forward again just before "

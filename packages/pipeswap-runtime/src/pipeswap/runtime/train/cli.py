@@ -123,6 +123,7 @@ def _config(args: argparse.Namespace, ranks: int, modes: tuple[Mode, ...], v_sha
                                 dxdw_split=args.dxdw_split, batch_p2p=args.batch_p2p),
         swap=SwapConfig(policy=args.policy, granularity=args.swap_granularity,
                         budget=args.budget, modes=modes,
+                        host_pool_bytes=args.host_pool_bytes,
                         costs=args.swap_costs or defaults.swap.costs,
                         recompute=args.recompute or defaults.swap.recompute),
         training=TrainingConfig(steps=args.steps, batch_size=args.batch_size, lr=args.lr,

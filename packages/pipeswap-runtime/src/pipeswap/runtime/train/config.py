@@ -96,6 +96,9 @@ class SwapConfig:
     # under a budget, whether the peak policy may also recompute layers ("auto") or only
     # swaps ("never")
     recompute: RecomputeMode = "auto"
+    # the pinned host buffers a rank may hold for swapped activations (None: the swap
+    # manager's default, half the host's memory shared among its ranks)
+    host_pool_bytes: int | None = None
 
 
 @dataclass(frozen=True)

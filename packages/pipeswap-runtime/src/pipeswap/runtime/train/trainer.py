@@ -46,6 +46,7 @@ from pipeswap.schedule import (
     format_order,
     simulate,
 )
+from pipeswap.swap import SwapManager
 
 if TYPE_CHECKING:
     import torch
@@ -207,6 +208,16 @@ class Trainer:
 
     def _swap_options(self, mode: Mode, earlier: dict[str, ModeResult], costs: CostModel | None
                       ) -> tuple[SwapOptions | None, PeakPolicy | None]:
+        """How ``mode`` swaps (None: it does not), with a swap manager of the host pool's
+        cap where one is given, and the peak policy under the budget where one is given."""
+        options, planner = self._swap_policy(mode, earlier, costs)
+        cap = self.config.swap.host_pool_bytes
+        if options is None or cap is None:
+            return options, planner
+        return replace(options, manager=SwapManager(self.platform, pool_bytes=cap)), planner
+
+    def _swap_policy(self, mode: Mode, earlier: dict[str, ModeResult], costs: CostModel | None
+                     ) -> tuple[SwapOptions | None, PeakPolicy | None]:
         """How ``mode`` swaps (None: it does not), and the peak policy under the budget
         where one is given (planned on what the mode without swap measured)."""
         config = self.config
