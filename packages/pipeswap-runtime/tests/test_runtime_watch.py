@@ -242,3 +242,37 @@ def test_the_launchers_store_listens_on_loopback_only() -> None:
         client.set("key", "value")
         assert client.get("key") == b"value"
     assert _listening(port) == set()  # gone with the block
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_a_silent_neighbour_that_runs_on_this_host_is_busy_until_stopped(store: Store) -> None:
+    """A neighbour whose beats stop but whose process runs (its interpreter lock held by
+    one long call, say) is busy, not gone: never reported, however long; stopped (SIGSTOP)
+    it is reported as such, and a vanished one as gone."""
+    import signal
+    import socket
+    import subprocess
+
+    for ending, said in ((signal.SIGSTOP, "is stopped: SIGSTOP, or a debugger"),
+                         (signal.SIGKILL, "is gone")):
+        board = FailureBoard([PrefixStore(f"pipeline-{ending}/", store)])  # a step's own
+        busy = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+        try:
+            PrefixStore("pipeswap/beats/", store).set(
+                "where/1", f"{socket.gethostname()} {busy.pid}")  # posted, never beating
+            found = Found()
+            me = PeerWatch(0, [1], TIMEOUT_S, found, store=store)
+            me.arm(board)
+            until(lambda: beats(store, 0) >= 30)  # three timeouts of silence, as busy
+            assert found.texts == []
+            busy.send_signal(ending)
+            if ending == signal.SIGKILL:
+                busy.wait()
+            assert found.event.wait(LIMIT_S)
+            me.close()
+            assert found.texts[0].startswith(
+                "rank 1 stopped answering: no sign of life for 0.3 s (its process "
+                f"{busy.pid} on this host {said}"), found.texts
+        finally:
+            busy.kill()
+            busy.wait()

@@ -12,15 +12,26 @@ timeout (a stopped or hung process; a long step still beats), it posts that and 
 rank's groups (:func:`stop_groups`: gloo's connections broken, other backends' communicators
 aborted), so the operations blocked on them return and the step raises
 :class:`~pipeswap.runtime.errors.PeerFailedError` naming the rank that failed.
+
+A beat comes from a Python thread, so a rank whose main thread holds the interpreter lock
+for longer than the timeout (one long call that never lets it go) falls silent while it
+works. Each watch therefore posts where its process is (host and pid), and a silent
+neighbour on this host is looked up before it is blamed: a process the kernel says is
+running or waiting is busy, not gone, and is waited for; a stopped one (SIGSTOP, a
+debugger), a dead one or a vanished one fails the step. A neighbour on another host is
+judged by its beats alone.
 """
 
 from __future__ import annotations
 
+import os
+import socket
 import threading
 import time
 import warnings
 from collections.abc import Callable, Sequence
 from contextlib import suppress
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from pipeswap.runtime.distributed.failure_board import FailureBoard, break_links, clone_store
@@ -70,6 +81,8 @@ class PeerWatch:
         # call, and the main thread's may block (a rendezvous) while peers wait for a beat
         self._beats = dist.distributed_c10d.PrefixStore("pipeswap/beats/",
                                                                clone_store(store))
+        self._beats.set(f"where/{rank}", f"{socket.gethostname()} {os.getpid()}")
+        self._where: dict[int, tuple[str, int] | None] = {}  # neighbours' posts, once read
         self._given: FailureBoard | None = None
         self.rank = rank
         self.neighbours = sorted(set(neighbours) - {rank})
@@ -101,6 +114,35 @@ class PeerWatch:
     def _beat(self, rank: int, by: int) -> int:
         return int(self._beats.add(str(rank), by))
 
+    def _process(self, rank: int) -> int | None:
+        """The pid of neighbour ``rank``'s process where it runs on this host (as it
+        posted), else None."""
+        if rank not in self._where:
+            key = f"where/{rank}"
+            posted = (bytes(self._beats.get(key)).decode().split()
+                      if self._beats.check([key]) else [])
+            if not posted:
+                return None  # not posted yet: ask again next time
+            self._where[rank] = (posted[0], int(posted[1]))
+        where = self._where[rank]
+        return where[1] if where is not None and where[0] == socket.gethostname() else None
+
+    def _busy_here(self, rank: int) -> bool:
+        """Whether silent neighbour ``rank`` runs on this host and the kernel says its
+        process is running or waiting: busy (its beat held up), not gone."""
+        pid = self._process(rank)
+        return pid is not None and process_state(pid) in ("R", "S", "D")
+
+    def _why(self, rank: int) -> str:
+        pid = self._process(rank)
+        state = None if pid is None else process_state(pid)
+        if state == "T" or state == "t":
+            return f"its process {pid} on this host is stopped: SIGSTOP, or a debugger"
+        if pid is not None and (state in ("Z", "X")
+                                or (state is None and Path("/proc/self").is_dir())):
+            return f"its process {pid} on this host is gone"
+        return "a stopped, hung or unreachable process"
+
     def _run(self) -> None:
         seen = {rank: (-1, time.monotonic()) for rank in self.neighbours}
         board: FailureBoard | None = None
@@ -127,13 +169,22 @@ class PeerWatch:
                 continue
             if found is None:
                 silent = [rank for rank, (_, at) in seen.items()
-                          if now - at > self.timeout_s]
+                          if now - at > self.timeout_s and not self._busy_here(rank)]
                 if not silent:
                     continue
                 found = (f"rank {silent[0]} stopped answering: no sign of life for "
-                         f"{self.timeout_s:g} s (a stopped, hung or unreachable process)")
+                         f"{self.timeout_s:g} s ({self._why(silent[0])})")
                 board.post(found)
                 found = board.read() or found  # another rank's post may have come first
             self.reason = found
             with suppress(Exception):
                 self.on_failure(found)
+
+
+def process_state(pid: int) -> str | None:
+    """Process ``pid``'s state letter as /proc gives it (R running, S or D waiting, T
+    stopped, Z dead); None where there is no such process, or no /proc."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return None
