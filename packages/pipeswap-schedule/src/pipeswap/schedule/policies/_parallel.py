@@ -99,17 +99,9 @@ def plan_ranks(planner: Planner[_Made], schedule: Schedule, ranks: Sequence[int]
         finished = True
     finally:
         held.close()  # the workers leave now, planning or not
-        if finished:
-            pool.shutdown(wait=True)
-        else:  # a pool with a dead worker may never finish shutting down: reap it here
-            processes = list((getattr(pool, "_processes", None) or {}).values())
+        if not finished:
             _resume_stopped(pool)  # a stopped worker cannot leave until it runs again
-            pool.shutdown(wait=False, cancel_futures=True)
-            for process in processes:
-                process.join(timeout=5)
-                if process.is_alive():
-                    process.kill()
-                    process.join()
+        pool.shutdown(wait=True, cancel_futures=True)  # and are gone when it returns
         watched.close()
     return out
 
