@@ -4,6 +4,7 @@ each runs in a spawned process with the process group initialized."""
 from __future__ import annotations
 
 import os
+import threading
 import warnings
 
 import torch
@@ -295,3 +296,34 @@ def watched_stop(rank: int, world_size: int, timeout_s: float) -> dict[str, obje
             os.kill(pid, signal.SIGCONT)
     executor.close()
     return result
+
+
+class _Slow(torch.nn.Module):
+    """A stage whose forward takes ``delay_s`` more than its compute (a slow rank)."""
+
+    def __init__(self, delay_s: float) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(8, 8)
+        self.delay_s = delay_s
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.delay_s:
+            threading.Event().wait(self.delay_s)  # the slow rank's own time
+        out: torch.Tensor = self.linear(x)
+        return out
+
+
+def timed_behind_a_slow_rank(rank: int, world: int, delay_s: float) -> dict[str, float]:
+    """1F1B over ``world`` ranks, the last one slow: this rank's measured forward and
+    backward means (a measured step times each compute)."""
+    from pipeswap.runtime import Measure
+    from pipeswap.schedule import StepType
+
+    torch.manual_seed(0)
+    stage = PipelineStage(_Slow(delay_s if rank == world - 1 else 0.0), rank, world)
+    executor = PipelineExecutor([stage], "1f1b", 4, torch.nn.functional.mse_loss)
+    x, y = torch.randn(8, 8), torch.randn(8, 8)
+    report = executor.step(x, y, measure=Measure(compute=True))
+    executor.close()
+    return {"forward": report.compute_seconds[StepType.FWD, rank],
+            "backward": report.compute_seconds[StepType.BWD, rank]}

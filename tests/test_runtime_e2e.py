@@ -343,3 +343,15 @@ def test_a_batch_one_rank_refuses_fails_every_rank_and_recover_goes_on() -> None
     assert "rank 0 failed at its batch check of step 1: PipelineSetupError" in errors1[0]
     assert (losses0, losses1) == (0, 4)  # the last stage's rank reports the losses
     assert groups0 == groups1 == 0
+
+
+def test_a_compute_is_timed_after_its_inputs_arrive() -> None:
+    """Behind a slow last rank (0.3 s a forward), the first rank's backward waits for its
+    gradient; the measured backward is its own compute, not that wait, so the planner is
+    not told the first rank's backward is slow."""
+    from pipeswap_e2e_workers import timed_behind_a_slow_rank
+    from pipeswap_pool import POOL
+
+    first, last = POOL.run(timed_behind_a_slow_rank, 2, 0.3, timeout_s=60)
+    assert last["forward"] >= 0.3  # the slow rank's own time is its own
+    assert first["backward"] < 0.1, first  # not the 0.3 s and more it waited

@@ -432,6 +432,7 @@ def _run_order(executor: PipelineExecutor, state: StepState, order: Order,
         if times is None or step.type not in TIMED:
             executor._interpreter.run(state, step)
             continue
+        _inputs_arrived(state, step)  # the wait is the upstream rank's time, not this one's
         compute = executor.platform.current_stream()
         compute.synchronize()  # the device's time, not the launch's
         begun = time.perf_counter()
@@ -439,6 +440,19 @@ def _run_order(executor: PipelineExecutor, state: StepState, order: Order,
         compute.synchronize()
         times.record(step, time.perf_counter() - begun)
     state.times = times
+
+
+def _inputs_arrived(state: StepState, step: Step) -> None:
+    """Wait for what a timed compute receives (its activation, or its gradient) before its
+    clock starts, so a slow neighbour does not pass for a slow compute."""
+    kind = {StepType.FWD: StepType.FWD_RECV, StepType.BWD: StepType.BWD_RECV,
+            StepType.BWD_INPUT: StepType.BWD_RECV}.get(step.type)
+    if kind is None:
+        return
+    transfer = state.receives.get((kind, step.key))
+    if transfer is not None:  # waited once (a gloo receive cannot be waited for twice)
+        state.receives[kind, step.key] = dataclasses.replace(
+            transfer, works=[], tensors=state.transport.wait(transfer))
 
 
 def _exchange_shapes(executor: PipelineExecutor, state: StepState) -> BoundaryMeta | None:
