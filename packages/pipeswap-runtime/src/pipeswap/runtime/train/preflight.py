@@ -148,7 +148,7 @@ def _check_training(config: TrainConfig, name: str, saved: object) -> None:
 
 def saved_training(config: TrainConfig) -> dict[str, object]:
     """The training options a checkpoint records, which a resumed run must share: the
-    learning rate, the batch and its split, the seed, and the data (the bundled corpus's
+    learning rate, the batch and its split, the random seed, and the data (the bundled corpus's
     digest)."""
     from pipeswap.runtime.models.data import Corpus  # with torch: the launcher checks first
 
