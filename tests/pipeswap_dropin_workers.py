@@ -347,8 +347,8 @@ def replica_batch(replica: int) -> tuple[torch.Tensor, torch.Tensor]:
 def fsdp_wrapped(rank: int, world: int, names: list[str], dp: int = 1) -> dict[str, Any]:
     """Stages whose blocks and modules are ``fully_shard``ed over a data-parallel dimension
     of ``dp`` (torchtitan shards each block, then every stage's root, at degree 1 too; each
-    replica has its own batch), run by PyTorch's class and by pipeswap's without and with swap: for each class
-    of ``names``, this rank's gradients (full tensors)."""
+    replica has its own batch), run by PyTorch's class and by pipeswap's without and with
+    swap: for each class of ``names``, this rank's gradients (full tensors)."""
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (world // dp, dp), mesh_dim_names=("pp", "dp"))
