@@ -546,9 +546,12 @@ for cls in (Schedule1F1B, ScheduleInterleavedZeroBubble):
                                                           reference.parameters())))
     stage = PipelineStage(mine, 0, 1, torch.device("cpu"))
     mine.zero_grad(set_to_none=True)
-    out = cls(stage if cls is Schedule1F1B else [stage], 2).step(x)  # no loss: forward only
+    schedule = cls(stage if cls is Schedule1F1B else [stage], 2)  # no loss: forward only
+    out, losses = schedule.step(x), []
+    evaluated = schedule.eval(x, target=y, losses=losses)  # a target, but nothing to use it
     whole = torch.cat([mine(part) for part in x.chunk(2)]).detach()
-    print(torch.equal(out, whole), all(p.grad is None for p in mine.parameters()))
+    print(torch.equal(out, whole) and torch.equal(evaluated, whole) and losses == [],
+          all(p.grad is None for p in mine.parameters()))
 # a compiled stage (one autograd node for its whole backward) on a zero-bubble class, which
 # PyTorch's classes refuse: its input and weight gradients still come apart right
 mine = copy.deepcopy(model)

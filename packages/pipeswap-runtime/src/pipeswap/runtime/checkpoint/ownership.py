@@ -113,20 +113,18 @@ def _started(pid: int) -> str | None:
     """When process ``pid`` started, as the kernel counts (so a pid reused by another
     process reads otherwise); None where there is no such process. Without /proc, whether
     it exists at all."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return fields[19]
-    except OSError:
-        pass
-    except IndexError:
-        return None
+    if Path("/proc").is_dir():
+        try:
+            return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+        except (OSError, IndexError):
+            return None
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return None
     except PermissionError:
-        pass
-    return "alive" if not Path("/proc").is_dir() else None
+        pass  # another user's process: it exists
+    return "alive"
 
 
 def _keep_fresh(claim: Path, stop: threading.Event) -> None:

@@ -214,9 +214,7 @@ class _PipelineSchedule:
         merged output; the plan under a budget made after the first. Without a loss
         function, the forwards alone (PyTorch's classes then run no backward)."""
         if not self._trains:
-            report = self.executor.evaluate(inputs, None, stage_kwargs=stage_kwargs)
-            last = any(stage.is_last for stage in self._stages)
-            return merged(list(report.outputs)) if last and return_outputs else None
+            return self._forwards(inputs, None, stage_kwargs, losses, return_outputs)
         if not torch.is_grad_enabled():
             raise PipelineSetupError(
                 "step() runs the backward: call it with gradients enabled (not under "
@@ -248,15 +246,24 @@ class _PipelineSchedule:
         same forwards as :meth:`step`'s; ``losses`` filled with each microbatch's loss where
         ``target`` is given, and the last stage's output returned on its rank, merged along
         dimension 0 (None elsewhere)."""
-        report = self.executor.evaluate(
-            self._inputs(args), target,
-            stage_kwargs=microbatch_kwargs(kwargs, self._n_microbatches))
+        return self._forwards(self._inputs(args), target,
+                              microbatch_kwargs(kwargs, self._n_microbatches), losses)
+
+    def _forwards(self, inputs: PyTree | Microbatches | None, target: PyTree | None,
+                  stage_kwargs: list[dict[str, object]], losses: list[torch.Tensor] | None,
+                  return_outputs: bool = True) -> PyTree | None:
+        """The forwards alone (``eval``, and every step of a schedule given no loss
+        function): each microbatch's loss where a target and a loss function are given, and
+        the merged output on the last stage's rank."""
+        if not self._trains:
+            target = None  # nothing to compute a loss with, as in PyTorch's classes
+        report = self.executor.evaluate(inputs, target, stage_kwargs=stage_kwargs)
         if not any(stage.is_last for stage in self._stages):
             return None
         if losses is not None and target is not None:
             losses.clear()
             losses.extend(report.loss_tensors)
-        return merged(list(report.outputs))
+        return merged(list(report.outputs)) if return_outputs else None
 
     def _inputs(self, args: tuple[object, ...]) -> PyTree | None:
         """What the executor splits into microbatches: on the first stage's rank the

@@ -119,20 +119,19 @@ def _died(made: int, ranks: int) -> PlanningWorkerError:
         "planned: plan again, with fewer --jobs if memory is short")
 
 
-def _workers(pool: ProcessPoolExecutor) -> list[int]:
-    processes = getattr(pool, "_processes", None) or {}
-    return [int(pid) for pid in processes]
+def _workers(pool: ProcessPoolExecutor) -> list[multiprocessing.process.BaseProcess]:
+    return list((getattr(pool, "_processes", None) or {}).values())
 
 
 def _check_running(pool: ProcessPoolExecutor, stopped: dict[int, float], made: int,
                    ranks: int) -> None:
     """Fail once a worker has died (the pool itself may miss a worker started while it
     waited) or stayed stopped for :data:`STOPPED_S` (where /proc says)."""
-    for process in list((getattr(pool, "_processes", None) or {}).values()):
-        if process.exitcode is not None:
-            raise _died(made, ranks)
     now = time.monotonic()
-    for pid in _workers(pool):
+    for worker in _workers(pool):
+        if worker.exitcode is not None:
+            raise _died(made, ranks)
+        pid = cast(int, worker.pid)
         if _state(pid) != "T":
             stopped.pop(pid, None)
             continue
@@ -145,10 +144,10 @@ def _check_running(pool: ProcessPoolExecutor, stopped: dict[int, float], made: i
 
 
 def _resume_stopped(pool: ProcessPoolExecutor) -> None:
-    for pid in _workers(pool):
-        if _state(pid) == "T":
+    for worker in _workers(pool):
+        if worker.pid is not None and _state(worker.pid) == "T":
             try:
-                os.kill(pid, signal.SIGCONT)
+                os.kill(worker.pid, signal.SIGCONT)
             except OSError:
                 pass
 
