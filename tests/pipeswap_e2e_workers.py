@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import threading
 import warnings
+from types import SimpleNamespace
 
 import torch
 
@@ -296,6 +297,79 @@ def watched_stop(rank: int, world_size: int, timeout_s: float) -> dict[str, obje
             os.kill(pid, signal.SIGCONT)
     executor.close()
     return result
+
+
+class _HeldStream:
+    """The compute stream of a rank whose last kernel waits for a message that never comes:
+    its synchronize returns only once the executor's groups are stopped (NCCL's abort is
+    what releases a receive's kernel), or after ``limit_s``."""
+
+    def __init__(self, released: threading.Event, limit_s: float) -> None:
+        self.released, self.limit_s = released, limit_s
+
+    def synchronize(self) -> None:
+        self.released.wait(self.limit_s)
+
+
+def watched_last_device_work(rank: int, world_size: int, timeout_s: float
+                             ) -> dict[str, object]:
+    """Two watched ranks: a step, then one after whose end-of-step agreement rank 1 stops
+    (SIGSTOP) while rank 0's last kernel still waits for it. Rank 0's watch must still be
+    armed to find the silence and release the kernel; it then sends rank 1 SIGCONT."""
+    import signal
+    import time
+
+    import torch.distributed as dist
+
+    from pipeswap.runtime import PeerFailedError
+
+    pids: list[int | None] = [None] * world_size
+    dist.all_gather_object(pids, os.getpid())
+    torch.manual_seed(0)
+    executor = PipelineExecutor([PipelineStage(torch.nn.Linear(8, 8), rank, world_size)],
+                                "gpipe", 2, _mse, failure=FailureHandling(timeout_s))
+    batch = (torch.randn(4, 8), torch.randn(4, 8))
+    executor.step(*batch)
+    result: dict[str, object] = {"error": None}
+    start = time.monotonic()
+    if rank == 0:
+        held = _HeldStream(executor._stopper._stopped, 20 * timeout_s)
+        real = executor.platform
+        executor.platform = SimpleNamespace(
+            current_stream=lambda: held, device=real.device,
+            measure_allocations=real.measure_allocations)
+        try:
+            executor.step(*batch)
+        except PeerFailedError as exc:
+            result.update(error=str(exc), failed_rank=exc.failed_rank)
+        finally:
+            pid = pids[1]
+            assert pid is not None
+            os.kill(pid, signal.SIGCONT)
+    else:
+        executor.step(*batch)
+        os.kill(os.getpid(), signal.SIGSTOP)
+    result["seconds"] = time.monotonic() - start
+    executor.close()
+    return result
+
+
+def watched_slow(rank: int, world_size: int, timeout_s: float) -> dict[str, object]:
+    """Two watched ranks, rank 1's forward taking twice ``timeout_s``: slow, alive, beating.
+    The step must finish on both."""
+    import time
+
+    torch.manual_seed(0)
+    module = _Slow(2 * timeout_s if rank == 1 else 0.0)
+    executor = PipelineExecutor([PipelineStage(module, rank, world_size)], "gpipe", 1, _mse,
+                                failure=FailureHandling(timeout_s))
+    start = time.monotonic()
+    report = executor.step(torch.randn(4, 8), torch.randn(4, 8))
+    seconds = time.monotonic() - start
+    executor.close()
+    return {"losses": report.losses, "seconds": seconds,
+            "operation_timeout_s": executor._operation_timeout.total_seconds()
+            if executor._operation_timeout else None}
 
 
 class _Slow(torch.nn.Module):

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from pipeswap.runtime import DataParallel, SwapOptions
+from pipeswap.runtime import DataParallel, Measure, SwapOptions
 from pipeswap.runtime import (
     PeerFailedError,
     PipelineError,
@@ -26,6 +26,7 @@ from pipeswap.runtime.models.gpt import lm_loss
 from pipeswap.runtime.train import TrainConfig, build_stages
 from pipeswap.schedule import MinGapPolicy, ScheduleKind, ScheduleSpec, StepType, build_schedule
 
+SLOW_REPLICA_S = 0.8  # how late one replica starts the measured step
 CONFIG = TrainConfig.of(schedule="interleaved-1f1b", ranks=2, dp=2, fsdp=True,
                         stages_per_rank=4, microbatches=4, batch_size=8, seq_len=16, width=32,
                         verbose=False)
@@ -74,7 +75,8 @@ def _parameter_groups(stage: torch.nn.Module) -> int:
 def collectives_of_a_step(rank: int, world_size: int) -> dict[str, int]:
     """How many all-gathers and reduce-scatters FSDP ran in one step (the second: the first
     also gathers once for the shape exchange), and how many the schedule's UNSHARD and
-    REDUCE_GRAD steps ask for (one per FSDP parameter group of the stage)."""
+    REDUCE_GRAD steps ask for (one per FSDP parameter group of the stage); then the
+    slowest forward a measured step times, one replica starting it late."""
     executor, stages, (x1, y1, x2, y2) = _executor(rank)
     executor.step(x1, y1)
     counts: Counter[str] = Counter()
@@ -110,9 +112,16 @@ def collectives_of_a_step(rank: int, world_size: int) -> dict[str, int]:
     finally:
         for name, original in originals.items():
             setattr(dist, name, original)
+    # A measured step behind a slow replica (rank 1, pipeline rank 0's other shard, starts
+    # late): the gathers its peer waits for are not that peer's forward time.
+    if rank == 1:
+        time.sleep(SLOW_REPLICA_S)
+    measured = executor.step(x2, y2, measure=Measure(compute=True)).compute_seconds
     modules = {stage.stage_index: _parameter_groups(stage.module) for stage in stages}
     order = [s for s in executor.schedule.orders[executor.rank] if s is not None]
     return {
+        "slowest_forward_ms": round(1e3 * max(seconds for (kind, _), seconds in measured.items()
+                                              if kind is StepType.FWD)),
         "all_gathers": counts["all_gather_single"],
         "unshard_gathers": sum(modules[s.stage] for s in order
                                if s.type is StepType.FSDP_UNSHARD and s.stage is not None),

@@ -127,3 +127,43 @@ def test_a_rank_that_dies_or_hangs_ends_the_job_with_one_line(fault: str) -> Non
         if launcher.poll() is None:
             launcher.kill()
             launcher.wait()
+
+
+def _rank_of(pid: int) -> int:
+    environ = (Path("/proc") / str(pid) / "environ").read_bytes().split(b"\0")
+    return int(next(item for item in environ if item.startswith(b"RANK="))[5:])
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_under_torchrun_a_stopped_rank_ends_the_job_within_the_timeout() -> None:
+    """torchrun's agent ends a failed job's workers with SIGTERM, which a stopped worker
+    takes only once resumed, and kills it 30 s later; its peer, which found it stopped on
+    this host, ends it instead, so the job ends within --timeout plus a few seconds, the
+    error naming the stopped rank."""
+    timeout_s = 5.0
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+         *COMMAND[1:], "--timeout", str(timeout_s)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        assert launcher.stdout is not None
+        for line in launcher.stdout:
+            if "step 2/" in line:
+                break
+        workers = {_rank_of(pid): pid for pid in _children(launcher.pid)
+                   if b"pipeswap.runtime.train" in (Path("/proc") / str(pid) / "cmdline"
+                                                    ).read_bytes()}
+        assert sorted(workers) == [0, 1]
+        started = time.monotonic()
+        os.kill(workers[1], signal.SIGSTOP)
+        code = launcher.wait(timeout=120)
+        took = time.monotonic() - started
+        stderr = launcher.stderr.read() if launcher.stderr else ""
+        assert code != 0 and took < timeout_s + 10, (code, took, stderr[-3000:])
+        assert _alive(set(workers.values())) == set()
+        assert re.search(r"rank 1 stopped answering: no sign of life for 5 s \(its process "
+                         rf"{workers[1]} on this host is stopped", stderr), stderr[-3000:]
+    finally:
+        if launcher.poll() is None:
+            os.killpg(launcher.pid, signal.SIGKILL)
+            launcher.wait()

@@ -5,6 +5,10 @@ nothing; and the probe that measures a link."""
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
@@ -109,10 +113,60 @@ def test_the_stages_layer_counts_fill_in_where_the_model_has_none() -> None:
     assert filled.stage_layers(2) == 4 and filled.stage(2).forward == 3.0
 
 
+class _Logged:
+    """The CPU platform, its streams and events logging what is queued where."""
+
+    def __init__(self) -> None:
+        self.real = get_platform("cpu")
+        self.log: list[str] = []
+        self.current = self._stream("compute")
+        self._count = 0
+        self._on = "compute"
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.real, name)
+
+    def _stream(self, name: str) -> Any:
+        return SimpleNamespace(name=name, synchronize=lambda: None)
+
+    def current_stream(self) -> Any:
+        return self.current
+
+    def new_stream(self) -> Any:
+        self._count += 1
+        return self._stream(f"copy{self._count}")
+
+    @contextmanager
+    def stream(self, stream: Any) -> Iterator[None]:
+        before, self._on = self._on, stream.name
+        yield
+        self._on = before
+
+    def new_event(self) -> Any:
+        log = self.log
+        return SimpleNamespace(record=lambda stream: log.append(f"record on {stream.name}"),
+                               wait=lambda stream: log.append(f"wait on {stream.name}"))
+
+    def copy_(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        self.log.append(f"copy on {self._on}")
+        dst.copy_(src)
+
+
 def test_the_probe_measures_both_ways_of_the_link() -> None:
     link = probe_link(get_platform("cpu"), nbytes=1 << 20, repeats=2)
     assert 0 < link.d2h_bandwidth < math.inf and 0 < link.h2d_bandwidth < math.inf
     assert isinstance(link.duplex, bool)
+
+
+def test_the_probes_copies_wait_for_the_queued_compute() -> None:
+    """Its device buffer comes from the compute stream's memory: both copy streams wait
+    for what was queued there before any copy runs."""
+    platform = _Logged()
+    probe_link(platform, nbytes=1 << 10, repeats=1)  # type: ignore[arg-type]
+    first_copy = platform.log.index(next(line for line in platform.log
+                                         if line.startswith("copy on")))
+    assert platform.log[:first_copy] == ["record on compute", "wait on copy1", "wait on copy2"]
+    assert set(platform.log[first_copy:]) == {"copy on copy1", "copy on copy2"}
 
 
 def test_a_measured_step_times_its_computes_and_makes_the_cost_model_a_plan_weighs() -> None:

@@ -22,6 +22,7 @@ import ctypes
 import datetime
 import os
 import pickle
+import re
 import signal
 import socket
 import sys
@@ -30,8 +31,10 @@ import time
 import traceback
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, suppress
+from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar, cast
 
+from pipeswap.runtime.distributed.peer_watch import process_state
 from pipeswap.runtime.distributed.rank_failure import (
     Ending,
     RankFailure,
@@ -341,3 +344,26 @@ def _stopping_on_signals() -> Iterator[None]:
         yield
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+#: How the peer watch names a neighbour it found stopped on this host.
+_STOPPED_HERE = re.compile(r"its process (\d+) on this host is stopped")
+
+
+def end_stopped_sibling(error: str) -> None:
+    """Under torchrun, kill the stopped worker that ``error`` (a peer watch's report) names,
+    where it is this process's sibling (the same agent's worker) and still stopped: the
+    agent ends a failed job's workers with SIGTERM, which a stopped process takes only once
+    resumed, and waits 30 s before its SIGKILL. spawn's launcher kills such a rank itself."""
+    found = _STOPPED_HERE.search(error)
+    if found is None:
+        return
+    pid = int(found.group(1))
+    try:
+        parent = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return
+    if parent == os.getppid() and process_state(pid) in ("T", "t"):
+        with suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+

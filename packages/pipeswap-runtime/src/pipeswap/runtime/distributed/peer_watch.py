@@ -44,19 +44,79 @@ if TYPE_CHECKING:
 
 def stop_groups(groups: Sequence[dist.ProcessGroup | None]) -> None:
     """Make the peers' operations on this rank in ``groups`` fail now, and this rank's own
-    blocked operations return: gloo's connections are closed; a group with another backend
-    (NCCL) is aborted as well (``ProcessGroup.abort``), which ends its communicators'
-    operations on this rank."""
+    blocked operations return: gloo's connections are closed; the groups with another
+    backend (NCCL) are aborted as well (``ProcessGroup.abort``), all inside one NCCL group
+    call as torch aborts its own, so that one communicator's abort cannot wait behind
+    another's hung kernel."""
     import torch.distributed as dist
 
+    aborted = []
     for group in groups:
         if group is None:
             continue
         if "cpu" in device_types(group):
             break_links(group)
         if not only_gloo(str(dist.get_backend_config(group))):
+            aborted.append(group)
+    if not aborted:
+        return
+    calls = _nccl_group_calls(aborted)
+    with suppress(Exception):
+        calls[0]()
+    try:
+        for group in aborted:
             with suppress(Exception):  # already aborted, or gone with a failed peer
                 group.abort()
+    finally:
+        with suppress(Exception):
+            calls[1]()
+
+
+def _nccl_group_calls(groups: Sequence[dist.ProcessGroup]
+                      ) -> tuple[Callable[[], None], Callable[[], None]]:
+    """The start and end of an NCCL group call (``ncclGroupStart``/``End``, per thread),
+    from the first of ``groups`` with a backend that has them; nothing to call without."""
+    import torch
+
+    for group in groups:
+        try:
+            backend = group._get_backend(torch.device("cuda"))
+        except RuntimeError:
+            continue
+        start, end = (getattr(backend, "_group_start", None),
+                      getattr(backend, "_group_end", None))
+        if start is not None and end is not None:
+            return start, end
+    return _nothing, _nothing
+
+
+def _nothing() -> None:
+    return None
+
+
+class GroupStopper:
+    """The groups a failure stops on this rank, and whether it has stopped them: after
+    that, nothing may be posted into them (an operation posted into an aborted NCCL group
+    raises inside the NCCL group call it opened, which the communicator made next would
+    inherit). The executor gives it a fresh transport's group after a recovery."""
+
+    def __init__(self, groups: Sequence[dist.ProcessGroup | None]) -> None:
+        self.groups = list(groups)
+        self._stopped = threading.Event()
+
+    @property
+    def stopped(self) -> bool:
+        return self._stopped.is_set()
+
+    def stop(self, reason: str | None = None) -> None:
+        """Stop the groups (``reason``: what the watch found, unused: a callback's)."""
+        self._stopped.set()
+        stop_groups(self.groups)
+
+    def renew(self, transport_group: dist.ProcessGroup | None) -> None:
+        """A recovered executor's fresh transport group, in place of its broken one."""
+        self.groups[0] = transport_group
+        self._stopped.clear()
 
 
 class PeerWatch:

@@ -88,15 +88,28 @@ def only_gloo(config: str) -> bool:
     return {item.split(":", 1)[-1] for item in config.split(",")} == {"gloo"}
 
 
-def operation_timeout(detection: datetime.timedelta, *, gloo: bool) -> datetime.timedelta:
+def operation_timeout(detection: datetime.timedelta) -> datetime.timedelta:
     """The per-operation timeout of a group whose failed peers a watch finds in
-    ``detection`` (:mod:`pipeswap.runtime.distributed.peer_watch`). NCCL: long, so that its
-    watchdog never kills a rank for a long step; a stopped peer is found by its silence and
-    the group aborted. gloo: a blocked wait there ends by gloo's own timeout alone, so half
-    again the detection time, by when the watch has posted which rank went silent."""
-    if gloo:
-        return detection * 1.5
+    ``detection`` (:mod:`pipeswap.runtime.distributed.peer_watch`): long, on every backend.
+    A stopped or vanished peer is found by its silence and the group stopped; a peer that
+    is slow but alive still beats, and an operation waiting for it must not fail (NCCL's
+    watchdog would kill the rank, gloo would raise and blame the healthy neighbour)."""
     return max(10 * detection, datetime.timedelta(minutes=30))
+
+
+def bound_cpu_half(group: dist.ProcessGroup | None, timeout: datetime.timedelta) -> None:
+    """Give ``group``'s gloo backend for CPU tensors ``timeout`` where the group also has
+    another backend (``cpu:gloo,cuda:nccl``), whose long timeout it shared: the CPU half
+    carries the waits outside a step (the set-up's agreements, a checkpoint's), which no
+    watch bounds."""
+    import torch
+    import torch.distributed as dist
+
+    config = str(dist.get_backend_config(_group(group)))
+    if only_gloo(config) or "cpu" not in device_types(group):
+        return
+    backend = _group(group)._get_backend(torch.device("cpu"))
+    backend._set_default_timeout(timeout)
 
 
 def transport_group(group: dist.ProcessGroup | None, device: torch.device, *, local: bool,
@@ -159,9 +172,10 @@ def control_groups(group: dist.ProcessGroup | None, dp_group: dist.ProcessGroup 
 def free_groups(groups: Sequence[dist.ProcessGroup | None], *, spans_world: bool) -> None:
     """Free the groups with an accelerator backend that an executor made, once it is done
     with them (each NCCL communicator holds device memory): destroyed where they span the
-    world; otherwise aborted, the group kept, as destroying it would let a new group repeat
-    a live group's name (see :func:`new_transport`). gloo's are left: they hold no device
-    memory, and torch warns as it destroys one made with a backend per device."""
+    world; otherwise shut down (their work finished, their communicators freed), the group
+    kept, as destroying it would let a new group repeat a live group's name (see
+    :func:`new_transport`). gloo's are left: they hold no device memory, and torch warns as
+    it destroys one made with a backend per device."""
     import torch.distributed as dist
 
     for group in groups:
@@ -171,4 +185,4 @@ def free_groups(groups: Sequence[dist.ProcessGroup | None], *, spans_world: bool
             if spans_world:
                 dist.destroy_process_group(group)
             else:
-                group.abort()
+                group.shutdown()

@@ -23,6 +23,7 @@ CPU backend (gloo) whatever the caller's group has (see :func:`with_cpu_backend`
 from __future__ import annotations
 
 import functools
+from contextlib import suppress
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeAlias, Union
@@ -35,6 +36,8 @@ from pipeswap.schedule import Step, StepType
 if TYPE_CHECKING:
     import torch
     import torch.distributed as dist
+
+    from pipeswap.runtime.distributed.peer_watch import GroupStopper
     from torch.utils._pytree import TreeSpec
 
 #: What crosses a stage boundary, and a batch's inputs and targets: a tensor, or tuples,
@@ -178,8 +181,9 @@ class Transport:
 
     def __init__(self, group: dist.ProcessGroup | None, stage_ranks: tuple[int, ...],
                  microbatches: int, device: torch.device, board: FailureBoard | None = None,
-                 global_rank: int | None = None) -> None:
+                 global_rank: int | None = None, stopper: GroupStopper | None = None) -> None:
         self.board = board
+        self.stopper = stopper  # asked before posting: nothing goes into a stopped group
         self.group = group
         if global_rank is None:
             import torch.distributed as dist
@@ -253,11 +257,13 @@ class Transport:
             per_step.append([dist.P2POp(dist.isend if send else dist.irecv, tensor,
                                         self._global(self.peer(step)), self.group, base + i)
                              for i, tensor in enumerate(tensors)])
+        if self.stopper is not None and self.stopper.stopped:
+            raise self._error(steps[0][0], RuntimeError("the group was stopped after a failure"))
         try:
             groups = [[op for ops in per_step for op in ops]] if batched else per_step
             works: list[dist.Work] = []
             for ops in groups:
-                batch = dist.batch_isend_irecv(ops)
+                batch = batch_isend_irecv(ops)
                 works += batch if len(batch) == len(ops) else [batch[0]] * len(ops)
         except RuntimeError as exc:
             raise self._error(steps[0][0], exc) from exc
@@ -334,5 +340,36 @@ class Transport:
         """One send or receive, posted as every other one is (a batch), and waited for."""
         import torch.distributed as dist
 
-        for work in dist.batch_isend_irecv([dist.P2POp(op, tensor, peer, self.group, tag)]):
+        for work in batch_isend_irecv([dist.P2POp(op, tensor, peer, self.group, tag)]):
             work.wait()
+
+
+def batch_isend_irecv(ops: list[dist.P2POp]) -> list[dist.Work]:
+    """torch's ``batch_isend_irecv``, and on a backend that coalesces (NCCL) the group call
+    it opened closed again where an operation raises. torch opens the call
+    (``ncclGroupStart``, a count per thread) before the operations and closes it after them
+    with no ``finally``: a raise (a group aborted after a failure) leaves the count up, and
+    a communicator made next, as ``recover()`` makes one, would then never launch its
+    operations."""
+    import torch.distributed as dist
+
+    try:
+        return dist.batch_isend_irecv(ops)
+    except BaseException:
+        _close_coalescing(ops[0].group, ops[0].tensor.device)
+        raise
+
+
+def _close_coalescing(group: dist.ProcessGroup | None, device: torch.device) -> None:
+    """End the coalescing a raising ``batch_isend_irecv`` left open on ``group``."""
+    import torch.distributed as dist
+
+    pg = group if group is not None else dist.distributed_c10d._get_default_group()
+    try:
+        if not pg._get_backend(device).supports_coalescing:
+            return
+    except RuntimeError:
+        return
+    dist.distributed_c10d._world.pg_coalesce_state.pop(pg, None)
+    with suppress(Exception):  # an aborted communicator: the call is closed all the same
+        pg._end_coalescing(device)

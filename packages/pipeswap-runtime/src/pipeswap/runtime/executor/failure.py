@@ -3,7 +3,7 @@ usable again.
 
 The rank that fails first posts why on the transport's failure board and stops its groups,
 the pipeline's communication group and the data-parallel ones (gloo's connections broken,
-NCCL's communicators aborted: :func:`~pipeswap.runtime.distributed.peer_watch.stop_groups`), so
+NCCL's communicators aborted: :class:`~pipeswap.runtime.distributed.peer_watch.GroupStopper`), so
 that every peer, in this replica or another, stops at its next transfer or collective with a
 :class:`~pipeswap.runtime.errors.PeerFailedError` naming that rank instead of waiting until its
 timeout. On NCCL, where a peer's operations do not fail by themselves, each rank's
@@ -20,11 +20,11 @@ from typing import TYPE_CHECKING, TypeVar
 
 from pipeswap.runtime.distributed.collectives import agree, members
 from pipeswap.runtime.errors import PeerFailedError, PipelineCommError, PipelineError
-from pipeswap.runtime.distributed.peer_watch import stop_groups
 
 if TYPE_CHECKING:
     import torch.distributed as dist
 
+    from pipeswap.runtime.distributed.peer_watch import GroupStopper
     from pipeswap.runtime.distributed.transport import Transport
     from pipeswap.runtime.executor.sharded_stage import ShardedStage
     from pipeswap.schedule import Step
@@ -39,15 +39,15 @@ class FailureProtocol:
     ``rank``: this rank in the pipeline; ``dp_group`` and ``dp_size``: its data-parallel
     group; ``replayed``: a replayed rank, which has nobody to tell or agree with;
     ``spans_world``: whether the pipeline's groups span the world (see :meth:`recover`);
-    ``stopped``: the groups a failure stops
-    (:func:`~pipeswap.runtime.distributed.peer_watch.stop_groups`).
+    ``stopper``: the groups a failure stops
+    (:class:`~pipeswap.runtime.distributed.peer_watch.GroupStopper`).
     """
 
     def __init__(self, rank: int, dp_group: dist.ProcessGroup | None, dp_size: int, *,
                  replayed: bool, spans_world: bool,
-                 stopped: list[dist.ProcessGroup | None]) -> None:
+                 stopper: GroupStopper) -> None:
         self.rank = rank
-        self.stopped = stopped  # the groups a failure stops (the executor keeps it current)
+        self.stopper = stopper  # the groups a failure stops (the executor keeps it current)
         self.dp_group = dp_group
         self.dp_size = dp_size
         self.replayed = replayed
@@ -86,7 +86,7 @@ class FailureProtocol:
         elif not isinstance(exc, PipelineCommError):
             transport.board.post(reason)
         self.reason = reason
-        stop_groups(self.stopped)
+        self.stopper.stop()
 
     def agree(self, transport: Transport, what: str, group: dist.ProcessGroup | None) -> None:
         """The step's end on every rank of ``group``

@@ -110,7 +110,7 @@ class Interpreter:
         if handler is None:
             raise PipelineError(f"{step}: the executor runs no {step.type.name} steps")
         if step.type in COMPUTE and self.sharded:
-            self._ready(state, step)
+            self.parameters_ready(state, step)
         handler(self, state, step)
 
     def autocast(self) -> AbstractContextManager[object]:
@@ -124,7 +124,7 @@ class Interpreter:
 
     # -- computes --------------------------------------------------------------------------
 
-    def _ready(self, state: StepState, step: Step) -> None:
+    def parameters_ready(self, state: StepState, step: Step) -> None:
         """Before a compute of a sharded stage: its parameters are gathered (and, just
         gathered, kept out of swap: they are parameters, not activations)."""
         assert step.stage is not None

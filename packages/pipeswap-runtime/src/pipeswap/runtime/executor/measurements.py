@@ -157,12 +157,19 @@ def probe_link(platform: Platform, nbytes: int = PROBE_BYTES,
                repeats: int = PROBE_REPEATS) -> Link:
     """The host link of ``platform``'s device, measured: the best of ``repeats`` copies of
     ``nbytes`` each way on a copy stream, and whether the two ways run at once (duplex:
-    both together take little longer than the slower alone)."""
+    both together take little longer than the slower alone). The copies wait for the work
+    queued on the compute stream before the probe."""
     import torch
 
     device = torch.empty(nbytes, dtype=torch.uint8, device=platform.device)
     host = platform.host_buffer(nbytes)
     streams = platform.new_stream(), platform.new_stream()
+    # The buffer was allocated on the compute stream, maybe in memory its queued kernels
+    # still use: the copy streams start after them.
+    allocated = platform.new_event()
+    allocated.record(platform.current_stream())
+    for stream in streams:
+        allocated.wait(stream)
 
     def best(*copies: tuple[torch.Tensor, torch.Tensor]) -> float:
         fastest = math.inf

@@ -69,10 +69,10 @@ class FailureHandling:
     ``timeout_s``: how long a rank this one exchanges data with may show no sign of life
     before the step fails naming it (:mod:`pipeswap.runtime.distributed.peer_watch`). A
     watch runs wherever the group is not gloo alone (NCCL: operations there do not fail when
-    a peer does), by default with the group's timeout, or wherever this is given. On NCCL
-    the executor's own group then gets a long per-operation timeout, so that a long step is
-    never killed for being long; on gloo, half again ``timeout_s``, the error then naming
-    the rank that went silent. Without it, on gloo, a transfer fails after the group's
+    a peer does), by default with the group's timeout, or wherever this is given. The
+    executor's own group then gets a long per-operation timeout on every backend, so that a
+    slow rank (one long step, one long compute) never fails the job: it still beats, and
+    only a silent one is failed. Without it, on gloo, a transfer fails after the group's
     timeout.
 
     ``setup_check``: called first in the set-up every rank agrees on, so that a

@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING
 
 from pipeswap.platform import AllocationPeak, Platform, get_platform
 from pipeswap.runtime.distributed.failure_board import UnclonableStore
-from pipeswap.runtime.distributed.peer_watch import PeerWatch, stop_groups
+from pipeswap.runtime.distributed.peer_watch import GroupStopper, PeerWatch
 from pipeswap.runtime.distributed.process_groups import (
     control_groups,
     data_parallel_group,
@@ -84,6 +84,7 @@ from pipeswap.runtime.executor.step_report import (
 )
 from pipeswap.runtime.executor.swap_session import SwapSession
 from pipeswap.schedule import (
+    COMPUTE,
     RankPlan,
     Schedule,
     ScheduleSpec,
@@ -177,15 +178,14 @@ class PipelineExecutor:
         for stage in self.stages:
             self.manager.protect_module(stage.module)
         # what a failure stops on this rank: the transport's group, the data-parallel ones
-        self._stopped: list[dist.ProcessGroup | None] = [None]
-        if self.dp_size > 1:
-            self._stopped += list(dict.fromkeys([self._dp_control, self.dp_group]))
+        self._stopper = GroupStopper([None, *dict.fromkeys(
+            [self._dp_control, self.dp_group] if self.dp_size > 1 else [])])
         self._watch, self._operation_timeout = _start_watch(self, failure.timeout_s)
         self.transport: Transport = self._new_transport(None)
         self._failure = FailureProtocol(self.rank, self._dp_control, self.dp_size,
                                         replayed=replay is not None,
                                         spans_world=self._spans_world,
-                                        stopped=self._stopped)
+                                        stopper=self._stopper)
         self._input_meta: BoundaryMeta | None = None
         self._shapes_known = False
         self._runs = 0
@@ -262,8 +262,8 @@ class PipelineExecutor:
             self.schedule, microbatches=self.microbatches, device=self.platform.device,
             group=self.group, dp_group=self._dp_control, dp_size=self.dp_size,
             spans_world=self._spans_world, replay=self.replay, boundary=boundary,
-            timeout=self._operation_timeout)
-        self._stopped[0] = transport.group
+            timeout=self._operation_timeout, stopper=self._stopper)
+        self._stopper.renew(transport.group)
         return transport
 
     def recover(self) -> None:
@@ -328,9 +328,6 @@ class PipelineExecutor:
             line = kept_on_device(self.rank, skipped, self.manager.stats().skipped)
             if line is not None:
                 log.info(line)
-        # The step's device work included (nothing else waits for it on a rank without the
-        # last stage, whose end-of-step agreement runs on the host).
-        self.platform.current_stream().synchronize()
         return _report(state, time.perf_counter() - start, allocated,
                        0 if forward_only else len(self.swapped))
 
@@ -370,7 +367,7 @@ class PipelineExecutor:
             _run_order(self, state, forward_order(order) if forward_only else order,
                        StepTimes() if measure.compute else None)
             state.at = None
-            self._end_step(state)
+            _end_step(self, state)
         except BaseException as exc:
             if self._watch is not None:
                 self._watch.disarm()
@@ -389,18 +386,33 @@ class PipelineExecutor:
         state.session.close()
         return state
 
-    def _end_step(self, state: StepState) -> None:
-        """After the order: sends done, receives consumed, and every rank agreeing that the
-        step ran (the pipeline's, then the data-parallel group's)."""
-        finish_order(state, self.rank)
-        state.memory.flush()
-        if self._watch is not None and self._watch.reason is not None:
-            raise self.transport.failure("the end of the step", RuntimeError("stopped"))
-        self._failure.agree(self.transport, "the end-of-step agreement", self.transport.group)
-        if self.dp_size > 1:
-            self._failure.agree(
-                self.transport, "the end-of-step agreement of the data-parallel group",
-                self._dp_control)
+
+def _end_step(executor: PipelineExecutor, state: StepState) -> None:
+    """After the order: sends done, receives consumed, every rank agreeing that the step ran
+    (the pipeline's, then the data-parallel group's), and the step's device work done."""
+    finish_order(state, executor.rank)
+    state.memory.flush()
+    _check_watch(executor, "the end of the step")
+    failure, transport = executor._failure, executor.transport
+    failure.agree(transport, "the end-of-step agreement", transport.group)
+    if executor.dp_size > 1:
+        failure.agree(transport, "the end-of-step agreement of the data-parallel group",
+                      executor._dp_control)
+    # The step's device work included, the watch still armed: the agreement runs on the
+    # host, and a neighbour lost after it may leave a receive's kernel waiting, which only
+    # the watch's abort releases.
+    state.at = "the step's last device work"
+    executor.platform.current_stream().synchronize()
+    _check_watch(executor, "the step's last device work")
+    state.at = None
+
+
+def _check_watch(executor: PipelineExecutor, where: str) -> None:
+    """Fail the step where the watch found a failure (and stopped the groups)."""
+    watch = executor._watch
+    if watch is not None and watch.reason is not None:
+        raise executor.transport.failure(where, RuntimeError("stopped"))
+
 
 def _report(state: StepState, seconds: float, allocated: AllocationPeak | None,
             swapped: int) -> StepReport:
@@ -432,7 +444,7 @@ def _run_order(executor: PipelineExecutor, state: StepState, order: Order,
         if times is None or step.type not in TIMED:
             executor._interpreter.run(state, step)
             continue
-        _inputs_arrived(state, step)  # the wait is the upstream rank's time, not this one's
+        _inputs_ready(executor, state, step)  # the waits are other ranks' time, not ours
         compute = executor.platform.current_stream()
         compute.synchronize()  # the device's time, not the launch's
         begun = time.perf_counter()
@@ -442,9 +454,12 @@ def _run_order(executor: PipelineExecutor, state: StepState, order: Order,
     state.times = times
 
 
-def _inputs_arrived(state: StepState, step: Step) -> None:
-    """Wait for what a timed compute receives (its activation, or its gradient) before its
-    clock starts, so a slow neighbour does not pass for a slow compute."""
+def _inputs_ready(executor: PipelineExecutor, state: StepState, step: Step) -> None:
+    """Wait for what a timed compute receives (its activation, or its gradient) and for its
+    stage's parameter gather before its clock starts, so that a slow neighbour or replica
+    does not pass for a slow compute."""
+    if step.type in COMPUTE and executor._sharded:
+        executor._interpreter.parameters_ready(state, step)
     kind = {StepType.FWD: StepType.FWD_RECV, StepType.BWD: StepType.BWD_RECV,
             StepType.BWD_INPUT: StepType.BWD_RECV}.get(step.type)
     if kind is None:
@@ -499,7 +514,7 @@ def _start_watch(executor: PipelineExecutor, timeout_s: float | None
                  else datetime.timedelta(seconds=timeout_s))
     try:
         watch = PeerWatch(dist.get_rank(), peers, detection.total_seconds(),
-                          partial(stop_groups, executor._stopped))
+                          executor._stopper.stop)
     except UnclonableStore as exc:  # the same store on every rank: each degrades alike
         warnings.warn(
             f"rank {executor.rank}: no peer watch runs, as the rendezvous store cannot give "
@@ -507,7 +522,7 @@ def _start_watch(executor: PipelineExecutor, timeout_s: float | None
             "only when its group's own timeout ends a transfer", stacklevel=4)
         return None, None
     weakref.finalize(executor, watch.close)
-    return watch, operation_timeout(detection, gloo=gloo)
+    return watch, operation_timeout(detection)
 
 
 def _layer_hooks(executor: PipelineExecutor) -> list[Callable[[], None]]:

@@ -52,6 +52,7 @@ if TYPE_CHECKING:
     import torch
     import torch.distributed as dist
 
+    from pipeswap.runtime.distributed.peer_watch import GroupStopper
     from pipeswap.runtime.executor.host_reserve import SavedRecorder
     from pipeswap.runtime.executor.replay import Replay
 
@@ -300,12 +301,13 @@ def new_transport(schedule: Schedule, *, microbatches: int, device: torch.device
                   group: dist.ProcessGroup | None, dp_group: dist.ProcessGroup | None,
                   dp_size: int, spans_world: bool, replay: Replay | None,
                   boundary: dict[int, BoundaryMeta] | None,
-                  timeout: datetime.timedelta | None) -> Transport:
+                  timeout: datetime.timedelta | None, stopper: GroupStopper) -> Transport:
     """A transport over a communication group of its own (created by the pipeline's ranks
     alone), so that a failed step can break it without touching the caller's process group;
     ``boundary``: the stage boundaries' meta a previous transport learned. ``dp_group``: the
     data-parallel group of the control traffic. ``timeout``: the group's per-operation
-    timeout, where not ``group``'s."""
+    timeout, where not ``group``'s; ``stopper``: what stops the groups on a failure, which
+    the transport asks before it posts."""
     if replay is not None:
 
         return ReplayTransport(replay, schedule.stage_ranks, microbatches, device)
@@ -318,7 +320,7 @@ def new_transport(schedule: Schedule, *, microbatches: int, device: torch.device
     comm = transport_group(group, device, local=not spans_world, timeout=timeout)
     groups = [comm] if dp_size == 1 else [comm, dp_group]
     transport = Transport(comm, schedule.stage_ranks, microbatches, device,
-                          FailureBoard.of(*groups))
+                          FailureBoard.of(*groups), stopper=stopper)
     if boundary is not None:
         transport.boundary = boundary
     return transport

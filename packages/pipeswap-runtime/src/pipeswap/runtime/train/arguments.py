@@ -216,10 +216,11 @@ def _run_options(parser: argparse.ArgumentParser, defaults: TrainConfig) -> None
                              "of a larger pipeline fits")
     parser.add_argument("--seed", type=int, default=training.seed, help="weights and data seed")
     parser.add_argument("--timeout", type=float, default=defaults.job.timeout_s,
-                        help="seconds a rank waits for a peer before failing, in every "
-                        "group the job makes (default "
-                        f"{defaults.job.timeout_s:.0f}); a hung rank ends the job about this "
-                        "long, plus 5 s, after it stops")
+                        help="seconds a rank may show no sign of life in a step (stopped, "
+                        "hung, gone) before the job fails naming it, and the longest wait "
+                        "for a peer outside a step (set-up, checkpoint saves) (default "
+                        f"{defaults.job.timeout_s:.0f}); a rank that is only slow (a long "
+                        "step) still beats and is waited for")
 
 
 def _bytes(text: str) -> int:

@@ -20,6 +20,7 @@ from pipeswap.runtime.distributed.launch import (
     RankFailedError,
     backend_for,
     current_step,
+    end_stopped_sibling,
     init_from_env,
     launched_by_torchrun,
     spawn,
@@ -406,6 +407,7 @@ def _main_torchrun(config: TrainConfig, args: argparse.Namespace) -> NoReturn:
                 print(failure.story, file=sys.stderr)
             print(f"pipeswap-train: error: {failure.headline(config.job.timeout_s)}",
                   file=sys.stderr, flush=True)
+            end_stopped_sibling(str(exc))
             gathered, code = None, 2 if failure.user_error else 1
     if gathered is not None:
         _report(config, args, [_results(entry) for entry in gathered])

@@ -176,7 +176,7 @@ class TrainConfig:
         if self.training.device == "cpu":
             return self.job.timeout_s
         detection = datetime.timedelta(seconds=self.job.timeout_s)
-        return operation_timeout(detection, gloo=False).total_seconds()
+        return operation_timeout(detection).total_seconds()
 
     @staticmethod
     def of(**fields: Any) -> TrainConfig:  # Any: fields of several sections, several types

@@ -7,6 +7,7 @@ time, and returns this rank's figures.
 
 from __future__ import annotations
 
+import datetime
 import gc
 import itertools
 import logging
@@ -23,6 +24,7 @@ from pipeswap.platform import get_platform
 from pipeswap.runtime.checkpoint.manifest import describe_skipped
 from pipeswap.runtime.checkpoint.save_load import load_checkpoint, save_checkpoint
 from pipeswap.runtime.distributed.launch import mark_step, pipeline_mesh
+from pipeswap.runtime.distributed.process_groups import bound_cpu_half
 from pipeswap.runtime.executor.measurements import measured_costs, probe_link
 from pipeswap.runtime.executor.options import DataParallel, FailureHandling, Numerics, SwapOptions
 from pipeswap.runtime.executor.pipeline_executor import PipelineExecutor
@@ -99,6 +101,10 @@ class Trainer:
         if parallel.meshed:
             self.mesh = pipeline_mesh(self.platform.device.type, parallel.ranks, parallel.dp,
                                       config.group_timeout_s)
+        if not self.replaying:  # waits outside a step (set-up, saves) end after --timeout
+            bounded = datetime.timedelta(seconds=config.job.timeout_s)
+            for group in [None, *([] if self.mesh is None else self.mesh.get_all_groups())]:
+                bound_cpu_half(group, bounded)
         self.pp_rank, self.dp_rank = divmod(rank, parallel.dp)  # the mesh: pp outer, dp inner
         corpus = Corpus.bundled()
         self.vocab = len(corpus.vocab)
@@ -189,8 +195,7 @@ class Trainer:
             data_parallel=DataParallel(self.mesh), platform=self.platform, replay=self.replay,
             numerics=Numerics(autocast_dtype=torch.bfloat16 if config.model.dtype == "bf16"
                               else None),
-            failure=FailureHandling(None if self.platform.device.type == "cpu" or self.replay
-                                    else config.job.timeout_s))
+            failure=FailureHandling(None if self.replay else config.job.timeout_s))
         result = ModeResult(first_step=done + 1, swapped_chunks=len(executor.swapped),
                             streamed_chunks=len(executor.streamed),
                             parameter_bytes=None if built is None else built.held_bytes,
