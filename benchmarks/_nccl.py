@@ -7,6 +7,9 @@ process group (SIGTERM, then SIGKILL a few seconds later); a case that exits but
 processes of its group running fails, and they are killed. Each gives one result line:
 ``ok``, ``FAILED`` with the first error line of its output, ``TIMED OUT after N s``, or
 ``skipped: why``.
+
+The GPU check's one-rank probes run the same way, one command each (``_probes.py NAME``, or
+torchrun on one process); a probe's result is the last JSON line it prints.
 """
 
 from __future__ import annotations
@@ -15,11 +18,13 @@ import json
 import math
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,6 +43,17 @@ ERROR_LINE = re.compile(r"FAILED|error:|^\s*[\w.]*(Error|Exception)\b")
 #: training job sizes: small, so a case is start-up (CUDA, NCCL) plus seconds
 TRAIN_SIZES = ["--seq-len", "64", "--width", "128", "--heads", "4", "--steps", "3",
                "--timeout", str(RANK_TIMEOUT_S), "--json"]
+
+
+#: a part's timeout for a command of ``name`` whose own limit is the float, or the line
+#: saying why it is skipped (the GPU check's budget)
+Fit = Callable[[str, float], "float | str"]
+PROBE_TIMEOUT_S = 60.0  # a probe's limit: start-up, NCCL set-up, a wait of 20 s at most
+PROBE_STEP = "_probes: step:"  # a probe's line before each step, so that a hang says where
+
+
+def say(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
 
 
 class CaseFailed(Exception):
@@ -91,6 +107,13 @@ def read_job(output: str) -> str:
     return max(lines, key=len)
 
 
+def torchrun(ranks: int) -> list[str]:
+    """nccl_job.py's torchrun job under torchrun, one process a GPU (the one-rank probe of
+    the GPU check runs it with one)."""
+    return [*python(), "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+            str(ranks), JOB, "torchrun"]
+
+
 def _train(gpus: int, *options: str) -> list[str]:
     return [*python(), "-m", "pipeswap.runtime.train", "--device", "cuda", *options,
             *TRAIN_SIZES]
@@ -121,9 +144,7 @@ CASES = (
          read_train),
     Case("torchrun", "torchrun; the script calls plain init_process_group(\"nccl\") and "
          "builds the executor on that group: 1F1B with swap", 2,
-         lambda gpus: [*python(), "-m", "torch.distributed.run", "--standalone",
-                       "--nproc-per-node", str(ranks_for(gpus)), JOB, "torchrun"],
-         read_job),
+         lambda gpus: torchrun(ranks_for(gpus)), read_job),
 )
 NAMES = tuple(case.name for case in CASES)
 
@@ -215,16 +236,22 @@ def group_members(pgid: int) -> list[int]:
     return members
 
 
-def run_case(case: Case, gpus: int, timeout_s: float, logs: Path) -> dict[str, Any]:
-    """Run ``case`` on ``gpus`` GPUs: its result, with one ``line`` to print."""
-    result: dict[str, Any] = {"case": case.name, "gpus": case.gpus}
-    if gpus < case.gpus:
-        result.update(status="skipped", line=f"skipped: needs {case.gpus} GPUs, this machine "
-                      f"has {gpus}", seconds=0.0)
-        return result
-    command = case.command(gpus)
-    log = logs / f"{case.name}.log"
-    result["command"] = shown(command)
+@dataclass(frozen=True)
+class Ran:
+    """How a command run in its own process group ended: its exit status (None: stopped at
+    its timeout), how many processes of its group it left running (killed), its seconds and
+    its output."""
+
+    code: int | None
+    stray: int
+    seconds: float
+    output: str
+
+
+def run_in_group(command: list[str], timeout_s: float, log: Path) -> Ran:
+    """Run ``command`` in a session of its own, output to ``log``: stopped with its whole
+    process group after ``timeout_s``; processes of the group still running once it exited
+    are stray (given STRAY_WAIT_S to end by themselves, then killed)."""
     start = time.perf_counter()
     code: int | None = None
     stray: list[int] = []
@@ -238,23 +265,193 @@ def run_case(case: Case, gpus: int, timeout_s: float, logs: Path) -> dict[str, A
             while (stray := group_members(process.pid)) and time.monotonic() < deadline:
                 time.sleep(0.05)
         # leaving the block stops whatever is left of the group
-    result["seconds"] = time.perf_counter() - start
-    output = log.read_text(errors="replace")
-    result["log"] = str(log)
-    if code is None:
-        error = error_line(output)
+    return Ran(code, len(stray), time.perf_counter() - start, log.read_text(errors="replace"))
+
+
+def run_case(case: Case, gpus: int, timeout_s: float, logs: Path) -> dict[str, Any]:
+    """Run ``case`` on ``gpus`` GPUs: its result, with one ``line`` to print."""
+    result: dict[str, Any] = {"case": case.name, "gpus": case.gpus}
+    if gpus < case.gpus:
+        result.update(status="skipped", line=f"skipped: needs {case.gpus} GPUs, this machine "
+                      f"has {gpus}", seconds=0.0)
+        return result
+    command = case.command(gpus)
+    log = logs / f"{case.name}.log"
+    result["command"] = shown(command)
+    ran = run_in_group(command, timeout_s, log)
+    result["seconds"], result["log"] = ran.seconds, str(log)
+    if ran.code is None:
+        error = error_line(ran.output)
         result.update(status="timed out", line=f"TIMED OUT after {timeout_s:.0f} s, stopped "
                       f"with its process group{f' (first error: {error})' if error else ''}")
-    elif code != 0:
-        result.update(status="failed", line=f"FAILED (exit {code}): {first_error(output)}")
-    elif stray:
-        result.update(status="failed", line=f"FAILED: it exited 0 but left {len(stray)} "
+    elif ran.code != 0:
+        result.update(status="failed",
+                      line=f"FAILED (exit {ran.code}): {first_error(ran.output)}")
+    elif ran.stray:
+        result.update(status="failed", line=f"FAILED: it exited 0 but left {ran.stray} "
                       "process(es) of its group running (killed)")
     else:
         try:
-            detail = case.read(output)
+            detail = case.read(ran.output)
         except (CaseFailed, ValueError, KeyError, TypeError) as exc:
             result.update(status="failed", line=f"FAILED: {exc}")
         else:
-            result.update(status="ok", line=f"ok in {result['seconds']:.0f} s: {detail}")
+            result.update(status="ok", line=f"ok in {ran.seconds:.0f} s: {detail}")
     return result
+
+
+def _keep(logs: Path, ok: bool) -> None:
+    """The commands' outputs stay in ``logs`` when one did not pass, named; else they go."""
+    if ok:
+        shutil.rmtree(logs, ignore_errors=True)
+    else:
+        say(f"  each one's output: {logs}/")
+
+
+def run_cases(names: list[str], gpus: int, timeout_s: float, fit: Fit) -> dict[str, Any]:
+    """The NCCL cases ``names`` (all when empty) on ``gpus`` GPUs, each under its timeout
+    from ``fit``, one line each as they end; each case's output stays in a folder, named
+    when a case did not pass."""
+    if gpus < 2:
+        return {"ok": True, "gpus": gpus, "cases": [],
+                "skipped": f"{gpus} CUDA GPU here; the NCCL cases need two or more"}
+    logs = Path(tempfile.mkdtemp(prefix="pipeswap-nccl-"))
+    say(f"NCCL cases on {gpus} GPUs, each stopped after {timeout_s:.0f} s ...")
+    results = []
+    for case in CASES:
+        if names and case.name not in names:
+            continue
+        timeout = fit(f"nccl {case.name}", timeout_s)
+        result = (run_case(case, gpus, timeout, logs) if not isinstance(timeout, str) else
+                  {"case": case.name, "gpus": case.gpus, "status": "skipped", "line": timeout,
+                   "seconds": 0.0})
+        say(f"  {case.name}: {result['line']}")
+        results.append(result)
+    ok = all(result["status"] in ("ok", "skipped") for result in results)
+    _keep(logs, ok)
+    return {"ok": ok, "gpus": gpus, "timeout_s": timeout_s, "cases": results}
+
+
+def case_lines(found: dict[str, Any]) -> list[str]:
+    """The NCCL cases' part of the GPU check's report."""
+    if "skipped" in found:
+        return ["", f"**NCCL cases** (`--nccl`): skipped, {found['skipped']}."]
+    return ["", f"**NCCL cases** on {found['gpus']} GPUs (`--nccl`; each a command in its own "
+            f"process group, stopped after {found['timeout_s']:.0f} s; `--list` shows the "
+            "commands):", "", "| case | result |", "|---|---|",
+            *(f"| {r['case']} | {_cell(r['line'])} |" for r in found["cases"])]
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|")
+
+
+# -- the one-rank probes ---------------------------------------------------------------------
+
+
+def read_result(output: str) -> dict[str, Any]:
+    """A probe's result: its last JSON line; without one (it crashed), FAILED with the first
+    line of its output that says what went wrong."""
+    for line in reversed(output.splitlines()):
+        line = line.strip()
+        if not line.startswith("{"):
+            continue
+        try:
+            found = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(found, dict) and {"status", "line"} <= found.keys():
+            return found
+    return {"status": "FAILED", "line": f"FAILED: {first_error(output)}"}
+
+
+def read_torchrun(output: str) -> dict[str, Any]:
+    """nccl_job.py's ok line, as a probe's result."""
+    try:
+        detail = read_job(output)
+    except CaseFailed:
+        return {"status": "FAILED", "line": f"FAILED: {first_error(output)}"}
+    return {"status": "ok", "line": f"ok: {detail}; one rank has no peer, so no peer watch "
+            "runs (the NCCL case torchrun runs one, on two GPUs)"}
+
+
+@dataclass(frozen=True)
+class Probe:
+    """One probe: its command (run from the repository root), what it shows, its timeout,
+    how its output reads, and, where a hang is the finding it looks for (torch's own
+    behaviour) rather than a failure, what a hang means."""
+
+    name: str
+    what: str
+    command: tuple[str, ...]
+    timeout_s: float = PROBE_TIMEOUT_S
+    read: Callable[[str], dict[str, Any]] = read_result
+    hang_means: str = ""
+
+
+def last_step(output: str) -> str | None:
+    steps = [line.split(PROBE_STEP, 1)[1].strip() for line in output.splitlines()
+             if PROBE_STEP in line]
+    return steps[-1] if steps else None
+
+
+def run_probe(probe: Probe, timeout_s: float, logs: Path) -> dict[str, Any]:
+    """Run ``probe`` in its own process group, stopped with the group after ``timeout_s``:
+    its result (name, status, line, seconds, its figures; ``passed``: whether it counts as
+    passed)."""
+    log = logs / f"{probe.name}.log"
+    ran = run_in_group(list(probe.command), timeout_s, log)
+    if ran.code is None:
+        where = last_step(ran.output)
+        found = {"status": "TIMED OUT",
+                 "line": f"TIMED OUT after {timeout_s:.0f} s, stopped with its process group"
+                 + (f", at: {where}" if where else "")
+                 + (f" ({probe.hang_means})" if probe.hang_means else "")}
+    elif ran.stray:
+        found = {"status": "FAILED", "line": f"FAILED: it exited but left {ran.stray} "
+                 "process(es) of its group running (killed)"}
+    else:
+        found = probe.read(ran.output)
+        if ran.code != 0 and found["status"] in ("ok", "skipped"):
+            found = {"status": "FAILED",
+                     "line": f"FAILED (exit {ran.code}; its last line: {found['line']})"}
+    result = {"name": probe.name, **found, "seconds": ran.seconds, "exit": ran.code,
+              "log": str(log), "command": shown(list(probe.command))}
+    result["passed"] = result["status"] in ("ok", "skipped") or bool(
+        probe.hang_means and result["status"] == "TIMED OUT")
+    return result
+
+
+def skipped(name: str, line: str) -> dict[str, Any]:
+    return {"name": name, "status": "skipped", "line": line, "seconds": 0.0, "passed": True}
+
+
+def run_probes(probes: Sequence[Probe], cuda: bool, fit: Fit) -> dict[str, Any]:
+    """``probes`` in turn, each in its own process group under its timeout from ``fit``;
+    without CUDA each says it needs CUDA, and nothing starts."""
+    if not cuda:
+        say("probes: skipped: needs CUDA")
+        return {"ok": True, "skipped": "needs CUDA",
+                "probes": [skipped(probe.name, "skipped: needs CUDA") for probe in probes]}
+    logs = Path(tempfile.mkdtemp(prefix="pipeswap-probes-"))
+    say("one-rank NCCL probes on cuda:0, each in its own process group ...")
+    results = []
+    for probe in probes:
+        timeout = fit(f"probe {probe.name}", probe.timeout_s)
+        result = (skipped(probe.name, timeout) if isinstance(timeout, str)
+                  else run_probe(probe, timeout, logs))
+        say(f"  {probe.name}: {result['line']}")
+        results.append(result)
+    ok = all(result["passed"] for result in results)
+    _keep(logs, ok)
+    return {"ok": ok, "probes": results}
+
+
+def probe_lines(found: dict[str, Any]) -> list[str]:
+    """The probes' part of the GPU check's report."""
+    if "skipped" in found:
+        return ["", f"**One-rank NCCL probes**: skipped, {found['skipped']}."]
+    return ["", "**One-rank NCCL probes** on cuda:0, each a process in its own process group "
+            "stopped with it at its timeout (`python benchmarks/_probes.py NAME` runs one):", "",
+            "| probe | result |", "|---|---|",
+            *(f"| {r['name']} | {_cell(r['line'])} |" for r in found["probes"])]

@@ -1,15 +1,36 @@
-"""The GPU check: is pipeswap correct on a real accelerator, and do its copies hide?
+"""The GPU check: is pipeswap correct on a real accelerator, and do its copies hide? One
+command, on one GPU, within 9 minutes in all:
 
-    python benchmarks/gpu_check.py                        # this machine's GPU (<= 8 min, H200)
-    python benchmarks/gpu_check.py --write                # also record it in BENCHMARKS.md
+    python benchmarks/gpu_check.py                        # this machine's GPU (<= 9 min)
+    python benchmarks/gpu_check.py --write                # also record it (below)
+    python benchmarks/gpu_check.py --json                 # one JSON object, every part's results
     python benchmarks/gpu_check.py --device cpu --quick   # every part, tiny, on the CPU platform
     python benchmarks/gpu_check.py --nccl                 # also the NCCL cases (2+ GPUs)
     python benchmarks/gpu_check.py --only nccl            # the NCCL cases alone
     python benchmarks/gpu_check.py --list                 # the NCCL cases and their commands
 
-Parts, in this order (``--skip PART`` leaves one out, ``--only PART`` runs only the parts
-named; each prints as it goes):
+The run has a budget, ``--budget-s`` (default 540 s; with ``--nccl``, ``--nccl-timeout`` more
+for each NCCL case). Each part runs under its own timeout, cut to what is left of the budget;
+a part (a probe, a replay run, an NCCL case) that would start with less left than it needs
+is skipped with a line saying so. A part run in this process that outlives its timeout stops
+the check, which then reports what it has. Parts, in this order (``--skip PART`` leaves one
+out, ``--only PART`` runs only the parts named; each prints as it goes):
 
+facts    the machine: the GPU, its memory, the driver and the CUDA version it supports
+         (torch.cuda, nvidia-smi), torch, CUDA and NCCL versions, CPUs, host memory.
+probes   one-rank NCCL probes on cuda:0, each a process of its own (``_probes.py NAME``),
+         stopped with its whole process group at its timeout: eager-init
+         (init_process_group and new_group with device_id; an all_reduce on each),
+         batch-raise-torch and batch-raise-pipeswap (torch's batch_isend_irecv, then
+         pipeswap's, raising on an aborted group; does a batch on a fresh group then
+         complete? torch's leaving the NCCL group call open is reported, not failed),
+         abort-releases (a host blocked on a receive, released by peer_watch.stop_groups
+         from another thread) and torchrun-watch (nccl_job.py torchrun on one process).
+         Each prints one line: ok, FAILED with the first error line, TIMED OUT and at
+         which step, or skipped and why. On the CPU platform: skipped, needs CUDA.
+link     pipeswap's own link probe (``probe_link``, what a measured swap plan weighs):
+         D2H and H2D bandwidth and duplex on an idle device, then behind matmuls queued on
+         the compute stream, whose end its copies must wait for.
 tests    the platform and swap-manager test suites on the device (``PIPESWAP_TEST_DEVICE``):
          property tests, and the stress tests that reuse freed device memory right after each
          offload and during each load, with copies as they are and lagging far behind compute
@@ -22,9 +43,10 @@ overlap  the share of each copy hidden behind matmuls queued beside it, raw and 
 preset   the simulator's ``h200-pcie5`` preset (link bandwidth, duplex, bf16 matmul
          throughput) against what was measured; a difference over 10% is flagged.
 replay   rank 0 of 1F1B P=8 M=16, Llama layers of hidden 4096 (32 heads, 16 key/value
-         heads) on sequences of 4096 tokens in bf16 (4 layers a stage), replayed alone (``pipeswap-train --replay-rank 0``): peaks
-         (counted and the allocator's) and step time without swap, swapping whole chunks, and
-         streaming layer by layer. Goal: activation peak down >= 60% at <= 1.05x step time.
+         heads) on sequences of 4096 tokens in bf16 (4 layers a stage), replayed alone
+         (``pipeswap-train --replay-rank 0``): peaks (counted and the allocator's) and step
+         time without swap, swapping whole chunks, and streaming layer by layer. Goal:
+         activation peak down >= 60% at <= 1.05x step time.
 nccl     only with ``--nccl`` (or ``--only nccl``), on two or more CUDA GPUs (one GPU: a line
          says so and the rest runs): the multi-process cases over NCCL, one GPU a rank, each
          a command of its own in its own process group, stopped with it after
@@ -36,9 +58,14 @@ nccl     only with ``--nccl`` (or ``--only nccl``), on two or more CUDA GPUs (on
          executor). Each prints one line: ok, FAILED with the first error line, TIMED OUT,
          or skipped and why.
 
-The exit status is 1 when the tests fail, a replay run fails or an NCCL case fails or times
-out, else 0 (a goal missed is reported, not an error); 2 for a check this machine cannot run
-(no accelerator; ``--nccl`` without CUDA).
+``--json`` prints one JSON object with every part's results. ``--write`` puts the report's
+tables in BENCHMARKS.md and the JSON in benchmarks/results/gpu_check.json.
+
+The exit status is 1 when the tests fail, a probe fails or times out (save torch's own batch
+hanging, which is what that probe looks for), the link probe's copies do not wait for queued
+compute, a replay run fails, a part outlives its timeout or an NCCL case fails or times out,
+else 0 (a goal missed, or a part skipped for the budget, is reported, not an error); 2 for a
+check this machine cannot run (no accelerator; ``--nccl`` without CUDA).
 """
 
 from __future__ import annotations
@@ -46,34 +73,32 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import math
 import os
 import re
-import shutil
-import statistics
 import subprocess
 import sys
-import tempfile
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
-from pipeswap.platform import Platform, Stream, available_platforms, get_platform
-from pipeswap.schedule.costs import preset
-from pipeswap.swap import SwapManager
+from pipeswap.platform import Platform, available_platforms, get_platform
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _nccl  # noqa: E402
-from _report import machine, publish, write_section  # noqa: E402
+import _probes  # noqa: E402
+from _nccl import say  # noqa: E402
+from _probes import PRESET, TOLERANCE  # noqa: E402
+from _report import machine, write_section  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 SECTION = "## GPU check (`benchmarks/gpu_check.py`)"
-PARTS = ("tests", "copies", "overlap", "preset", "replay", "nccl")
-PRESET = "h200-pcie5"
-TOLERANCE = 0.10  # a preset figure further than this from the measured one is flagged
+RESULTS = ROOT / "benchmarks" / "results" / "gpu_check.json"
+PARTS = ("facts", "probes", "link", "tests", "copies", "overlap", "preset", "replay", "nccl")
 #: the replayed pipeline: P=8 M=16, one sequence a microbatch, Llama layers, 4 a stage
 REPLAY = ["--schedule", "1f1b", "--ranks", "8", "--microbatches", "16", "--batch-size", "16",
           "--model", "llama", "--dtype", "bf16", "--replay-rank", "0"]
@@ -82,18 +107,75 @@ REPLAY_SIZES = {"full": ["--width", "4096", "--heads", "32", "--seq-len", "4096"
                 "quick": ["--width", "64", "--heads", "4", "--seq-len", "64", "--layers", "16",
                           "--steps", "2"]}
 QUICK_TESTS = "reused or round_trip or allocator"  # pytest -k of --quick: the stress tests
-TESTS_TIMEOUT_S = 300  # the tests; each replay run gets REPLAY_TIMEOUT_S: 8 minutes in all
-REPLAY_TIMEOUT_S = 150
+BUDGET_S = 540.0  # the whole run on one GPU: 9 minutes
+#: seconds of the budget each part needs left to start, and its timeout (a probe's and an
+#: NCCL case's are their own); "copies" covers copies, overlap and preset, "replay" is a run
+NEEDS_S = {"facts": 5.0, "probe": 20.0, "link": 10.0, "tests": 60.0, "copies": 20.0,
+           "replay": 30.0, "nccl": 30.0}
+TIMEOUT_S = {"facts": 30.0, "link": 60.0, "tests": 300.0, "copies": 150.0, "replay": 150.0}
+T = TypeVar("T")
 
 
-def say(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
+# -- the budget -----------------------------------------------------------------------------
+
+
+class Budget:
+    """The run's seconds. A part starts only while at least what it needs is left, and
+    runs under its own timeout cut to what is left, so that the whole check ends in time;
+    a part that does not fit is skipped with a line (in ``skipped``)."""
+
+    def __init__(self, total_s: float, overrun: Callable[[str, float], None],
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.total_s, self.overrun, self.clock = total_s, overrun, clock
+        self.start = clock()
+        self.skipped: dict[str, str] = {}
+
+    def left(self) -> float:
+        return self.total_s - (self.clock() - self.start)
+
+    def timeout(self, name: str, needs_s: float, limit_s: float) -> float | str:
+        """``name``'s timeout: ``limit_s``, or what is left if less; when less than
+        ``needs_s`` is left, the line saying it is skipped (kept in ``skipped``)."""
+        left = self.left()
+        if left >= needs_s:
+            return min(limit_s, left)
+        line = (f"skipped: {max(left, 0.0):.0f} s of the {self.total_s:.0f} s budget left, it "
+                f"needs {needs_s:.0f}")
+        self.skipped[name] = line
+        say(f"{name}: {line}")
+        return line
+
+    def fit(self, kind: str) -> _nccl.Fit:
+        """The timeouts of the commands of ``kind`` (probe, nccl), each needing
+        ``NEEDS_S[kind]`` to start."""
+        return lambda name, limit_s: self.timeout(name, NEEDS_S[kind], limit_s)
+
+    @contextmanager
+    def guard(self, name: str, timeout_s: float) -> Iterator[None]:
+        """Call ``overrun(name, timeout_s)`` from another thread if the block outlives
+        ``timeout_s``: a part run in this process cannot be stopped, only reported."""
+        timer = threading.Timer(timeout_s, self.overrun, (name, timeout_s))
+        timer.daemon = True
+        timer.start()
+        try:
+            yield
+        finally:
+            timer.cancel()
+
+    def run(self, part: str, work: Callable[[], T]) -> T | None:
+        """``work()`` as part ``part`` of this process, guarded by its timeout; None when it
+        does not fit the budget."""
+        timeout = self.timeout(part, NEEDS_S[part], TIMEOUT_S[part])
+        if isinstance(timeout, str):
+            return None
+        with self.guard(part, timeout):
+            return work()
 
 
 # -- tests ----------------------------------------------------------------------------------
 
 
-def run_tests(device: str, quick: bool) -> dict[str, Any]:
+def run_tests(device: str, quick: bool, timeout_s: float) -> dict[str, Any]:
     """The platform and swap packages' tests on ``device``; pytest's tally."""
     command = [sys.executable, "-m", "pytest", "packages/pipeswap-platform/tests",
                "packages/pipeswap-swap/tests", "-q", "-p", "no:cacheprovider",
@@ -102,10 +184,10 @@ def run_tests(device: str, quick: bool) -> dict[str, Any]:
     try:
         done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True,
                               env={**os.environ, "PIPESWAP_TEST_DEVICE": device},
-                              timeout=TESTS_TIMEOUT_S)
+                              timeout=timeout_s)
     except subprocess.TimeoutExpired:
-        return {"ok": False, "tally": f"stopped after {TESTS_TIMEOUT_S} s (hung?)",
-                "seconds": float(TESTS_TIMEOUT_S), "passed": 0, "failed": 0, "skipped": 0}
+        return {"ok": False, "tally": f"stopped after {timeout_s:.0f} s (hung?)",
+                "seconds": timeout_s, "passed": 0, "failed": 0, "skipped": 0}
     seconds = time.perf_counter() - start
     lines = (done.stdout + done.stderr).strip().splitlines()
     tally = next((line.strip("= ") for line in reversed(lines)
@@ -121,198 +203,29 @@ def run_tests(device: str, quick: bool) -> dict[str, Any]:
             "skipped": counts.get("skipped", 0)}
 
 
-# -- copies and overlap ---------------------------------------------------------------------
-
-
-def _median(work: Callable[[], None], streams: list[Stream], repeats: int) -> float:
-    def once() -> float:
-        start = time.perf_counter()
-        work()
-        for stream in streams:
-            stream.synchronize()
-        return time.perf_counter() - start
-
-    once()  # warm-up: allocations, kernel selection, thread start
-    return statistics.median(once() for _ in range(repeats))
-
-
-def _hidden(copy_s: float, compute_s: float, both_s: float) -> float:
-    return min(1.0, max(0.0, (copy_s + compute_s - both_s) / copy_s))
-
-
-class Check:
-    """The buffers, streams and matmul operands of one run: a device tensor and a host
-    buffer for each direction, so that both directions can run at once."""
-
-    def __init__(self, platform: Platform, nbytes: int, matmul: int, repeats: int) -> None:
-        self.platform, self.repeats, self.nbytes = platform, repeats, nbytes
-        self.compute = platform.current_stream()
-        self.streams = {True: platform.new_stream(), False: platform.new_stream()}
-        self.device_bytes = {d: torch.full((nbytes,), 1, dtype=torch.uint8,
-                                           device=platform.device) for d in (True, False)}
-        self.host_bytes = {d: platform.host_buffer(nbytes).fill_(2) for d in (True, False)}
-        self.dtype = torch.float32 if platform.device.type == "cpu" else torch.bfloat16
-        self.size = matmul
-        self.a = torch.randn(matmul, matmul, device=platform.device, dtype=self.dtype)
-        self.b = torch.randn(matmul, matmul, device=platform.device, dtype=self.dtype)
-        self.matmuls = 1
-
-    def copy(self, to_host: bool) -> None:
-        src, dst = self.device_bytes[to_host], self.host_bytes[to_host]
-        if not to_host:
-            src, dst = dst, src
-        with self.platform.stream(self.streams[to_host]):
-            self.platform.copy_(dst, src)
-
-    def compute_work(self) -> None:
-        for _ in range(self.matmuls):
-            torch.mm(self.a, self.b)
-
-    def time(self, work: Callable[[], None]) -> float:
-        return _median(work, [self.compute, *self.streams.values()], self.repeats)
-
-    def calibrate(self, target_s: float) -> float:
-        """Size the matmul loop to about ``target_s``; returns its time."""
-        self.matmuls = 1
-        one = self.time(self.compute_work)
-        self.matmuls = max(1, math.ceil(target_s / one))
-        return self.time(self.compute_work)
-
-    def flops(self) -> float:
-        """The matmuls' throughput, FLOP/s, from a loop of them alone."""
-        seconds = self.calibrate(0.05)
-        return 2 * self.size**3 * self.matmuls / seconds
-
-
-def copies(check: Check) -> dict[str, float]:
-    """Bandwidth of each direction alone and of both at once (each direction's bytes over
-    the time both took)."""
-    figures = {}
-    for direction, to_host in (("d2h", True), ("h2d", False)):
-        seconds = check.time(lambda: check.copy(to_host))
-        figures[f"{direction}_copy_ms"] = seconds * 1e3
-        figures[f"{direction}_gb_s"] = check.nbytes / seconds / 1e9
-
-    def both() -> None:
-        check.copy(True)
-        check.copy(False)
-
-    seconds = check.time(both)
-    figures["both_ms"] = seconds * 1e3
-    figures["both_gb_s_per_direction"] = check.nbytes / seconds / 1e9
-    return figures
-
-
-def overlap(check: Check, nbytes: int) -> dict[str, float]:
-    """The share of each copy hidden behind matmuls, raw and through SwapManager, and the
-    matmuls' throughput."""
-    figures: dict[str, float] = {"matmul_tflop_s": check.flops() / 1e12}
-    for direction, to_host in (("d2h", True), ("h2d", False)):
-        copy_s = check.time(lambda: check.copy(to_host))
-        compute_s = check.calibrate(copy_s)
-
-        def both() -> None:
-            check.copy(to_host)
-            check.compute_work()
-
-        figures[f"{direction}_hidden"] = _hidden(copy_s, compute_s, check.time(both))
-    figures |= manager_overlap(check, nbytes)
-    return figures
-
-
-def manager_overlap(check: Check, nbytes: int) -> dict[str, float]:
-    """Offload and load groups through SwapManager, alone and under matmuls."""
-    platform = check.platform
-    mgr = SwapManager(platform)
-    count = 8
-    leaves = [torch.randn(nbytes // 4 // count, device=platform.device, requires_grad=True)
-              for _ in range(count)]
-
-    def timed(direction: str, compute: bool) -> float:
-        """Median time of one transfer of a fresh group (with matmuls queued beside it)."""
-        samples = []
-        for step in range(check.repeats + 1):
-            name = f"{direction}{step}"
-            with mgr.group_context(name):  # sin saves its input, leaf * 2: that moves
-                loss = torch.stack([(leaf * 2).sin().sum() for leaf in leaves]).sum()
-            if direction == "load":
-                mgr.launch_offload(name)
-                mgr.wait_offload(name)
-            check.compute.synchronize()
-            start = time.perf_counter()
-            getattr(mgr, f"launch_{direction}")(name)
-            if compute:
-                check.compute_work()
-            getattr(mgr, f"wait_{direction}")(name)
-            check.compute.synchronize()
-            samples.append(time.perf_counter() - start)
-            if direction == "offload":
-                mgr.launch_load(name)
-                mgr.wait_load(name)
-            loss.backward()  # type: ignore[no-untyped-call]
-            mgr.finish_group(name)
-        return statistics.median(samples[1:])  # the first is the warm-up
-
-    figures: dict[str, float] = {}
-    for direction in ("offload", "load"):
-        alone_s = timed(direction, False)
-        compute_s = check.calibrate(alone_s)
-        both_s = timed(direction, True)
-        figures[f"manager_{direction}_ms"] = alone_s * 1e3
-        figures[f"manager_{direction}_hidden"] = _hidden(alone_s, compute_s, both_s)
-    # what one group moves (each timed transfer above moved as much)
-    figures["manager_group_bytes"] = mgr.stats().bytes_offloaded / (4 * (check.repeats + 1))
-    return figures
-
-
-# -- the preset -----------------------------------------------------------------------------
-
-
-def preset_check(figures: dict[str, float]) -> list[dict[str, Any]]:
-    """Each figure of the h200-pcie5 preset next to the measured one: ratio and verdict."""
-    chosen = preset(PRESET)
-    rows = []
-    duplex_share = figures["both_gb_s_per_direction"] / min(figures["d2h_gb_s"],
-                                                            figures["h2d_gb_s"])
-    for name, assumed, measured, unit in (
-            ("D2H bandwidth", chosen.link.d2h_bandwidth / 1e9, figures["d2h_gb_s"], "GB/s"),
-            ("H2D bandwidth", chosen.link.h2d_bandwidth / 1e9, figures["h2d_gb_s"], "GB/s"),
-            ("both at once, per direction",
-             (1.0 if chosen.link.duplex else 0.5) * min(chosen.link.d2h_bandwidth,
-                                                        chosen.link.h2d_bandwidth) / 1e9,
-             figures["both_gb_s_per_direction"], "GB/s"),
-            ("matmul throughput", chosen.flops / 1e12, figures["matmul_tflop_s"],
-             "TFLOP/s")):
-        off = measured / assumed - 1
-        rows.append({"figure": name, "preset": assumed, "measured": measured, "unit": unit,
-                     "off": off, "within": abs(off) <= TOLERANCE})
-    # duplex: both directions at once each keep at least 90% of their bandwidth alone
-    rows.append({"figure": "duplex (both at once, per direction / alone)",
-                 "preset": 1.0 if chosen.link.duplex else 0.5, "measured": duplex_share,
-                 "unit": "x", "off": duplex_share / (1.0 if chosen.link.duplex else 0.5) - 1,
-                 "within": (duplex_share >= 0.9) == chosen.link.duplex})
-    return rows
-
-
 # -- the replay -----------------------------------------------------------------------------
 
 
-def replay(device: str, quick: bool) -> dict[str, Any]:
+def replay(device: str, quick: bool, budget: Budget) -> dict[str, Any]:
     """pipeswap-train --replay-rank 0 twice: without swap and swapping whole chunks, then
-    streaming only; each run's per-rank entry."""
+    streaming only, each run under its own timeout; each run's per-rank entry."""
     base = [sys.executable, "-m", "pipeswap.runtime.train", *REPLAY, "--device", device,
             *REPLAY_SIZES["quick" if quick else "full"], "--json"]
     results: dict[str, Any] = {}
     for name, extra in (("chunk", ["--swap-granularity", "chunk"]),
                         ("layer", ["--swap-granularity", "layer", "--swap-only"])):
-        say(f"  replay, {'no swap and whole chunks' if name == 'chunk' else 'streaming'} ...")
+        run = f"replay, {'no swap and whole chunks' if name == 'chunk' else 'streaming'}"
+        timeout = budget.timeout(run, NEEDS_S["replay"], TIMEOUT_S["replay"])
+        if isinstance(timeout, str):
+            return {"ok": True, "skipped": f"{run}: {timeout}"}
+        say(f"  {run} ...")
         start = time.perf_counter()
         try:
             done = subprocess.run([*base, *extra], cwd=ROOT, capture_output=True, text=True,
-                                  timeout=REPLAY_TIMEOUT_S)
+                                  timeout=timeout)
         except subprocess.TimeoutExpired:
             return {"ok": False, "error": f"{' '.join(base[2:])} {' '.join(extra)} stopped "
-                                          f"after {REPLAY_TIMEOUT_S} s"}
+                                          f"after {timeout:.0f} s"}
         if done.returncode != 0:
             print(done.stderr[-4000:], file=sys.stderr)
             return {"ok": False, "error": f"{' '.join(base[2:])} {' '.join(extra)} exited "
@@ -340,37 +253,6 @@ def replay(device: str, quick: bool) -> dict[str, Any]:
             + results["layer_seconds"]}
 
 
-# -- the NCCL cases -------------------------------------------------------------------------
-
-
-def cuda_gpus() -> int:
-    """CUDA devices torch sees here (0 without CUDA)."""
-    return torch.cuda.device_count() if torch.cuda.is_available() else 0
-
-
-def nccl(names: list[str], gpus: int, timeout_s: float) -> dict[str, Any]:
-    """The NCCL cases ``names`` (all when empty) on ``gpus`` GPUs, one line each as they end;
-    each case's output stays in a folder, named when a case did not pass."""
-    if gpus < 2:
-        return {"ok": True, "gpus": gpus, "cases": [],
-                "skipped": f"{gpus} CUDA GPU here; the NCCL cases need two or more"}
-    logs = Path(tempfile.mkdtemp(prefix="pipeswap-nccl-"))
-    say(f"NCCL cases on {gpus} GPUs, each stopped after {timeout_s:.0f} s ...")
-    results = []
-    for case in _nccl.CASES:
-        if names and case.name not in names:
-            continue
-        result = _nccl.run_case(case, gpus, timeout_s, logs)
-        say(f"  {case.name}: {result['line']}")
-        results.append(result)
-    ok = all(result["status"] in ("ok", "skipped") for result in results)
-    if ok:
-        shutil.rmtree(logs, ignore_errors=True)
-    else:
-        say(f"  each case's output: {logs}/")
-    return {"ok": ok, "gpus": gpus, "timeout_s": timeout_s, "cases": results}
-
-
 # -- the report -----------------------------------------------------------------------------
 
 
@@ -380,16 +262,76 @@ def _bytes(value: int | None) -> str:
     return f"{value / 2**30:.2f} GiB" if value >= 2**30 else f"{value / 2**20:.2f} MiB"
 
 
-def report(figures: dict[str, Any], args: argparse.Namespace, platform: Platform,
-           name: str) -> str:
-    pinned = "pinned" if platform.pins_host_memory else "pageable"
-    lines = [f"Measured {datetime.date.today().isoformat()} on {name} (host: {machine()}); "
-             f"torch {torch.__version__}{'; --quick sizes' if args.quick else ''}."]
+def report(figures: dict[str, Any], args: argparse.Namespace, platform: Platform) -> str:
+    lines = [f"Measured {datetime.date.today().isoformat()} on {figures['device']} (host: "
+             f"{machine()}); torch {torch.__version__}{'; --quick sizes' if args.quick else ''};"
+             f" {figures['seconds']:.0f} s of a {figures['budget']['total_s']:.0f} s budget."]
+    if "stopped" in figures:
+        lines += ["", f"**Stopped early**: {figures['stopped']}; the parts after it did not run."]
+    if "facts" in figures:
+        lines += ["", _facts_line(figures["facts"])]
+    if "probes" in figures:
+        lines += _nccl.probe_lines(figures["probes"])
+    if "link" in figures:
+        lines += ["", _link_line(figures["link"])]
     tests = figures.get("tests")
     if tests:
         lines += ["", f"**Tests on {args.device}** (platform and swap packages"
                   f"{', stress tests only' if args.quick else ''}): {tests['tally']} in "
                   f"{tests['seconds']:.0f} s."]
+    lines += _measured_lines(figures, args, platform)
+    if "replay" in figures:
+        lines += _replay_lines(figures["replay"], args.quick)
+    if "nccl" in figures:
+        lines += _nccl.case_lines(figures["nccl"])
+    if figures["budget"]["skipped"]:
+        lines += ["", "**Skipped for the budget**: " + "; ".join(
+            f"{name}, {line}" for name, line in figures["budget"]["skipped"].items()) + "."]
+    if platform.device.type == "cpu":
+        lines += ["", "This is the CPU platform (worker-thread streams on the same cores as "
+                  "the matmuls), not a GPU: `python benchmarks/gpu_check.py --write` on a CUDA "
+                  "machine gives the figures this check is for."]
+    return "\n".join(lines) + "\n"
+
+
+def _facts_line(found: dict[str, Any]) -> str:
+    gib = 2**30
+    software = f"torch {found['torch']}, Python {found['python']}"
+    where = (f"{found['cpus']} CPUs ({found['cpus_usable']} usable), "
+             f"{found['host_ram_bytes'] / gib:.0f} GiB host memory")
+    if found["gpu"] is None:
+        return f"**Machine**: the CPU platform, no GPU used; {software}; {where}."
+    driver = (f"driver {found['driver']} (CUDA {found['driver_cuda']}), " if "driver" in found
+              else f"nvidia-smi {found['nvidia_smi']}, " if "nvidia_smi" in found
+              else "no nvidia-smi, ")
+    return (f"**Machine**: {found['gpus']} x {found['gpu']} ({found['gpu_memory_bytes'] / gib:.1f}"
+            f" GiB, compute capability {found['capability']}); {driver}{software} built for "
+            f"CUDA {found['torch_cuda']}, NCCL {found['nccl']}; {where}.")
+
+
+def _link_line(found: dict[str, Any]) -> str:
+    def figures(entry: dict[str, Any]) -> str:
+        return (f"D2H {entry['d2h_gb_s']:.1f} GB/s, H2D {entry['h2d_gb_s']:.1f} GB/s, "
+                f"{'duplex' if entry['duplex'] else 'not duplex'}")
+
+    queued = found["queued"]
+    if not queued["compute_queued"]:
+        order = "the matmuls ran before the probe (nothing was queued)"
+    elif queued["after_compute"]:
+        order = "its copies started after the queued compute"
+    else:
+        order = "**its copies did not wait for the queued compute**"
+    return (f"**Host link** as pipeswap measures it (`probe_link`, "
+            f"{found['probe_bytes'] >> 20} MiB each way, best of {found['probe_repeats']}): "
+            f"idle, {figures(found)}; behind {queued['matmuls']} queued "
+            f"{queued['matmul_size']}^2 matmuls, {figures(queued)} ({queued['probe_s']:.2f} s "
+            f"with the wait): {order}.")
+
+
+def _measured_lines(figures: dict[str, Any], args: argparse.Namespace, platform: Platform
+                    ) -> list[str]:
+    lines: list[str] = []
+    pinned = "pinned" if platform.pins_host_memory else "pageable"
     if "copies" in figures:
         c = figures["copies"]
         lines += ["", f"**Copies** of {args.mib} MiB, {pinned} host buffers, median of "
@@ -417,48 +359,40 @@ def report(figures: dict[str, Any], args: argparse.Namespace, platform: Platform
             mark = "" if row["within"] else " **(differs)**"
             lines.append(f"| {row['figure']} | {row['preset']:.2f} {row['unit']} | "
                          f"{row['measured']:.2f} {row['unit']} | {row['off']:+.0%}{mark} |")
-    if "replay" in figures:
-        r = figures["replay"]
-        if not r["ok"]:
-            lines += ["", f"**Replay failed**: {r['error']}"]
-        else:
-            sizes = " ".join(REPLAY_SIZES["quick" if args.quick else "full"])
-            lines += ["", f"**Replay of rank 0**, 1F1B P=8 M=16, Llama bf16 ({sizes}), "
-                      "`pipeswap-train --replay-rank 0`; goal: activation peak down >= 60% at "
-                      "<= 1.05x step time:", "",
-                      "| run | chunks swapped (streamed) | peak activations (counted) | "
-                      "peak allocated | step time | goal |", "|---|---|---|---|---|---|"]
-            for label, row in r["rows"].items():
-                plain = label == "no swap"
-                counted, allocated = _bytes(row["counted"]), _bytes(row["allocated"])
-                if not plain:
-                    counted += f" (-{row['counted_saving']:.0%})"
-                    if row["allocated_saving"] is not None:
-                        allocated += f" (-{row['allocated_saving']:.0%})"
-                step = f"{row['step_s'] * 1e3:.0f} ms"
-                if not plain:
-                    step += f" ({row['time_ratio']:.2f}x)"
-                goal = "-" if plain else ("met" if row["goal_met"] else "not met")
-                lines.append(f"| {label} | {row['swapped']} ({row['streamed']}) | {counted} | "
-                             f"{allocated} | {step} | {goal} |")
-    if "nccl" in figures:
-        n = figures["nccl"]
-        if "skipped" in n:
-            lines += ["", f"**NCCL cases** (`--nccl`): skipped, {n['skipped']}."]
-        else:
-            lines += ["", f"**NCCL cases** on {n['gpus']} GPUs (`--nccl`; each a command in "
-                      f"its own process group, stopped after {n['timeout_s']:.0f} s; "
-                      "`--list` shows the commands):", "", "| case | result |", "|---|---|"]
-            lines += ["| {} | {} |".format(r["case"], r["line"].replace("|", "\\|"))
-                      for r in n["cases"]]
-    if platform.device.type == "cpu":
-        lines += ["", "This is the CPU platform (worker-thread streams on the same cores as "
-                  "the matmuls), not a GPU: `python benchmarks/gpu_check.py --write` on a CUDA "
-                  "machine gives the figures this check is for."]
-    return "\n".join(lines) + "\n"
+    return lines
 
 
-def main(argv: list[str] | None = None) -> int:
+def _replay_lines(r: dict[str, Any], quick: bool) -> list[str]:
+    if "skipped" in r:
+        return ["", f"**Replay**: {r['skipped']}."]
+    if not r["ok"]:
+        return ["", f"**Replay failed**: {r['error']}"]
+    sizes = " ".join(REPLAY_SIZES["quick" if quick else "full"])
+    lines = ["", f"**Replay of rank 0**, 1F1B P=8 M=16, Llama bf16 ({sizes}), "
+             "`pipeswap-train --replay-rank 0`; goal: activation peak down >= 60% at "
+             "<= 1.05x step time:", "",
+             "| run | chunks swapped (streamed) | peak activations (counted) | "
+             "peak allocated | step time | goal |", "|---|---|---|---|---|---|"]
+    for label, row in r["rows"].items():
+        plain = label == "no swap"
+        counted, allocated = _bytes(row["counted"]), _bytes(row["allocated"])
+        if not plain:
+            counted += f" (-{row['counted_saving']:.0%})"
+            if row["allocated_saving"] is not None:
+                allocated += f" (-{row['allocated_saving']:.0%})"
+        step = f"{row['step_s'] * 1e3:.0f} ms"
+        if not plain:
+            step += f" ({row['time_ratio']:.2f}x)"
+        goal = "-" if plain else ("met" if row["goal_met"] else "not met")
+        lines.append(f"| {label} | {row['swapped']} ({row['streamed']}) | {counted} | "
+                     f"{allocated} | {step} | {goal} |")
+    return lines
+
+
+# -- the command ----------------------------------------------------------------------------
+
+
+def parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default=None,
@@ -470,6 +404,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="leave a part out (repeatable)")
     parser.add_argument("--only", action="append", choices=PARTS, default=[], metavar="PART",
                         help="run only this part (repeatable; --only nccl implies --nccl)")
+    parser.add_argument("--budget-s", type=float, default=None, metavar="S",
+                        help=f"seconds the whole run may take (default {BUDGET_S:.0f}; with "
+                             "--nccl, --nccl-timeout more for each NCCL case): each part runs "
+                             "under its own timeout, cut to what is left, and a part that "
+                             "does not fit is skipped with a line")
     parser.add_argument("--nccl", action="store_true",
                         help="also run the multi-process cases over NCCL, one GPU a rank "
                              "(two or more CUDA GPUs; --list shows them)")
@@ -490,10 +429,73 @@ def main(argv: list[str] | None = None) -> int:
                              "--quick)")
     parser.add_argument("--repeats", type=int, default=None,
                         help="timed runs per figure (default 10; 1 with --quick)")
-    parser.add_argument("--json", action="store_true", help="print one JSON object")
-    parser.add_argument("--write", action="store_true", help="record results in BENCHMARKS.md")
-    args = parser.parse_args(argv)
-    gpus = cuda_gpus()
+    parser.add_argument("--json", action="store_true",
+                        help="print one JSON object with every part's results")
+    parser.add_argument("--write", action="store_true",
+                        help="record the report in BENCHMARKS.md and the JSON in "
+                             "benchmarks/results/gpu_check.json")
+    return parser
+
+
+def run_parts(args: argparse.Namespace, platform: Platform, gpus: int, budget: Budget,
+              figures: dict[str, Any]) -> int:
+    """Each part not skipped, in order, its results put in ``figures``; the exit status."""
+    skip, device, status = set(args.skip), args.device, 0
+    if "facts" not in skip and (found := budget.run("facts", lambda: _probes.facts(platform))):
+        figures["facts"] = found
+        say(_facts_line(found).replace("**", ""))
+    if "probes" not in skip:
+        figures["probes"] = _nccl.run_probes(_probes.PROBES, platform.device.type == "cuda",
+                                             budget.fit("probe"))
+        status |= not figures["probes"]["ok"]
+    if "link" not in skip:
+        say("link: pipeswap's probe_link, idle, then behind queued matmuls ...")
+        queue_s = 0.02 if args.quick else _probes.QUEUE_S
+        if found := budget.run("link", lambda: _probes.link(platform, args.matmul, queue_s)):
+            figures["link"] = found
+            say(f"  {_link_line(found).replace('**', '')}")
+            status |= not found["ok"]
+    if "tests" not in skip and not isinstance(
+            timeout := budget.timeout("tests", NEEDS_S["tests"], TIMEOUT_S["tests"]), str):
+        say(f"tests on {device} ...")
+        figures["tests"] = run_tests(device, args.quick, timeout)
+        say(f"  {figures['tests']['tally']}")
+        status |= not figures["tests"]["ok"]
+    if {"copies", "overlap", "preset"} - skip:
+        figures |= budget.run("copies", lambda: _probes.measure(args, platform)) or {}
+    if "replay" not in skip:
+        say("replay of rank 0 (pipeswap-train --replay-rank 0) ...")
+        figures["replay"] = replay(device, args.quick, budget)
+        status |= not figures["replay"]["ok"]
+    if "nccl" not in skip:
+        figures["nccl"] = _nccl.run_cases(args.cases, gpus, args.nccl_timeout,
+                                          budget.fit("nccl"))
+        status |= not figures["nccl"]["ok"]
+    return status
+
+
+def finish(figures: dict[str, Any], args: argparse.Namespace, platform: Platform,
+           budget: Budget, done: threading.Lock) -> None:
+    """Print the results (the report, or one JSON object with --json); with --write, put
+    the report in BENCHMARKS.md and the JSON in benchmarks/results/. Once a run: ``done``
+    is held from here on, so a part outliving its timeout cannot print a second time."""
+    done.acquire()
+    figures["seconds"] = budget.total_s - budget.left()
+    figures["budget"] = {"total_s": budget.total_s, "skipped": dict(budget.skipped)}
+    say(f"done in {figures['seconds']:.0f} s of a {budget.total_s:.0f} s budget")
+    text = report(figures, args, platform)
+    print(json.dumps(figures) if args.json else text, flush=True)
+    if args.write:
+        write_section(SECTION, text)
+        RESULTS.parent.mkdir(parents=True, exist_ok=True)
+        RESULTS.write_text(json.dumps(figures, indent=1) + "\n")
+        say(f"recorded in BENCHMARKS.md and {RESULTS}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    cli = parser()
+    args = cli.parse_args(argv)
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if args.list:
         shown = gpus if gpus >= 2 else _nccl.MAX_RANKS
         print(f"the NCCL cases of --nccl, as they run on {shown} GPUs"
@@ -501,7 +503,9 @@ def main(argv: list[str] | None = None) -> int:
         print("\n".join(_nccl.describe(shown)))
         return 0
     if args.nccl_timeout <= 0:
-        parser.error(f"--nccl-timeout must be above 0 seconds, got {args.nccl_timeout}")
+        cli.error(f"--nccl-timeout must be above 0 seconds, got {args.nccl_timeout}")
+    if args.budget_s is not None and args.budget_s <= 0:
+        cli.error(f"--budget-s must be above 0 seconds, got {args.budget_s}")
     args.nccl = args.nccl or "nccl" in args.only or bool(args.cases)
     skip = set(args.skip) | (set(PARTS) - set(args.only) if args.only else set())
     if not args.nccl:
@@ -515,55 +519,36 @@ def main(argv: list[str] | None = None) -> int:
             f"one rank a GPU; {where}")
         return 2
     if device == "cpu" and args.device is None:
-        parser.error("no accelerator on this machine; pass --device cpu to run the check on "
-                     "the CPU platform's worker-thread streams instead")
+        cli.error("no accelerator on this machine; pass --device cpu to run the check on "
+                  "the CPU platform's worker-thread streams instead")
     if "nccl" not in skip and gpus < 2:
         say("nccl: one CUDA GPU here; the NCCL cases need two or more (one rank a GPU): "
             "skipped, the rest of the check runs")
+    if args.budget_s is None:
+        cases = len(set(args.cases or _nccl.NAMES)) if "nccl" not in skip and gpus >= 2 else 0
+        args.budget_s = BUDGET_S + cases * args.nccl_timeout
     args.device = device
     platform = get_platform(device)
     on_cpu = platform.device.type == "cpu"
     args.mib = args.mib or (1 if args.quick else 1024)
     args.matmul = args.matmul or (32 if args.quick else 256 if on_cpu else 8192)
     args.repeats = args.repeats or (1 if args.quick else 10)
-    name = (torch.cuda.get_device_name(platform.device) if platform.device.type == "cuda"
-            else platform.device.type)
-    figures: dict[str, Any] = {"device": name}
-    status = 0
-    started = time.perf_counter()
-    if "tests" not in args.skip:
-        say(f"tests on {device} ...")
-        figures["tests"] = run_tests(device, args.quick)
-        say(f"  {figures['tests']['tally']}")
-        status |= not figures["tests"]["ok"]
-    if {"copies", "overlap", "preset"} - set(args.skip):
-        say(f"copies of {args.mib} MiB and {args.matmul}^2 matmuls on {platform!r} ...")
-        check = Check(platform, args.mib << 20, args.matmul, args.repeats)
-        if "copies" not in args.skip or "preset" not in args.skip:
-            figures["copies"] = copies(check)
-        if "overlap" not in args.skip or "preset" not in args.skip:
-            figures["overlap"] = overlap(check, args.mib << 20)
-        if "preset" not in args.skip:
-            figures["preset"] = preset_check(figures["copies"] | figures["overlap"])
-        del check
-        if platform.device.type == "cuda":  # the replay runs in processes of its own
-            torch.cuda.empty_cache()
-    if "replay" not in args.skip:
-        say("replay of rank 0 (pipeswap-train --replay-rank 0) ...")
-        figures["replay"] = replay(device, args.quick)
-        status |= not figures["replay"]["ok"]
-    if "nccl" not in args.skip:
-        figures["nccl"] = nccl(args.cases, gpus, args.nccl_timeout)
-        status |= not figures["nccl"]["ok"]
-    figures["seconds"] = time.perf_counter() - started
-    say(f"done in {figures['seconds']:.0f} s")
-    text = report(figures, args, platform, name)
-    if args.json:
-        print(json.dumps(figures))
-        if args.write:
-            write_section(SECTION, text)
-    else:
-        publish(SECTION, text, args.write)
+    figures: dict[str, Any] = {"device": torch.cuda.get_device_name(platform.device)
+                               if platform.device.type == "cuda" else platform.device.type}
+    done = threading.Lock()
+
+    def overrun(part: str, timeout_s: float) -> None:
+        say(f"{part}: still running after its {timeout_s:.0f} s timeout: the check stops "
+            "here and reports what it has")
+        figures["stopped"] = f"{part} outlived its {timeout_s:.0f} s timeout"
+        try:
+            finish(figures, args, platform, budget, done)
+        finally:
+            os._exit(1)
+
+    budget = Budget(args.budget_s, overrun)
+    status = run_parts(args, platform, gpus, budget, figures)
+    finish(figures, args, platform, budget, done)
     return status
 
 

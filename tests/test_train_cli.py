@@ -8,8 +8,11 @@ import functools
 import io
 import json
 import logging
+import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -288,3 +291,93 @@ def test_the_host_pool_cap_is_an_option_and_a_short_one_says_so() -> None:
         _pooled(["--ranks", "2", *SMALL, "--host-pool-bytes", "4KiB"])
     assert "host buffer pool exhausted" in str(short.value)
     assert "pipeswap-train's --host-pool-bytes" in str(short.value)
+
+
+#: Put in the restarted job's workers by a sitecustomize module: on rank 1, in the job's
+#: first run only, the background save of step 3 marks that it is writing and then waits,
+#: so that the test kills the rank while that save is in flight.
+_SLOW_SAVE = '''
+import os, pathlib, time
+if os.environ.get("RANK") == "1" and os.environ.get("TORCHELASTIC_RESTART_COUNT") == "0":
+    from pipeswap.runtime.checkpoint import hashing_writer
+    _write = hashing_writer._Digesting.write
+    def write(self, data):
+        if "step-00000003.tmp" in self._path:
+            pathlib.Path(os.environ["PIPESWAP_TEST_MARKER"]).touch()
+            time.sleep(120)
+        return _write(self, data)
+    hashing_writer._Digesting.write = write
+'''
+
+
+def test_a_restarted_job_goes_on_from_its_newest_checkpoint_and_loses_nothing(
+        tmp_path: Path) -> None:
+    """torchrun --max-restarts 1, checkpoints written in the background after every step:
+    rank 1 killed while step 3's save is in flight. torchrun restarts the job, every rank
+    goes on from step 2 (the interrupted save never became a checkpoint) with no flag but
+    --checkpoint-dir, and each step's losses equal those of a run never interrupted."""
+    steps = ["--swap-only", "--steps", "5"]
+    whole = tmp_path / "whole.jsonl"
+    _pooled(["--ranks", "2", *SMALL, *steps, "--metrics", str(whole)])
+    (tmp_path / "site").mkdir()
+    (tmp_path / "site" / "sitecustomize.py").write_text(_SLOW_SAVE)
+    marker, metrics, saves = tmp_path / "writing", tmp_path / "metrics.jsonl", tmp_path / "ckpt"
+    env = {**os.environ, "PIPESWAP_TEST_MARKER": str(marker),
+           "PYTHONPATH": os.pathsep.join([str(tmp_path / "site"),
+                                          os.environ.get("PYTHONPATH", "")])}
+    job = subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+         "2", "--max-restarts", "1", "-m", "pipeswap.runtime.train", "--ranks", "2", *SMALL, *steps,
+         "--checkpoint-dir", str(saves), "--checkpoint-every", "1", "--checkpoint-async",
+         "--metrics", str(metrics), "--timeout", "20"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+        start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not marker.exists():
+            assert job.poll() is None and time.monotonic() < deadline, job.communicate()
+            time.sleep(0.05)
+        assert (saves / "swap" / "step-00000003.tmp").is_dir()
+        writer = next(pid for pid in _pids_of(job.pid) if _environ(pid).get("RANK") == "1")
+        os.kill(writer, signal.SIGKILL)
+        out, err = job.communicate(timeout=240)
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+            job.wait()
+    assert job.returncode == 0, err[-4000:]
+    assert "restart 1 of the job: the swap run goes on after step 2" in err, err[-4000:]
+
+    def losses(path: Path) -> dict[int, float]:
+        return {r["step"]: r["loss"] for r in map(json.loads, path.read_text().splitlines())}
+
+    assert losses(metrics) == losses(whole) and sorted(losses(metrics)) == [1, 2, 3, 4, 5]
+    assert sorted(p.name for p in (saves / "swap").glob("step-*")) == [
+        "step-00000004", "step-00000005"]
+
+
+def _pids_of(root: int) -> list[int]:
+    """The processes descended from ``root``."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError):
+                continue
+            children.setdefault(parent, []).append(int(entry.name))
+    found, todo = [], [root]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def _environ(pid: int) -> dict[str, str]:
+    try:
+        raw = (Path("/proc") / str(pid) / "environ").read_bytes()
+    except OSError:
+        return {}
+    return dict(item.decode(errors="replace").partition("=")[::2]
+                for item in raw.split(b"\0") if b"=" in item)

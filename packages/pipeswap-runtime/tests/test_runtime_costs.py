@@ -162,7 +162,7 @@ def test_the_probes_copies_wait_for_the_queued_compute() -> None:
     """Its device buffer comes from the compute stream's memory: both copy streams wait
     for what was queued there before any copy runs."""
     platform = _Logged()
-    probe_link(platform, nbytes=1 << 10, repeats=1)  # type: ignore[arg-type]
+    probe_link(platform, nbytes=1 << 10, repeats=1)
     first_copy = platform.log.index(next(line for line in platform.log
                                          if line.startswith("copy on")))
     assert platform.log[:first_copy] == ["record on compute", "wait on copy1", "wait on copy2"]

@@ -9,6 +9,7 @@ import threading
 import time
 from collections.abc import Callable
 from contextlib import suppress
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -205,7 +206,7 @@ def test_a_stopper_remembers_and_is_renewed(monkeypatch: pytest.MonkeyPatch) -> 
     assert not stopper.stopped
     stopper.stop("rank 1 stopped answering")
     assert stopper.stopped and old.aborted.is_set()
-    stopper.renew(fresh)  # type: ignore[arg-type]
+    stopper.renew(fresh)
     assert not stopper.stopped and stopper.groups == [fresh]
 
 
@@ -345,3 +346,79 @@ def test_a_silent_neighbour_that_runs_on_this_host_is_busy_until_stopped(store: 
         finally:
             busy.kill()
             busy.wait()
+
+
+_HOLDS_THE_LOCK = """
+import datetime, sys, time
+import torch.distributed as dist
+from pipeswap.runtime.distributed.peer_watch import PeerWatch
+store = dist.TCPStore("127.0.0.1", int(sys.argv[1]), is_master=False,
+                      timeout=datetime.timedelta(seconds=30))
+watch = PeerWatch(1, [0], float(sys.argv[2]), lambda text: None, store=store)
+print("ready", flush=True)
+sys.stdin.readline()
+sum(range(int(sys.argv[3])))  # one call that holds the interpreter lock throughout
+print("done", flush=True)
+time.sleep(120)
+"""
+
+
+def _process_beats_of(pid: int) -> list[int]:
+    """The process beats running for process ``pid``."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with suppress(OSError):
+                args = (entry / "cmdline").read_bytes().split(b"\0")
+                if b"pipeswap.runtime.distributed.process_beat" in args and \
+                        args[args.index(b"pipeswap.runtime.distributed.process_beat") + 1] \
+                        == str(pid).encode():
+                    found.append(int(entry.name))
+    return found
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_a_neighbour_on_another_host_holding_the_lock_still_beats_until_stopped() -> None:
+    """A rank whose neighbour runs on another host beats from a process of its own too: its
+    watch thread silent while one long call holds the interpreter lock, it is not reported
+    however long; stopped (SIGSTOP) it is, within about the timeout; killed, its process beat
+    ends with it."""
+    import datetime
+    import signal
+    import subprocess
+
+    master = dist.TCPStore(  # type: ignore[attr-defined]
+        "127.0.0.1", 0, is_master=True, timeout=datetime.timedelta(seconds=30))
+    beats_of = PrefixStore("pipeswap/beats/", master)
+    found = Found()
+    me = PeerWatch(0, [1], 0.5, found, store=master)
+    beats_of.set("where/0", "another-host 1")  # as rank 1 sees this rank
+    board = FailureBoard([PrefixStore("pipeline/", master)])
+    child = subprocess.Popen([sys.executable, "-c", _HOLDS_THE_LOCK, str(master.port), "0.5",
+                              str(2 * 10**8)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             text=True)
+    try:
+        assert child.stdout is not None and child.stdin is not None
+        assert child.stdout.readline().strip() == "ready"
+        beats_of.set("where/1", f"a-third-host {child.pid}")  # judged by its beats alone
+        until(lambda: int(master.add("pipeswap/process-beat/1", 0)) > 0)
+        me.arm(board)
+        before = beats(master, 1)
+        child.stdin.write("go\n")
+        child.stdin.flush()
+        assert child.stdout.readline().strip() == "done"
+        assert beats(master, 1) - before <= 3, "the call did not hold the lock: no test"
+        assert found.texts == []  # silent thread, beating process: busy, not failed
+        child.send_signal(signal.SIGSTOP)
+        assert found.event.wait(LIMIT_S)
+        assert found.texts[0].startswith("rank 1 stopped answering: no sign of life for 0.5 s")
+        helpers = _process_beats_of(child.pid)
+        assert len(helpers) == 1
+        child.kill()
+        child.wait()
+        until(lambda: not _process_beats_of(child.pid))
+    finally:
+        me.close()
+        if child.poll() is None:
+            child.kill()
+            child.wait()

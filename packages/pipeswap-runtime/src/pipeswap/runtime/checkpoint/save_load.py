@@ -47,6 +47,7 @@ from pipeswap.runtime.checkpoint.manifest import (
     LATEST,
     MANIFEST,
     Layout,
+    FileSum,
     Manifest,
     candidates,
     checkpoint_path,
@@ -61,6 +62,7 @@ from pipeswap.runtime.errors import CheckpointError, CheckpointIOError
 
 if TYPE_CHECKING:
     import torch
+    import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import (
         OptimizerStateType,
         StateDictOptions,
@@ -111,13 +113,49 @@ def save_checkpoint(directory: str | os.PathLike[str], *, step: int,
     stages' parameters). Returns the checkpoint's path. ``keep``: how many checkpoints up to
     this one stay in ``directory``. ``job``: a JSON-able description of the run (its model's
     options, say), kept in the manifest so that a resuming job can be checked against it
-    before it starts."""
-    import torch.distributed as dist
+    before it starts. (:func:`~pipeswap.runtime.checkpoint.background.save_in_background`
+    writes the same checkpoint while training goes on.)"""
     from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.state_dict_saver import save
 
     from pipeswap.runtime.checkpoint.hashing_writer import digesting_writer
 
+    begun = begin_save(directory, step=step, stages=stages, optimizer=optimizer,
+                       data_position=data_position, keep=keep, job=job)
+    writer, sums, refused = digesting_writer(begun.staging)
+    try:
+        save(state_of(stages, optimizer), storage_writer=writer)
+    except (Exception, CheckpointException) as exc:  # DCP's is a BaseException
+        if not refused:
+            raise
+        raise begun.refused(refused[0]) from exc
+    return finish_save(begun, sums, None)
+
+
+@dataclass(frozen=True)
+class BegunSave:
+    """A save whose staging directory is ready: where it goes and what its manifest says."""
+
+    root: Path
+    staging: Path
+    final: Path
+    step: int
+    data_position: int
+    layout: Layout
+    keep: int
+    job: Mapping[str, object]
+
+    def refused(self, why: str) -> CheckpointIOError:
+        return CheckpointIOError(
+            f"saving step {self.step} into {self.staging} failed: {why}: free space on that "
+            "disk, or save elsewhere")
+
+
+def begin_save(directory: str | os.PathLike[str], *, step: int,
+               stages: Sequence[PipelineStage], optimizer: torch.optim.Optimizer,
+               data_position: int, keep: int, job: Mapping[str, object] | None) -> BegunSave:
+    """Check what every rank saves and prepare the staging directory (every rank, on the
+    default group)."""
     if keep < 1:
         raise ValueError(f"keep must be at least 1 (the checkpoint just saved), got {keep}")
     root = Path(directory)
@@ -140,21 +178,32 @@ def save_checkpoint(directory: str | os.PathLike[str], *, step: int,
     final = checkpoint_path(root, step)
     staging = final.with_name(final.name + ".tmp")
     _on_rank0(lambda: _prepare(root, staging), f"preparing {staging}")
-    writer, sums, refused = digesting_writer(staging)
-    try:
-        save(_state(stages, optimizer).flat(), storage_writer=writer)
-    except (Exception, CheckpointException) as exc:  # DCP's is a BaseException
-        if not refused:
-            raise
-        raise CheckpointIOError(
-            f"saving step {step} into {staging} failed: {refused[0]}: free space on that "
-            "disk, or save elsewhere") from exc
-    every: list[Any] = [None] * dist.get_world_size()  # Any: each rank's pickled sums
-    dist.all_gather_object(every, sums)
-    files = {name: value for rank_sums in every for name, value in rank_sums.items()}
-    manifest = Manifest(step, data_position, layout, files, dict(job or {}))
-    _on_rank0(lambda: _commit(root, staging, final, manifest, keep), f"committing {final}")
-    return final
+    return BegunSave(root, staging, final, step, data_position, layout, keep, dict(job or {}))
+
+
+def finish_save(begun: BegunSave, sums: Mapping[str, FileSum], failed: str | None,
+                group: dist.ProcessGroup | None = None) -> Path:
+    """Every rank's file sums (or why its write failed) to rank 0, which commits the
+    checkpoint; over ``group`` (a background save's own)."""
+    import torch.distributed as dist
+
+    every: list[Any] = [None] * dist.get_world_size(group)  # Any: each rank's pickled part
+    dist.all_gather_object(every, (dict(sums), failed), group=group)
+    problems = [problem for _, problem in every if problem is not None]
+    if problems:
+        raise begun.refused(problems[0])
+    files = {name: value for rank_sums, _ in every for name, value in rank_sums.items()}
+    manifest = Manifest(begun.step, begun.data_position, begun.layout, files, dict(begun.job))
+    _on_rank0(lambda: _commit(begun.root, begun.staging, begun.final, manifest, begun.keep),
+              f"committing {begun.final}", group)
+    return begun.final
+
+
+def state_of(stages: Sequence[PipelineStage], optimizer: torch.optim.Optimizer
+             ) -> dict[str, object]:
+    """What a checkpoint saves of ``stages`` and ``optimizer``, flat, under keys unique
+    across the pipeline."""
+    return _state(stages, optimizer).flat()
 
 
 def _prepare(root: Path, staging: Path) -> None:
@@ -389,14 +438,15 @@ def _gather_layout(stages: Sequence[PipelineStage], extra: T
     return layout, [e for _, _, e in gathered]
 
 
-def _on_rank0(action: Callable[[], T], what: str) -> T:
-    """Run ``action`` on rank 0 alone and give its result to every rank; if it fails, every
-    rank raises its error rather than waiting for rank 0 in the next collective (a
-    :class:`CheckpointIOError` for anything but a :class:`CheckpointError`)."""
+def _on_rank0(action: Callable[[], T], what: str,
+              group: dist.ProcessGroup | None = None) -> T:
+    """Run ``action`` on rank 0 of ``group`` alone and give its result to every rank; if it
+    fails, every rank raises its error rather than waiting for rank 0 in the next collective
+    (a :class:`CheckpointIOError` for anything but a :class:`CheckpointError`)."""
     import torch.distributed as dist
 
     outcome: list[Any] = [None]  # Any: rank 0's pickled (ok, result or message, on disk)
-    if dist.get_rank() == 0:
+    if dist.get_rank(group) == 0:
         try:
             outcome[0] = (True, action(), False)
         except Exception as exc:  # noqa: BLE001 - raised on every rank below
@@ -404,7 +454,7 @@ def _on_rank0(action: Callable[[], T], what: str) -> T:
             message = str(exc) if ours else (
                 f"{what} failed on rank 0: {type(exc).__name__}: {exc}")
             outcome[0] = (False, message, not ours)
-    dist.broadcast_object_list(outcome, src=0)
+    dist.broadcast_object_list(outcome, group_src=0, group=group)
     ok, value, on_disk = outcome[0]
     if not ok:
         raise (CheckpointIOError if on_disk else CheckpointError)(value)

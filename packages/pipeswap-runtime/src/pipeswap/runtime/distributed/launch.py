@@ -34,7 +34,7 @@ from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar, cast
 
-from pipeswap.runtime.distributed.peer_watch import process_state
+from pipeswap.runtime.distributed.process_beat import process_state
 from pipeswap.runtime.distributed.rank_failure import (
     Ending,
     RankFailure,
@@ -104,12 +104,28 @@ def launched_by_torchrun() -> bool:
 
 
 def init_from_env(backend: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> tuple[int, int]:
-    """Join the process group torchrun describes in the environment; (rank, world size)."""
+    """Join the process group torchrun describes in the environment; (rank, world size).
+
+    Where the workers share their agent's store, which outlives a restart
+    (``--max-restarts``), each attempt keeps its keys apart under a prefix of its own: the
+    groups of a restarted job have the names they had before, and would otherwise read the
+    addresses the killed attempt's ranks left there."""
     import torch.distributed as dist
+    from torch.distributed import TCPStore  # type: ignore[attr-defined]  # public, unstubbed
 
     global _progress
     _select_device(backend)
-    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True):
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0)
+        shared = TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+                          is_master=False, timeout=timeout)
+        apart = dist.distributed_c10d.PrefixStore(f"pipeswap/attempt-{attempt}", shared)
+        dist.init_process_group(backend, timeout=timeout, rank=rank, world_size=world,
+                                store=apart)
+    else:
+        dist.init_process_group(backend, timeout=timeout)
     _progress = _Progress([-1], 0)  # no launcher to tell: kept for this rank's own report
     return dist.get_rank(), dist.get_world_size()
 

@@ -18,14 +18,16 @@ for longer than the timeout (one long call that never lets it go) falls silent w
 works. Each watch therefore posts where its process is (host and pid), and a silent
 neighbour on this host is looked up before it is blamed: a process the kernel says is
 running or waiting is busy, not gone, and is waited for; a stopped one (SIGSTOP, a
-debugger), a dead one or a vanished one fails the step. A neighbour on another host is
-judged by its beats alone.
+debugger), a dead one or a vanished one fails the step. For its neighbours on other hosts a
+rank also beats from a small process of its own while its process runs
+(:mod:`pipeswap.runtime.distributed.process_beat`): silent means both beats stopped.
 """
 
 from __future__ import annotations
 
 import os
 import socket
+import subprocess
 import threading
 import time
 import warnings
@@ -35,6 +37,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from pipeswap.runtime.distributed.failure_board import FailureBoard, break_links, clone_store
+from pipeswap.runtime.distributed.process_beat import (
+    process_state,
+    start_process_beat,
+    unprefixed,
+)
 from pipeswap.runtime.distributed.process_groups import device_types, only_gloo
 
 if TYPE_CHECKING:
@@ -139,10 +146,13 @@ class PeerWatch:
             store = dist.distributed_c10d._get_default_store()
         # connections of the watch's own: a store client holds its lock through a blocking
         # call, and the main thread's may block (a rendezvous) while peers wait for a beat
-        self._beats = dist.distributed_c10d.PrefixStore("pipeswap/beats/",
-                                                               clone_store(store))
+        own = clone_store(store)
+        self._beats = dist.distributed_c10d.PrefixStore("pipeswap/beats/", own)
+        self._raw = unprefixed(own)  # where the process beats are (no prefix: see those)
         self._beats.set(f"where/{rank}", f"{socket.gethostname()} {os.getpid()}")
-        self._where: dict[int, tuple[str, int] | None] = {}  # neighbours' posts, once read
+        self._where: dict[int, tuple[str, int]] = {}  # neighbours' posts, once read
+        self._process_beat: subprocess.Popen[bytes] | None = None
+        self._remote_checked = False  # whether the neighbours' hosts were all looked at
         self._given: FailureBoard | None = None
         self.rank = rank
         self.neighbours = sorted(set(neighbours) - {rank})
@@ -170,13 +180,16 @@ class PeerWatch:
     def close(self) -> None:
         self._closed.set()
         self._thread.join(timeout=5 * self.interval_s + 5)
+        if self._process_beat is not None:
+            self._process_beat.kill()
+            self._process_beat.wait()
 
     def _beat(self, rank: int, by: int) -> int:
         return int(self._beats.add(str(rank), by))
 
-    def _process(self, rank: int) -> int | None:
-        """The pid of neighbour ``rank``'s process where it runs on this host (as it
-        posted), else None."""
+    def _posted(self, rank: int) -> tuple[str, int] | None:
+        """Where neighbour ``rank``'s process runs (host, pid), as it posted; None until it
+        has."""
         if rank not in self._where:
             key = f"where/{rank}"
             posted = (bytes(self._beats.get(key)).decode().split()
@@ -184,8 +197,30 @@ class PeerWatch:
             if not posted:
                 return None  # not posted yet: ask again next time
             self._where[rank] = (posted[0], int(posted[1]))
-        where = self._where[rank]
+        return self._where[rank]
+
+    def _process(self, rank: int) -> int | None:
+        """The pid of neighbour ``rank``'s process where it runs on this host, else None."""
+        where = self._posted(rank)
         return where[1] if where is not None and where[0] == socket.gethostname() else None
+
+    def _alive(self, rank: int) -> int:
+        """Neighbour ``rank``'s beats: its watch thread's and its process beat's."""
+        return self._beat(rank, 0) + int(self._raw.add(f"pipeswap/process-beat/{rank}", 0))
+
+    def _start_process_beat(self) -> None:
+        """Once a neighbour is known to run on another host, which cannot look this process
+        up when its thread falls silent: the process beat
+        (:mod:`pipeswap.runtime.distributed.process_beat`)."""
+        if self._process_beat is not None or self._remote_checked:
+            return
+        where = [self._posted(rank) for rank in self.neighbours]
+        if any(w is not None and w[0] != socket.gethostname() for w in where):
+            self._process_beat = start_process_beat(
+                self._raw, f"pipeswap/process-beat/{self.rank}", self.interval_s)
+            self._remote_checked = True
+        elif all(w is not None for w in where):
+            self._remote_checked = True  # every neighbour on this host
 
     def _busy_here(self, rank: int) -> bool:
         """Whether silent neighbour ``rank`` runs on this host and the kernel says its
@@ -211,8 +246,9 @@ class PeerWatch:
             now = time.monotonic()
             try:
                 self._beat(self.rank, 1)
+                self._start_process_beat()
                 for rank in self.neighbours:
-                    count = self._beat(rank, 0)
+                    count = self._alive(rank)
                     if count != seen[rank][0]:
                         seen[rank] = (count, now)
                 board = self.board
@@ -239,12 +275,3 @@ class PeerWatch:
             self.reason = found
             with suppress(Exception):
                 self.on_failure(found)
-
-
-def process_state(pid: int) -> str | None:
-    """Process ``pid``'s state letter as /proc gives it (R running, S or D waiting, T
-    stopped, Z dead); None where there is no such process, or no /proc."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return None

@@ -191,10 +191,16 @@ def _run_options(parser: argparse.ArgumentParser, defaults: TrainConfig) -> None
                         help="save each mode's run (model, optimizer, step, data position, "
                              "random state) into DIR/no-swap and DIR/swap at its last step. "
                              "The run claims DIR while it lives: another run given it is "
-                             "refused")
+                             "refused. Under torchrun --max-restarts, a restarted job goes "
+                             "on from the newest checkpoint in DIR that verifies")
     saving.add_argument("--checkpoint-every", type=int, metavar="N",
                         help="with --checkpoint-dir: also after every N steps (the two newest "
                              "are kept)")
+    saving.add_argument("--checkpoint-async", action="store_true",
+                        help="with --checkpoint-dir: write each checkpoint while the next "
+                             "steps train (DCP's async_save: the state is copied to host "
+                             "memory, then written, checksummed and committed in the "
+                             "background; one save in flight at a time)")
     saving.add_argument("--resume", metavar="DIR",
                         help="go on from the newest checkpoint in DIR/<mode> whose files "
                              "verify against their checksums; --steps counts "

@@ -46,6 +46,7 @@ from pipeswap.runtime.train.preflight import (
     expected_layout,
     file_problem,
     plan_resume,
+    restarted,
 )
 from pipeswap.runtime.train.summary import render, summarize
 from pipeswap.runtime.train.trainer import run_rank
@@ -130,6 +131,7 @@ def _config(args: argparse.Namespace, ranks: int, modes: tuple[Mode, ...], v_sha
         training=TrainingConfig(steps=args.steps, batch_size=args.batch_size, lr=args.lr,
                                 seed=args.seed, device=args.device),
         checkpoint=CheckpointConfig(save_dir=args.checkpoint_dir, every=args.checkpoint_every,
+                                    asynchronous=args.checkpoint_async,
                                     resume=args.resume,
                                     resume_anyway=args.resume_anyway),
         job=JobConfig(verbose=not args.json,
@@ -230,6 +232,8 @@ def _check_files(parser: argparse.ArgumentParser, config: TrainConfig) -> None:
             parser.error("--checkpoint-every needs --checkpoint-dir (where to save)")
         if checkpoint.every < 1:
             parser.error(f"--checkpoint-every must be at least 1, got {checkpoint.every}")
+    if checkpoint.asynchronous and checkpoint.save_dir is None:
+        parser.error("--checkpoint-async needs --checkpoint-dir (where to save)")
     if checkpoint.save_dir is not None:
         problem = directory_problem(checkpoint.save_dir)
         if problem is not None:
@@ -245,6 +249,8 @@ def _check_resume(parser: argparse.ArgumentParser, config: TrainConfig,
     """The checkpoint each mode resumes from: the newest that verifies and fits this job
     (under torchrun every process checks the manifests, and the ranks the files as they
     load them); a warning line names the newer ones skipped."""
+    if torchrun and config.checkpoint.save_dir is not None and config.checkpoint.resume is None:
+        config = _restarted(config)
     if config.checkpoint.resume is None:
         return config
     try:
@@ -255,6 +261,20 @@ def _check_resume(parser: argparse.ArgumentParser, config: TrainConfig,
         for warning in plan.warnings:
             print(f"pipeswap-train: warning: {warning}", file=sys.stderr, flush=True)
     return config.but(resume_from=plan.paths if not torchrun else ())
+
+
+def _restarted(config: TrainConfig) -> TrainConfig:
+    """A job torchrun restarted (``--max-restarts``) goes on from its checkpoints; rank 0
+    says how. Where every mode had finished, nothing is left to run: exit 0."""
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0)
+    if restart == 0:
+        return config
+    going_on, line = restarted(config, restart)
+    if os.environ.get("RANK", "0") == "0":
+        print(f"pipeswap-train: {line}", file=sys.stderr, flush=True)
+    if going_on is None:
+        raise SystemExit(0)
+    return going_on
 
 
 def _check_schedule(parser: argparse.ArgumentParser, config: TrainConfig) -> tuple[int, ...]:

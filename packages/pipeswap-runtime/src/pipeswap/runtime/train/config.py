@@ -121,9 +121,11 @@ class CheckpointConfig:
 
     save_dir: str | None = None
     every: int | None = None
+    asynchronous: bool = False  # written while the next steps train
     resume: str | None = None
     resume_anyway: bool = False  # go on from a checkpoint of other training options
     resume_from: tuple[tuple[str, str], ...] = ()  # (mode, checkpoint directory)
+    fresh_modes: tuple[str, ...] = ()  # modes of a restarted job with no checkpoint yet
 
     def resume_path(self, mode: Mode) -> str:
         assert self.resume is not None

@@ -78,6 +78,38 @@ class ResumePlan:
     warnings: tuple[str, ...]
 
 
+def restarted(config: TrainConfig, restart: int) -> tuple[TrainConfig | None, str]:
+    """How restart ``restart`` of a job under torchrun goes on (``--max-restarts``): each mode
+    from its newest checkpoint in ``--checkpoint-dir`` whose manifest verifies, a mode with
+    none yet afresh, a mode already finished not again; and a line that says so. None where
+    every mode had finished."""
+    save_dir = config.checkpoint.save_dir
+    assert save_dir is not None
+    saved: dict[Mode, int] = {}
+    for mode in config.swap.modes:
+        try:
+            saved[mode] = newest_verified(Path(save_dir) / mode, files=False).manifest.step
+        except CheckpointError:  # none saved yet (or none whole): this mode starts afresh
+            continue
+    said = f"restart {restart} of the job: "
+    if not saved:
+        return config, said + f"no checkpoint in {save_dir} yet, so it starts afresh"
+    done = [mode for mode, step in saved.items() if step >= config.training.steps]
+    running = tuple(mode for mode in config.swap.modes if mode not in done)
+
+    def story(mode: Mode) -> str:
+        if mode in done:
+            return "finished before it"
+        return f"goes on after step {saved[mode]}" if mode in saved else "starts afresh"
+
+    line = (said + "; ".join(f"the {mode} run {story(mode)}" for mode in config.swap.modes)
+            + f" (checkpoints in {save_dir})")
+    if not running:
+        return None, line
+    return config.but(resume=save_dir, modes=running,
+                      fresh_modes=tuple(mode for mode in running if mode not in saved)), line
+
+
 def plan_resume(config: TrainConfig, layout: Layout, verify: bool) -> ResumePlan:
     """The checkpoint of each mode ``config`` resumes, checked against the job: its layout
     (``layout``: which stages each global rank will hold), model, step and data position.
@@ -87,6 +119,8 @@ def plan_resume(config: TrainConfig, layout: Layout, verify: bool) -> ResumePlan
     assert resume is not None
     paths, warnings = [], []
     for mode in config.swap.modes:
+        if mode in config.checkpoint.fresh_modes:  # a restarted job's mode not saved yet
+            continue
         where = Path(resume) / mode
         try:
             found = newest_verified(where, files=verify)

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, TextIO
 
 from pipeswap.platform import get_platform
 from pipeswap.runtime.checkpoint.manifest import describe_skipped
-from pipeswap.runtime.checkpoint.save_load import load_checkpoint, save_checkpoint
+from pipeswap.runtime.checkpoint.save_load import load_checkpoint
 from pipeswap.runtime.distributed.launch import mark_step, pipeline_mesh
 from pipeswap.runtime.distributed.process_groups import bound_cpu_half
 from pipeswap.runtime.executor.measurements import measured_costs, probe_link
@@ -37,8 +37,8 @@ from pipeswap.runtime.train.components import (
     tied_parameters,
 )
 from pipeswap.runtime.train.config import LogLevel, Mode, TrainConfig
+from pipeswap.runtime.train.checkpoints import RunCheckpoints
 from pipeswap.runtime.train.metrics import ModeResult, write_metrics
-from pipeswap.runtime.train.preflight import saved_model, saved_training
 from pipeswap.runtime.train.summary import mib
 from pipeswap.schedule import (
     ScheduleKind,
@@ -101,10 +101,12 @@ class Trainer:
         if parallel.meshed:
             self.mesh = pipeline_mesh(self.platform.device.type, parallel.ranks, parallel.dp,
                                       config.group_timeout_s)
+        bounded = datetime.timedelta(seconds=config.job.timeout_s)
         if not self.replaying:  # waits outside a step (set-up, saves) end after --timeout
-            bounded = datetime.timedelta(seconds=config.job.timeout_s)
             for group in [None, *([] if self.mesh is None else self.mesh.get_all_groups())]:
                 bound_cpu_half(group, bounded)
+        self.checkpoints = RunCheckpoints(config, background=config.checkpoint.asynchronous
+                                          and not self.replaying)
         self.pp_rank, self.dp_rank = divmod(rank, parallel.dp)  # the mesh: pp outer, dp inner
         corpus = Corpus.bundled()
         self.vocab = len(corpus.vocab)
@@ -178,7 +180,7 @@ class Trainer:
             stages, self.placement, tied_parameters(config, self.vocab),
             None if self.mesh is None else self.mesh.get_group("pp"))
         done = 0  # steps taken before this run: a resumed one goes on after them
-        if config.checkpoint.resume is not None:
+        if config.checkpoint.resume is not None and mode not in config.checkpoint.fresh_modes:
             point = load_checkpoint(config.checkpoint.resume_path(mode), stages=stages,
                                     optimizer=optimizer)
             if point.skipped and self.rank == 0:
@@ -208,6 +210,7 @@ class Trainer:
                      result.setup_seconds)
         for number, batch in enumerate(self.batches(done), done + 1):
             self.train_step(mode, number, batch, executor, stages, optimizer, tied, result)
+        self.checkpoints.wait()  # the mode's last checkpoint written before the next mode
         executor.close()  # its groups, before the next mode makes its own
         return result
 
@@ -324,13 +327,8 @@ class Trainer:
                             for stage in stages for name, p in stage.module.named_parameters()
                             if p.grad is not None}
         optimizer.step()
-        saving, every = config.checkpoint.save_dir, config.checkpoint.every
-        if saving is not None and (number == config.training.steps
-                                   or (every is not None and number % every == 0)):
-            save_checkpoint(os.path.join(saving, mode), step=number, stages=stages,
-                            optimizer=optimizer, data_position=number,
-                            job={"model": saved_model(config),
-                                 "training": saved_training(config)})
+        if self.checkpoints.due(number):
+            self.checkpoints.save(mode, number, stages, optimizer)
         # a run with no other step to time (one step, a resumed one too) times this one
         only = number == config.training.steps and not result.step_seconds
         result.record(report, measured=measured, timed=not (measured or timing) or only)
