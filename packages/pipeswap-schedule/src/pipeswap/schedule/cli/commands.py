@@ -19,6 +19,7 @@ from pipeswap.schedule.build import (
     build_planned,
     inject_swap,
 )
+from pipeswap.schedule.cli.plan_command import add_plan, run_plan
 from pipeswap.schedule.cli.simulate_command import (
     LAYERS,
     MAX_LAYERS,
@@ -210,6 +211,7 @@ def _parser() -> Parser:
     show.add_argument("--no-grid", action="store_true", help="print only the summary")
 
     _add_simulate(commands, spec, policies)
+    add_plan(commands)
     return parser
 
 
@@ -345,6 +347,8 @@ def _run(argv: Sequence[str] | None) -> int:
             return _convert(args)
         if args.command == "simulate":
             return run_simulate(args, _build)
+        if args.command == "plan":
+            return run_plan(args)
         schedule, _ = _build(args, choose_policy(args, costs_from(args)))
         if args.command == "orders":
             print(dumps_json(schedule) if args.format == "json" else dumps_lines(schedule))

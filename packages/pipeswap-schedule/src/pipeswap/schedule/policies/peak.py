@@ -88,6 +88,9 @@ class PeakPolicy:
     # processes that make the ranks' plans under a budget in prepare (1: this one; each
     # rank's plans depend on its own order alone, so any number gives the same plans)
     jobs: int = 1
+    # choose among the ranks' plans in the whole pipeline where it can (see prepare); False:
+    # each rank on its own timeline, much faster at scale (a search judging many schedules)
+    whole_pipeline: bool = True
 
     def __post_init__(self) -> None:
         if self.granularity not in GRANULARITIES:
@@ -134,7 +137,8 @@ class PeakPolicy:
         stages = self.costs.stages
         timed = not stages or all(stage in stages for stage in range(schedule.num_stages))
         planning = list(range(len(schedule.orders))) if ranks is None else sorted(ranks)
-        if not (timed and self.recompute == "auto" and self.budget is not None):
+        if not (timed and self.whole_pipeline and self.recompute == "auto"
+                and self.budget is not None):
             return PeakPlanner(self, ranks=len(planning))
 
         def done(rank: int, count: int) -> None:

@@ -1,0 +1,168 @@
+"""One configuration, judged: built, its memory counted rank by rank, simulated without swap
+and, where that does not fit, with each rank's keep, swap and recompute chosen under the
+memory its device has left (the peak policy with ``recompute="auto"``, on each rank's own
+timeline)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+from pipeswap.schedule.build import ScheduleSpec, build_planned, build_schedule
+from pipeswap.schedule.costs import CostModel
+from pipeswap.schedule.errors import ScheduleError
+from pipeswap.schedule.plan.machines import Machine
+from pipeswap.schedule.plan.memory import Job, MemoryParts, stage_layers, static_parts
+from pipeswap.schedule.plan.models import ModelShape
+from pipeswap.schedule.plan.space import Config, cost_model, lower_bound
+from pipeswap.schedule.policies import PeakPolicy
+from pipeswap.schedule.simulate import RankResult, SimulationResult, simulate
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What one configuration does: whether it fits, its simulated step, each rank's memory
+    by part, the host memory a node needs for what its ranks swap, and what each rank swaps
+    and recomputes. ``why``: one line, the reason it fits or not."""
+
+    config: Config
+    fits: bool
+    step_time: float
+    tokens_per_s: float
+    bubble: float  # the ranks' mean idle share of the step
+    exposed_copy: float  # the most compute time a rank waited for copies
+    memory: tuple[MemoryParts, ...]
+    capacity: int  # bytes a rank may use (device memory less the reserve)
+    host_bytes_per_node: int
+    swapped: tuple[int, ...]  # per rank: chunks swapped whole
+    streamed: tuple[int, ...]  # per rank: chunks streamed layer by layer
+    recomputed: tuple[int, ...]  # per rank: layer forwards run again
+    why: str
+
+    @property
+    def peak_device_bytes(self) -> int:
+        return max(parts.total for parts in self.memory)
+
+    @property
+    def worst_rank(self) -> int:
+        return max(range(len(self.memory)), key=lambda rank: self.memory[rank].total)
+
+
+@dataclass(frozen=True)
+class Judge:
+    """How configurations of one job are judged: the model, the job, the machine."""
+
+    model: ModelShape
+    job: Job
+    machine: Machine
+
+    @property
+    def capacity(self) -> int:
+        return self.machine.memory_bytes - self.job.reserve_bytes
+
+    def costs(self, config: Config) -> CostModel:
+        return cost_model(self.model, self.job, self.machine, config)
+
+    def bound(self, config: Config) -> float:
+        return lower_bound(config, self.costs(config))
+
+    def statics(self, config: Config) -> tuple[MemoryParts, ...]:
+        layers = stage_layers(self.model.layers, config.stages)
+        ranks = config.stage_ranks()
+        return tuple(static_parts(self.model, self.job,
+                                  tuple(s for s, r in enumerate(ranks) if r == rank), layers,
+                                  config.dp, config.micro_batch)
+                     for rank in range(config.ranks))
+
+    def keeping(self, config: Config) -> Outcome | None:
+        """``config`` judged with every activation kept (no swap, no recompute); None where
+        its schedule cannot be built (a family's own rule on microbatches, say). A step
+        with swap or recompute is never shorter: those only add steps to a rank's order."""
+        statics = self.statics(config)
+        over = [r for r, parts in enumerate(statics) if parts.static > self.capacity]
+        if over:
+            return self._static_over(config, statics, over[0])
+        try:
+            plain = build_schedule(_spec(config))
+        except ScheduleError:
+            return None
+        costs = self.costs(config)
+        result = simulate(plain, costs, timeline=False, check=False)
+        return self._outcome(config, statics, result, costs, "keeps every activation")
+
+    def swapping(self, config: Config) -> Outcome:
+        """``config`` judged with each rank's keep, swap and recompute chosen to fit the
+        memory its device has left, on the rank's own timeline."""
+        statics, costs = self.statics(config), self.costs(config)
+        budget = {r: max(0, self.capacity - statics[r].static) for r in range(config.ranks)}
+        policy = PeakPolicy(costs, budget=budget, recompute="auto", whole_pipeline=False)
+        planned, _ = build_planned(replace(_spec(config), swap=True), policy)
+        result = simulate(planned, costs, timeline=False, check=False)
+        return self._outcome(config, statics, result, costs, "swaps and recomputes")
+
+    def evaluate(self, config: Config, swap: bool = True) -> Outcome | None:
+        """``config`` judged: kept where that fits, else (with ``swap``) swapped and
+        recomputed."""
+        kept = self.keeping(config)
+        if kept is None or kept.fits or not swap or kept.step_time == math.inf:
+            return kept
+        return self.swapping(config)
+
+    def _static_over(self, config: Config, statics: tuple[MemoryParts, ...],
+                     rank: int) -> Outcome:
+        parts = statics[rank]
+        why = (f"rank {rank}'s weights, gradients, optimizer state and buffers alone need "
+               f"{_gib(parts.static)} of {_gib(self.capacity)}")
+        return Outcome(config, False, math.inf, 0.0, 0.0, 0.0, statics, self.capacity, 0,
+                       (0,) * config.ranks, (0,) * config.ranks, (0,) * config.ranks, why)
+
+    def _outcome(self, config: Config, statics: tuple[MemoryParts, ...],
+                 result: SimulationResult, costs: CostModel, how: str) -> Outcome:
+        memory = tuple(replace(statics[r.rank], activations=r.peak_activation_bytes)
+                       for r in result.ranks)
+        fits = all(parts.total <= self.capacity for parts in memory)
+        swapped = tuple(sum(1 for c in r.swapped if not c.streamed) for r in result.ranks)
+        streamed = tuple(sum(1 for c in r.swapped if c.streamed) for r in result.ranks)
+        host = max(_host_peak(r, costs) for r in result.ranks)
+        node = host * min(self.machine.gpus_per_node, config.ranks * config.dp)
+        fits = fits and node <= self.machine.host_memory_bytes
+        tokens = config.dp * config.microbatches * config.micro_batch * self.job.seq_len
+        worst = max(memory, key=lambda parts: parts.total)
+        why = (f"{how}; the fullest rank needs {_gib(worst.total)} of {_gib(self.capacity)}"
+               if fits else _over(memory, self.capacity, node,
+                                  self.machine.host_memory_bytes, how))
+        return Outcome(config, fits, result.step_time, tokens / result.step_time,
+                       sum(r.bubble_fraction for r in result.ranks) / len(result.ranks),
+                       max(r.exposed_copy for r in result.ranks), memory, self.capacity, node,
+                       swapped, streamed, tuple(r.recomputed_layers for r in result.ranks), why)
+
+
+def _spec(config: Config) -> ScheduleSpec:
+    return ScheduleSpec(config.kind, ranks=config.ranks, microbatches=config.microbatches,
+                        stages_per_rank=config.stages_per_rank)
+
+
+def _host_peak(rank: RankResult, costs: CostModel) -> int:
+    """The most bytes ``rank``'s swapped chunks hold in host memory at once: each from its
+    offload's start to its load's end."""
+    events = sorted(event for chunk in rank.swapped for event in (
+        (chunk.offload[0], costs.chunk_bytes((chunk.stage, chunk.micro)).movable),
+        (chunk.load[1], -costs.chunk_bytes((chunk.stage, chunk.micro)).movable)))
+    held = peak = 0
+    for _, change in events:
+        held += change
+        peak = max(peak, held)
+    return peak
+
+
+def _over(memory: tuple[MemoryParts, ...], capacity: int, node: int, host: int,
+          how: str) -> str:
+    worst = max(range(len(memory)), key=lambda rank: memory[rank].total)
+    if memory[worst].total > capacity:
+        return (f"rank {worst} needs {_gib(memory[worst].total)} of {_gib(capacity)} "
+                f"({how})")
+    return f"a node's swapped activations need {_gib(node)} of its {_gib(host)} host memory"
+
+
+def _gib(value: float) -> str:
+    return f"{value / (1 << 30):.1f} GiB"

@@ -1,0 +1,127 @@
+"""The plan: every configuration of the space, bounded from below, judged in the order of
+their bounds until no configuration left could enter the ranking (its bound is no shorter
+than the slowest of the best ``top`` that fit). The ranking is then the one judging every
+configuration would give."""
+
+from __future__ import annotations
+
+import heapq
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from pipeswap.schedule.errors import ScheduleError
+from pipeswap.schedule.plan.evaluate import Judge, Outcome
+from pipeswap.schedule.plan.machines import Machine
+from pipeswap.schedule.plan.memory import Job
+from pipeswap.schedule.plan.models import ModelShape
+from pipeswap.schedule.plan.space import Config, Space, check_job, configurations
+
+#: told (configurations judged, configurations in the space, the best fitting so far)
+Progress = Callable[[int, int, Outcome | None], None]
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The best configurations that fit, fastest first; the others judged (that do not fit,
+    or are slower than the last ranked); how many configurations the space held, how many
+    were judged, and the seconds the search took."""
+
+    model: ModelShape
+    job: Job
+    machine: Machine
+    ranked: tuple[Outcome, ...]
+    others: tuple[Outcome, ...]
+    considered: int
+    judged: int
+    seconds: float
+
+    @property
+    def best(self) -> Outcome:
+        return self.ranked[0]
+
+
+class NoFit(ScheduleError):
+    """No configuration of the space fits; the message says what would."""
+
+
+def plan(model: ModelShape, job: Job, machine: Machine, space: Space = Space(), *,
+         top: int = 5, progress: Progress | None = None) -> Plan:
+    """The ``top`` fastest configurations of ``space`` that fit ``machine``'s memory."""
+    begun = time.perf_counter()
+    check_job(model, job, space)
+    judge = Judge(model, job, machine)
+    configs = list(configurations(model, job, space))
+    if not configs:
+        raise ScheduleError("no configuration is left in the search space: widen --ranks, "
+                            "--schedules, --stages-per-rank or --micro-batch-sizes")
+    # (bound, index, phase): phase 0 judges a configuration keeping every activation, phase
+    # 1 with swap and recompute, bounded by its step kept (swap and recompute only add)
+    queue = [(judge.bound(config), index, 0) for index, config in enumerate(configs)]
+    heapq.heapify(queue)
+    ranked: list[tuple[float, int, Outcome]] = []
+    others: dict[int, Outcome] = {}
+    judged = 0
+    while queue:
+        bound, index, phase = heapq.heappop(queue)
+        if len(ranked) >= top and bound >= ranked[top - 1][0]:
+            break
+        config = configs[index]
+        outcome = judge.keeping(config) if phase == 0 else judge.swapping(config)
+        judged += 1
+        if outcome is None:
+            continue
+        if outcome.fits:
+            ranked.append((outcome.step_time, index, outcome))
+            ranked.sort(key=lambda item: (item[0], item[1]))
+            others.pop(index, None)
+        else:
+            others[index] = outcome
+            if phase == 0 and space.swap and outcome.step_time < math.inf:
+                heapq.heappush(queue, (outcome.step_time, index, 1))
+        if progress is not None:
+            progress(judged, len(configs), ranked[0][2] if ranked else None)
+    others.update({index: outcome for _, index, outcome in ranked[top:]})
+    if not ranked:
+        raise NoFit(_why_none(model, job, machine, list(others.values())))
+    return Plan(model, job, machine, tuple(outcome for _, _, outcome in ranked[:top]),
+                tuple(sorted(others.values(), key=_nearness)), len(configs), judged,
+                time.perf_counter() - begun)
+
+
+def _nearness(outcome: Outcome) -> tuple[bool, float]:
+    """Nearest losers first: those that fit (slower) by step time, then by how far over."""
+    if outcome.fits:
+        return False, outcome.step_time
+    return True, outcome.peak_device_bytes / outcome.capacity
+
+
+def _why_none(model: ModelShape, job: Job, machine: Machine, judged: list[Outcome]) -> str:
+    if not judged:
+        return (f"no configuration of {model.name} on {job.gpus} {machine.name} could be "
+                "built: widen the search (--schedules, --stages-per-rank, "
+                "--micro-batch-sizes)")
+    nearest = min(judged, key=lambda outcome: outcome.peak_device_bytes)
+    need = nearest.peak_device_bytes + job.reserve_bytes
+    return (f"{model.name} fits in no configuration on {job.gpus} {machine.name} "
+            f"({machine.memory_bytes / (1 << 30):.0f} GiB each): the nearest, "
+            f"{nearest.config.describe()}, {nearest.why}; it would fit a GPU of "
+            f"{need / (1 << 30):.0f} GiB, or give more GPUs (--gpus) so data parallel "
+            "shards the weights further")
+
+
+def best_of_all(model: ModelShape, job: Job, machine: Machine, space: Space = Space()
+                ) -> Outcome | None:
+    """Every configuration judged, the fastest that fits: what :func:`plan` must agree
+    with (the tests' brute force)."""
+    judge = Judge(model, job, machine)
+    found: list[tuple[float, int, Outcome]] = []
+    for index, config in enumerate(configurations(model, job, space)):
+        outcome = judge.evaluate(config, swap=space.swap)
+        if outcome is not None and outcome.fits:
+            found.append((outcome.step_time, index, outcome))
+    return min(found, key=lambda item: (item[0], item[1]))[2] if found else None
+
+
+__all__ = ["Config", "NoFit", "Plan", "Progress", "best_of_all", "plan"]
