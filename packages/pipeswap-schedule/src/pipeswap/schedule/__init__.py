@@ -81,6 +81,15 @@ from pipeswap.schedule.swap_plan import (
     SwapPlacement,
     SwapPlan,
 )
+from pipeswap.schedule.jobplan import (
+    Job,
+    Machine,
+    ModelShape,
+    NoFit,
+    Plan,
+    SearchSpace,
+    plan,
+)
 from pipeswap.schedule.text import format_order, parse_order, parse_step
 from pipeswap.schedule.transport_models import check_batches_alike, simulate_p2p
 from pipeswap.schedule.units import parse_bytes
@@ -104,16 +113,21 @@ __all__ = [
     "FSDPOrderError",
     "GRANULARITIES",
     "Granularity",
+    "Job",
     "Link",
     "Lowering",
+    "Machine",
     "MemoryBudgetPolicy",
     "MinGapPolicy",
+    "ModelShape",
+    "NoFit",
     "OVERLAPS",
     "Order",
     "P2P",
     "P2PError",
     "ParseError",
     "PeakPolicy",
+    "Plan",
     "PlanOutcome",
     "PreparingPolicy",
     "RECOMPUTE",
@@ -128,6 +142,7 @@ __all__ = [
     "ScheduleError",
     "ScheduleKind",
     "ScheduleSpec",
+    "SearchSpace",
     "Selection",
     "SimulationResult",
     "StageCosts",
@@ -168,6 +183,7 @@ __all__ = [
     "parse_bytes",
     "parse_order",
     "parse_step",
+    "plan",
     "plan_swap",
     "simulate",
     "simulate_p2p",

@@ -1,5 +1,5 @@
 """``pipeswap-schedule plan``: the fastest configurations that fit a model, a cluster and a
-batch, ranked (see :mod:`pipeswap.schedule.plan`)."""
+batch, ranked (see :mod:`pipeswap.schedule.jobplan`)."""
 
 from __future__ import annotations
 
@@ -14,14 +14,14 @@ from pipeswap.schedule.build import ScheduleKind
 from pipeswap.schedule.cli.simulate_command import Parser, count, in_range
 from pipeswap.schedule.costs import Link
 from pipeswap.schedule.errors import ScheduleError
-from pipeswap.schedule.plan import (
+from pipeswap.schedule.jobplan import (
     MACHINE_PRESETS,
     MODEL_PRESETS,
     Job,
     Machine,
     ModelShape,
     Outcome,
-    Space,
+    SearchSpace,
     as_data,
     from_hf_config,
     machine_preset,
@@ -29,8 +29,8 @@ from pipeswap.schedule.plan import (
     plan,
     render,
 )
-from pipeswap.schedule.plan.memory import Optimizer
-from pipeswap.schedule.plan.search import Progress
+from pipeswap.schedule.jobplan.memory import Optimizer
+from pipeswap.schedule.jobplan.search import Progress
 from pipeswap.schedule.units import parse_bytes, parse_size
 
 DTYPES = {"bf16": 2, "fp16": 2, "fp32": 4}
@@ -159,7 +159,7 @@ def run_plan(args: argparse.Namespace) -> int:
     model, machine = model_of(args), machine_of(args)
     job = Job(args.gpus, args.global_batch, args.seq_len, DTYPES[args.dtype], args.optimizer,
               fsdp=not args.replicate, reserve_bytes=args.reserve)
-    space = Space(ranks=args.ranks, schedules=args.schedules or tuple(ScheduleKind),
+    space = SearchSpace(ranks=args.ranks, schedules=args.schedules or tuple(ScheduleKind),
                   stages_per_rank=args.stages_per_rank, micro_batches=args.micro_batch_sizes,
                   max_microbatch_factor=args.max_microbatches_per_rank, swap=not args.no_swap)
     found = plan(model, job, machine, space, top=args.top, progress=_progress())

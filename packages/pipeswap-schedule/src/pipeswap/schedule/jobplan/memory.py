@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from pipeswap.schedule.errors import ScheduleError
-from pipeswap.schedule.plan.models import ModelShape
+from pipeswap.schedule.jobplan.models import ModelShape
 
 Optimizer = Literal["adam", "sgd"]
 OPTIMIZERS: tuple[Optimizer, ...] = ("adam", "sgd")

@@ -6,8 +6,8 @@ data (``--format json``)."""
 from __future__ import annotations
 
 from pipeswap.schedule.build import MULTI_STAGE, ScheduleKind
-from pipeswap.schedule.plan.evaluate import Outcome
-from pipeswap.schedule.plan.search import Plan
+from pipeswap.schedule.jobplan.evaluate import Outcome
+from pipeswap.schedule.jobplan.search import Plan
 
 GIB = 1 << 30
 #: PyTorch's class for each family (pipeswap.runtime.pipelining has the same names).

@@ -11,10 +11,10 @@ from dataclasses import dataclass, replace
 from pipeswap.schedule.build import ScheduleSpec, build_planned, build_schedule
 from pipeswap.schedule.costs import CostModel
 from pipeswap.schedule.errors import ScheduleError
-from pipeswap.schedule.plan.machines import Machine
-from pipeswap.schedule.plan.memory import Job, MemoryParts, stage_layers, static_parts
-from pipeswap.schedule.plan.models import ModelShape
-from pipeswap.schedule.plan.space import Config, cost_model, lower_bound
+from pipeswap.schedule.jobplan.machines import Machine
+from pipeswap.schedule.jobplan.memory import Job, MemoryParts, stage_layers, static_parts
+from pipeswap.schedule.jobplan.models import ModelShape
+from pipeswap.schedule.jobplan.space import Config, cost_model, lower_bound
 from pipeswap.schedule.policies import PeakPolicy
 from pipeswap.schedule.simulate import RankResult, SimulationResult, simulate
 
@@ -90,15 +90,26 @@ class Judge:
         result = simulate(plain, costs, timeline=False, check=False)
         return self._outcome(config, statics, result, costs, "keeps every activation")
 
-    def swapping(self, config: Config) -> Outcome:
+    def swapping(self, config: Config, kept_step: float) -> Outcome:
         """``config`` judged with each rank's keep, swap and recompute chosen to fit the
-        memory its device has left, on the rank's own timeline."""
+        memory its device has left, on the rank's own timeline: whole chunks swapped first
+        (quick to plan), which where it fits at ``kept_step`` (the step keeping everything,
+        which no plan beats) is the answer; else the peak policy's full choice (streaming,
+        recompute), the faster of the two that fit."""
         statics, costs = self.statics(config), self.costs(config)
         budget = {r: max(0, self.capacity - statics[r].static) for r in range(config.ranks)}
-        policy = PeakPolicy(costs, budget=budget, recompute="auto", whole_pipeline=False)
-        planned, _ = build_planned(replace(_spec(config), swap=True), policy)
-        result = simulate(planned, costs, timeline=False, check=False)
-        return self._outcome(config, statics, result, costs, "swaps and recomputes")
+
+        def planned(policy: PeakPolicy) -> Outcome:
+            schedule, _ = build_planned(replace(_spec(config), swap=True), policy)
+            result = simulate(schedule, costs, timeline=False, check=False)
+            return self._outcome(config, statics, result, costs, "swaps and recomputes")
+
+        whole = planned(PeakPolicy(costs, budget=budget, granularity="chunk",
+                                   whole_pipeline=False))
+        if whole.fits and whole.step_time <= kept_step:
+            return whole
+        full = planned(PeakPolicy(costs, budget=budget, recompute="auto", whole_pipeline=False))
+        return min((whole, full), key=lambda outcome: (not outcome.fits, outcome.step_time))
 
     def evaluate(self, config: Config, swap: bool = True) -> Outcome | None:
         """``config`` judged: kept where that fits, else (with ``swap``) swapped and
@@ -106,13 +117,13 @@ class Judge:
         kept = self.keeping(config)
         if kept is None or kept.fits or not swap or kept.step_time == math.inf:
             return kept
-        return self.swapping(config)
+        return self.swapping(config, kept.step_time)
 
     def _static_over(self, config: Config, statics: tuple[MemoryParts, ...],
                      rank: int) -> Outcome:
         parts = statics[rank]
         why = (f"rank {rank}'s weights, gradients, optimizer state and buffers alone need "
-               f"{_gib(parts.static)} of {_gib(self.capacity)}")
+               f"{gib(parts.static)} of {gib(self.capacity)}")
         return Outcome(config, False, math.inf, 0.0, 0.0, 0.0, statics, self.capacity, 0,
                        (0,) * config.ranks, (0,) * config.ranks, (0,) * config.ranks, why)
 
@@ -128,7 +139,7 @@ class Judge:
         fits = fits and node <= self.machine.host_memory_bytes
         tokens = config.dp * config.microbatches * config.micro_batch * self.job.seq_len
         worst = max(memory, key=lambda parts: parts.total)
-        why = (f"{how}; the fullest rank needs {_gib(worst.total)} of {_gib(self.capacity)}"
+        why = (f"{how}; the fullest rank needs {gib(worst.total)} of {gib(self.capacity)}"
                if fits else _over(memory, self.capacity, node,
                                   self.machine.host_memory_bytes, how))
         return Outcome(config, fits, result.step_time, tokens / result.step_time,
@@ -159,10 +170,11 @@ def _over(memory: tuple[MemoryParts, ...], capacity: int, node: int, host: int,
           how: str) -> str:
     worst = max(range(len(memory)), key=lambda rank: memory[rank].total)
     if memory[worst].total > capacity:
-        return (f"rank {worst} needs {_gib(memory[worst].total)} of {_gib(capacity)} "
+        return (f"rank {worst} needs {gib(memory[worst].total)} of {gib(capacity)} "
                 f"({how})")
-    return f"a node's swapped activations need {_gib(node)} of its {_gib(host)} host memory"
+    return f"a node's swapped activations need {gib(node)} of its {gib(host)} host memory"
 
 
-def _gib(value: float) -> str:
-    return f"{value / (1 << 30):.1f} GiB"
+def gib(value: float) -> str:
+    """Bytes in GiB, to a tenth (to a hundredth below 10 GiB)."""
+    return f"{value / (1 << 30):.{1 if value >= 10 * (1 << 30) else 2}f} GiB"

@@ -10,9 +10,9 @@ from dataclasses import dataclass
 from pipeswap.schedule.build import MULTI_STAGE, V_SHAPED, ScheduleKind
 from pipeswap.schedule.costs import CostModel, StageCosts
 from pipeswap.schedule.errors import ScheduleError
-from pipeswap.schedule.plan.machines import Machine
-from pipeswap.schedule.plan.memory import Job, stage_layers
-from pipeswap.schedule.plan.models import ModelShape
+from pipeswap.schedule.jobplan.machines import Machine
+from pipeswap.schedule.jobplan.memory import Job, stage_layers
+from pipeswap.schedule.jobplan.models import ModelShape
 from pipeswap.schedule.schedule import StageMapping, stage_to_rank
 
 
@@ -44,7 +44,7 @@ class Config:
 
 
 @dataclass(frozen=True)
-class Space:
+class SearchSpace:
     """What the search may choose; None: anything. ``max_microbatch_factor``: at most this
     many microbatches per pipeline rank."""
 
@@ -56,7 +56,7 @@ class Space:
     swap: bool = True  # may swap and recompute; else every rank keeps everything
 
 
-def configurations(model: ModelShape, job: Job, space: Space) -> Iterator[Config]:
+def configurations(model: ModelShape, job: Job, space: SearchSpace) -> Iterator[Config]:
     """Every configuration of ``space`` the job can run: pipeline degrees that divide the
     GPUs, replicas that split the batch, stages no more than the layers."""
     for ranks in _divisors(job.gpus):
@@ -124,7 +124,7 @@ def lower_bound(config: Config, costs: CostModel) -> float:
     return best
 
 
-def check_job(model: ModelShape, job: Job, space: Space) -> None:
+def check_job(model: ModelShape, job: Job, space: SearchSpace) -> None:
     """One line for a job no configuration can run at all."""
     degrees = [r for r in _divisors(job.gpus) if space.ranks is None or r in space.ranks]
     if not degrees:

@@ -12,11 +12,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from pipeswap.schedule.errors import ScheduleError
-from pipeswap.schedule.plan.evaluate import Judge, Outcome
-from pipeswap.schedule.plan.machines import Machine
-from pipeswap.schedule.plan.memory import Job
-from pipeswap.schedule.plan.models import ModelShape
-from pipeswap.schedule.plan.space import Config, Space, check_job, configurations
+from pipeswap.schedule.jobplan.evaluate import Judge, Outcome, gib
+from pipeswap.schedule.jobplan.machines import Machine
+from pipeswap.schedule.jobplan.memory import Job
+from pipeswap.schedule.jobplan.models import ModelShape
+from pipeswap.schedule.jobplan.space import Config, SearchSpace, check_job, configurations
 
 #: told (configurations judged, configurations in the space, the best fitting so far)
 Progress = Callable[[int, int, Outcome | None], None]
@@ -46,7 +46,7 @@ class NoFit(ScheduleError):
     """No configuration of the space fits; the message says what would."""
 
 
-def plan(model: ModelShape, job: Job, machine: Machine, space: Space = Space(), *,
+def plan(model: ModelShape, job: Job, machine: Machine, space: SearchSpace = SearchSpace(), *,
          top: int = 5, progress: Progress | None = None) -> Plan:
     """The ``top`` fastest configurations of ``space`` that fit ``machine``'s memory."""
     begun = time.perf_counter()
@@ -62,14 +62,14 @@ def plan(model: ModelShape, job: Job, machine: Machine, space: Space = Space(), 
     heapq.heapify(queue)
     ranked: list[tuple[float, int, Outcome]] = []
     others: dict[int, Outcome] = {}
-    judged = 0
+    judged: set[int] = set()  # the configurations simulated (some twice: kept, then swapped)
     while queue:
         bound, index, phase = heapq.heappop(queue)
         if len(ranked) >= top and bound >= ranked[top - 1][0]:
             break
         config = configs[index]
-        outcome = judge.keeping(config) if phase == 0 else judge.swapping(config)
-        judged += 1
+        outcome = judge.keeping(config) if phase == 0 else judge.swapping(config, bound)
+        judged.add(index)
         if outcome is None:
             continue
         if outcome.fits:
@@ -81,12 +81,12 @@ def plan(model: ModelShape, job: Job, machine: Machine, space: Space = Space(), 
             if phase == 0 and space.swap and outcome.step_time < math.inf:
                 heapq.heappush(queue, (outcome.step_time, index, 1))
         if progress is not None:
-            progress(judged, len(configs), ranked[0][2] if ranked else None)
+            progress(len(judged), len(configs), ranked[0][2] if ranked else None)
     others.update({index: outcome for _, index, outcome in ranked[top:]})
     if not ranked:
         raise NoFit(_why_none(model, job, machine, list(others.values())))
     return Plan(model, job, machine, tuple(outcome for _, _, outcome in ranked[:top]),
-                tuple(sorted(others.values(), key=_nearness)), len(configs), judged,
+                tuple(sorted(others.values(), key=_nearness)), len(configs), len(judged),
                 time.perf_counter() - begun)
 
 
@@ -105,13 +105,12 @@ def _why_none(model: ModelShape, job: Job, machine: Machine, judged: list[Outcom
     nearest = min(judged, key=lambda outcome: outcome.peak_device_bytes)
     need = nearest.peak_device_bytes + job.reserve_bytes
     return (f"{model.name} fits in no configuration on {job.gpus} {machine.name} "
-            f"({machine.memory_bytes / (1 << 30):.0f} GiB each): the nearest, "
-            f"{nearest.config.describe()}, {nearest.why}; it would fit a GPU of "
-            f"{need / (1 << 30):.0f} GiB, or give more GPUs (--gpus) so data parallel "
-            "shards the weights further")
+            f"({gib(machine.memory_bytes)} each): the nearest, {nearest.config.describe()}, "
+            f"{nearest.why}; it would fit a GPU of {gib(need)}, or give more GPUs (--gpus) "
+            "so data parallel shards the weights further")
 
 
-def best_of_all(model: ModelShape, job: Job, machine: Machine, space: Space = Space()
+def best_of_all(model: ModelShape, job: Job, machine: Machine, space: SearchSpace = SearchSpace()
                 ) -> Outcome | None:
     """Every configuration judged, the fastest that fits: what :func:`plan` must agree
     with (the tests' brute force)."""

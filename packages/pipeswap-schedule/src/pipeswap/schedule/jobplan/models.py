@@ -151,4 +151,5 @@ def shape_of(config: Mapping[str, object], name: str) -> ModelShape:
         ffn = 4 * found["hidden"]
     return ModelShape(name, found["layers"], found["hidden"], found["heads"],
                       kv if isinstance(kv, int) else found["heads"], ffn, found["vocab"],
-                      gated_mlp=gated, tied=bool(config.get("tie_word_embeddings", False)))
+                      gated_mlp=gated,  # Hugging Face ties the head unless told not to
+                      tied=bool(config.get("tie_word_embeddings", True)))
