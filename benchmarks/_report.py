@@ -1,7 +1,9 @@
-"""Shared by the benchmarks: the machine line and writing a section of BENCHMARKS.md."""
+"""Shared by the benchmarks: the machine line, a command pinned to one core, and writing a
+section of BENCHMARKS.md."""
 
 from __future__ import annotations
 
+import argparse
 import os
 import platform
 import re
@@ -52,3 +54,25 @@ def publish(title: str, report: str, write: bool) -> int:
     if write:
         write_section(title, report)
     return 0
+
+
+def one_core(argv: list[str]) -> list[str]:
+    """``argv`` pinned to one core where ``taskset`` is at hand: the timings are one core's."""
+    if hasattr(os, "sched_getaffinity") and _has_taskset():
+        return ["taskset", "-c", str(min(os.sched_getaffinity(0))), *argv]
+    return argv
+
+
+def _has_taskset() -> bool:
+    return any((Path(d) / "taskset").exists() for d in os.environ.get("PATH", "").split(":"))
+
+
+def benchmark_parser(doc: str | None, quick: str) -> argparse.ArgumentParser:
+    """A benchmark's command line: its docstring as the help, ``--write`` and ``--quick``
+    (``quick`` says what the quick run is)."""
+    parser = argparse.ArgumentParser(description=doc,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--write", action="store_true", help="record results in BENCHMARKS.md")
+    parser.add_argument("--quick", action="store_true", help=quick)
+    return parser
+

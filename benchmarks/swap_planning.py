@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
 import resource
 import subprocess
 import sys
@@ -37,7 +36,7 @@ from pipeswap.schedule import Order, SwapCandidate, SwapPolicy
 from pipeswap.schedule.policies import Selection
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _report import machine, publish  # noqa: E402
+from _report import benchmark_parser, machine, one_core, publish  # noqa: E402
 
 SECTION = "## Swap planning at scale (`benchmarks/swap_planning.py`)"
 TARGETS = {"plan": 3.0, "inject": 3.0, "validate": 3.0, "simulate": 5.0, "command": 5.0}
@@ -110,7 +109,7 @@ def run_one(kind: str, ranks: int, microbatches: int, stages_per_rank: int) -> d
 
 def measure(case: Case, microbatches: int) -> dict[str, Any]:
     """One size of ``case`` in a fresh process pinned to one core, then the whole command."""
-    done = subprocess.run(_one_core([sys.executable, __file__, "--one", case.kind,
+    done = subprocess.run(one_core([sys.executable, __file__, "--one", case.kind,
                                      str(case.ranks), str(microbatches),
                                      str(case.stages_per_rank)]),
                           check=True, capture_output=True, text=True)
@@ -121,19 +120,9 @@ def measure(case: Case, microbatches: int) -> dict[str, Any]:
     if case.kind == "interleaved-1f1b":
         command += ["--stages-per-rank", str(case.stages_per_rank)]
     start = time.perf_counter()
-    subprocess.run(_one_core(command), check=True, stdout=subprocess.DEVNULL)
+    subprocess.run(one_core(command), check=True, stdout=subprocess.DEVNULL)
     found["times"]["command"] = time.perf_counter() - start
     return found
-
-
-def _one_core(argv: list[str]) -> list[str]:
-    if hasattr(os, "sched_getaffinity") and _has_taskset():
-        return ["taskset", "-c", str(min(os.sched_getaffinity(0))), *argv]
-    return argv
-
-
-def _has_taskset() -> bool:
-    return any((Path(d) / "taskset").exists() for d in os.environ.get("PATH", "").split(":"))
 
 
 def report(results: list[tuple[Case, list[tuple[int, dict[str, Any]]]]]) -> str:
@@ -161,11 +150,7 @@ def report(results: list[tuple[Case, list[tuple[int, dict[str, Any]]]]]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--write", action="store_true", help="record results in BENCHMARKS.md")
-    parser.add_argument("--quick", action="store_true",
-                        help="only the smallest size of each case, once, not recorded")
+    parser = benchmark_parser(__doc__, "only the smallest size of each case, once, not recorded")
     parser.add_argument("--repeat", type=int, default=3, metavar="N",
                         help="measure each size N times, each in a fresh process, and keep "
                              "each phase's fastest (default 3: other load on a shared machine "

@@ -85,6 +85,19 @@ def test_swap_planning_times_every_phase_of_every_case() -> None:
         assert row[8].endswith("MiB |") and int(row[8].split()[0]) > 0, row
 
 
+def test_plan_search_times_each_pipeline_degree() -> None:
+    out = subprocess.run([sys.executable, str(BENCHMARKS / "plan_search.py"), "--quick",
+                          "--json"], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = json.loads(out.stdout)["rows"]
+    assert [row["ranks"] for row in rows] == [2, 4]
+    for row in rows:  # each degree searched, its best found at that degree
+        assert row["no_fit"] is None and not row["stopped"], row
+        assert 0 < row["simulated"] <= row["considered"], row
+        assert row["seconds"] > 0 and row["step_time_s"] > 0 and row["tokens_per_s"] > 0, row
+        assert f" P={row['ranks']} " in row["best"] and row["rss"] > 0, row
+
+
 def test_layer_offload_runs_and_agrees_bit_for_bit() -> None:
     out = subprocess.run(
         [sys.executable, str(BENCHMARKS / "layer_offload.py"), "--quick", "--json"],

@@ -5,6 +5,8 @@ data (``--format json``)."""
 
 from __future__ import annotations
 
+import math
+
 from pipeswap.schedule.build import MULTI_STAGE, ScheduleKind
 from pipeswap.schedule.jobplan.evaluate import Outcome
 from pipeswap.schedule.jobplan.search import Plan
@@ -115,7 +117,8 @@ def as_data(plan: Plan) -> dict[str, object]:
         c, parts = outcome.config, outcome.memory[outcome.worst_rank]
         return {"schedule": c.kind.value, "ranks": c.ranks, "dp": c.dp,
                 "stages_per_rank": c.stages_per_rank, "microbatches": c.microbatches,
-                "micro_batch_size": c.micro_batch, "step_time_s": outcome.step_time,
+                "micro_batch_size": c.micro_batch,
+                "step_time_s": outcome.step_time if math.isfinite(outcome.step_time) else None,
                 "tokens_per_s": outcome.tokens_per_s, "bubble": outcome.bubble,
                 "exposed_copy_s": outcome.exposed_copy, "fits": outcome.fits,
                 "peak_device_bytes": outcome.peak_device_bytes,
