@@ -25,7 +25,7 @@ import resource
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +33,7 @@ from pipeswap.schedule import Job, NoFit, SearchSpace, plan
 from pipeswap.schedule.jobplan import Outcome, machine_preset, model_preset
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _report import benchmark_parser, machine, one_core, publish  # noqa: E402
+from _report import benchmark_parser, machine, one_core, publish, write_section  # noqa: E402
 
 SECTION = "## Plan search at scale (`benchmarks/plan_search.py`)"
 TOP = 5  # the command's default
@@ -121,7 +121,17 @@ def report(case: Case, rows: list[dict[str, Any]]) -> str:
             lines.append(f"{head} {row['best']} | {row['step_time_s']:.2f} s | "
                          f"{row['tokens_per_s']:,.0f} |")
     total = sum(row["seconds"] for row in rows)
-    return "\n".join(lines) + f"\n\nAll {len(rows)} degrees: {total:.1f} s."
+    return "\n".join(lines) + f"\n\nThe searches in all: {total:.1f} s."
+
+
+def _degrees(text: str) -> tuple[int, ...]:
+    try:
+        found = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a list of integers: {text!r}") from None
+    if min(found) < 1:
+        raise argparse.ArgumentTypeError(f"give degrees from 1, got {text!r}")
+    return found
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -131,6 +141,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--limit", type=float, default=LIMIT_S, metavar="S",
                         help="stop a degree's search at its first configuration judged past S "
                              f"seconds and report its best so far (default {LIMIT_S:.0f})")
+    parser.add_argument("--degrees", type=_degrees, metavar="LIST",
+                        help="pipeline degrees to time, e.g. 8,16 (default 8,16,32,64; "
+                             "with --quick 2,4)")
     parser.add_argument("--one", nargs=2, metavar=("CASE", "P"),
                         help=argparse.SUPPRESS)  # a child's own degree
     args = parser.parse_args(argv)
@@ -142,16 +155,26 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(run_one(case, int(args.one[1]), args.limit)))
         return 0
     case = QUICK if args.quick else FULL
-    rows = []
+    if args.degrees:
+        case = replace(case, degrees=args.degrees)
+    rows: list[dict[str, Any]] = []
     for ranks in case.degrees:
         print(f"{case.model}, P={ranks} ...", file=sys.stderr, flush=True)
         rows.append(measure(case, ranks, args.limit))
-        print(json.dumps(rows[-1]), file=sys.stderr, flush=True)  # kept if a later one fails
+        print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+        if args.write and not args.quick and not args.json and len(rows) < len(case.degrees):
+            write_section(SECTION, text(case, rows, args.limit))  # kept if a later one fails
     if args.json:
         print(json.dumps({"case": case.describe(), "rows": rows}))
         return 0
-    text = (f"Measured {datetime.date.today().isoformat()} on {machine()}; each degree once, "
-            f"in a fresh process on one core, stopped past {args.limit:.0f} s. "
+    return publish(SECTION, text(case, rows, args.limit), args.write and not args.quick)
+
+
+def text(case: Case, rows: list[dict[str, Any]], limit: float) -> str:
+    """The section: how it was measured, and the table of the degrees measured so far."""
+    left = [str(ranks) for ranks in case.degrees[len(rows):]]
+    return (f"Measured {datetime.date.today().isoformat()} on {machine()}; each degree once, "
+            f"in a fresh process on one core, stopped past {limit:.0f} s. "
             f"{case.describe()}; the pipeline degree P fixed (`SearchSpace(ranks=(P,))`, so "
             f"DP = {case.gpus}/P), everything else as `pipeswap-schedule plan` searches it by "
             "default (every family, 1 to 4 stages per rank, every micro-batch size, at most 8P "
@@ -161,8 +184,8 @@ def main(argv: list[str] | None = None) -> int:
             "memory. The target for the whole search as the command runs it (every degree at "
             "once) is under a minute.\n\n"
             "Command: `python benchmarks/plan_search.py --write` in the default env.\n\n"
-            + report(case, rows))
-    return publish(SECTION, text, args.write and not args.quick)
+            + report(case, rows)
+            + (f" Not measured yet: P={', '.join(left)}." if left else ""))
 
 
 if __name__ == "__main__":
