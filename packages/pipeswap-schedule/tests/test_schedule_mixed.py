@@ -150,7 +150,9 @@ def test_where_a_stalled_swap_costs_less_than_recompute_the_mix_swaps_alone(
     assert all(rank.peak_activation_bytes <= budget for rank in result.ranks)
     assert all(rank.recomputed_layers == 0 for rank in result.ranks)
     if bandwidth == 80e9:
-        assert result.step_time == alone.step_time == pytest.approx(plain.step_time)
+        # as fast as no swap, to a rounding (plans of equal steps sum their times apart)
+        assert result.step_time == pytest.approx(plain.step_time)
+        assert alone.step_time == pytest.approx(plain.step_time)
     else:
         assert result.step_time < alone.step_time * 0.95
 

@@ -6,6 +6,7 @@ timeline)."""
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from pipeswap.schedule.build import ScheduleSpec, build_planned, build_schedule
@@ -94,22 +95,31 @@ class Judge:
         """``config`` judged with each rank's keep, swap and recompute chosen to fit the
         memory its device has left, on the rank's own timeline: whole chunks swapped first
         (quick to plan), which where it fits at ``kept_step`` (the step keeping everything,
-        which no plan beats) is the answer; else the peak policy's full choice (streaming,
-        recompute), the faster of the two that fit."""
+        which no plan beats) is the answer; else the better of it and the peak policy's
+        full choice (streaming, recompute)."""
+        whole = self.whole_chunks(config)
+        if settled(whole, kept_step):
+            return whole
+        return better(whole, self.streaming(config))
+
+    def whole_chunks(self, config: Config) -> Outcome:
+        """``config`` with whole chunks swapped where a rank's memory needs it."""
+        return self._planned(config, lambda costs, budget: PeakPolicy(
+            costs, budget=budget, granularity="chunk", whole_pipeline=False))
+
+    def streaming(self, config: Config) -> Outcome:
+        """``config`` with the peak policy's full choice per rank: whole or streamed swap,
+        and recompute (slower to plan than :meth:`whole_chunks`)."""
+        return self._planned(config, lambda costs, budget: PeakPolicy(
+            costs, budget=budget, recompute="auto", whole_pipeline=False))
+
+    def _planned(self, config: Config,
+                 policy: Callable[[CostModel, dict[int, int]], PeakPolicy]) -> Outcome:
         statics, costs = self.statics(config), self.costs(config)
         budget = {r: max(0, self.capacity - statics[r].static) for r in range(config.ranks)}
-
-        def planned(policy: PeakPolicy) -> Outcome:
-            schedule, _ = build_planned(replace(_spec(config), swap=True), policy)
-            result = simulate(schedule, costs, timeline=False, check=False)
-            return self._outcome(config, statics, result, costs, "swaps and recomputes")
-
-        whole = planned(PeakPolicy(costs, budget=budget, granularity="chunk",
-                                   whole_pipeline=False))
-        if whole.fits and whole.step_time <= kept_step:
-            return whole
-        full = planned(PeakPolicy(costs, budget=budget, recompute="auto", whole_pipeline=False))
-        return min((whole, full), key=lambda outcome: (not outcome.fits, outcome.step_time))
+        schedule, _ = build_planned(replace(_spec(config), swap=True), policy(costs, budget))
+        result = simulate(schedule, costs, timeline=False, check=False)
+        return self._outcome(config, statics, result, costs, "swaps and recomputes")
 
     def evaluate(self, config: Config, swap: bool = True) -> Outcome | None:
         """``config`` judged: kept where that fits, else (with ``swap``) swapped and
@@ -146,6 +156,17 @@ class Judge:
                        sum(r.bubble_fraction for r in result.ranks) / len(result.ranks),
                        max(r.exposed_copy for r in result.ranks), memory, self.capacity, node,
                        swapped, streamed, tuple(r.recomputed_layers for r in result.ranks), why)
+
+
+def settled(whole: Outcome, kept_step: float) -> bool:
+    """Whether ``whole`` (whole chunks swapped) is a configuration's answer: it fits at the
+    step keeping everything gave, which no plan beats."""
+    return whole.fits and whole.step_time <= kept_step
+
+
+def better(first: Outcome, second: Outcome) -> Outcome:
+    """The one that fits, then the faster (the first of equals)."""
+    return min((first, second), key=lambda outcome: (not outcome.fits, outcome.step_time))
 
 
 def _spec(config: Config) -> ScheduleSpec:

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from pipeswap.schedule.errors import ScheduleError
-from pipeswap.schedule.jobplan.evaluate import Judge, Outcome, gib
+from pipeswap.schedule.jobplan.evaluate import Judge, Outcome, better, gib, settled
 from pipeswap.schedule.jobplan.machines import Machine
 from pipeswap.schedule.jobplan.memory import Job
 from pipeswap.schedule.jobplan.models import ModelShape
@@ -56,32 +56,46 @@ def plan(model: ModelShape, job: Job, machine: Machine, space: SearchSpace = Sea
     if not configs:
         raise ScheduleError("no configuration is left in the search space: widen --ranks, "
                             "--schedules, --stages-per-rank or --micro-batch-sizes")
-    # (bound, index, phase): phase 0 judges a configuration keeping every activation, phase
-    # 1 with swap and recompute, bounded by its step kept (swap and recompute only add)
+    # (bound, index, phase): phase 0 judges a configuration keeping every activation,
+    # phase 1 with whole chunks swapped, phase 2 with the full choice (streaming,
+    # recompute), which is slow to plan: the quick whole-chunk plans, each a real step,
+    # lower the bar first. Phases 1 and 2 are bounded by the step kept (swap and recompute
+    # only add steps to a rank's order).
     queue = [(judge.bound(config), index, 0) for index, config in enumerate(configs)]
     heapq.heapify(queue)
-    ranked: list[tuple[float, int, Outcome]] = []
-    others: dict[int, Outcome] = {}
-    judged: set[int] = set()  # the configurations simulated (some twice: kept, then swapped)
+    best: dict[int, Outcome] = {}  # each configuration judged: its best outcome so far
+    judged: set[int] = set()  # the configurations simulated (some up to three times)
+
+    def bar() -> float:
+        steps = sorted(o.step_time for o in best.values() if o.fits)
+        return steps[top - 1] if len(steps) >= top else math.inf
+
     while queue:
         bound, index, phase = heapq.heappop(queue)
-        if len(ranked) >= top and bound >= ranked[top - 1][0]:
+        if bound >= bar():
             break
         config = configs[index]
-        outcome = judge.keeping(config) if phase == 0 else judge.swapping(config, bound)
         judged.add(index)
-        if outcome is None:
-            continue
-        if outcome.fits:
-            ranked.append((outcome.step_time, index, outcome))
-            ranked.sort(key=lambda item: (item[0], item[1]))
-            others.pop(index, None)
+        if phase == 0:
+            found = judge.keeping(config)
+            if found is None:
+                continue
+            best[index] = found
+            if not found.fits and space.swap and found.step_time < math.inf:
+                heapq.heappush(queue, (found.step_time, index, 1))
+        elif phase == 1:
+            best[index] = judge.whole_chunks(config)
+            if not settled(best[index], bound):
+                heapq.heappush(queue, (bound, index, 2))
         else:
-            others[index] = outcome
-            if phase == 0 and space.swap and outcome.step_time < math.inf:
-                heapq.heappush(queue, (outcome.step_time, index, 1))
+            best[index] = better(best[index], judge.streaming(config))
         if progress is not None:
-            progress(len(judged), len(configs), ranked[0][2] if ranked else None)
+            fitting = [o for o in best.values() if o.fits]
+            progress(len(judged), len(configs),
+                     min(fitting, key=lambda o: o.step_time) if fitting else None)
+    ranked = sorted(((o.step_time, index, o) for index, o in best.items() if o.fits),
+                    key=lambda item: (item[0], item[1]))
+    others = {index: o for index, o in best.items() if not o.fits}
     others.update({index: outcome for _, index, outcome in ranked[top:]})
     if not ranked:
         raise NoFit(_why_none(model, job, machine, list(others.values())))

@@ -155,7 +155,10 @@ class RankSearch:
         of keep, offload and recompute) a plan under a budget descends from the chunk-level
         plan alone: the other starts took 95% of a rank's planning time at 64 stages, and
         with the plans alike on every chunk beside them they made no budget and link of the
-        reference case faster (``benchmarks/keep_offload_recompute.py``)."""
+        reference case faster (``benchmarks/keep_offload_recompute.py``). For the same
+        reason it is not improved by dropping chunks (:func:`_perturb`): that made no plan
+        of the reference case faster either, and took most of the time of a rank holding
+        many layers."""
         points = Points(order, costs, rank, redo)
         only = self.granularity == "layer"
         whole = self.granularity == "chunk"
@@ -181,7 +184,7 @@ class RankSearch:
                 break
         plan = min((plans[k] for k in sorted(plans)), key=lambda p: _merit(p, budget))
         plan.streamed_only = only  # auto may go on with whole chunks from any start
-        if stall and not _at_floor(plan, floor):
+        if stall and not seeded and not _at_floor(plan, floor):
             plan = _perturb(plan, budget, stall)
         if not only:
             unstream(plan)  # auto streams only where streaming lowers the peak
