@@ -6,12 +6,14 @@ timeline)."""
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from pipeswap.schedule.build import ScheduleSpec, build_planned, build_schedule
 from pipeswap.schedule.costs import CostModel
 from pipeswap.schedule.errors import ScheduleError
+from pipeswap.schedule.jobplan.activations import batch_bytes, rank_bytes
 from pipeswap.schedule.jobplan.machines import Machine
 from pipeswap.schedule.jobplan.memory import Job, MemoryParts, stage_layers, static_parts
 from pipeswap.schedule.jobplan.models import ModelShape
@@ -75,6 +77,20 @@ class Judge:
                                   config.dp, config.micro_batch)
                      for rank in range(config.ranks))
 
+    def shared(self, config: Config) -> tuple[Shared, ...]:
+        """Per rank, the activations its chunks share (no plan moves them)."""
+        ranks = config.stage_ranks()
+        layers = stage_layers(self.model.layers, config.stages)
+        batch = batch_bytes(config.microbatches * config.micro_batch, self.job.seq_len)
+        out = []
+        for rank in range(config.ranks):
+            mine = [stage for stage, owner in enumerate(ranks) if owner == rank]
+            out.append(Shared(
+                rank_bytes(self.model, self.job.seq_len, sum(layers[s] for s in mine)),
+                {stage: batch for stage in {0, config.stages - 1} if stage in mine},
+                len(mine) > 1))
+        return tuple(out)
+
     def keeping(self, config: Config) -> Outcome | None:
         """``config`` judged with every activation kept (no swap, no recompute); None where
         its schedule cannot be built (a family's own rule on microbatches, say). A step
@@ -88,7 +104,7 @@ class Judge:
         except ScheduleError:
             return None
         costs = self.costs(config)
-        result = simulate(plain, costs, timeline=False, check=False)
+        result = simulate(plain, costs, timeline=_timed(config), check=False)
         return self._outcome(config, statics, result, costs, "keeps every activation")
 
     def swapping(self, config: Config, kept_step: float) -> Outcome:
@@ -116,9 +132,11 @@ class Judge:
     def _planned(self, config: Config,
                  policy: Callable[[CostModel, dict[int, int]], PeakPolicy]) -> Outcome:
         statics, costs = self.statics(config), self.costs(config)
-        budget = {r: max(0, self.capacity - statics[r].static) for r in range(config.ranks)}
+        shared = self.shared(config)
+        budget = {r: max(0, self.capacity - statics[r].static - shared[r].most)
+                  for r in range(config.ranks)}
         schedule, _ = build_planned(replace(_spec(config), swap=True), policy(costs, budget))
-        result = simulate(schedule, costs, timeline=False, check=False)
+        result = simulate(schedule, costs, timeline=_timed(config), check=False)
         return self._outcome(config, statics, result, costs, "swaps and recomputes")
 
     def evaluate(self, config: Config, swap: bool = True) -> Outcome | None:
@@ -139,7 +157,8 @@ class Judge:
 
     def _outcome(self, config: Config, statics: tuple[MemoryParts, ...],
                  result: SimulationResult, costs: CostModel, how: str) -> Outcome:
-        memory = tuple(replace(statics[r.rank], activations=r.peak_activation_bytes)
+        shared = self.shared(config)
+        memory = tuple(replace(statics[r.rank], activations=shared[r.rank].peak(r))
                        for r in result.ranks)
         fits = all(parts.total <= self.capacity for parts in memory)
         swapped = tuple(sum(1 for c in r.swapped if not c.streamed) for r in result.ranks)
@@ -156,6 +175,61 @@ class Judge:
                        sum(r.bubble_fraction for r in result.ranks) / len(result.ranks),
                        max(r.exposed_copy for r in result.ranks), memory, self.capacity, node,
                        swapped, streamed, tuple(r.recomputed_layers for r in result.ranks), why)
+
+
+@dataclass(frozen=True)
+class Shared:
+    """What a rank's chunks share: ``always`` while any is in flight, and per stage bytes
+    while one of that stage's is (:mod:`pipeswap.schedule.jobplan.activations`). On a rank of
+    several stages, when a stage's chunks are in flight comes from the simulated timeline."""
+
+    always: int
+    by_stage: dict[int, int]
+    several_stages: bool
+
+    @property
+    def most(self) -> int:
+        return self.always + sum(self.by_stage.values())
+
+    def peak(self, rank: RankResult) -> int:
+        """The rank's peak of saved activations with what its chunks share."""
+        if not self.several_stages or not self.by_stage:
+            return rank.peak_activation_bytes + self.most
+        windows = _in_flight(rank, set(self.by_stage))
+        return self.always + max((held + sum(
+            size for stage, size in self.by_stage.items()
+            if any(start <= time < end for start, end in windows[stage]))
+            for time, held in rank.memory), default=0)
+
+
+def _in_flight(rank: RankResult, stages: set[int]) -> dict[int, list[tuple[float, float]]]:
+    """Per stage of ``stages``, each chunk's time on the rank: from its forward's start to
+    its backward's end (the last of B, I and W)."""
+    starts: dict[tuple[int, int], float] = {}
+    ends: dict[tuple[int, int], float] = {}
+    for span in rank.spans:
+        found = _LABEL.fullmatch(span.label) if span.stream == "compute" else None
+        if found is None or int(found[1]) not in stages:
+            continue
+        key = (int(found[1]), int(found[3]))
+        if found[2] == "F":
+            starts[key] = span.start
+        elif found[2] in ("B", "I", "W"):
+            ends[key] = max(ends.get(key, span.end), span.end)
+    windows: dict[int, list[tuple[float, float]]] = {stage: [] for stage in stages}
+    for key, start in starts.items():
+        windows[key[0]].append((start, ends.get(key, math.inf)))
+    return windows
+
+
+#: A compute span's label: stage, kind, microbatch (``3W0``).
+_LABEL = re.compile(r"(\d+)([A-Z]+)(\d+)")
+
+
+def _timed(config: Config) -> bool:
+    """Whether ``config``'s memory needs the simulated timeline: a rank of several stages
+    holds the first or the last, whose shared inputs count only while it is in flight."""
+    return config.stages_per_rank > 1
 
 
 def settled(whole: Outcome, kept_step: float) -> bool:

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from pipeswap.schedule.errors import ScheduleError
+from pipeswap.schedule.jobplan.activations import layer_bytes
 from pipeswap.schedule.jobplan.models import ModelShape
 
 Optimizer = Literal["adam", "sgd"]
@@ -73,14 +74,12 @@ class MemoryParts:
 
 
 def stage_layers(layers: int, stages: int) -> tuple[int, ...]:
-    """How many blocks each of ``stages`` stages holds: as even as can be, the extra ones on
-    the stages after the first (which also holds the embedding)."""
+    """How many blocks each of ``stages`` stages holds: as even as can be, the earlier stages
+    taking the extra ones, as pipeswap's stage split does."""
     if layers < stages:
         raise ScheduleError(f"{layers} layers cannot fill {stages} stages")
     base, extra = divmod(layers, stages)
-    order = list(range(1, stages)) + [0]
-    more = set(order[:extra])
-    return tuple(base + (stage in more) for stage in range(stages))
+    return tuple(base + (stage < extra) for stage in range(stages))
 
 
 def stage_params(model: ModelShape, stage: int, layers: tuple[int, ...]) -> int:
@@ -100,7 +99,12 @@ def static_parts(model: ModelShape, job: Job, stages: tuple[int, ...], layers: t
     params = sum(stage_params(model, stage, layers) for stage in stages)
     share = math.ceil(params / dp) if job.fsdp else params
     boundary = model.boundary_bytes(micro_batch, job.seq_len, job.dtype_bytes)
-    buffers = 2 * boundary  # an activation and a gradient in flight
+    # an activation and a gradient in flight, and a layer's backward's working set: a
+    # GPT block's (explicit attention) makes gradients as large as what it saved, a Llama
+    # block's fused attention hardly any (as the allocator shows for pipeswap's models)
+    working = 0 if model.gated_mlp else layer_bytes(model, micro_batch, job.seq_len,
+                                                     job.dtype_bytes)
+    buffers = 2 * boundary + working
     if len(layers) - 1 in stages:  # the logits and their gradient, fp32
         buffers += 2 * micro_batch * job.seq_len * model.vocab * 4
     if job.fsdp and dp > 1:  # one stage's weights gathered at a time

@@ -1,6 +1,7 @@
 """The models a plan is made for: a transformer's dimensions, by preset name, from a Hugging
 Face ``config.json`` (read as JSON: no transformers import), or given one by one; and what
-one layer of it costs (parameters, FLOPs, saved activations)."""
+one layer of it costs (parameters, FLOPs; its saved activations are
+:mod:`pipeswap.schedule.jobplan.activations`'s)."""
 
 from __future__ import annotations
 
@@ -69,16 +70,6 @@ class ModelShape:
 
     def head_forward_flops(self, micro_batch: int, seq_len: int) -> float:
         return 2.0 * micro_batch * seq_len * self.hidden * self.vocab
-
-    def layer_activation_bytes(self, micro_batch: int, seq_len: int, dtype_bytes: int) -> int:
-        """What one block's forward saves for its backward, in ``dtype_bytes`` elements,
-        with flash attention (no score matrix): attention ``6·h + 2·kv`` values a token
-        (norm input and output, Q, K and V, attention output, projection input... as
-        ``4·h + 2·kv`` plus the residual's ``2·h``), the MLP ``2·h + 3·f`` gated (norm
-        input and output, gate, up, activation) or ``2·h + 2·f``."""
-        per_token = 6 * self.hidden + 2 * self.kv_dim + (
-            3 * self.ffn if self.gated_mlp else 2 * self.ffn)
-        return micro_batch * seq_len * per_token * dtype_bytes
 
     def boundary_bytes(self, micro_batch: int, seq_len: int, dtype_bytes: int) -> int:
         """One stage-to-stage message: a microbatch's hidden states."""

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pipeswap.schedule.build import MULTI_STAGE, V_SHAPED, ScheduleKind
 from pipeswap.schedule.costs import CostModel, StageCosts
 from pipeswap.schedule.errors import ScheduleError
+from pipeswap.schedule.jobplan.activations import first_stage_bytes, last_stage_bytes, layer_bytes
 from pipeswap.schedule.jobplan.machines import Machine
 from pipeswap.schedule.jobplan.memory import Job, stage_layers
 from pipeswap.schedule.jobplan.models import ModelShape
@@ -93,16 +94,20 @@ def _divisors(n: int) -> list[int]:
 
 def cost_model(model: ModelShape, job: Job, machine: Machine, config: Config) -> CostModel:
     """The simulator's costs of ``config``: each stage's compute (its blocks, and the head
-    on the last), its saved activations and layers, the boundary message, the links."""
+    on the last), its saved activations (its blocks', the embedding's on the first, the head's
+    and the loss's on the last) and layers, the boundary message, the links."""
     layers = stage_layers(model.layers, config.stages)
     b, s = config.micro_batch, job.seq_len
     block = model.layer_forward_flops(b, s) / machine.flops
     head = model.head_forward_flops(b, s) / machine.flops
-    saved = model.layer_activation_bytes(b, s, job.dtype_bytes)
+    saved = layer_bytes(model, b, s, job.dtype_bytes)
     last = config.stages - 1
+    extra = {0: first_stage_bytes(model, b, s)}
+    extra[last] = extra.get(last, 0) + last_stage_bytes(model, b, s, job.dtype_bytes)
     stages = {stage: StageCosts(forward=count * block + (head if stage == last else 0.0),
                                 backward=2 * (count * block + (head if stage == last else 0.0)),
-                                activation_bytes=count * saved, layers=count)
+                                activation_bytes=count * saved + extra.get(stage, 0),
+                                layers=count)
               for stage, count in enumerate(layers)}
     return CostModel(forward=block, backward=2 * block, activation_bytes=saved,
                      boundary_bytes=model.boundary_bytes(b, s, job.dtype_bytes),

@@ -1,0 +1,74 @@
+"""The job plan's memory model against the runtime: ``pipeswap-train`` run with the
+configuration ``plan`` chose counts exactly the activation peak the plan predicts, rank by
+rank, and the allocator's peak is within 10% of the plan's total."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from pipeswap.runtime.models.data import Corpus
+from pipeswap.runtime.models.llama import LlamaConfig
+from pipeswap.runtime.train import parse_args, run_rank, summarize
+from pipeswap.schedule.build import MULTI_STAGE, V_SHAPED, ScheduleKind
+from pipeswap.schedule.jobplan import Job, ModelShape, SearchSpace, machine_preset, plan
+from pipeswap_pool import POOL
+
+pytestmark = pytest.mark.multiprocess  # full tier only
+
+SEQ, WIDTH, HEADS, BATCH, MICRO_BATCH = 16, 32, 4, 8, 2
+
+
+def _built_in(family: str, layers: int) -> ModelShape:
+    """The shape of ``pipeswap-train``'s model of ``family``: its widths, its FFN, the
+    bundled corpus's vocabulary."""
+    vocab = len(Corpus.bundled().vocab)
+    if family == "llama":
+        ffn = LlamaConfig(vocab=vocab, dim=WIDTH, heads=HEADS, kv_heads=HEADS // 2).hidden_dim
+        return ModelShape("llama", layers, WIDTH, HEADS, HEADS // 2, ffn, vocab)
+    return ModelShape("gpt", layers, WIDTH, HEADS, HEADS, 4 * WIDTH, vocab, gated_mlp=False)
+
+
+def _train(family: str, layers: int, kind: ScheduleKind, ranks: int, v: int,
+           microbatches: int) -> dict[str, Any]:
+    """The --json summary of a run without swap, its ranks on the shared pool."""
+    argv = ["--model", family, "--schedule", kind.value, "--ranks", str(ranks),
+            "--microbatches", str(microbatches), "--batch-size", str(BATCH),
+            "--seq-len", str(SEQ), "--width", str(WIDTH), "--heads", str(HEADS),
+            "--layers", str(layers), "--steps", "2", "--no-swap", "--json"]
+    if kind in MULTI_STAGE and kind not in V_SHAPED:
+        argv += ["--stages-per-rank", str(v)]
+    config, _ = parse_args(argv)
+    summary: dict[str, Any] = summarize(config, POOL.run(run_rank, config.parallel.world,
+                                                         config, timeout_s=60))
+    return summary
+
+
+@pytest.mark.parametrize(("family", "layers", "kind", "v"), [
+    ("llama", 4, ScheduleKind.ONE_F_ONE_B, 1),
+    # two stages a rank, the first and the last on rank 0 (the batch's ids and targets held
+    # only while their stage's chunks are in flight), uneven stages (6 blocks in 4)
+    ("gpt", 6, ScheduleKind.DUALPIPEV, 2),
+])
+def test_pipeswap_train_counts_the_activation_peak_the_plan_predicts(
+        family: str, layers: int, kind: ScheduleKind, v: int) -> None:
+    shape = _built_in(family, layers)
+    job = Job(gpus=2, global_batch=BATCH, seq_len=SEQ, dtype_bytes=4, fsdp=False,
+              reserve_bytes=0)
+    found = plan(shape, job, machine_preset("h100-sxm"), SearchSpace(
+        ranks=(2,), schedules=(kind,), stages_per_rank=(v,), micro_batches=(MICRO_BATCH,)),
+        top=1)
+    best = found.best
+    assert (best.config.kind, best.config.stages_per_rank) == (kind, v)
+    assert sum(best.swapped) + sum(best.streamed) + sum(best.recomputed) == 0  # it keeps
+    summary = _train(family, layers, kind, best.config.ranks, v, best.config.microbatches)
+    for entry in summary["per_rank"]:
+        predicted = best.memory[entry["rank"]]
+        assert entry["peak_activation_bytes_no_swap"] == predicted.activations, entry["rank"]
+        # the allocator's peak above the step's start, on top of what the start holds in a
+        # step after the first: the parameters and AdamW's two moments (fp32, as the weights;
+        # the built-in models' biases and positions make them a little more than the plan's)
+        allocated = entry["peak_allocated_bytes_no_swap"] + 3 * entry["parameter_bytes"]
+        assert abs(allocated - predicted.total) <= 0.1 * predicted.total, (
+            entry["rank"], allocated, predicted)
