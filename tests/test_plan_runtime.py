@@ -4,15 +4,16 @@ rank, and the allocator's peak is within 10% of the plan's total."""
 
 from __future__ import annotations
 
+import shlex
 from typing import Any
 
 import pytest
 
 from pipeswap.runtime.models.data import Corpus
-from pipeswap.runtime.models.llama import LlamaConfig
 from pipeswap.runtime.train import parse_args, run_rank, summarize
-from pipeswap.schedule.build import MULTI_STAGE, V_SHAPED, ScheduleKind
+from pipeswap.schedule.build import ScheduleKind
 from pipeswap.schedule.jobplan import Job, ModelShape, SearchSpace, machine_preset, plan
+from pipeswap.schedule.jobplan.report import commands
 from pipeswap_pool import POOL
 
 pytestmark = pytest.mark.multiprocess  # full tier only
@@ -21,25 +22,23 @@ SEQ, WIDTH, HEADS, BATCH, MICRO_BATCH = 16, 32, 4, 8, 2
 
 
 def _built_in(family: str, layers: int) -> ModelShape:
-    """The shape of ``pipeswap-train``'s model of ``family``: its widths, its FFN, the
-    bundled corpus's vocabulary."""
+    """A shape ``pipeswap-train``'s model of ``family`` takes, with the bundled corpus's
+    vocabulary."""
     vocab = len(Corpus.bundled().vocab)
     if family == "llama":
-        ffn = LlamaConfig(vocab=vocab, dim=WIDTH, heads=HEADS, kv_heads=HEADS // 2).hidden_dim
-        return ModelShape("llama", layers, WIDTH, HEADS, HEADS // 2, ffn, vocab)
+        # its own key/value heads and FFN, which the plan's command passes on
+        return ModelShape("llama", layers, WIDTH, HEADS, 1, 40, vocab)
     return ModelShape("gpt", layers, WIDTH, HEADS, HEADS, 4 * WIDTH, vocab, gated_mlp=False)
 
 
-def _train(family: str, layers: int, kind: ScheduleKind, ranks: int, v: int,
-           microbatches: int) -> dict[str, Any]:
-    """The --json summary of a run without swap, its ranks on the shared pool."""
-    argv = ["--model", family, "--schedule", kind.value, "--ranks", str(ranks),
-            "--microbatches", str(microbatches), "--batch-size", str(BATCH),
-            "--seq-len", str(SEQ), "--width", str(WIDTH), "--heads", str(HEADS),
-            "--layers", str(layers), "--steps", "2", "--no-swap", "--json"]
-    if kind in MULTI_STAGE and kind not in V_SHAPED:
-        argv += ["--stages-per-rank", str(v)]
-    config, _ = parse_args(argv)
+def _train(command: str) -> dict[str, Any]:
+    """The --json summary of the plan's ``pipeswap-train`` command (its launcher and budget
+    left out) run without swap, its ranks on the shared pool."""
+    words = shlex.split(command)
+    argv = words[words.index("pipeswap.runtime.train") + 1:]
+    budget = argv.index("--budget")
+    del argv[budget:budget + 2]
+    config, _ = parse_args([*argv, "--steps", "2", "--no-swap", "--json"])
     summary: dict[str, Any] = summarize(config, POOL.run(run_rank, config.parallel.world,
                                                          config, timeout_s=60))
     return summary
@@ -62,7 +61,9 @@ def test_pipeswap_train_counts_the_activation_peak_the_plan_predicts(
     best = found.best
     assert (best.config.kind, best.config.stages_per_rank) == (kind, v)
     assert sum(best.swapped) + sum(best.streamed) + sum(best.recomputed) == 0  # it keeps
-    summary = _train(family, layers, kind, best.config.ranks, v, best.config.microbatches)
+    summary = _train(commands(found)["pipeswap_train"])
+    assert summary["schedule"] == kind.value and summary["microbatches"] == (
+        best.config.microbatches)
     for entry in summary["per_rank"]:
         predicted = best.memory[entry["rank"]]
         assert entry["peak_activation_bytes_no_swap"] == predicted.activations, entry["rank"]

@@ -13,6 +13,7 @@ import torch
 
 from pipeswap.runtime.checkpoint import MANIFEST, checkpoint_path
 from pipeswap.runtime.checkpoint.manifest import Layout, Manifest, file_sum
+from pipeswap.runtime.train.components import build_stage_modules
 from pipeswap.runtime.train import cli
 from pipeswap.runtime.train.preflight import saved_model
 from pipeswap.runtime.models.data import Corpus
@@ -109,6 +110,10 @@ BAD = [
                                                    "file"]),
     (["--tie-embeddings"], ["--tie-embeddings applies to --model llama"]),
     (["--model", "llama", "--width", "12"], ["heads of 3 dimensions", "multiple of 8"]),
+    (["--ffn", "64"], ["--ffn shapes the llama model", "--model llama"]),
+    (["--model", "llama", "--kv-heads", "0"], ["--kv-heads must be at least 1, got 0"]),
+    (["--model", "llama", "--heads", "4", "--kv-heads", "3"],
+     ["--kv-heads 3 does not divide --heads 4"]),
 ]
 
 
@@ -178,6 +183,16 @@ def test_the_defaults_parse_to_the_default_config(no_ranks: None) -> None:
     assert parse_args(["--budget", "1MiB", "--recompute", "never"])[0].swap.recompute == "never"
 
 
+def test_kv_heads_and_ffn_shape_the_llama_built(no_ranks: None) -> None:
+    """The widths ``pipeswap-schedule plan`` passes on for a Llama preset build that shape."""
+    config, _ = parse_args(["--model", "llama", "--width", "64", "--heads", "8",
+                            "--kv-heads", "2", "--ffn", "100", "--ranks", "1"])
+    (stage,) = build_stage_modules(config, vocab=10)
+    block = stage.get_submodule("layers.0")
+    assert block.get_submodule("attention.wk").weight.shape == (2 * 8, 64)  # 2 heads of 8
+    assert block.get_submodule("feed_forward.w1").weight.shape == (100, 64)
+
+
 @pytest.mark.parametrize("argv", [
     ["--schedule", "gpipe", "--ranks", "2", "--microbatches", "4"],
     ["--schedule", "interleaved-1f1b", "--ranks", "2", "--stages-per-rank", "2",
@@ -187,6 +202,7 @@ def test_the_defaults_parse_to_the_default_config(no_ranks: None) -> None:
     ["--no-swap", "--json", "--lr", "1e-4", "--timeout", "1", "--seed", str(2**64 - 1)],
     ["-P", "64", "-M", "16", "--width", "4", "--seq-len", str(CORPUS - 2), "--steps", "1"],
     ["--replay-rank", "3", "--model", "llama", "--width", "128", "--heads", "8"],
+    ["--model", "llama", "--heads", "8", "--kv-heads", "2", "--ffn", "100"],
 ])
 def test_the_documented_and_boundary_values_parse(argv: list[str], no_ranks: None) -> None:
     config, _ = parse_args(argv)

@@ -106,6 +106,12 @@ def _model_options(parser: argparse.ArgumentParser, defaults: TrainConfig) -> No
                         help=f"attention heads, dividing --width (default {model.heads}; "
                              "llama: half as many key/value heads, or as many for an odd "
                              "count)")
+    parser.add_argument("--kv-heads", type=int, default=None,
+                        help="llama: key/value heads, dividing --heads (default: half the "
+                             "heads, or as many for an odd count)")
+    parser.add_argument("--ffn", type=int, default=None,
+                        help="llama: the SwiGLU hidden size (default: Llama's rule, two "
+                             "thirds of 4 x --width rounded up to a multiple of 16)")
     parser.add_argument("--lr", type=float, default=training.lr,
                         help=f"AdamW learning rate (default {training.lr:g})")
     parser.add_argument("--device", default=training.device,

@@ -110,6 +110,20 @@ def parse_args(argv: list[str] | None) -> tuple[TrainConfig, argparse.Namespace]
 
 
 
+def _check_llama_shape(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """--kv-heads and --ffn: llama's, at least 1, the key/value heads dividing the heads."""
+    for option, value in (("--kv-heads", args.kv_heads), ("--ffn", args.ffn)):
+        if value is None:
+            continue
+        if args.model != "llama":
+            parser.error(f"{option} shapes the llama model: add --model llama, or drop it")
+        if value < 1:
+            parser.error(f"{option} must be at least 1, got {value}")
+    if args.kv_heads is not None and args.heads % args.kv_heads:
+        parser.error(f"--kv-heads {args.kv_heads} does not divide --heads {args.heads}: each "
+                     "key/value head serves a whole group of query heads")
+
+
 def _config(args: argparse.Namespace, ranks: int, modes: tuple[Mode, ...], v_shaped: bool
             ) -> TrainConfig:
     """The job's config of the parsed arguments (their values checked apart)."""
@@ -117,7 +131,8 @@ def _config(args: argparse.Namespace, ranks: int, modes: tuple[Mode, ...], v_sha
     return TrainConfig(
         model=ModelConfig(family=args.model, tie_embeddings=args.tie_embeddings,
                           width=args.width, layers=args.layers, heads=args.heads,
-                          seq_len=args.seq_len, dtype=args.dtype),
+                          kv_heads=args.kv_heads, ffn=args.ffn, seq_len=args.seq_len,
+                          dtype=args.dtype),
         parallel=ParallelConfig(schedule=args.schedule, ranks=ranks, dp=args.dp,
                                 fsdp=args.fsdp,
                                 stages_per_rank=2 if v_shaped else args.stages_per_rank,
@@ -217,6 +232,7 @@ def _check_numbers(parser: argparse.ArgumentParser, args: argparse.Namespace, ra
         parser.error(f"--width {args.width} gives heads of {args.width // heads} dimensions; "
                      "rotary embeddings turn pairs of them: use a multiple of "
                      f"{2 * heads}")
+    _check_llama_shape(parser, args)
     if not (math.isfinite(args.lr) and args.lr > 0):
         parser.error(f"--lr must be a finite number above 0, got {args.lr}")
     if not (math.isfinite(args.timeout) and 1 <= args.timeout <= _MAX_TIMEOUT_S):

@@ -139,11 +139,12 @@ def replay_stages(config: TrainConfig, vocab: int, placement: tuple[int, ...],
 def _llama_config(config: TrainConfig, vocab: int) -> LlamaConfig:
     from pipeswap.runtime.models.llama import LlamaConfig
 
-    heads = config.model.heads
-    return LlamaConfig(vocab=vocab, seq_len=config.model.seq_len, dim=config.model.width,
-                       layers=config.num_layers, heads=heads,
-                       kv_heads=heads // 2 if heads % 2 == 0 else heads,
-                       tie_embeddings=config.model.tie_embeddings)
+    model = config.model
+    heads = model.heads
+    kv_heads = model.kv_heads or (heads // 2 if heads % 2 == 0 else heads)
+    return LlamaConfig(vocab=vocab, seq_len=model.seq_len, dim=model.width,
+                       layers=config.num_layers, heads=heads, kv_heads=kv_heads,
+                       ffn_dim=model.ffn, tie_embeddings=model.tie_embeddings)
 
 
 def _blocks(stage: torch.nn.Module) -> list[torch.nn.Module]:

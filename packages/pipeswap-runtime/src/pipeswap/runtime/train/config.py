@@ -47,6 +47,8 @@ class ModelConfig:
     width: int = 64
     layers: int | None = None  # default: two blocks per stage
     heads: int = 4  # attention heads (llama: half as many key/value heads)
+    kv_heads: int | None = None  # llama: key/value heads (default: half the heads)
+    ffn: int | None = None  # llama: the SwiGLU hidden size (default: Llama's rule)
     seq_len: int = 64
     dtype: Dtype = "fp32"  # bf16: forwards under autocast to bfloat16, fp32 master weights
 

@@ -9,6 +9,7 @@ import math
 
 from pipeswap.schedule.build import MULTI_STAGE, ScheduleKind
 from pipeswap.schedule.jobplan.evaluate import Outcome
+from pipeswap.schedule.jobplan.models import ModelShape
 from pipeswap.schedule.jobplan.search import Plan
 
 GIB = 1 << 30
@@ -20,8 +21,15 @@ TORCH_CLASSES = {
     ScheduleKind.INTERLEAVED_ZB: "ScheduleInterleavedZeroBubble",
     ScheduleKind.ZBV: "ScheduleZBVZeroBubble", ScheduleKind.DUALPIPEV: "ScheduleDualPipeV"}
 #: The model presets pipeswap-train builds, and its options for them.
-_TRAIN_MODELS = {"gpt-small": "gpt", "llama3-8b": "llama", "llama3-70b": "llama",
-                 "llama3-405b": "llama"}
+def _train_family(model: ModelShape) -> str | None:
+    """The built-in model of ``pipeswap-train`` that has ``model``'s shape: its Llama for a
+    gated MLP, its GPT (its head untied) for a 4x MLP with as many key/value heads as heads;
+    None for another shape. (It trains on its bundled text, whose vocabulary is its own.)"""
+    if model.gated_mlp:
+        return "llama"
+    if model.ffn == 4 * model.hidden and model.kv_heads == model.heads:
+        return "gpt"
+    return None
 
 
 def _gib(value: float) -> str:
@@ -64,12 +72,13 @@ def commands(plan: Plan) -> dict[str, str]:
     found = {"schedule_file": (
         f"pipeswap-schedule orders --schedule {best.kind.value} --ranks {best.ranks} "
         f"--microbatches {best.microbatches}{v} --format json > schedule.json")}
-    family = _TRAIN_MODELS.get(model.name)
+    family = _train_family(model)
     if family is not None:
         budget = plan.best.capacity - plan.best.memory[plan.best.worst_rank].static
         found["pipeswap_train"] = (
             f"torchrun --nproc-per-node {job.gpus} -m pipeswap.runtime.train --model {family} "
             f"--layers {model.layers} --width {model.hidden} --heads {model.heads} "
+            f"{f'--kv-heads {model.kv_heads} --ffn {model.ffn} ' if family == 'llama' else ''}"
             f"--seq-len {job.seq_len} --schedule {best.kind.value} --ranks {best.ranks}"
             f"{f' --dp {best.dp} --fsdp' if best.dp > 1 and job.fsdp else ''}{v} "
             f"--microbatches {best.microbatches} --batch-size {job.global_batch} "
