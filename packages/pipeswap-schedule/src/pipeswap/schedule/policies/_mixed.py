@@ -25,6 +25,7 @@ the mix is never slower than either alone.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Generic, Protocol, TypeVar
@@ -117,14 +118,16 @@ def search(evaluate: Callable[[Mapping[ChunkKey, tuple[int, ...]], bool], Trial[
            groups: Sequence[Sequence[ChunkKey]], layers_of: Callable[[ChunkKey], int],
            levels: int, alone: Trial[_Outcome],
            pick: Callable[[list[Trial[_Outcome]]], Trial[_Outcome]] | None = None,
-           others: Callable[[], list[Trial[_Outcome]]] | None = None
+           others: Callable[[float], list[Trial[_Outcome]]] | None = None
            ) -> Trial[_Outcome]:
     """The best of the mix, swap alone, recompute alone (``alone``) and ``others`` (made
     only where swap alone does not meet the budget with its copies hidden); see the module
     docstring. ``evaluate(recomputed, stall)`` plans the swap around recomputed layers,
     taking copies that stall compute only with ``stall``; ``groups`` partition the rank's
     chunks, each in forward order. ``pick`` chooses among those that meet the budget where
-    more than one does (default: the best :attr:`Trial.merit`)."""
+    more than one does (default: the best :attr:`Trial.merit`). ``others`` is given the time
+    the best trial so far that meets the budget adds (infinite without ``pick`` or where
+    none does): an other trial that cannot add less need not be finished."""
     swap_alone = evaluate({}, True)
     if swap_alone.free:
         return swap_alone
@@ -155,7 +158,9 @@ def search(evaluate: Callable[[Mapping[ChunkKey, tuple[int, ...]], bool], Trial[
     else:  # even everything recomputed needs stalls
         tried.append(evaluate(at(tuple(current)).recomputed, True))
     if others is not None:
-        tried += others()
+        tried += others(math.inf if pick is not None else min(
+            (trial.merit[1] for trial in tried if trial.outcome.shortfall == 0),
+            default=math.inf))
     meeting = [trial for trial in tried if trial.outcome.shortfall == 0]
     if pick is not None and len(meeting) > 1:
         return pick(meeting)

@@ -105,10 +105,20 @@ class RankSearch:
 
         layers_of = layer_counts(self.costs)
 
-        def alike_trials() -> list[Trial[PlanOutcome]]:
-            out = []
-            for recomputed, placements in alike(candidates, layers_of,
-                                                self.granularity).values():
+        def alike_trials(beat: float) -> list[Trial[PlanOutcome]]:
+            """The plans alike on every chunk, each over the budget at a few points fitted
+            (:func:`fit`), in order; made cheapest recompute first, and only while their
+            recompute alone adds less than ``beat`` or the best of them that meets the
+            budget (the copies only add to it)."""
+            plans = list(alike(candidates, layers_of, self.granularity).values())
+            seconds = [recompute_seconds(self.costs, rank, {
+                key: len(layers) for key, layers in recomputed.items()})
+                for recomputed, _ in plans]
+            out: dict[int, Trial[PlanOutcome]] = {}
+            for k in sorted(range(len(plans)), key=seconds.__getitem__):
+                if seconds[k] >= beat * (1 + _ROUNDING):
+                    break
+                recomputed, placements = plans[k]
                 trial = exactly(Trial(recomputed, placements, PlanOutcome(
                     rank, 0, alone.plain, 0.0, budget,
                     sum(len(layers) for layers in recomputed.values()))))
@@ -117,8 +127,10 @@ class RankSearch:
                                  self.costs, budget)
                     if fitted is not None:
                         trial = exactly(replace(trial, placements=fitted))
-                out.append(trial)
-            return out
+                if not trial.outcome.shortfall:
+                    beat = min(beat, trial.merit[1])
+                out[k] = trial
+            return [out[k] for k in sorted(out)]
 
         meeting: list[Trial[PlanOutcome]] = []
 
@@ -232,6 +244,10 @@ def _groups(candidates: Sequence[SwapCandidate]) -> list[list[ChunkKey]]:
             c.key)
     return [group for group in groups if group]
 
+
+#: How far a plan's recompute seconds, worked out, may exceed what the simulator counts of
+#: them (the same sum, added in another order).
+_ROUNDING = 1e-9
 
 #: How many chunks the layer-resolution plan tries to drop in a round, and how many rounds
 #: it goes on while one does better (a bound on its time).
