@@ -46,9 +46,11 @@ def _train(command: str) -> dict[str, Any]:
 
 @pytest.mark.parametrize(("family", "layers", "kind", "v"), [
     ("llama", 4, ScheduleKind.ONE_F_ONE_B, 1),
-    # two stages a rank, the first and the last on rank 0 (the batch's ids and targets held
-    # only while their stage's chunks are in flight), uneven stages (6 blocks in 4)
-    ("gpt", 6, ScheduleKind.DUALPIPEV, 2),
+    # a split backward (what a chunk's I lets go of, what it holds until its W), uneven
+    # stages (7 blocks in 6), the batch's ids and targets with stages beside them on a rank
+    ("llama", 7, ScheduleKind.INTERLEAVED_ZB, 3),
+    # two stages a rank, uneven (5 blocks in 4 stages), the GPT's masks and positions
+    ("gpt", 5, ScheduleKind.INTERLEAVED_1F1B, 2),
 ])
 def test_pipeswap_train_counts_the_activation_peak_the_plan_predicts(
         family: str, layers: int, kind: ScheduleKind, v: int) -> None:

@@ -27,10 +27,12 @@ from pipeswap.schedule.jobplan import (
 )
 from pipeswap.schedule.jobplan.activations import (
     batch_bytes,
+    layer_after_input_bytes,
     first_stage_bytes,
     last_stage_bytes,
     layer_bytes,
     rank_bytes,
+    weight_grad_bytes,
 )
 from pipeswap.schedule.jobplan.memory import stage_layers, stage_params, static_parts
 from pipeswap.schedule.jobplan.space import Config, configurations
@@ -114,6 +116,14 @@ def test_memory_parts_match_hand_computed_figures() -> None:
     assert rank_bytes(SMALL, 128, blocks=2) == rotary
     assert rank_bytes(gpt, 128, blocks=3) == 3 * 128 * 128  # a causal mask (bool) per block
     assert batch_bytes(16, 128) == 16 * 128 * 8  # the replica's int64 ids (or targets)
+    # a split backward: what W needs of a Llama block (its projections' and norms' inputs),
+    # and the gradients its weight nodes hold from I to W (each node's output's)
+    assert layer_after_input_bytes(SMALL, 2, 128, 2) == 2 * 128 * (5 * 512 + 1536) * 2
+    block_grads = 5 * 512 + 2 * 128 + 2 * 1536
+    assert weight_grad_bytes(SMALL, 2, 128, 2, blocks=2, first=True, last=False) == (
+        2 * 128 * (2 * block_grads + 512) * 2)  # and the embedding's
+    assert weight_grad_bytes(SMALL, 2, 128, 2, blocks=1, first=False, last=True) == (
+        2 * 128 * (block_grads + 512 + 32000) * 2)  # and the head's norm and logits
     assert stage_layers(10, 4) == (3, 3, 2, 2)  # the earlier stages take the extra ones
 
 

@@ -28,6 +28,8 @@ class StageCosts:
     activation_bytes: int | None = None  # what one chunk's forward saves (default: model's)
     param_bytes: int | None = None  # the stage's parameters, gathered (default: model's)
     layers: int | None = None  # layers of one chunk, for streaming swap (default: model's)
+    # of a chunk's bytes, what a split backward's W needs, held from I to W (default: all)
+    after_input_bytes: int | None = None
 
     def __post_init__(self) -> None:
         if self.param_bytes is not None:
@@ -170,9 +172,12 @@ class CostModel:
         found = self.chunks.get(key)
         if found is not None:
             return found
-        per_stage = self.stage(key[0]).activation_bytes
-        total = self.activation_bytes if per_stage is None else per_stage
-        return ChunkBytes(total, min(self.pinned_bytes, total))
+        stage = self.stage(key[0])
+        total = self.activation_bytes if stage.activation_bytes is None else (
+            stage.activation_bytes)
+        return ChunkBytes(total, min(self.pinned_bytes, total),
+                          None if stage.after_input_bytes is None else min(
+                              stage.after_input_bytes, total))
 
     def stage_layers(self, stage: int) -> int:
         """How many layers one chunk of ``stage`` has: what a streaming swap moves one by

@@ -23,7 +23,8 @@ from pipeswap.runtime.train.config import Mode, TrainConfig
 _TRAINING_OPTIONS = {"lr": "--lr", "batch_size": "--batch-size", "seed": "--seed",
                      "microbatches": "--microbatches", "data": "the data"}
 _MODEL_OPTIONS = {"family": "--model", "tie_embeddings": "--tie-embeddings", "width": "--width",
-                  "layers": "--layers", "heads": "--heads", "seq_len": "--seq-len"}
+                  "layers": "--layers", "heads": "--heads", "kv_heads": "--kv-heads",
+                  "ffn": "--ffn", "seq_len": "--seq-len"}
 
 
 def directory_problem(path: str) -> str | None:

@@ -22,6 +22,12 @@ microbatch, in elements of the activation dtype:
   the first stage and its targets on the last (each microbatch's are views of them), a
   Llama's rotary tables, each GPT block's causal mask.
 
+A split backward (the zero-bubble families) runs a chunk's input gradients (I), then its
+weight gradients (W); pipeswap's runtime frees at I all but what the weight nodes saved:
+a block's projections' inputs and its norms' (``5·h + f`` a token), the head's input and
+norm, the first stage's positions, the batch's ids; the loss's, the targets, the rotary tables
+and the masks go at I.
+
 Verified exactly against ``pipeswap-train`` on CPU in float32 (the root integration suite);
 in 16 bits the same tensors are counted at two bytes, the float32 ones at four.
 """
@@ -44,6 +50,19 @@ def layer_bytes(model: ModelShape, micro_batch: int, seq_len: int, dtype_bytes: 
     return micro_batch * seq_len * per_token
 
 
+def layer_after_input_bytes(model: ModelShape, micro_batch: int, seq_len: int,
+                            dtype_bytes: int) -> int:
+    """Of one block's saved activations, what a split backward keeps from its I to its W:
+    the weight nodes' own (the projections' inputs; a Llama's norms' outputs before their
+    scale, a GPT's norms' inputs and statistics)."""
+    h, f = model.hidden, model.ffn
+    if model.gated_mlp:
+        per_token = (5 * h + f) * dtype_bytes
+    else:
+        per_token = (5 * h + f) * dtype_bytes + 4 * _FP32
+    return micro_batch * seq_len * per_token
+
+
 def first_stage_bytes(model: ModelShape, micro_batch: int, seq_len: int) -> int:
     """What the first stage's embedding saves per microbatch (its token ids are counted once
     per rank: :func:`rank_bytes`)."""
@@ -61,10 +80,37 @@ def last_stage_bytes(model: ModelShape, micro_batch: int, seq_len: int,
     return micro_batch * seq_len * (head + model.vocab * _FP32) + _FP32
 
 
+def last_stage_after_input_bytes(model: ModelShape, micro_batch: int, seq_len: int,
+                                 dtype_bytes: int) -> int:
+    """Of what the head and the loss save, what a split backward keeps from its I to its W:
+    the head's input and its norm's output before the scale (a GPT's norm's input and
+    statistics); the loss's go at I."""
+    h = model.hidden
+    per_token = 2 * h * dtype_bytes + (0 if model.gated_mlp else 2 * _FP32)
+    return micro_batch * seq_len * per_token
+
+
+def weight_grad_bytes(model: ModelShape, micro_batch: int, seq_len: int, dtype_bytes: int,
+                      *, blocks: int, first: bool, last: bool) -> int:
+    """The gradients a stage's weight nodes receive at a chunk's I and keep until its W (a
+    split backward's: not activations, but held with them): each node's output gradient.
+    A Llama block's norms, projections and MLP make ``5·h + 2·kv + 2·f`` values a token, a
+    GPT block's ``7·h + f``; the embedding ``h`` (a GPT's positions another ``h``); the
+    head's norm ``h`` and its logits the vocabulary."""
+    h, f = model.hidden, model.ffn
+    block = 5 * h + 2 * model.kv_dim + 2 * f if model.gated_mlp else 7 * h + f
+    per_token = blocks * block
+    if first:
+        per_token += h if model.gated_mlp else 2 * h
+    if last:
+        per_token += h + model.vocab
+    return micro_batch * seq_len * per_token * dtype_bytes
+
+
 def rank_bytes(model: ModelShape, seq_len: int, blocks: int) -> int:
-    """What all of a rank's chunks share, counted once however many are in flight: a Llama's
-    rotary tables (one for the model), a GPT's causal masks (one per block: ``blocks`` on
-    the rank)."""
+    """What chunks share, counted once however many are in flight: a Llama's rotary tables
+    (one for the model: every stage of a rank uses them), or a GPT's causal masks (one per
+    block: ``blocks`` of a stage)."""
     if model.gated_mlp:
         return 2 * seq_len * (model.hidden // model.heads) * _FP32
     return blocks * seq_len * seq_len

@@ -6,14 +6,14 @@ timeline)."""
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from pipeswap.schedule.build import ScheduleSpec, build_planned, build_schedule
 from pipeswap.schedule.costs import CostModel
 from pipeswap.schedule.errors import ScheduleError
-from pipeswap.schedule.jobplan.activations import batch_bytes, rank_bytes
+from pipeswap.schedule.jobplan.activations import batch_bytes, rank_bytes, weight_grad_bytes
+from pipeswap.schedule.jobplan.held import Shared, timed, waiting_for_w
 from pipeswap.schedule.jobplan.machines import Machine
 from pipeswap.schedule.jobplan.memory import Job, MemoryParts, stage_layers, static_parts
 from pipeswap.schedule.jobplan.models import ModelShape
@@ -82,14 +82,30 @@ class Judge:
         ranks = config.stage_ranks()
         layers = stage_layers(self.model.layers, config.stages)
         batch = batch_bytes(config.microbatches * config.micro_batch, self.job.seq_len)
+        last, seq = config.stages - 1, self.job.seq_len
         out = []
         for rank in range(config.ranks):
-            mine = [stage for stage, owner in enumerate(ranks) if owner == rank]
-            out.append(Shared(
-                rank_bytes(self.model, self.job.seq_len, sum(layers[s] for s in mine)),
-                {stage: batch for stage in {0, config.stages - 1} if stage in mine},
-                len(mine) > 1))
+            mine = tuple(stage for stage, owner in enumerate(ranks) if owner == rank)
+            # the ids stay with the embedding until W; the targets go with the loss at I,
+            # as do the rotary tables and masks with the attention
+            parts: list[tuple[tuple[int, ...], int, bool]] = [
+                ((stage,), batch, stage == last and not first)
+                     for stage, first in ((0, True), (last, False)) if stage in mine]
+            if self.model.gated_mlp:
+                parts.append((mine, rank_bytes(self.model, seq, 0), True))
+            else:
+                parts += [((stage,), rank_bytes(self.model, seq, layers[stage]), True)
+                          for stage in mine]
+            out.append(Shared(tuple(parts), len(mine) > 1))
         return tuple(out)
+
+    def weight_grads(self, config: Config) -> dict[int, int]:
+        """Per stage, the gradients a chunk's weight nodes hold from its I to its W."""
+        layers = stage_layers(self.model.layers, config.stages)
+        return {stage: weight_grad_bytes(self.model, config.micro_batch, self.job.seq_len,
+                                         self.job.dtype_bytes, blocks=count, first=stage == 0,
+                                         last=stage == config.stages - 1)
+                for stage, count in enumerate(layers)}
 
     def keeping(self, config: Config) -> Outcome | None:
         """``config`` judged with every activation kept (no swap, no recompute); None where
@@ -104,7 +120,7 @@ class Judge:
         except ScheduleError:
             return None
         costs = self.costs(config)
-        result = simulate(plain, costs, timeline=_timed(config), check=False)
+        result = simulate(plain, costs, timeline=timed(config), check=False)
         return self._outcome(config, statics, result, costs, "keeps every activation")
 
     def swapping(self, config: Config, kept_step: float) -> Outcome:
@@ -132,11 +148,16 @@ class Judge:
     def _planned(self, config: Config,
                  policy: Callable[[CostModel, dict[int, int]], PeakPolicy]) -> Outcome:
         statics, costs = self.statics(config), self.costs(config)
-        shared = self.shared(config)
-        budget = {r: max(0, self.capacity - statics[r].static - shared[r].most)
+        shared, grads = self.shared(config), self.weight_grads(config)
+        # the split backward's gradients as the schedule without swap holds them: the plan
+        # only adds steps, which moves them little
+        waiting = [0] * config.ranks if not timed(config) else [
+            waiting_for_w(r, grads) for r in simulate(
+                build_schedule(_spec(config)), costs, timeline=True, check=False).ranks]
+        budget = {r: max(0, self.capacity - statics[r].static - shared[r].most - waiting[r])
                   for r in range(config.ranks)}
         schedule, _ = build_planned(replace(_spec(config), swap=True), policy(costs, budget))
-        result = simulate(schedule, costs, timeline=_timed(config), check=False)
+        result = simulate(schedule, costs, timeline=timed(config), check=False)
         return self._outcome(config, statics, result, costs, "swaps and recomputes")
 
     def evaluate(self, config: Config, swap: bool = True) -> Outcome | None:
@@ -157,8 +178,9 @@ class Judge:
 
     def _outcome(self, config: Config, statics: tuple[MemoryParts, ...],
                  result: SimulationResult, costs: CostModel, how: str) -> Outcome:
-        shared = self.shared(config)
-        memory = tuple(replace(statics[r.rank], activations=shared[r.rank].peak(r))
+        shared, grads = self.shared(config), self.weight_grads(config)
+        memory = tuple(replace(statics[r.rank], activations=shared[r.rank].peak(r),
+                               buffers=statics[r.rank].buffers + waiting_for_w(r, grads))
                        for r in result.ranks)
         fits = all(parts.total <= self.capacity for parts in memory)
         swapped = tuple(sum(1 for c in r.swapped if not c.streamed) for r in result.ranks)
@@ -175,61 +197,6 @@ class Judge:
                        sum(r.bubble_fraction for r in result.ranks) / len(result.ranks),
                        max(r.exposed_copy for r in result.ranks), memory, self.capacity, node,
                        swapped, streamed, tuple(r.recomputed_layers for r in result.ranks), why)
-
-
-@dataclass(frozen=True)
-class Shared:
-    """What a rank's chunks share: ``always`` while any is in flight, and per stage bytes
-    while one of that stage's is (:mod:`pipeswap.schedule.jobplan.activations`). On a rank of
-    several stages, when a stage's chunks are in flight comes from the simulated timeline."""
-
-    always: int
-    by_stage: dict[int, int]
-    several_stages: bool
-
-    @property
-    def most(self) -> int:
-        return self.always + sum(self.by_stage.values())
-
-    def peak(self, rank: RankResult) -> int:
-        """The rank's peak of saved activations with what its chunks share."""
-        if not self.several_stages or not self.by_stage:
-            return rank.peak_activation_bytes + self.most
-        windows = _in_flight(rank, set(self.by_stage))
-        return self.always + max((held + sum(
-            size for stage, size in self.by_stage.items()
-            if any(start <= time < end for start, end in windows[stage]))
-            for time, held in rank.memory), default=0)
-
-
-def _in_flight(rank: RankResult, stages: set[int]) -> dict[int, list[tuple[float, float]]]:
-    """Per stage of ``stages``, each chunk's time on the rank: from its forward's start to
-    its backward's end (the last of B, I and W)."""
-    starts: dict[tuple[int, int], float] = {}
-    ends: dict[tuple[int, int], float] = {}
-    for span in rank.spans:
-        found = _LABEL.fullmatch(span.label) if span.stream == "compute" else None
-        if found is None or int(found[1]) not in stages:
-            continue
-        key = (int(found[1]), int(found[3]))
-        if found[2] == "F":
-            starts[key] = span.start
-        elif found[2] in ("B", "I", "W"):
-            ends[key] = max(ends.get(key, span.end), span.end)
-    windows: dict[int, list[tuple[float, float]]] = {stage: [] for stage in stages}
-    for key, start in starts.items():
-        windows[key[0]].append((start, ends.get(key, math.inf)))
-    return windows
-
-
-#: A compute span's label: stage, kind, microbatch (``3W0``).
-_LABEL = re.compile(r"(\d+)([A-Z]+)(\d+)")
-
-
-def _timed(config: Config) -> bool:
-    """Whether ``config``'s memory needs the simulated timeline: a rank of several stages
-    holds the first or the last, whose shared inputs count only while it is in flight."""
-    return config.stages_per_rank > 1
 
 
 def settled(whole: Outcome, kept_step: float) -> bool:

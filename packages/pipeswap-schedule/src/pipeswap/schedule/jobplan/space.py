@@ -10,7 +10,13 @@ from dataclasses import dataclass
 from pipeswap.schedule.build import MULTI_STAGE, V_SHAPED, ScheduleKind
 from pipeswap.schedule.costs import CostModel, StageCosts
 from pipeswap.schedule.errors import ScheduleError
-from pipeswap.schedule.jobplan.activations import first_stage_bytes, last_stage_bytes, layer_bytes
+from pipeswap.schedule.jobplan.activations import (
+    first_stage_bytes,
+    last_stage_after_input_bytes,
+    last_stage_bytes,
+    layer_after_input_bytes,
+    layer_bytes,
+)
 from pipeswap.schedule.jobplan.machines import Machine
 from pipeswap.schedule.jobplan.memory import Job, stage_layers
 from pipeswap.schedule.jobplan.models import ModelShape
@@ -95,7 +101,8 @@ def _divisors(n: int) -> list[int]:
 def cost_model(model: ModelShape, job: Job, machine: Machine, config: Config) -> CostModel:
     """The simulator's costs of ``config``: each stage's compute (its blocks, and the head
     on the last), its saved activations (its blocks', the embedding's on the first, the head's
-    and the loss's on the last) and layers, the boundary message, the links."""
+    and the loss's on the last) and what of them a split backward holds from I to W, its
+    layers, the boundary message, the links."""
     layers = stage_layers(model.layers, config.stages)
     b, s = config.micro_batch, job.seq_len
     block = model.layer_forward_flops(b, s) / machine.flops
@@ -104,10 +111,15 @@ def cost_model(model: ModelShape, job: Job, machine: Machine, config: Config) ->
     last = config.stages - 1
     extra = {0: first_stage_bytes(model, b, s)}
     extra[last] = extra.get(last, 0) + last_stage_bytes(model, b, s, job.dtype_bytes)
+    for_w = layer_after_input_bytes(model, b, s, job.dtype_bytes)  # held from I to W
+    extra_for_w = {0: first_stage_bytes(model, b, s)}  # the positions: the embedding's
+    extra_for_w[last] = extra_for_w.get(last, 0) + last_stage_after_input_bytes(
+        model, b, s, job.dtype_bytes)
     stages = {stage: StageCosts(forward=count * block + (head if stage == last else 0.0),
                                 backward=2 * (count * block + (head if stage == last else 0.0)),
                                 activation_bytes=count * saved + extra.get(stage, 0),
-                                layers=count)
+                                layers=count,
+                                after_input_bytes=count * for_w + extra_for_w.get(stage, 0))
               for stage, count in enumerate(layers)}
     return CostModel(forward=block, backward=2 * block, activation_bytes=saved,
                      boundary_bytes=model.boundary_bytes(b, s, job.dtype_bytes),
