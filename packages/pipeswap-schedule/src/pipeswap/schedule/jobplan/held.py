@@ -31,11 +31,24 @@ class Shared:
         """The rank's peak of saved activations with what its chunks share."""
         if not self.several_stages:
             return rank.peak_activation_bytes + self.most
-        windows = [(size, _held(rank, set(stages), until_input))
-                   for stages, size, until_input in self.parts]
-        return max((held + sum(
-            size for size, spans in windows if any(start <= time < end for start, end in spans))
-            for time, held in rank.memory), default=0)
+        # one sweep in time: each part's chunks coming (+1) and going (-1), a chunk held
+        # from its start up to, not at, its end; ends sort before starts at one time
+        changes = sorted((time, step, part)
+                         for part, (stages, _, until_input) in enumerate(self.parts)
+                         for start, end in _held(rank, set(stages), until_input)
+                         for time, step in ((start, 1), (end, -1)))
+        holding = [0] * len(self.parts)
+        shared = most = next_change = 0
+        for time, held in rank.memory:  # in time order
+            while next_change < len(changes) and changes[next_change][0] <= time:
+                _, step, part = changes[next_change]
+                before = holding[part] > 0
+                holding[part] += step
+                if before != (holding[part] > 0):
+                    shared += step * self.parts[part][1]
+                next_change += 1
+            most = max(most, held + shared)
+        return most
 
 
 def _held(rank: RankResult, stages: set[int], until_input: bool) -> list[tuple[float, float]]:
