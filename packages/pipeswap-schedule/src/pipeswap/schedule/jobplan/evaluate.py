@@ -90,7 +90,7 @@ class Judge:
             # as do the rotary tables and masks with the attention
             parts: list[tuple[tuple[int, ...], int, bool]] = [
                 ((stage,), batch, stage == last and not first)
-                     for stage, first in ((0, True), (last, False)) if stage in mine]
+                for stage, first in ((0, True), (last, False)) if stage in mine]
             if self.model.gated_mlp:
                 parts.append((mine, rank_bytes(self.model, seq, 0), True))
             else:
