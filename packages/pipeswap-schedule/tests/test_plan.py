@@ -111,7 +111,7 @@ def test_memory_parts_match_hand_computed_figures() -> None:
     # the head's norm (input, output, scale) and input, the loss's fp32 log-probabilities,
     # one scalar
     assert last_stage_bytes(SMALL, 2, 128, 2) == 2 * 128 * (3 * 512 * 2 + 4 + 32000 * 4) + 4
-    assert first_stage_bytes(SMALL, 2, 128) == 0 and first_stage_bytes(gpt, 2, 128) == 128 * 8
+    assert first_stage_bytes(SMALL, 128) == 0 and first_stage_bytes(gpt, 128) == 128 * 8
     rotary = 2 * 128 * (512 // SMALL.heads) * 4
     assert rank_bytes(SMALL, 128, blocks=2) == rotary
     assert rank_bytes(gpt, 128, blocks=3) == 3 * 128 * 128  # a causal mask (bool) per block

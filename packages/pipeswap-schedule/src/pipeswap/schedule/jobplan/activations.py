@@ -55,25 +55,21 @@ def layer_after_input_bytes(model: ModelShape, micro_batch: int, seq_len: int,
     """Of one block's saved activations, what a split backward keeps from its I to its W:
     the weight nodes' own (the projections' inputs; a Llama's norms' outputs before their
     scale, a GPT's norms' inputs and statistics)."""
-    h, f = model.hidden, model.ffn
-    if model.gated_mlp:
-        per_token = (5 * h + f) * dtype_bytes
-    else:
-        per_token = (5 * h + f) * dtype_bytes + 4 * _FP32
+    statistics = 0 if model.gated_mlp else 4 * _FP32
+    per_token = (5 * model.hidden + model.ffn) * dtype_bytes + statistics
     return micro_batch * seq_len * per_token
 
 
-def first_stage_bytes(model: ModelShape, micro_batch: int, seq_len: int) -> int:
-    """What the first stage's embedding saves per microbatch (its token ids are counted once
-    per rank: :func:`rank_bytes`)."""
-    del micro_batch  # the positions are one row, whatever the microbatch
+def first_stage_bytes(model: ModelShape, seq_len: int) -> int:
+    """What the first stage's embedding saves per microbatch, whatever its size: a GPT's
+    positions, one row (its token ids are counted once per rank: :func:`batch_bytes`)."""
     return 0 if model.gated_mlp else seq_len * _INT64
 
 
 def last_stage_bytes(model: ModelShape, micro_batch: int, seq_len: int,
                      dtype_bytes: int) -> int:
     """What the last stage's head and loss save per microbatch (its targets are counted once
-    per rank: :func:`rank_bytes`)."""
+    per rank: :func:`batch_bytes`)."""
     h = model.hidden
     head = (3 * h * dtype_bytes + _FP32) if model.gated_mlp else (2 * h * dtype_bytes
                                                                    + 2 * _FP32)

@@ -98,8 +98,9 @@ def waiting_for_w(rank: RankResult, grads: Mapping[int, int]) -> int:
 
 
 def timed(config: Config) -> bool:
-    """Whether ``config``'s memory needs the simulated timeline: a rank of several stages
-    holds the first or the last, whose shared inputs count only while it is in flight."""
+    """Whether ``config``'s memory needs the simulated timeline: on a rank of several
+    stages, what a stage's chunks share counts only while one of them is in flight, and only
+    those families split the backward, whose gradients wait for W."""
     return config.stages_per_rank > 1
 
 

@@ -109,12 +109,13 @@ def cost_model(model: ModelShape, job: Job, machine: Machine, config: Config) ->
     head = model.head_forward_flops(b, s) / machine.flops
     saved = layer_bytes(model, b, s, job.dtype_bytes)
     last = config.stages - 1
-    extra = {0: first_stage_bytes(model, b, s)}
+    # the first stage's positions stay with the embedding, a weight node, until W
+    extra = {0: first_stage_bytes(model, s)}
+    extra_for_w = dict(extra)
     extra[last] = extra.get(last, 0) + last_stage_bytes(model, b, s, job.dtype_bytes)
-    for_w = layer_after_input_bytes(model, b, s, job.dtype_bytes)  # held from I to W
-    extra_for_w = {0: first_stage_bytes(model, b, s)}  # the positions: the embedding's
     extra_for_w[last] = extra_for_w.get(last, 0) + last_stage_after_input_bytes(
         model, b, s, job.dtype_bytes)
+    for_w = layer_after_input_bytes(model, b, s, job.dtype_bytes)  # held from I to W
     stages = {stage: StageCosts(forward=count * block + (head if stage == last else 0.0),
                                 backward=2 * (count * block + (head if stage == last else 0.0)),
                                 activation_bytes=count * saved + extra.get(stage, 0),
