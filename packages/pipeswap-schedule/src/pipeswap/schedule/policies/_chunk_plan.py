@@ -32,6 +32,9 @@ from pipeswap.schedule.swap_plan import SwapCandidate, SwapPlacement
 _PLACEMENTS = tuple(SwapPlacement(off, load) for off, load in sorted(
     ((off, load) for off in range(MAX_COPY_SLOTS + 1) for load in range(MAX_COPY_SLOTS + 1)),
     key=lambda p: (sum(p), p)))
+#: How far a copy's lower bound may exceed what :meth:`ChunkPlan._added` works out for it (the
+#: same sums, added in another order).
+_ROUNDING = 1e-9
 _HIDING = tuple(p for p in _PLACEMENTS if min(p.offload_slots, p.load_slots) > 0)
 
 
@@ -112,6 +115,12 @@ class ChunkPlan:
             if strict and added > 0:
                 return None
         return added
+
+    def _least_added(self, index: int, placement: SwapPlacement) -> float:
+        """A lower bound of :meth:`_added` for a candidate not taken, a bisection a copy
+        (:meth:`CopyStream.least_lateness`: its copies and those they delay only add)."""
+        offload, load = self._copies(index, placement)
+        return self.offloads.least_lateness(offload) + self.loads.least_lateness(load)
 
     def _place(self, index: int, placement: SwapPlacement) -> None:
         c = self.candidates[index]
@@ -225,7 +234,9 @@ class ChunkPlan:
         f, back = self.forwards[index], self.open[index]
         for placement in _HIDING:
             span = range(f + placement.offload_slots + 1, back - placement.load_slots)
-            if first not in span or self._added(index, placement, strict=True) is None:
+            if first not in span or (not self.instant and self._least_added(
+                    index, placement) > 0) or self._added(index, placement,
+                                                          strict=True) is None:
                 continue
             covered = self.profile.count(peak, span.start, span.stop)
             order = (-covered, -self.movable[index], sum(placement), index)
@@ -251,10 +262,15 @@ class ChunkPlan:
                         span.start <= c.forward_slot + now.offload_slots + 1
                         and c.backward_slot - now.load_slots <= span.stop)):
                     continue
+                covered = self.profile.count(peak, span.start, span.stop)
+                rest = (-covered, -self.movable[index], sum(placement))
+                if best is not None and now is None and not self.instant and (
+                        self._least_added(index, placement) * (1 - _ROUNDING), *rest
+                ) >= best[0]:
+                    continue  # cannot do better than the best so far
                 added = self._added(index, placement, strict=False)
                 assert added is not None
-                covered = self.profile.count(peak, span.start, span.stop)
-                order = (added, -covered, -self.movable[index], sum(placement))
+                order = (added, *rest)
                 if best is None or order < best[0]:
                     best = (order, index, placement)
         return None if best is None else best[1:]

@@ -109,28 +109,45 @@ class RankSearch:
             """The plans alike on every chunk, each over the budget at a few points fitted
             (:func:`fit`), in order; made cheapest recompute first, and only while their
             recompute alone adds less than ``beat`` or the best of them that meets the
-            budget (the copies only add to it)."""
-            plans = list(alike(candidates, layers_of, self.granularity).values())
+            budget (the copies only add to it). A fit only lowers lags and load depths,
+            which hide no more of the copies and hold no less than the same plan with lag
+            and depth 1 everywhere: a plan is not fitted where that one is over the budget
+            too, or where its copies already add more than the best."""
+            found = alike(candidates, layers_of, self.granularity)
+            names, plans = list(found), list(found.values())
             seconds = [recompute_seconds(self.costs, rank, {
                 key: len(layers) for key, layers in recomputed.items()})
                 for recomputed, _ in plans]
             out: dict[int, Trial[PlanOutcome]] = {}
+
+            def made(k: int) -> Trial[PlanOutcome]:
+                if k not in out:
+                    recomputed, placements = plans[k]
+                    out[k] = exactly(Trial(recomputed, placements, PlanOutcome(
+                        rank, 0, alone.plain, 0.0, budget,
+                        sum(len(layers) for layers in recomputed.values()))))
+                return out[k]
+
+            where = {name: k for k, name in enumerate(names)}
+            tried: list[int] = []
             for k in sorted(range(len(plans)), key=seconds.__getitem__):
                 if seconds[k] >= beat * (1 + _ROUNDING):
                     break
-                recomputed, placements = plans[k]
-                trial = exactly(Trial(recomputed, placements, PlanOutcome(
-                    rank, 0, alone.plain, 0.0, budget,
-                    sum(len(layers) for layers in recomputed.values()))))
-                if trial.outcome.shortfall:  # over at a few points, perhaps: fit it
+                tried.append(k)
+                trial = made(k)
+                count, lag, _, shape = names[k]
+                frugal = where.get((count, 1, 1, shape))
+                if (trial.outcome.shortfall and frugal is not None
+                        and trial.merit[1] < beat * (1 + _ROUNDING)
+                        and not made(frugal).outcome.shortfall):
+                    recomputed, placements = plans[k]
                     fitted = fit(placements, partial(placed, order, rank, recomputed), rank,
                                  self.costs, budget)
                     if fitted is not None:
-                        trial = exactly(replace(trial, placements=fitted))
+                        trial = out[k] = exactly(replace(trial, placements=fitted))
                 if not trial.outcome.shortfall:
                     beat = min(beat, trial.merit[1])
-                out[k] = trial
-            return [out[k] for k in sorted(out)]
+            return [out[k] for k in sorted(tried)]
 
         meeting: list[Trial[PlanOutcome]] = []
 

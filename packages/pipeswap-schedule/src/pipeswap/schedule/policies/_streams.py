@@ -44,6 +44,9 @@ class CopyStream:
         self.copies: list[Copy] = []
         self.ends: list[float] = []
         self.owned: dict[ChunkKey, list[Copy]] = {}  # owner -> its copies, in queue order
+        # per copy, how many past their deadlines from it to the end of the run of copies
+        # that waited for the one before (made when asked, dropped when the queue changes)
+        self._late: list[int] | None = None
 
     def clone(self) -> CopyStream:
         other = CopyStream()
@@ -93,8 +96,35 @@ class CopyStream:
             free = ends[index - 1]
         return changed, new_ends
 
+    def least_lateness(self, copy: Copy) -> float:
+        """A lower bound of how much later than now, in all, the copies end past their
+        deadlines once ``copy`` joins the queue (its own lateness included): the copy
+        after it starts later by some shift, and so does each copy after that one that
+        waited for the one before, one past its deadline being that much later."""
+        copies, ends = self.copies, self.ends
+        at = bisect_left(copies, copy)
+        end = max(copy.release, ends[at - 1] if at else 0.0) + copy.duration
+        least = max(0.0, end - copy.deadline)
+        if at < len(copies):
+            before = ends[at - 1] if at else 0.0
+            shift = max(copies[at].release, end) - max(copies[at].release, before)
+            least += shift * self._late_runs()[at]
+        return least
+
+    def _late_runs(self) -> list[int]:
+        if self._late is None:
+            copies, ends = self.copies, self.ends
+            late = [0] * (len(copies) + 1)
+            for index in reversed(range(len(copies))):
+                waits = index + 1 < len(copies) and copies[index + 1].release <= ends[index]
+                late[index] = (ends[index] > copies[index].deadline) + (
+                    late[index + 1] if waits else 0)
+            self._late = late
+        return self._late
+
     def replace(self, owner: ChunkKey, new: Sequence[Copy]) -> None:
         """Put ``new`` (sorted) in the queue in place of ``owner``'s copies."""
+        self._late = None
         copies, ends = self.copies, self.ends
         for copy in self.owned.pop(owner, ()):
             index = bisect_left(copies, copy)
