@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 from bisect import bisect_left, bisect_right
 from itertools import accumulate, compress
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 from pipeswap.schedule.costs import CostModel
 from pipeswap.schedule.policies._profile import Profile
@@ -245,10 +245,30 @@ class ChunkPlan:
 
     def _stalling(self, first: int, peak: int) -> tuple[int, SwapPlacement] | None:
         """Any chunk off the device at slot ``first`` (or taken, and then widened to be),
-        placed as stalls compute least, then as leaves the fewest slots at ``peak``."""
+        placed as stalls compute least, then as leaves the fewest slots at ``peak`` (the
+        first of equals, in forward and placement order). Each choice's stall is worked
+        out (a replay of its streams) in the order of a lower bound of it
+        (:meth:`_least_added`), and only until no bound left can do better."""
+        options = sorted(self._stalling_options(first, peak))
+        best: tuple[tuple[float, int, int, int, int], int, SwapPlacement] | None = None
+        for least, *rest, index, placement in options:
+            if best is not None and (least, *rest) >= best[0]:
+                break  # none left can do better
+            added = self._added(index, placement, strict=False)
+            assert added is not None
+            order = (added, *rest)
+            if best is None or order < best[0]:
+                best = (order, index, placement)
+        return None if best is None else best[1:]
+
+    def _stalling_options(self, first: int, peak: int
+                          ) -> Iterator[tuple[float, int, int, int, int, int, SwapPlacement]]:
+        """For :meth:`_stalling`: each chunk and placement that puts it off the device at
+        ``first``, as (a lower bound of its stall, minus the slots at ``peak`` it covers,
+        minus its bytes, its copy slots, its place in order, candidate, placement)."""
         lo = bisect_left(self.forwards, first - self.longest)
         hi = bisect_right(self.forwards, first - 1)
-        best: tuple[tuple[float, int, int, int], int, SwapPlacement] | None = None
+        seen = 0
         for index in range(lo, hi):
             c = self.candidates[index]
             if not c.forward_slot < first < c.backward_slot:
@@ -262,18 +282,12 @@ class ChunkPlan:
                         span.start <= c.forward_slot + now.offload_slots + 1
                         and c.backward_slot - now.load_slots <= span.stop)):
                     continue
-                covered = self.profile.count(peak, span.start, span.stop)
-                rest = (-covered, -self.movable[index], sum(placement))
-                if best is not None and now is None and not self.instant and (
-                        self._least_added(index, placement) * (1 - _ROUNDING), *rest
-                ) >= best[0]:
-                    continue  # cannot do better than the best so far
-                added = self._added(index, placement, strict=False)
-                assert added is not None
-                order = (added, *rest)
-                if best is None or order < best[0]:
-                    best = (order, index, placement)
-        return None if best is None else best[1:]
+                # a taken chunk's stall may fall: no bound
+                least = -math.inf if now is not None or self.instant else (
+                    self._least_added(index, placement) * (1 - _ROUNDING))
+                seen += 1
+                yield (least, -self.profile.count(peak, span.start, span.stop),
+                       -self.movable[index], sum(placement), seen, index, placement)
 
     def prune(self) -> None:
         """Drop, latest taken first, each chunk whose removal leaves the peak as it is."""

@@ -7,6 +7,8 @@ this process or in a worker (:mod:`pipeswap.schedule.policies._parallel`).
 
 from __future__ import annotations
 
+import math
+
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from functools import partial
@@ -109,10 +111,12 @@ class RankSearch:
             """The plans alike on every chunk, each over the budget at a few points fitted
             (:func:`fit`), in order; made cheapest recompute first, and only while their
             recompute alone adds less than ``beat`` or the best of them that meets the
-            budget (the copies only add to it). A fit only lowers lags and load depths,
-            which hide no more of the copies and hold no less than the same plan with lag
-            and depth 1 everywhere: a plan is not fitted where that one is over the budget
-            too, or where its copies already add more than the best."""
+            budget (the copies only add to it). A plan holds no less than the same plan
+            with lag and depth 1 everywhere (made first of its kind), and a fit only lowers
+            lags and load depths, which hide no more of the copies: a plan is not fitted
+            where that one is over the budget too, or where its copies already add more
+            than the best, nor made at all where that one is over and another plan meets
+            the budget."""
             found = alike(candidates, layers_of, self.granularity)
             names, plans = list(found), list(found.values())
             seconds = [recompute_seconds(self.costs, rank, {
@@ -133,10 +137,13 @@ class RankSearch:
             for k in sorted(range(len(plans)), key=seconds.__getitem__):
                 if seconds[k] >= beat * (1 + _ROUNDING):
                     break
+                count, _, _, shape = names[k]
+                frugal = where.get((count, 1, 1, shape))  # made first of its kind
+                if (beat < math.inf and frugal is not None and frugal != k
+                        and out[frugal].outcome.shortfall):
+                    continue  # it cannot meet the budget, and one does already
                 tried.append(k)
                 trial = made(k)
-                count, lag, _, shape = names[k]
-                frugal = where.get((count, 1, 1, shape))
                 if (trial.outcome.shortfall and frugal is not None
                         and trial.merit[1] < beat * (1 + _ROUNDING)
                         and not made(frugal).outcome.shortfall):
