@@ -95,7 +95,7 @@ def test_the_bound_never_passes_a_plans_step_and_the_choice_is_the_one_simulatin
             for other, order in enumerate(given.orders))), costs, rank)
         steps = [_pipeline.step_time(given, costs, {**current, rank: order})
                  for order in orders]
-        bounds = [_pipeline._bound(logged, given, rank, order, costs) for order in orders]
+        bounds = [_pipeline.least_step(logged, given, rank, order, costs) for order in orders]
         assert all(bound <= step * (1 + 1e-9) for bound, step in zip(bounds, steps))
         assert max(bound / step for bound, step in zip(bounds, steps)) > 0.99  # not vacuous
         every = min(range(len(orders)), key=lambda k: (steps[k], seconds[k], k))
@@ -126,8 +126,8 @@ def test_an_order_that_sends_earlier_than_the_run_is_not_bounded() -> None:
     plain = build_schedule(ScheduleSpec(ScheduleKind.ONE_F_ONE_B, ranks=2, microbatches=2))
     slower = inject_recompute(plain, {(1, 0): (0, 1, 2, 3)})
     logged = simulate_logged(slower, TIMED, changing=1)
-    assert _pipeline._bound(logged, plain, 1, plain.orders[1], TIMED) == float("-inf")
-    assert _pipeline._bound(logged, plain, 1, slower.orders[1], TIMED) == pytest.approx(
+    assert _pipeline.least_step(logged, plain, 1, plain.orders[1], TIMED) == float("-inf")
+    assert _pipeline.least_step(logged, plain, 1, slower.orders[1], TIMED) == pytest.approx(
         simulate(slower, TIMED).step_time)
 
 
@@ -143,5 +143,5 @@ def test_the_bound_allows_for_a_recompute_shortening_a_weight_gradient() -> None
         for key in sorted(weights):
             for layers in ((0, 1, 2, 3), (3,)):
                 changed = inject_recompute(plain, {key: layers})
-                bound = _pipeline._bound(logged, plain, rank, changed.orders[rank], costs)
+                bound = _pipeline.least_step(logged, plain, rank, changed.orders[rank], costs)
                 assert bound <= simulate(changed, costs).step_time * (1 + 1e-9), (rank, key)

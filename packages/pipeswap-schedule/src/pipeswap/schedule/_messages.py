@@ -46,10 +46,11 @@ class MessageLog:
         """``rank`` sent ``message`` after its latest compute."""
         self.sent[self._last[rank]].append(message)
 
-    def tails(self, transfer: float, changing: int) -> dict[Message, float]:
+    def tails(self, transfer: float, changing: int | None) -> dict[Message, float]:
         """Per message received, the longest path of computes (and ``transfer`` per message
         between ranks) from its receiving compute's start to the end of the step, the Ws
-        of rank ``changing`` taken as nothing."""
+        of rank ``changing`` (None: of every rank, for orders of any ranks that change)
+        taken as nothing."""
         tail = [0.0] * len(self.ranks)
         after: dict[int, float] = {}  # rank: the tail of its compute seen last (the next)
         for node in reversed(range(len(self.ranks))):
@@ -60,6 +61,7 @@ class MessageLog:
                 if receiver is not None:
                     hop = 0.0 if self.ranks[receiver] == rank else transfer
                     longest = max(longest, hop + tail[receiver])
-            own = 0.0 if rank == changing and self.weight[node] else self.seconds[node]
+            own = 0.0 if self.weight[node] and changing in (None, rank) else (
+                self.seconds[node])
             tail[node] = after[rank] = own + longest
         return {message: tail[node] for message, node in self.receiver.items()}

@@ -201,10 +201,10 @@ class Logged(NamedTuple):
 
 
 @gc_paused
-def simulate_logged(schedule: Schedule, costs: CostModel, changing: int) -> Logged:
+def simulate_logged(schedule: Schedule, costs: CostModel, changing: int | None) -> Logged:
     """Run a schedule a pass made from a valid one (not validated again) and keep its
-    messages' arrivals, and their tails for any order of rank ``changing`` that adds swap
-    or recompute steps to its own."""
+    messages' arrivals, and their tails for any order of rank ``changing`` (None: of any
+    rank) that adds swap or recompute steps to its own."""
     arrivals: dict[Message, float] = {}
     log = MessageLog()
     ranks = _walk(list(enumerate(schedule.orders)), schedule.stage_ranks,

@@ -19,7 +19,11 @@ from pipeswap.schedule.jobplan.memory import Job, MemoryParts, stage_layers, sta
 from pipeswap.schedule.jobplan.models import ModelShape
 from pipeswap.schedule.jobplan.space import Config, cost_model, lower_bound
 from pipeswap.schedule.policies import PeakPolicy
-from pipeswap.schedule.simulate import RankResult, SimulationResult, simulate
+from pipeswap.schedule.policies._pipeline import least_step, placed
+from pipeswap.schedule.schedule import Schedule
+from pipeswap.schedule.simulate import RankResult, SimulationResult, simulate, simulate_logged
+from pipeswap.schedule.steps import Order
+from pipeswap.schedule.swap_plan import RankPlan
 
 
 @dataclass(frozen=True)
@@ -41,6 +45,9 @@ class Outcome:
     streamed: tuple[int, ...]  # per rank: chunks streamed layer by layer
     recomputed: tuple[int, ...]  # per rank: layer forwards run again
     why: str
+    # not planned to the end: its plans already make its step at least ``step_time``,
+    # slower than the configurations it had to beat
+    abandoned: bool = False
 
     @property
     def peak_device_bytes(self) -> int:
@@ -139,14 +146,18 @@ class Judge:
         return self._planned(config, lambda costs, budget: PeakPolicy(
             costs, budget=budget, granularity="chunk", whole_pipeline=False))
 
-    def streaming(self, config: Config) -> Outcome:
+    def streaming(self, config: Config, beat: float = math.inf) -> Outcome:
         """``config`` with the peak policy's full choice per rank: whole or streamed swap,
-        and recompute (slower to plan than :meth:`whole_chunks`)."""
+        and recompute (slower to plan than :meth:`whole_chunks`). Where the plans of the
+        ranks planned so far already make the step longer than ``beat`` (a bound: each
+        rank's order run against the messages of the schedule without swap, which come no
+        sooner with plans), planning stops: the outcome is :attr:`Outcome.abandoned`."""
         return self._planned(config, lambda costs, budget: PeakPolicy(
-            costs, budget=budget, recompute="auto", whole_pipeline=False))
+            costs, budget=budget, recompute="auto", whole_pipeline=False), beat)
 
     def _planned(self, config: Config,
-                 policy: Callable[[CostModel, dict[int, int]], PeakPolicy]) -> Outcome:
+                 policy: Callable[[CostModel, dict[int, int]], PeakPolicy],
+                 beat: float = math.inf) -> Outcome:
         statics, costs = self.statics(config), self.costs(config)
         shared, grads = self.shared(config), self.weight_grads(config)
         # the split backward's gradients as the schedule without swap holds them: the plan
@@ -156,7 +167,17 @@ class Judge:
                 build_schedule(_spec(config)), costs, timeline=True, check=False).ranks]
         budget = {r: max(0, self.capacity - statics[r].static - shared[r].most - waiting[r])
                   for r in range(config.ranks)}
-        schedule, _ = build_planned(replace(_spec(config), swap=True), policy(costs, budget))
+        chosen = policy(costs, budget)
+        if beat < math.inf:
+            chosen = replace(chosen, planned=_stop_beyond(beat, build_schedule(_spec(config)),
+                                                          costs))
+        try:
+            schedule, _ = build_planned(replace(_spec(config), swap=True), chosen)
+        except _Slower as slower:
+            return Outcome(config, False, slower.least, 0.0, 0.0, 0.0, statics, self.capacity,
+                           0, (0,) * config.ranks, (0,) * config.ranks, (0,) * config.ranks,
+                           f"rank {slower.rank}'s plan alone makes a step of at least "
+                           f"{slower.least:.2f} s (not planned further)", abandoned=True)
         result = simulate(schedule, costs, timeline=timed(config), check=False)
         return self._outcome(config, statics, result, costs, "swaps and recomputes")
 
@@ -197,6 +218,35 @@ class Judge:
                        sum(r.bubble_fraction for r in result.ranks) / len(result.ranks),
                        max(r.exposed_copy for r in result.ranks), memory, self.capacity, node,
                        swapped, streamed, tuple(r.recomputed_layers for r in result.ranks), why)
+
+
+class _Slower(Exception):
+    """A rank's plan makes the step at least ``least``: longer than a search can use."""
+
+    def __init__(self, rank: int, least: float) -> None:
+        super().__init__(rank, least)
+        self.rank, self.least = rank, least
+
+
+def _stop_beyond(beat: float, plain: Schedule, costs: CostModel
+                 ) -> Callable[[int, Order, RankPlan], None]:
+    """What the peak policy tells each rank's plan to: it raises :class:`_Slower` where the
+    plan's order, run against the messages of ``plain`` (the schedule without swap), bounds
+    the step above ``beat``."""
+    logged = simulate_logged(plain, costs, None)  # any rank's W may shrink with recompute
+
+    def planned(rank: int, order: Order, plan: RankPlan) -> None:
+        least = least_step(logged, plain, rank,
+                           placed(order, rank, plan.recomputed, plan.placements), costs)
+        if least > beat * (1 + _ROUNDING):
+            raise _Slower(rank, least)
+
+    return planned
+
+
+#: How far a bound may exceed the step the simulator gives (the same sums, added in
+#: another order).
+_ROUNDING = 1e-9
 
 
 def settled(whole: Outcome, kept_step: float) -> bool:

@@ -56,6 +56,9 @@ def reason(outcome: Outcome) -> str:
 
 def lost(outcome: Outcome, best: Outcome) -> str:
     """Why ``outcome`` ranks below ``best``."""
+    if outcome.abandoned:
+        least = outcome.step_time / best.step_time - 1
+        return f"at least {least:.1%} slower: {outcome.why}"
     if not outcome.fits:
         return f"does not fit: {outcome.why}"
     slower = outcome.step_time / best.step_time - 1

@@ -87,8 +87,10 @@ def plan(model: ModelShape, job: Job, machine: Machine, space: SearchSpace = Sea
             best[index] = judge.whole_chunks(config)
             if not settled(best[index], bound):
                 heapq.heappush(queue, (bound, index, 2))
-        else:
-            best[index] = better(best[index], judge.streaming(config))
+        else:  # planning stops where the plans already make it slower than the bar
+            found = judge.streaming(config, bar())
+            best[index] = (found if found.abandoned and not best[index].fits
+                           else better(best[index], found))
         if progress is not None:
             fitting = [o for o in best.values() if o.fits]
             progress(len(judged), len(configs),
@@ -104,11 +106,14 @@ def plan(model: ModelShape, job: Job, machine: Machine, space: SearchSpace = Sea
                 time.perf_counter() - begun)
 
 
-def _nearness(outcome: Outcome) -> tuple[bool, float]:
-    """Nearest losers first: those that fit (slower) by step time, then by how far over."""
+def _nearness(outcome: Outcome) -> tuple[int, float]:
+    """Nearest losers first: those that fit (slower) by step time, then those not planned to
+    the end by the least step they make, then by how far over."""
     if outcome.fits:
-        return False, outcome.step_time
-    return True, outcome.peak_device_bytes / outcome.capacity
+        return 0, outcome.step_time
+    if outcome.abandoned:
+        return 1, outcome.step_time
+    return 2, outcome.peak_device_bytes / outcome.capacity
 
 
 def _why_none(model: ModelShape, job: Job, machine: Machine, judged: list[Outcome]) -> str:

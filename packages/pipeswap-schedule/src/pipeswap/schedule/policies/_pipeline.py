@@ -122,7 +122,7 @@ def fastest(given: Schedule, costs: CostModel, current: Mapping[int, Order], ran
     logged = simulate_logged(replace(given, orders=tuple(
         order if other == rank else current.get(other, order)
         for other, order in enumerate(given.orders))), costs, rank)
-    bounds = [_bound(logged, given, rank, order, costs) for order in orders]
+    bounds = [least_step(logged, given, rank, order, costs) for order in orders]
     steps: dict[int, float] = {}
     for index in sorted(range(len(orders)), key=bounds.__getitem__):
         if steps and bounds[index] > min(steps.values()) * (1 + _ROUNDING):
@@ -131,8 +131,8 @@ def fastest(given: Schedule, costs: CostModel, current: Mapping[int, Order], ran
     return min(steps, key=lambda index: (steps[index], recompute_s[index], index))
 
 
-def _bound(logged: Logged, given: Schedule, rank: int, order: Order, costs: CostModel
-           ) -> float:
+def least_step(logged: Logged, given: Schedule, rank: int, order: Order, costs: CostModel
+               ) -> float:
     """The least step ``order`` can give ``rank`` with the other ranks as ``logged`` ran
     them; minus infinity where it sends a message earlier than ``logged`` (a plan that adds
     steps never should, but then nothing bounds it)."""
