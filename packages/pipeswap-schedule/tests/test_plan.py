@@ -35,6 +35,7 @@ from pipeswap.schedule.jobplan.activations import (
     weight_grad_bytes,
 )
 from pipeswap.schedule.jobplan.memory import stage_layers, stage_params, static_parts
+from pipeswap.schedule.jobplan.report import lost
 from pipeswap.schedule.jobplan.space import Config, configurations
 
 GIB = 1 << 30
@@ -182,6 +183,28 @@ def test_a_config_that_fits_only_with_swap_is_found_and_kept_ones_rank_by_time()
     best = found.best
     assert best.peak_device_bytes <= memory
     assert sum(best.swapped) + sum(best.streamed) + sum(best.recomputed) > 0
+
+
+@pytest.mark.parametrize("kind", [ScheduleKind.ONE_F_ONE_B, ScheduleKind.INTERLEAVED_ZB,
+                                  ScheduleKind.DUALPIPEV])
+def test_a_full_choice_stops_only_where_its_plans_already_lose(kind: ScheduleKind) -> None:
+    """Planning a configuration stops once a rank's plan bounds its step above what it must
+    beat; the bound is never above the step the full choice gives, and such a loser says
+    how much slower it is at least."""
+    tight = ModelShape("tight", layers=8, hidden=1024, heads=8, kv_heads=8, ffn=4096,
+                       vocab=8000)
+    job = Job(gpus=4, global_batch=16, seq_len=2048, reserve_bytes=0)
+    judge = Judge(tight, job, replace(machine_preset("a100-80gb"), memory_bytes=int(1.5 * GIB)))
+    config = Config(kind, 2, 2, 1 if kind is ScheduleKind.ONE_F_ONE_B else 2, 8, 1)
+    full = judge.streaming(config)
+    assert not full.abandoned and sum(full.swapped) + sum(full.streamed) + sum(
+        full.recomputed) > 0
+    stopped = judge.streaming(config, beat=0.0)
+    assert stopped.abandoned and not stopped.fits
+    assert 0.0 < stopped.step_time <= full.step_time
+    assert judge.streaming(config, beat=full.step_time) == full  # nothing to stop
+    assert lost(stopped, replace(full, step_time=stopped.step_time / 2)).startswith(
+        "at least 100.0% slower: rank 0's plan alone makes a step of at least")
 
 
 def test_bad_input_is_one_line(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:

@@ -251,12 +251,12 @@ class ChunkPlan:
         (:meth:`_least_added`), and only until no bound left can do better."""
         options = sorted(self._stalling_options(first, peak))
         best: tuple[tuple[float, int, int, int, int], int, SwapPlacement] | None = None
-        for least, *rest, index, placement in options:
-            if best is not None and (least, *rest) >= best[0]:
+        for least, covered, movable, slots, seen, index, placement in options:
+            if best is not None and (least, covered, movable, slots, seen) >= best[0]:
                 break  # none left can do better
             added = self._added(index, placement, strict=False)
             assert added is not None
-            order = (added, *rest)
+            order = (added, covered, movable, slots, seen)
             if best is None or order < best[0]:
                 best = (order, index, placement)
         return None if best is None else best[1:]
