@@ -9,7 +9,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
-from pipeswap.schedule.build import ScheduleSpec, build_planned, build_schedule
+from pipeswap.schedule.build import ScheduleSpec, apply_swap, build_schedule, rank_plan
 from pipeswap.schedule.costs import CostModel
 from pipeswap.schedule.errors import ScheduleError
 from pipeswap.schedule.jobplan.activations import batch_bytes, rank_bytes, weight_grad_bytes
@@ -22,8 +22,8 @@ from pipeswap.schedule.policies import PeakPolicy
 from pipeswap.schedule.policies._pipeline import least_step, placed
 from pipeswap.schedule.schedule import Schedule
 from pipeswap.schedule.simulate import RankResult, SimulationResult, simulate, simulate_logged
-from pipeswap.schedule.steps import Order
-from pipeswap.schedule.swap_plan import RankPlan
+from pipeswap.schedule.swap_order import swap_candidates
+from pipeswap.schedule.swap_plan import RankPlan, SwapPlan
 
 
 @dataclass(frozen=True)
@@ -160,25 +160,21 @@ class Judge:
                  beat: float = math.inf) -> Outcome:
         statics, costs = self.statics(config), self.costs(config)
         shared, grads = self.shared(config), self.weight_grads(config)
+        plain = build_schedule(_spec(config))
+        kept = simulate(plain, costs, timeline=timed(config), check=False)
         # the split backward's gradients as the schedule without swap holds them: the plan
         # only adds steps, which moves them little
-        waiting = [0] * config.ranks if not timed(config) else [
-            waiting_for_w(r, grads) for r in simulate(
-                build_schedule(_spec(config)), costs, timeline=True, check=False).ranks]
+        waiting = [waiting_for_w(r, grads) if timed(config) else 0 for r in kept.ranks]
         budget = {r: max(0, self.capacity - statics[r].static - shared[r].most - waiting[r])
                   for r in range(config.ranks)}
-        chosen = policy(costs, budget)
-        if beat < math.inf:
-            chosen = replace(chosen, planned=_stop_beyond(beat, build_schedule(_spec(config)),
-                                                          costs))
-        try:
-            schedule, _ = build_planned(replace(_spec(config), swap=True), chosen)
-        except _Slower as slower:
-            return Outcome(config, False, slower.least, 0.0, 0.0, 0.0, statics, self.capacity,
-                           0, (0,) * config.ranks, (0,) * config.ranks, (0,) * config.ranks,
-                           f"rank {slower.rank}'s plan alone makes a step of at least "
-                           f"{slower.least:.2f} s (not planned further)", abandoned=True)
-        result = simulate(schedule, costs, timeline=timed(config), check=False)
+        found = _plans(plain, policy(costs, budget), costs, kept, budget, beat)
+        if isinstance(found, tuple):
+            rank, least = found
+            return Outcome(config, False, least, 0.0, 0.0, 0.0, statics, self.capacity, 0,
+                           (0,) * config.ranks, (0,) * config.ranks, (0,) * config.ranks,
+                           f"rank {rank}'s plan alone makes a step of at least {least:.2f} s "
+                           "(not planned further)", abandoned=True)
+        result = simulate(apply_swap(plain, found), costs, timeline=timed(config), check=False)
         return self._outcome(config, statics, result, costs, "swaps and recomputes")
 
     def evaluate(self, config: Config, swap: bool = True) -> Outcome | None:
@@ -220,28 +216,25 @@ class Judge:
                        swapped, streamed, tuple(r.recomputed_layers for r in result.ranks), why)
 
 
-class _Slower(Exception):
-    """A rank's plan makes the step at least ``least``: longer than a search can use."""
-
-    def __init__(self, rank: int, least: float) -> None:
-        super().__init__(rank, least)
-        self.rank, self.least = rank, least
-
-
-def _stop_beyond(beat: float, plain: Schedule, costs: CostModel
-                 ) -> Callable[[int, Order, RankPlan], None]:
-    """What the peak policy tells each rank's plan to: it raises :class:`_Slower` where the
-    plan's order, run against the messages of ``plain`` (the schedule without swap), bounds
-    the step above ``beat``."""
-    logged = simulate_logged(plain, costs, None)  # any rank's W may shrink with recompute
-
-    def planned(rank: int, order: Order, plan: RankPlan) -> None:
-        least = least_step(logged, plain, rank,
-                           placed(order, rank, plan.recomputed, plan.placements), costs)
-        if least > beat * (1 + _ROUNDING):
-            raise _Slower(rank, least)
-
-    return planned
+def _plans(plain: Schedule, policy: PeakPolicy, costs: CostModel, kept: SimulationResult,
+           budget: dict[int, int], beat: float) -> SwapPlan | tuple[int, float]:
+    """Every rank of ``plain`` planned by ``policy`` on its own timeline, the furthest over
+    its budget first; or (a rank, the least step its plan makes) as soon as a plan makes the
+    step longer than ``beat``: its order run against the messages of ``plain`` (which come
+    no sooner once other ranks swap too) bounds the step from below."""
+    planner = policy.prepare(plain, None)
+    logged = None if beat == math.inf else simulate_logged(plain, costs, None)  # any W may
+    plans: dict[int, RankPlan] = {}  # shrink with recompute
+    for rank in sorted(range(len(plain.orders)), key=lambda r: (
+            budget[r] - kept.ranks[r].peak_activation_bytes, r)):
+        order = plain.orders[rank]
+        plans[rank] = rank_plan(rank, planner.select(rank, swap_candidates(order, rank), order))
+        if logged is not None:
+            least = least_step(logged, plain, rank, placed(
+                order, rank, plans[rank].recomputed, plans[rank].placements), costs)
+            if least > beat * (1 + _ROUNDING):
+                return rank, least
+    return SwapPlan(dict(sorted(plans.items())))
 
 
 #: How far a bound may exceed the step the simulator gives (the same sums, added in

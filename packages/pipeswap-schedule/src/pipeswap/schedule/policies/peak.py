@@ -85,10 +85,6 @@ class PeakPolicy:
     # pipeline (each rank once from each start; see prepare)
     choosing: Callable[[int, int], None] | None = field(default=None, repr=False,
                                                         compare=False)
-    # told (rank, its order, its plan) as each rank is planned on its own timeline: a
-    # search that needs the pass only if it is fast enough may stop it there, by raising
-    planned: Callable[[int, Order, RankPlan], None] | None = field(
-        default=None, repr=False, compare=False)
     # processes that make the ranks' plans under a budget in prepare (1: this one; each
     # rank's plans depend on its own order alone, so any number gives the same plans)
     jobs: int = 1
@@ -150,8 +146,8 @@ class PeakPolicy:
                 self.progress(rank, count, len(planning))
 
         if self.jobs > 1 and len(planning) > 1:
-            made = plan_ranks(replace(self, progress=None, choosing=None, planned=None),
-                              schedule, planning, self.jobs, done)
+            made = plan_ranks(replace(self, progress=None, choosing=None), schedule,
+                              planning, self.jobs, done)
         else:
             made = {}
             for count, rank in enumerate(planning, 1):
@@ -237,6 +233,4 @@ class PeakPlanner:
         if policy.progress is not None and budget is not None:
             self.done += 1
             policy.progress(rank, self.done, max(self.ranks, self.done))
-        if policy.planned is not None:
-            policy.planned(rank, order, plan)
         return plan
