@@ -250,7 +250,8 @@ def test_json_lists_the_candidates_best_first(capsys: pytest.CaptureFixture[str]
     assert [c["step_time_s"] for c in candidates] == sorted(c["step_time_s"] for c in candidates)
     assert candidates[0]["command"].startswith("torchrun --nproc-per-node 4 -m "
                                                "pipeswap.runtime.train --model gpt")
-    assert all(entry["fits"] for entry in candidates)
+    assert all(entry["fits"] and not entry["abandoned"] for entry in candidates)
+    assert all(not (entry["abandoned"] and entry["fits"]) for entry in data["others"])
     first = candidates[0]
     assert first["ranks"] * first["dp"] == 4
     assert first["microbatches"] * first["micro_batch_size"] * first["dp"] == 16

@@ -142,7 +142,7 @@ def as_data(plan: Plan) -> dict[str, object]:
                 "swapped_chunks": list(outcome.swapped),
                 "streamed_chunks": list(outcome.streamed),
                 "recomputed_layers": list(outcome.recomputed), "reason": outcome.why,
-                "command": command}
+                "abandoned": outcome.abandoned, "command": command}
 
     best = runs.get("pipeswap_train", runs["schedule_file"])
     return {"model": plan.model.name, "machine": plan.machine.name, "gpus": plan.job.gpus,
