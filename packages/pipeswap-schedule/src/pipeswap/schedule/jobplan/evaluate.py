@@ -223,8 +223,9 @@ def _plans(plain: Schedule, policy: PeakPolicy, costs: CostModel, kept: Simulati
     step longer than ``beat``: its order run against the messages of ``plain`` (which come
     no sooner once other ranks swap too) bounds the step from below."""
     planner = policy.prepare(plain, None)
-    logged = None if beat == math.inf else simulate_logged(plain, costs, None)  # any W may
-    plans: dict[int, RankPlan] = {}  # shrink with recompute
+    # every rank's Ws count as nothing in the tails: a recompute may shrink any of them
+    logged = None if beat == math.inf else simulate_logged(plain, costs, None)
+    plans: dict[int, RankPlan] = {}
     for rank in sorted(range(len(plain.orders)), key=lambda r: (
             budget[r] - kept.ranks[r].peak_activation_bytes, r)):
         order = plain.orders[rank]

@@ -117,8 +117,9 @@ class ChunkPlan:
         return added
 
     def _least_added(self, index: int, placement: SwapPlacement) -> float:
-        """A lower bound of :meth:`_added` for a candidate not taken, a bisection a copy
-        (:meth:`CopyStream.least_lateness`: its copies and those they delay only add)."""
+        """A lower bound of :meth:`_added` for a candidate not taken, at a bisection per
+        copy (:meth:`CopyStream.least_lateness`: its copies, and those they delay, only
+        add)."""
         offload, load = self._copies(index, placement)
         return self.offloads.least_lateness(offload) + self.loads.least_lateness(load)
 
@@ -234,9 +235,11 @@ class ChunkPlan:
         f, back = self.forwards[index], self.open[index]
         for placement in _HIDING:
             span = range(f + placement.offload_slots + 1, back - placement.load_slots)
-            if first not in span or (not self.instant and self._least_added(
-                    index, placement) > 0) or self._added(index, placement,
-                                                          strict=True) is None:
+            if first not in span:
+                continue
+            if not self.instant and self._least_added(index, placement) > 0:
+                continue  # a copy is late, surely
+            if self._added(index, placement, strict=True) is None:
                 continue
             covered = self.profile.count(peak, span.start, span.stop)
             order = (-covered, -self.movable[index], sum(placement), index)

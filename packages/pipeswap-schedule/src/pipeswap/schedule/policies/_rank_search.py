@@ -140,7 +140,7 @@ class RankSearch:
                 count, _, _, shape = names[k]
                 frugal = where.get((count, 1, 1, shape))  # made first of its kind
                 if (beat < math.inf and frugal is not None and frugal != k
-                        and out[frugal].outcome.shortfall):
+                        and made(frugal).outcome.shortfall):
                     continue  # it cannot meet the budget, and one does already
                 tried.append(k)
                 trial = made(k)
