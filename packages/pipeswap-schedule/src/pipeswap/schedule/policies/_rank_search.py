@@ -106,56 +106,6 @@ class RankSearch:
         alone_trial = exactly(alone_trial)
 
         layers_of = layer_counts(self.costs)
-
-        def alike_trials(beat: float) -> list[Trial[PlanOutcome]]:
-            """The plans alike on every chunk, each over the budget at a few points fitted
-            (:func:`fit`), in order; made cheapest recompute first, and only while their
-            recompute alone adds less than ``beat`` or the best of them that meets the
-            budget (the copies only add to it). A plan holds no less than the same plan
-            with lag and depth 1 everywhere (made first of its kind), and a fit only lowers
-            lags and load depths, which hide no more of the copies: a plan is not fitted
-            where that one is over the budget too, or where its copies already add more
-            than the best, nor made at all where that one is over and another plan meets
-            the budget."""
-            found = alike(candidates, layers_of, self.granularity)
-            names, plans = list(found), list(found.values())
-            seconds = [recompute_seconds(self.costs, rank, {
-                key: len(layers) for key, layers in recomputed.items()})
-                for recomputed, _ in plans]
-            out: dict[int, Trial[PlanOutcome]] = {}
-
-            def made(k: int) -> Trial[PlanOutcome]:
-                if k not in out:
-                    recomputed, placements = plans[k]
-                    out[k] = exactly(Trial(recomputed, placements, PlanOutcome(
-                        rank, 0, alone.plain, 0.0, budget,
-                        sum(len(layers) for layers in recomputed.values()))))
-                return out[k]
-
-            where = {name: k for k, name in enumerate(names)}
-            tried: list[int] = []
-            for k in sorted(range(len(plans)), key=seconds.__getitem__):
-                if seconds[k] >= beat * (1 + _ROUNDING):
-                    break
-                count, _, _, shape = names[k]
-                frugal = where.get((count, 1, 1, shape))  # made first of its kind
-                if (beat < math.inf and frugal is not None and frugal != k
-                        and made(frugal).outcome.shortfall):
-                    continue  # it cannot meet the budget, and one does already
-                tried.append(k)
-                trial = made(k)
-                if (trial.outcome.shortfall and frugal is not None
-                        and trial.merit[1] < beat * (1 + _ROUNDING)
-                        and not made(frugal).outcome.shortfall):
-                    recomputed, placements = plans[k]
-                    fitted = fit(placements, partial(placed, order, rank, recomputed), rank,
-                                 self.costs, budget)
-                    if fitted is not None:
-                        trial = out[k] = exactly(replace(trial, placements=fitted))
-                if not trial.outcome.shortfall:
-                    beat = min(beat, trial.merit[1])
-            return [out[k] for k in sorted(tried)]
-
         meeting: list[Trial[PlanOutcome]] = []
 
         def keep(trials: list[Trial[PlanOutcome]]) -> Trial[PlanOutcome]:
@@ -164,10 +114,66 @@ class RankSearch:
 
         best = search(evaluate, _groups(candidates), layers_of,
                       levels_for([layers_of(key) for key in keys]), alone_trial,
-                      keep if every else None, alike_trials)
+                      keep if every else None, partial(
+                          self._alike_trials, candidates, order, rank, budget, alone.plain,
+                          exactly, layers_of))
         # the peak without swap is the one without recompute either
         return [replace(trial, outcome=replace(trial.outcome, peak_no_swap=alone.plain))
                 for trial in meeting or [best]]
+
+    def _alike_trials(self, candidates: Sequence[SwapCandidate], order: Order, rank: int,
+                      budget: int, plain: int,
+                      exactly: Callable[[Trial[PlanOutcome]], Trial[PlanOutcome]],
+                      layers_of: Callable[[ChunkKey], int], beat: float
+                      ) -> list[Trial[PlanOutcome]]:
+        """For :meth:`mixed` (``exactly`` runs a trial's order alone; ``plain``: the peak
+        with neither swap nor recompute): the plans alike on every chunk, each over the budget at a few points fitted
+        (:func:`fit`), in order; made cheapest recompute first, and only while their
+        recompute alone adds less than ``beat`` or the best of them that meets the
+        budget (the copies only add to it). A plan holds no less than the same plan
+        with lag and depth 1 everywhere (made first of its kind), and a fit only lowers
+        lags and load depths, which hide no more of the copies: a plan is not fitted
+        where that one is over the budget too, or where its copies already add more
+        than the best, nor made at all where that one is over and another plan meets
+        the budget."""
+        found = alike(candidates, layers_of, self.granularity)
+        names, plans = list(found), list(found.values())
+        seconds = [recompute_seconds(self.costs, rank, {
+            key: len(layers) for key, layers in recomputed.items()})
+            for recomputed, _ in plans]
+        out: dict[int, Trial[PlanOutcome]] = {}
+
+        def made(k: int) -> Trial[PlanOutcome]:
+            if k not in out:
+                recomputed, placements = plans[k]
+                out[k] = exactly(Trial(recomputed, placements, PlanOutcome(
+                    rank, 0, plain, 0.0, budget,
+                    sum(len(layers) for layers in recomputed.values()))))
+            return out[k]
+
+        where = {name: k for k, name in enumerate(names)}
+        tried: list[int] = []
+        for k in sorted(range(len(plans)), key=seconds.__getitem__):
+            if seconds[k] >= beat * (1 + _ROUNDING):
+                break
+            count, _, _, shape = names[k]
+            frugal = where.get((count, 1, 1, shape))  # made first of its kind
+            if (beat < math.inf and frugal is not None and frugal != k
+                    and made(frugal).outcome.shortfall):
+                continue  # it cannot meet the budget, and one does already
+            tried.append(k)
+            trial = made(k)
+            if (trial.outcome.shortfall and frugal is not None
+                    and trial.merit[1] < beat * (1 + _ROUNDING)
+                    and not made(frugal).outcome.shortfall):
+                recomputed, placements = plans[k]
+                fitted = fit(placements, partial(placed, order, rank, recomputed), rank,
+                             self.costs, budget)
+                if fitted is not None:
+                    trial = out[k] = exactly(replace(trial, placements=fitted))
+            if not trial.outcome.shortfall:
+                beat = min(beat, trial.merit[1])
+        return [out[k] for k in sorted(tried)]
 
     def _by_layer(self, candidates: Sequence[SwapCandidate]) -> bool:
         """Whether to plan at layer resolution: streaming asked for, or allowed and some
