@@ -19,7 +19,7 @@ from pipeswap.schedule.jobplan.memory import Job, MemoryParts, stage_layers, sta
 from pipeswap.schedule.jobplan.models import ModelShape
 from pipeswap.schedule.jobplan.space import Config, cost_model, lower_bound
 from pipeswap.schedule.policies import PeakPolicy
-from pipeswap.schedule.policies._pipeline import least_step, placed
+from pipeswap.schedule.policies._pipeline import beyond, least_step, placed
 from pipeswap.schedule.schedule import Schedule
 from pipeswap.schedule.simulate import RankResult, SimulationResult, simulate, simulate_logged
 from pipeswap.schedule.swap_order import swap_candidates
@@ -233,14 +233,9 @@ def _plans(plain: Schedule, policy: PeakPolicy, costs: CostModel, kept: Simulati
         if logged is not None:
             least = least_step(logged, plain, rank, placed(
                 order, rank, plans[rank].recomputed, plans[rank].placements), costs)
-            if least > beat * (1 + _ROUNDING):
+            if beyond(least, beat):
                 return rank, least
     return SwapPlan(dict(sorted(plans.items())))
-
-
-#: How far a bound may exceed the step the simulator gives (the same sums, added in
-#: another order).
-_ROUNDING = 1e-9
 
 
 def settled(whole: Outcome, kept_step: float) -> bool:

@@ -107,10 +107,16 @@ def choose(given: Schedule, costs: CostModel,
     return best[1]
 
 
-#: How far past the shortest step found a plan's bound may be and the plan still be
-#: simulated: the simulator counts a copy ending a rounding error late as hidden, so its
-#: times are monotone only to within that.
+#: How far past a step a plan's bound may be and the plan still be able to match it: the
+#: simulator counts a copy ending a rounding error late as hidden, so its times are monotone
+#: only to within that.
 _ROUNDING = 1e-9
+
+
+def beyond(bound: float, step: float) -> bool:
+    """Whether a plan whose :func:`least_step` is ``bound`` surely makes a longer step than
+    ``step``."""
+    return bound > step * (1 + _ROUNDING)
 
 
 def fastest(given: Schedule, costs: CostModel, current: Mapping[int, Order], rank: int,
@@ -125,7 +131,7 @@ def fastest(given: Schedule, costs: CostModel, current: Mapping[int, Order], ran
     bounds = [least_step(logged, given, rank, order, costs) for order in orders]
     steps: dict[int, float] = {}
     for index in sorted(range(len(orders)), key=bounds.__getitem__):
-        if steps and bounds[index] > min(steps.values()) * (1 + _ROUNDING):
+        if steps and beyond(bounds[index], min(steps.values())):
             break
         steps[index] = step_time(given, costs, {**current, rank: orders[index]})
     return min(steps, key=lambda index: (steps[index], recompute_s[index], index))
