@@ -8,6 +8,7 @@ import json
 import re
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -207,6 +208,30 @@ def test_a_full_choice_stops_only_where_its_plans_already_lose(kind: ScheduleKin
     assert re.fullmatch(r"at least 100\.0% slower: rank \d's plan alone makes a step of at "
                         r"least \d+\.\d\d s \(not planned further\)",
                         lost(stopped, replace(full, step_time=stopped.step_time / 2)))
+
+
+def test_a_stopped_plan_goes_on_where_it_stopped(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A configuration's planning stopped part way goes on from the rank it stopped at when
+    asked for more, planning each rank once, to the outcome planning it at once gives."""
+    tight = ModelShape("tight", layers=8, hidden=1024, heads=8, kv_heads=8, ffn=4096,
+                       vocab=8000)
+    job = Job(gpus=4, global_batch=16, seq_len=2048, reserve_bytes=0)
+    judge = Judge(tight, job, replace(machine_preset("a100-80gb"), memory_bytes=int(1.5 * GIB)))
+    config = Config(ScheduleKind.INTERLEAVED_ZB, 2, 2, 2, 8, 1)
+    planning = judge.full_choice(config)
+    planned: list[int] = []
+    select = planning.planner.select
+
+    def counted(rank: int, *args: Any) -> Any:
+        planned.append(rank)
+        return select(rank, *args)
+
+    monkeypatch.setattr(planning.planner, "select", counted)
+    stopped = planning.run(0.0)
+    assert stopped.abandoned and len(planned) == 1
+    assert planning.run(0.0) == stopped and len(planned) == 1  # nothing more to plan
+    assert planning.run() == judge.streaming(config)
+    assert sorted(planned) == list(range(config.ranks))
 
 
 def test_bad_input_is_one_line(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:

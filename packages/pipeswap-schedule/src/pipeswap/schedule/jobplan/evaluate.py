@@ -18,10 +18,16 @@ from pipeswap.schedule.jobplan.machines import Machine
 from pipeswap.schedule.jobplan.memory import Job, MemoryParts, stage_layers, static_parts
 from pipeswap.schedule.jobplan.models import ModelShape
 from pipeswap.schedule.jobplan.space import Config, cost_model, lower_bound
-from pipeswap.schedule.policies import PeakPolicy
+from pipeswap.schedule.policies import PeakPlanner, PeakPolicy
 from pipeswap.schedule.policies._pipeline import beyond, least_step, placed
 from pipeswap.schedule.schedule import Schedule
-from pipeswap.schedule.simulate import RankResult, SimulationResult, simulate, simulate_logged
+from pipeswap.schedule.simulate import (
+    Logged,
+    RankResult,
+    SimulationResult,
+    simulate,
+    simulate_logged,
+)
 from pipeswap.schedule.swap_order import swap_candidates
 from pipeswap.schedule.swap_plan import RankPlan, SwapPlan
 
@@ -128,7 +134,7 @@ class Judge:
             return None
         costs = self.costs(config)
         result = simulate(plain, costs, timeline=timed(config), check=False)
-        return self._outcome(config, statics, result, costs, "keeps every activation")
+        return self.outcome(config, statics, result, costs, "keeps every activation")
 
     def swapping(self, config: Config, kept_step: float) -> Outcome:
         """``config`` judged with each rank's keep, swap and recompute chosen to fit the
@@ -143,21 +149,27 @@ class Judge:
 
     def whole_chunks(self, config: Config) -> Outcome:
         """``config`` with whole chunks swapped where a rank's memory needs it."""
-        return self._planned(config, lambda costs, budget: PeakPolicy(
+        return self.whole_chunk_plans(config).run()
+
+    def whole_chunk_plans(self, config: Config) -> Planning:
+        """``config``'s planning with whole chunks swapped where a rank's memory needs it."""
+        return self._planning(config, lambda costs, budget: PeakPolicy(
             costs, budget=budget, granularity="chunk", whole_pipeline=False))
 
     def streaming(self, config: Config, beat: float = math.inf) -> Outcome:
-        """``config`` with the peak policy's full choice per rank: whole or streamed swap,
-        and recompute (slower to plan than :meth:`whole_chunks`). Where the plans of the
-        ranks planned so far already make the step longer than ``beat`` (a bound: each
-        rank's order run against the messages of the schedule without swap, which come no
-        sooner with plans), planning stops: the outcome is :attr:`Outcome.abandoned`."""
-        return self._planned(config, lambda costs, budget: PeakPolicy(
-            costs, budget=budget, recompute="auto", whole_pipeline=False), beat)
+        """``config`` with the peak policy's full choice per rank (see
+        :meth:`full_choice`), planned to the end or until its plans already make the
+        step longer than ``beat``."""
+        return self.full_choice(config).run(beat)
 
-    def _planned(self, config: Config,
-                 policy: Callable[[CostModel, dict[int, int]], PeakPolicy],
-                 beat: float = math.inf) -> Outcome:
+    def full_choice(self, config: Config) -> Planning:
+        """``config``'s planning with the peak policy's full choice per rank: whole or
+        streamed swap, and recompute (slower to plan than :meth:`whole_chunks`)."""
+        return self._planning(config, lambda costs, budget: PeakPolicy(
+            costs, budget=budget, recompute="auto", whole_pipeline=False))
+
+    def _planning(self, config: Config,
+                  policy: Callable[[CostModel, dict[int, int]], PeakPolicy]) -> Planning:
         statics, costs = self.statics(config), self.costs(config)
         shared, grads = self.shared(config), self.weight_grads(config)
         plain = build_schedule(_spec(config))
@@ -167,15 +179,11 @@ class Judge:
         waiting = [waiting_for_w(r, grads) if timed(config) else 0 for r in kept.ranks]
         budget = {r: max(0, self.capacity - statics[r].static - shared[r].most - waiting[r])
                   for r in range(config.ranks)}
-        found = _plans(plain, policy(costs, budget), costs, kept, budget, beat)
-        if isinstance(found, tuple):
-            rank, least = found
-            return Outcome(config, False, least, 0.0, 0.0, 0.0, statics, self.capacity, 0,
-                           (0,) * config.ranks, (0,) * config.ranks, (0,) * config.ranks,
-                           f"rank {rank}'s plan alone makes a step of at least {least:.2f} s "
-                           "(not planned further)", abandoned=True)
-        result = simulate(apply_swap(plain, found), costs, timeline=timed(config), check=False)
-        return self._outcome(config, statics, result, costs, "swaps and recomputes")
+        # the furthest over its budget first: its plan bounds the step the most
+        ranks = sorted(range(config.ranks), key=lambda r: (
+            budget[r] - kept.ranks[r].peak_activation_bytes, r))
+        return Planning(self, config, statics, costs, plain,
+                        policy(costs, budget).prepare(plain, None), ranks)
 
     def evaluate(self, config: Config, swap: bool = True) -> Outcome | None:
         """``config`` judged: kept where that fits, else (with ``swap``) swapped and
@@ -193,7 +201,7 @@ class Judge:
         return Outcome(config, False, math.inf, 0.0, 0.0, 0.0, statics, self.capacity, 0,
                        (0,) * config.ranks, (0,) * config.ranks, (0,) * config.ranks, why)
 
-    def _outcome(self, config: Config, statics: tuple[MemoryParts, ...],
+    def outcome(self, config: Config, statics: tuple[MemoryParts, ...],
                  result: SimulationResult, costs: CostModel, how: str) -> Outcome:
         shared, grads = self.shared(config), self.weight_grads(config)
         memory = tuple(replace(statics[r.rank], activations=shared[r.rank].peak(r),
@@ -216,26 +224,54 @@ class Judge:
                        swapped, streamed, tuple(r.recomputed_layers for r in result.ranks), why)
 
 
-def _plans(plain: Schedule, policy: PeakPolicy, costs: CostModel, kept: SimulationResult,
-           budget: dict[int, int], beat: float) -> SwapPlan | tuple[int, float]:
-    """Every rank of ``plain`` planned by ``policy`` on its own timeline, the furthest over
-    its budget first; or (a rank, the least step its plan makes) as soon as a plan makes the
-    step longer than ``beat``: its order run against the messages of ``plain`` (which come
-    no sooner once other ranks swap too) bounds the step from below."""
-    planner = policy.prepare(plain, None)
-    # every rank's Ws count as nothing in the tails: a recompute may shrink any of them
-    logged = None if beat == math.inf else simulate_logged(plain, costs, None)
-    plans: dict[int, RankPlan] = {}
-    for rank in sorted(range(len(plain.orders)), key=lambda r: (
-            budget[r] - kept.ranks[r].peak_activation_bytes, r)):
-        order = plain.orders[rank]
-        plans[rank] = rank_plan(rank, planner.select(rank, swap_candidates(order, rank), order))
-        if logged is not None:
-            least = least_step(logged, plain, rank, placed(
-                order, rank, plans[rank].recomputed, plans[rank].placements), costs)
-            if beyond(least, beat):
-                return rank, least
-    return SwapPlan(dict(sorted(plans.items())))
+class Planning:
+    """One configuration's ranks planned one at a time on their own timelines (each rank's
+    plan depends on its own order alone), stopped as soon as a plan makes the step longer
+    than asked and resumed from there when asked for more: its order run against the
+    messages of the schedule without swap (which come no sooner once other ranks swap
+    too) bounds the step from below."""
+
+    def __init__(self, judge: Judge, config: Config, statics: tuple[MemoryParts, ...],
+                 costs: CostModel, plain: Schedule, planner: PeakPlanner,
+                 ranks: list[int]) -> None:
+        self.judge, self.config, self.statics, self.costs = judge, config, statics, costs
+        self.plain, self.planner, self.left = plain, planner, ranks
+        self.plans: dict[int, RankPlan] = {}
+        self.logged: Logged | None = None
+        self.least = (-1, -math.inf)  # the rank whose plan bounds the step most, the bound
+
+    def run(self, beat: float = math.inf) -> Outcome:
+        """The outcome with every rank planned; or, as soon as the plans so far make the
+        step longer than ``beat``, an :attr:`Outcome.abandoned` one whose step is the
+        least they make (a later call goes on from there)."""
+        while self.left:
+            if beyond(self.least[1], beat):
+                return self._abandoned()
+            rank, self.left = self.left[0], self.left[1:]
+            order = self.plain.orders[rank]
+            plan = rank_plan(rank, self.planner.select(rank, swap_candidates(order, rank),
+                                                       order))
+            self.plans[rank] = plan
+            if beat < math.inf:
+                if self.logged is None:  # every rank's Ws count as nothing in the tails:
+                    # a recompute may shrink any of them
+                    self.logged = simulate_logged(self.plain, self.costs, None)
+                least = least_step(self.logged, self.plain, rank, placed(
+                    order, rank, plan.recomputed, plan.placements), self.costs)
+                self.least = max(self.least, (rank, least), key=lambda found: found[1])
+        config = self.config
+        result = simulate(apply_swap(self.plain, SwapPlan(dict(sorted(self.plans.items())))),
+                          self.costs, timeline=timed(config), check=False)
+        return self.judge.outcome(config, self.statics, result, self.costs,
+                                  "swaps and recomputes")
+
+    def _abandoned(self) -> Outcome:
+        rank, least = self.least
+        config = self.config
+        return Outcome(config, False, least, 0.0, 0.0, 0.0, self.statics,
+                       self.judge.capacity, 0, (0,) * config.ranks, (0,) * config.ranks,
+                       (0,) * config.ranks, f"rank {rank}'s plan alone makes a step of at "
+                       f"least {least:.2f} s (not planned further)", abandoned=True)
 
 
 def settled(whole: Outcome, kept_step: float) -> bool:

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from pipeswap.schedule.errors import ScheduleError
-from pipeswap.schedule.jobplan.evaluate import Judge, Outcome, better, gib, settled
+from pipeswap.schedule.jobplan.evaluate import Judge, Outcome, Planning, better, gib, settled
 from pipeswap.schedule.jobplan.machines import Machine
 from pipeswap.schedule.jobplan.memory import Job
 from pipeswap.schedule.jobplan.models import ModelShape
@@ -56,45 +56,18 @@ def plan(model: ModelShape, job: Job, machine: Machine, space: SearchSpace = Sea
     if not configs:
         raise ScheduleError("no configuration is left in the search space: widen --ranks, "
                             "--schedules, --stages-per-rank or --micro-batch-sizes")
-    # (bound, index, phase): phase 0 judges a configuration keeping every activation,
-    # phase 1 with whole chunks swapped, phase 2 with the full choice (streaming,
-    # recompute), which is slow to plan: the quick whole-chunk plans, each a real step,
-    # lower the bar first. Phases 1 and 2 are bounded by the step kept (swap and recompute
-    # only add steps to a rank's order).
-    queue = [(judge.bound(config), index, 0) for index, config in enumerate(configs)]
-    heapq.heapify(queue)
-    best: dict[int, Outcome] = {}  # each configuration judged: its best outcome so far
-    judged: set[int] = set()  # the configurations simulated (some up to three times)
-
-    def bar() -> float:
-        steps = sorted(o.step_time for o in best.values() if o.fits)
-        return steps[top - 1] if len(steps) >= top else math.inf
-
-    while queue:
-        bound, index, phase = heapq.heappop(queue)
-        if bound >= bar():
+    search = _Search(judge, configs, top, space.swap)
+    while search.queue:
+        bound, index, phase = heapq.heappop(search.queue)
+        if bound >= search.bar():
             break
-        config = configs[index]
-        judged.add(index)
-        if phase == 0:
-            found = judge.keeping(config)
-            if found is None:
-                continue
-            best[index] = found
-            if not found.fits and space.swap and found.step_time < math.inf:
-                heapq.heappush(queue, (found.step_time, index, 1))
-        elif phase == 1:
-            best[index] = judge.whole_chunks(config)
-            if not settled(best[index], bound):
-                heapq.heappush(queue, (bound, index, 2))
-        else:  # planning stops where the plans already make it slower than the bar
-            found = judge.streaming(config, bar())
-            best[index] = (found if found.abandoned and not best[index].fits
-                           else better(best[index], found))
+        search.judged.add(index)
+        search.judge_one(bound, index, phase)
         if progress is not None:
-            fitting = [o for o in best.values() if o.fits]
-            progress(len(judged), len(configs),
+            fitting = [o for o in search.best.values() if o.fits]
+            progress(len(search.judged), len(configs),
                      min(fitting, key=lambda o: o.step_time) if fitting else None)
+    best = search.best
     ranked = sorted(((o.step_time, index, o) for index, o in best.items() if o.fits),
                     key=lambda item: (item[0], item[1]))
     others = {index: o for index, o in best.items() if not o.fits}
@@ -102,8 +75,76 @@ def plan(model: ModelShape, job: Job, machine: Machine, space: SearchSpace = Sea
     if not ranked:
         raise NoFit(_why_none(model, job, machine, list(others.values())))
     return Plan(model, job, machine, tuple(outcome for _, _, outcome in ranked[:top]),
-                tuple(sorted(others.values(), key=_nearness)), len(configs), len(judged),
+                tuple(sorted(others.values(), key=_nearness)), len(configs),
+                len(search.judged),
                 time.perf_counter() - begun)
+
+
+class _Search:
+    """The search's state: the queue of (bound, index, phase), and what each configuration
+    judged gave so far. Phase 0 judges a configuration keeping every activation, phase 1
+    with whole chunks swapped, phase 2 with the full choice (streaming, recompute), which
+    is slow to plan: the quick whole-chunk plans, each a real step, lower the bar first.
+    Phases 1 and 2 are bounded by the step kept (swap and recompute only add steps to a
+    rank's order). A plan of phase 1 or 2 stops where the plans of its ranks so far make
+    the step longer than the bar or than the next bound in the queue: it goes back in the
+    queue at the least step they make, and goes on from there if that comes first again.
+    So no rank is planned twice, and none where its configuration could no longer enter
+    the ranking."""
+
+    def __init__(self, judge: Judge, configs: list[Config], top: int, swap: bool) -> None:
+        self.judge, self.configs, self.top, self.swap = judge, configs, top, swap
+        self.queue = [(judge.bound(config), index, 0) for index, config in enumerate(configs)]
+        heapq.heapify(self.queue)
+        self.best: dict[int, Outcome] = {}  # each configuration judged: its best so far
+        self.kept: dict[int, Outcome] = {}  # each configuration's outcome keeping everything
+        self.judged: set[int] = set()  # the configurations simulated
+        self.pending: dict[tuple[int, int], Planning] = {}  # (index, phase): stopped plans
+        self.settled: set[int] = set()  # whole chunks fit at the step kept: no phase 2
+        self.full: set[int] = set()  # phase 2 queued
+
+    def bar(self) -> float:
+        steps = sorted(o.step_time for o in self.best.values() if o.fits)
+        return steps[self.top - 1] if len(steps) >= self.top else math.inf
+
+    def judge_one(self, bound: float, index: int, phase: int) -> None:
+        config, judge, queue = self.configs[index], self.judge, self.queue
+        if phase == 0:
+            found = judge.keeping(config)
+            if found is not None:
+                self.best[index] = self.kept[index] = found
+                if not found.fits and self.swap and found.step_time < math.inf:
+                    heapq.heappush(queue, (found.step_time, index, 1))
+            return
+        if index in self.settled:
+            return
+        planning = self.pending.pop((index, phase), None) or (
+            judge.whole_chunk_plans(config) if phase == 1 else judge.full_choice(config))
+        found = planning.run(min(self.bar(), queue[0][0] if queue else math.inf))
+        kept = self.kept[index].step_time
+        if found.abandoned:
+            self.pending[index, phase] = planning
+            heapq.heappush(queue, (max(bound, found.step_time), index, phase))
+        if phase == 1 and settled(found, kept):
+            self.best[index] = found
+            self.settled.add(index)
+            return
+        if phase == 1 and index not in self.full:  # stopped or not fitting at the step
+            self.full.add(index)  # kept: the full choice next
+            heapq.heappush(queue, (kept, index, 2))
+        self.best[index] = _merged(self.best[index], found, self.kept[index])
+
+
+def _merged(old: Outcome, found: Outcome, kept: Outcome) -> Outcome:
+    """What to keep of a configuration's two outcomes: a swap plan's over the one keeping
+    everything; then the one that fits, the faster; where neither fits, the one stopped part
+    way (it says why the configuration cannot win), else the faster."""
+    if old is kept:
+        return found
+    if not (old.fits or found.fits):
+        if old.abandoned or found.abandoned:
+            return old if old.abandoned else found
+    return better(old, found)
 
 
 def _nearness(outcome: Outcome) -> tuple[int, float]:

@@ -64,13 +64,15 @@ class LayerPlan:
         self.longest = max((c.end - c.forward_points for c in self.chunks.values()), default=0)
         # over a link of no limit no copy delays another
         self.instant = math.inf == self.d2h == self.h2d
-        self.current: dict[ChunkKey, Runs] = {}  # what each chunk holds as swapped now
+        # what a chunk holds swapped one way, and where that differs from another way:
+        # the same for every copy of the plan (its points do not change)
+        self.held: dict[tuple[ChunkKey, Choice | None], Runs] = {}
+        self.moved: dict[tuple[ChunkKey, Choice | None, Choice | None],
+                         list[tuple[int, int, int]]] = {}
         held = [0] * (len(points.times) + 1)  # a difference array over points
         for c in candidates:
             chunk = self.chunks.get(c.key) or points.chunk(c)
             values = runs(points, chunk, None)
-            if c.key in self.chunks:
-                self.current[c.key] = values
             base = chunk.forward_points
             for (offset, value), (after, _) in zip(values, [*values[1:], (chunk.end - base, 0)]):
                 held[base + offset] += value
@@ -88,7 +90,6 @@ class LayerPlan:
         other = copy.copy(self)
         other.profile, other.taken, other.chosen = self.profile.clone(), dict(self.taken), dict(
             self.chosen)
-        other.current = dict(self.current)
         other.streams = {name: stream.clone() for name, stream in self.streams.items()}
         return other
 
@@ -249,14 +250,14 @@ class LayerPlan:
     def deltas(self, changes: Changes) -> list[tuple[int, int, int]]:
         """How the bytes held change with ``changes``: (start, stop, change) point spans,
         apart and in order."""
+        if len(changes) == 1:  # one chunk's spans are apart, in order, merged already
+            (key, choice), = changes.items()
+            return self._moved(key, choice)
         steps: dict[int, int] = {}
         for key, choice in changes.items():
-            c = self.chunks[key]
-            base = c.forward_points
-            for start, stop, change in runs_changed(self.current[key], runs(
-                    self.points, c, choice), c.end - base):
-                steps[base + start] = steps.get(base + start, 0) + change
-                steps[base + stop] = steps.get(base + stop, 0) - change
+            for start, stop, change in self._moved(key, choice):
+                steps[start] = steps.get(start, 0) + change
+                steps[stop] = steps.get(stop, 0) - change
         out: list[tuple[int, int, int]] = []
         level, bounds = 0, sorted(steps)
         for point, after in zip(bounds, bounds[1:]):
@@ -264,6 +265,26 @@ class LayerPlan:
             if level:
                 out.append((point, after, level))
         return out
+
+    def _held(self, key: ChunkKey, choice: Choice | None) -> Runs:
+        """What ``key`` holds swapped as ``choice`` says."""
+        found = self.held.get((key, choice))
+        if found is None:
+            found = self.held[key, choice] = runs(self.points, self.chunks[key], choice)
+        return found
+
+    def _moved(self, key: ChunkKey, choice: Choice | None) -> list[tuple[int, int, int]]:
+        """Where ``key`` swapped as ``choice`` says holds other than as it is now: (start,
+        stop, change) point spans, apart and in order."""
+        now = self.chosen.get(key)
+        found = self.moved.get((key, now, choice))
+        if found is None:
+            c = self.chunks[key]
+            base = c.forward_points
+            found = self.moved[key, now, choice] = [
+                (base + start, base + stop, change) for start, stop, change in runs_changed(
+                    self._held(key, now), self._held(key, choice), c.end - base)]
+        return found
 
     def within(self, spans: list[tuple[int, int, int]], peak: int) -> bool:
         """Whether no point goes above ``peak`` with these changes."""
@@ -286,7 +307,6 @@ class LayerPlan:
                 self.chosen.pop(owner, None)
             else:
                 self.chosen[owner] = choice
-            self.current[owner] = runs(self.points, self.chunks[owner], choice)
         self.stall = stall
 
     def floor(self) -> int:
@@ -300,7 +320,8 @@ class LayerPlan:
             kinds = [1] if self.streamed_only else [0, 1] if self.may_stream(c) else [0]
             options = [runs(self.points, c, Choice(lag, 1, 1)) for lag in kinds]
             base = c.forward_points
-            for start, stop, change in runs_changed(self.current[key], lowest(options),
+            for start, stop, change in runs_changed(self._held(key, self.chosen.get(key)),
+                                                    lowest(options),
                                                     c.end - base):
                 steps[base + start] += change
                 steps[base + stop] -= change
