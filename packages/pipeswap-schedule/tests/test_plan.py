@@ -201,9 +201,14 @@ def test_a_full_choice_stops_only_where_its_plans_already_lose(kind: ScheduleKin
     full = judge.streaming(config)
     assert not full.abandoned and sum(full.swapped) + sum(full.streamed) + sum(
         full.recomputed) > 0
-    stopped = judge.streaming(config, beat=0.0)
+    kept = judge.keeping(config)
+    assert kept is not None
+    unplanned = judge.streaming(config, beat=0.0)  # keeping everything is already slower
+    assert unplanned.abandoned and unplanned.step_time == kept.step_time
+    assert unplanned.why.startswith("keeping every activation makes a step of")
+    stopped = judge.streaming(config, beat=kept.step_time)
     assert stopped.abandoned and not stopped.fits
-    assert 0.0 < stopped.step_time <= full.step_time
+    assert kept.step_time < stopped.step_time <= full.step_time
     assert judge.streaming(config, beat=full.step_time) == full  # nothing to stop
     assert re.fullmatch(r"at least 100\.0% slower: rank \d's plan alone makes a step of at "
                         r"least \d+\.\d\d s \(not planned further\)",
@@ -227,9 +232,11 @@ def test_a_stopped_plan_goes_on_where_it_stopped(monkeypatch: pytest.MonkeyPatch
         return select(rank, *args)
 
     monkeypatch.setattr(planning.planner, "select", counted)
-    stopped = planning.run(0.0)
+    kept = judge.keeping(config)
+    assert kept is not None
+    stopped = planning.run(kept.step_time)  # the least a search asks
     assert stopped.abandoned and len(planned) == 1
-    assert planning.run(0.0) == stopped and len(planned) == 1  # nothing more to plan
+    assert planning.run(kept.step_time) == stopped and len(planned) == 1  # nothing more
     assert planning.run() == judge.streaming(config)
     assert sorted(planned) == list(range(config.ranks))
 

@@ -183,7 +183,7 @@ class Judge:
         ranks = sorted(range(config.ranks), key=lambda r: (
             budget[r] - kept.ranks[r].peak_activation_bytes, r))
         return Planning(self, config, statics, costs, plain,
-                        policy(costs, budget).prepare(plain, None), ranks)
+                        policy(costs, budget).prepare(plain, None), ranks, kept.step_time)
 
     def evaluate(self, config: Config, swap: bool = True) -> Outcome | None:
         """``config`` judged: kept where that fits, else (with ``swap``) swapped and
@@ -233,12 +233,14 @@ class Planning:
 
     def __init__(self, judge: Judge, config: Config, statics: tuple[MemoryParts, ...],
                  costs: CostModel, plain: Schedule, planner: PeakPlanner,
-                 ranks: list[int]) -> None:
+                 ranks: list[int], kept_step: float) -> None:
         self.judge, self.config, self.statics, self.costs = judge, config, statics, costs
         self.plain, self.planner, self.left = plain, planner, ranks
         self.plans: dict[int, RankPlan] = {}
         self.logged: Logged | None = None
-        self.least = (-1, -math.inf)  # the rank whose plan bounds the step most, the bound
+        # the rank whose plan bounds the step most, and the bound; -1: the step keeping
+        # every activation, which no plan beats
+        self.least = (-1, kept_step)
 
     def run(self, beat: float = math.inf) -> Outcome:
         """The outcome with every rank planned; or, as soon as the plans so far make the
@@ -268,10 +270,12 @@ class Planning:
     def _abandoned(self) -> Outcome:
         rank, least = self.least
         config = self.config
+        why = (f"rank {rank}'s plan alone makes a step of at least {least:.2f} s (not "
+               "planned further)" if rank >= 0 else f"keeping every activation makes a step "
+               f"of {least:.2f} s, which swap and recompute only lengthen (not planned)")
         return Outcome(config, False, least, 0.0, 0.0, 0.0, self.statics,
                        self.judge.capacity, 0, (0,) * config.ranks, (0,) * config.ranks,
-                       (0,) * config.ranks, f"rank {rank}'s plan alone makes a step of at "
-                       f"least {least:.2f} s (not planned further)", abandoned=True)
+                       (0,) * config.ranks, why, abandoned=True)
 
 
 def settled(whole: Outcome, kept_step: float) -> bool:

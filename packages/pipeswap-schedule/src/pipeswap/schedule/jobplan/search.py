@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from pipeswap.schedule.errors import ScheduleError
-from pipeswap.schedule.jobplan.evaluate import Judge, Outcome, Planning, better, gib, settled
+from pipeswap.schedule.jobplan.evaluate import Judge, Outcome, Planning, gib, settled
 from pipeswap.schedule.jobplan.machines import Machine
 from pipeswap.schedule.jobplan.memory import Job
 from pipeswap.schedule.jobplan.models import ModelShape
@@ -98,10 +98,10 @@ class _Search:
         heapq.heapify(self.queue)
         self.best: dict[int, Outcome] = {}  # each configuration judged: its best so far
         self.kept: dict[int, Outcome] = {}  # each configuration's outcome keeping everything
+        self.swapped: dict[tuple[int, int], Outcome] = {}  # (index, phase): its latest
         self.judged: set[int] = set()  # the configurations simulated
         self.pending: dict[tuple[int, int], Planning] = {}  # (index, phase): stopped plans
         self.settled: set[int] = set()  # whole chunks fit at the step kept: no phase 2
-        self.full: set[int] = set()  # phase 2 queued
 
     def bar(self) -> float:
         steps = sorted(o.step_time for o in self.best.values() if o.fits)
@@ -124,27 +124,26 @@ class _Search:
         kept = self.kept[index].step_time
         if found.abandoned:
             self.pending[index, phase] = planning
-            heapq.heappush(queue, (max(bound, found.step_time), index, phase))
+            heapq.heappush(queue, (found.step_time, index, phase))
         if phase == 1 and settled(found, kept):
             self.best[index] = found
             self.settled.add(index)
             return
-        if phase == 1 and index not in self.full:  # stopped or not fitting at the step
-            self.full.add(index)  # kept: the full choice next
-            heapq.heappush(queue, (kept, index, 2))
-        self.best[index] = _merged(self.best[index], found, self.kept[index])
+        if phase == 1 and (index, 1) not in self.swapped:  # stopped, or not fitting at the
+            heapq.heappush(queue, (kept, index, 2))  # step kept: the full choice next
+        self.swapped[index, phase] = found
+        self.best[index] = _best_of([outcome for outcome in (
+            self.swapped.get((index, 1)), self.swapped.get((index, 2))) if outcome])
 
 
-def _merged(old: Outcome, found: Outcome, kept: Outcome) -> Outcome:
-    """What to keep of a configuration's two outcomes: a swap plan's over the one keeping
-    everything; then the one that fits, the faster; where neither fits, the one stopped part
-    way (it says why the configuration cannot win), else the faster."""
-    if old is kept:
-        return found
-    if not (old.fits or found.fits):
-        if old.abandoned or found.abandoned:
-            return old if old.abandoned else found
-    return better(old, found)
+def _best_of(outcomes: list[Outcome]) -> Outcome:
+    """A configuration's outcome of its latest whole-chunk and full-choice plans: the one
+    that fits, the faster (the first of equals); where neither fits, one stopped part way,
+    the least step it makes (the configuration cannot win, and this is how much slower it
+    is at least), else the faster."""
+    fitting = [outcome for outcome in outcomes if outcome.fits]
+    stopped = [outcome for outcome in outcomes if outcome.abandoned]
+    return min(fitting or stopped or outcomes, key=lambda outcome: outcome.step_time)
 
 
 def _nearness(outcome: Outcome) -> tuple[int, float]:
