@@ -62,6 +62,7 @@ class ChunkPlan:
         self.instant = math.inf == link.d2h_bandwidth == link.h2d_bandwidth
         self.chosen: dict[ChunkKey, SwapPlacement] = {}
         self.profile = Profile(line.held(candidates, costs))
+        self._made: dict[tuple[int, SwapPlacement], tuple[Copy, Copy]] = {}
 
     def _movable(self, key: ChunkKey, by_stage: dict[int, int]) -> int:
         if key in self.costs.chunks or key[0] not in by_stage:
@@ -82,14 +83,19 @@ class ChunkPlan:
 
     def _copies(self, index: int, placement: SwapPlacement) -> tuple[Copy, Copy]:
         """The offload and the load of candidate ``index`` placed so, each with the time
-        compute waits for it."""
+        compute waits for it (made once per placement)."""
+        found = self._made.get((index, placement))
+        if found is not None:
+            return found
         c, line = self.candidates[index], self.line
         f, b, key = c.forward_slot, c.backward_slot, c.key
         done, at = line.ends[f], line.starts[b - placement.load_slots]
-        return (Copy((f, AFTER, done, f), done, self.d2h[index], key, 0, True,
-                     line.ends[f + placement.offload_slots]),
-                Copy((b - placement.load_slots, BEFORE, at, f), at, self.h2d[index], key, 0,
-                     False, line.starts[b]))
+        found = self._made[index, placement] = (
+            Copy((f, AFTER, done, f), done, self.d2h[index], key, 0, True,
+                 line.ends[f + placement.offload_slots]),
+            Copy((b - placement.load_slots, BEFORE, at, f), at, self.h2d[index], key, 0,
+                 False, line.starts[b]))
+        return found
 
     def _added(self, index: int, placement: SwapPlacement, strict: bool) -> float | None:
         """How much later, in all, the copies end past their deadlines once candidate

@@ -67,6 +67,7 @@ class LayerPlan:
         # what a chunk holds swapped one way, and where that differs from another way:
         # the same for every copy of the plan (its points do not change)
         self.held: dict[tuple[ChunkKey, Choice | None], Runs] = {}
+        self.made: dict[tuple[ChunkKey, Way | None], tuple[list[Copy], ...]] = {}
         self.moved: dict[tuple[ChunkKey, Choice | None, Choice | None],
                          list[tuple[int, int, int]]] = {}
         held = [0] * (len(points.times) + 1)  # a difference array over points
@@ -128,10 +129,16 @@ class LayerPlan:
                                points.times[point + 1]))
         return offloads, loads
 
-    def _on(self, name: str, offloads: list[Copy], loads: list[Copy]) -> list[Copy]:
-        """The copies that go on stream ``name``, sorted."""
-        return sorted([*offloads, *loads] if name == "copy" else
-                      offloads if name == "d2h" else loads)
+    def _queued(self, key: ChunkKey, way: Way | None) -> tuple[list[Copy], ...]:
+        """The copies of ``key`` swapped as ``way`` says, per stream (in the order of
+        :attr:`streams`), sorted; made once per way, for every copy of the plan."""
+        found = self.made.get((key, way))
+        if found is None:
+            offloads, loads = self._copies(self.chunks[key], way)
+            found = self.made[key, way] = (
+                (sorted([*offloads, *loads]),) if not self.duplex else
+                (sorted(offloads), sorted(loads)))
+        return found
 
     def _choice(self, c: LayerChunk, way: Way, ends: Sequence[float], allow_stall: bool
                 ) -> Choice | None:
@@ -170,12 +177,10 @@ class LayerPlan:
             ends = ([self.points.times[c.forward_points + k] for k in range(len(c.layers))]
                     if way.streamed else [self.points.ends[c.forward_slot]])
             return {key: self._choice(c, way, ends, True)}, 0.0
-        offloads, loads = self._copies(self.chunks[key], way)
         strict = not allow_stall and not self.stall  # every copy hides, and must
         moved: dict[ChunkKey, dict[int, float]] = {}  # offload ends that change, by owner
         replays: list[tuple[CopyStream, dict[int, float], list[Copy], list[float]]] = []
-        for name, stream in self.streams.items():
-            new = self._on(name, offloads, loads)
+        for stream, new in zip(self.streams.values(), self._queued(key, way)):
             changed, ends = stream.replay(key, new)
             replays.append((stream, changed, new, ends))
             for queued, end in [*((stream.copies[i], e) for i, e in changed.items()),
@@ -295,9 +300,8 @@ class LayerPlan:
         for start, stop, change in self.deltas(changes):
             self.profile.add(start, stop, change)
         if not self.instant:
-            offloads, loads = self._copies(self.chunks[key], way)
-            for name, stream in self.streams.items():
-                stream.replace(key, self._on(name, offloads, loads))
+            for stream, new in zip(self.streams.values(), self._queued(key, way)):
+                stream.replace(key, new)
         if way is None:
             self.taken.pop(key, None)
         else:

@@ -47,6 +47,7 @@ class CopyStream:
         # per copy, how many past their deadlines from it to the end of the run of copies
         # that waited for the one before (made when asked, dropped when the queue changes)
         self._late: list[int] | None = None
+        self._at: dict[ChunkKey, list[int]] = {}  # positions asked for since the last change
 
     def clone(self) -> CopyStream:
         other = CopyStream()
@@ -55,8 +56,12 @@ class CopyStream:
         return other
 
     def positions(self, owner: ChunkKey) -> list[int]:
-        """Where ``owner``'s copies sit in the queue."""
-        return [bisect_left(self.copies, c) for c in self.owned.get(owner, ())]
+        """Where ``owner``'s copies sit in the queue (not to be changed)."""
+        found = self._at.get(owner)
+        if found is None:
+            found = self._at[owner] = [bisect_left(self.copies, c)
+                                       for c in self.owned.get(owner, ())]
+        return found
 
     def replay(self, owner: ChunkKey, new: Sequence[Copy]
                ) -> tuple[dict[int, float], list[float]]:
@@ -125,6 +130,7 @@ class CopyStream:
     def replace(self, owner: ChunkKey, new: Sequence[Copy]) -> None:
         """Put ``new`` (sorted) in the queue in place of ``owner``'s copies."""
         self._late = None
+        self._at = {}
         copies, ends = self.copies, self.ends
         for copy in self.owned.pop(owner, ()):
             index = bisect_left(copies, copy)
