@@ -147,6 +147,11 @@ def _judge_every(model: ModelShape, job: Job, machine_name: str, space: SearchSp
     times = [outcome.step_time for outcome in found.ranked]
     assert times == sorted(times)
     assert found.judged <= found.considered
+    # a configuration whose planning stopped is slower than the table by its bound: the
+    # search stops only where no bound left is shorter than the slowest ranked step
+    stopped = [outcome.step_time for outcome in found.others if outcome.abandoned]
+    assert all(step >= found.ranked[-1].step_time for step in stopped)
+    assert len(found.ranked) == 3 or not stopped  # a table not full: everything finished
 
 
 @pytest.mark.parametrize("case", ["roomy", "tight", "replicated"])

@@ -202,7 +202,7 @@ class Judge:
                        (0,) * config.ranks, (0,) * config.ranks, (0,) * config.ranks, why)
 
     def outcome(self, config: Config, statics: tuple[MemoryParts, ...],
-                 result: SimulationResult, costs: CostModel, how: str) -> Outcome:
+                result: SimulationResult, costs: CostModel, how: str) -> Outcome:
         shared, grads = self.shared(config), self.weight_grads(config)
         memory = tuple(replace(statics[r.rank], activations=shared[r.rank].peak(r),
                                buffers=statics[r.rank].buffers + waiting_for_w(r, grads))

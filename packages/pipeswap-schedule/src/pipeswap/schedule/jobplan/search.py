@@ -62,7 +62,7 @@ def plan(model: ModelShape, job: Job, machine: Machine, space: SearchSpace = Sea
         if bound >= search.bar():
             break
         search.judged.add(index)
-        search.judge_one(bound, index, phase)
+        search.judge_one(index, phase)
         if progress is not None:
             fitting = [o for o in search.best.values() if o.fits]
             progress(len(search.judged), len(configs),
@@ -76,8 +76,7 @@ def plan(model: ModelShape, job: Job, machine: Machine, space: SearchSpace = Sea
         raise NoFit(_why_none(model, job, machine, list(others.values())))
     return Plan(model, job, machine, tuple(outcome for _, _, outcome in ranked[:top]),
                 tuple(sorted(others.values(), key=_nearness)), len(configs),
-                len(search.judged),
-                time.perf_counter() - begun)
+                len(search.judged), time.perf_counter() - begun)
 
 
 class _Search:
@@ -107,7 +106,7 @@ class _Search:
         steps = sorted(o.step_time for o in self.best.values() if o.fits)
         return steps[self.top - 1] if len(steps) >= self.top else math.inf
 
-    def judge_one(self, bound: float, index: int, phase: int) -> None:
+    def judge_one(self, index: int, phase: int) -> None:
         config, judge, queue = self.configs[index], self.judge, self.queue
         if phase == 0:
             found = judge.keeping(config)
