@@ -32,10 +32,10 @@ from pipeswap.schedule.swap_plan import SwapCandidate, SwapPlacement
 _PLACEMENTS = tuple(SwapPlacement(off, load) for off, load in sorted(
     ((off, load) for off in range(MAX_COPY_SLOTS + 1) for load in range(MAX_COPY_SLOTS + 1)),
     key=lambda p: (sum(p), p)))
+_HIDING = tuple(p for p in _PLACEMENTS if min(p.offload_slots, p.load_slots) > 0)
 #: How far a copy's lower bound may exceed what :meth:`ChunkPlan._added` works out for it (the
 #: same sums, added in another order).
 _ROUNDING = 1e-9
-_HIDING = tuple(p for p in _PLACEMENTS if min(p.offload_slots, p.load_slots) > 0)
 
 
 class ChunkPlan:

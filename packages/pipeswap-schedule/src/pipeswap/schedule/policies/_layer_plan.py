@@ -64,12 +64,12 @@ class LayerPlan:
         self.longest = max((c.end - c.forward_points for c in self.chunks.values()), default=0)
         # over a link of no limit no copy delays another
         self.instant = math.inf == self.d2h == self.h2d
-        # what a chunk holds swapped one way, and where that differs from another way:
-        # the same for every copy of the plan (its points do not change)
-        self.held: dict[tuple[ChunkKey, Choice | None], Runs] = {}
-        self.made: dict[tuple[ChunkKey, Way | None], tuple[list[Copy], ...]] = {}
-        self.moved: dict[tuple[ChunkKey, Choice | None, Choice | None],
-                         list[tuple[int, int, int]]] = {}
+        # what a chunk holds swapped one way, its copies, and where what it holds differs
+        # from another way: the same for every copy of the plan (its points do not change)
+        self._held_by: dict[tuple[ChunkKey, Choice | None], Runs] = {}
+        self._copies_by: dict[tuple[ChunkKey, Way | None], tuple[list[Copy], ...]] = {}
+        self._moved_by: dict[tuple[ChunkKey, Choice | None, Choice | None],
+                             list[tuple[int, int, int]]] = {}
         held = [0] * (len(points.times) + 1)  # a difference array over points
         for c in candidates:
             chunk = self.chunks.get(c.key) or points.chunk(c)
@@ -132,10 +132,10 @@ class LayerPlan:
     def _queued(self, key: ChunkKey, way: Way | None) -> tuple[list[Copy], ...]:
         """The copies of ``key`` swapped as ``way`` says, per stream (in the order of
         :attr:`streams`), sorted; made once per way, for every copy of the plan."""
-        found = self.made.get((key, way))
+        found = self._copies_by.get((key, way))
         if found is None:
             offloads, loads = self._copies(self.chunks[key], way)
-            found = self.made[key, way] = (
+            found = self._copies_by[key, way] = (
                 (sorted([*offloads, *loads]),) if not self.duplex else
                 (sorted(offloads), sorted(loads)))
         return found
@@ -273,20 +273,20 @@ class LayerPlan:
 
     def _held(self, key: ChunkKey, choice: Choice | None) -> Runs:
         """What ``key`` holds swapped as ``choice`` says."""
-        found = self.held.get((key, choice))
+        found = self._held_by.get((key, choice))
         if found is None:
-            found = self.held[key, choice] = runs(self.points, self.chunks[key], choice)
+            found = self._held_by[key, choice] = runs(self.points, self.chunks[key], choice)
         return found
 
     def _moved(self, key: ChunkKey, choice: Choice | None) -> list[tuple[int, int, int]]:
         """Where ``key`` swapped as ``choice`` says holds other than as it is now: (start,
         stop, change) point spans, apart and in order."""
         now = self.chosen.get(key)
-        found = self.moved.get((key, now, choice))
+        found = self._moved_by.get((key, now, choice))
         if found is None:
             c = self.chunks[key]
             base = c.forward_points
-            found = self.moved[key, now, choice] = [
+            found = self._moved_by[key, now, choice] = [
                 (base + start, base + stop, change) for start, stop, change in runs_changed(
                     self._held(key, now), self._held(key, choice), c.end - base)]
         return found
@@ -324,9 +324,8 @@ class LayerPlan:
             kinds = [1] if self.streamed_only else [0, 1] if self.may_stream(c) else [0]
             options = [runs(self.points, c, Choice(lag, 1, 1)) for lag in kinds]
             base = c.forward_points
-            for start, stop, change in runs_changed(self._held(key, self.chosen.get(key)),
-                                                    lowest(options),
-                                                    c.end - base):
+            now = self._held(key, self.chosen.get(key))
+            for start, stop, change in runs_changed(now, lowest(options), c.end - base):
                 steps[base + start] += change
                 steps[base + stop] -= change
         return max((value + change for value, change in zip(

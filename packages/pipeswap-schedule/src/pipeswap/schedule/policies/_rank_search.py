@@ -8,7 +8,6 @@ this process or in a worker (:mod:`pipeswap.schedule.policies._parallel`).
 from __future__ import annotations
 
 import math
-
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from functools import partial
@@ -127,10 +126,10 @@ class RankSearch:
                       layers_of: Callable[[ChunkKey], int], beat: float
                       ) -> list[Trial[PlanOutcome]]:
         """For :meth:`mixed` (``exactly`` runs a trial's order alone; ``plain``: the peak
-        with neither swap nor recompute): the plans alike on every chunk, each over the budget at a few points fitted
-        (:func:`fit`), in order; made cheapest recompute first, and only while their
-        recompute alone adds less than ``beat`` or the best of them that meets the
-        budget (the copies only add to it). A plan holds no less than the same plan
+        with neither swap nor recompute): the plans alike on every chunk, each over the
+        budget at a few points fitted (:func:`fit`), in order; made cheapest recompute
+        first, and only while their recompute alone adds less than ``beat`` or the best of
+        them that meets the budget (the copies only add to it). A plan holds no less than the same plan
         with lag and depth 1 everywhere (made first of its kind), and a fit only lowers
         lags and load depths, which hide no more of the copies: a plan is not fitted
         where that one is over the budget too, or where its copies already add more
