@@ -169,7 +169,7 @@ def test_the_pipeline_keeps_the_faster_of_its_two_starts(
     def each_start(given: Schedule, costs: CostModel, options: Any, starts: Any,
                    recompute_s: Any, progress: Any) -> Any:
         for start in starts:
-            chosen = _pipeline.choose(given, costs, options, [start], recompute_s)
+            chosen, _ = _pipeline.choose(given, costs, options, [start], recompute_s)
             finished.append(_pipeline.step_time(given, costs, {
                 rank: _pipeline.order_of(given.orders[rank], rank, trial)
                 for rank, trial in chosen.items()}))

@@ -65,7 +65,7 @@ def _turns(kind: ScheduleKind, share: float, bandwidth: float,
             if len(orders) > 1:  # a rank with one plan has no choice to make
                 turns.append((given, costs, dict(current), rank, orders, seconds))
                 current[rank] = orders[_pipeline.fastest(given, costs, current, rank,
-                                                         orders, seconds)]
+                                                         orders, seconds).index]
             else:
                 current[rank] = orders[0]
         return _pipeline.choose(given, costs, options, starts, recompute_s, progress)
@@ -99,7 +99,7 @@ def test_the_bound_never_passes_a_plans_step_and_the_choice_is_the_one_simulatin
         assert all(bound <= step * (1 + 1e-9) for bound, step in zip(bounds, steps))
         assert max(bound / step for bound, step in zip(bounds, steps)) > 0.99  # not vacuous
         every = min(range(len(orders)), key=lambda k: (steps[k], seconds[k], k))
-        assert _pipeline.fastest(given, costs, current, rank, orders, seconds) == every
+        assert _pipeline.fastest(given, costs, current, rank, orders, seconds).index == every
 
 
 def test_a_turn_simulates_the_whole_schedule_for_few_of_its_plans(

@@ -24,7 +24,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
-from typing import TypeVar
+from typing import NamedTuple, TypeVar
 
 from pipeswap.schedule.costs import CostModel
 from pipeswap.schedule.policies._mixed import Outcome, Trial
@@ -67,17 +67,27 @@ def step_time(given: Schedule, costs: CostModel, orders: Mapping[int, Order]) ->
     return run_with(given, costs, orders).step_time
 
 
+class Turn(NamedTuple):
+    """What a rank's turn chose: the index of its plan, the step the whole schedule then
+    makes, and (where asked) that run's log for the next rank's turn."""
+
+    index: int
+    step: float
+    logged: Logged | None
+
+
 def choose(given: Schedule, costs: CostModel,
            options: Mapping[int, Sequence[Trial[_Outcome]]],
            starts: Sequence[Mapping[int, Order]],
            recompute_s: Callable[[Trial[_Outcome]], float],
-           progress: Callable[[int, int], None] | None = None) -> dict[int, Trial[_Outcome]]:
+           progress: Callable[[int, int], None] | None = None
+           ) -> tuple[dict[int, Trial[_Outcome]], float]:
     """Each rank of ``options`` (its plans that meet its budget, or its one best) in turn
     takes the plan that gives the shortest step with the other ranks as they stand (then
     the least recompute), from each of ``starts`` (orders of some ranks; the rest as
     given; a start given twice runs once); the choices of the start whose last step is
-    shortest (the first of equals). ``progress`` is told (choices made, choices to make)
-    after each."""
+    shortest (the first of equals), and that step. ``progress`` is told (choices made,
+    choices to make) after each."""
     made: dict[tuple[int, int], Order] = {}
 
     def made_order(rank: int, index: int) -> Order:
@@ -88,23 +98,33 @@ def choose(given: Schedule, costs: CostModel,
     best: tuple[float, dict[int, Trial[_Outcome]]] = (math.inf, {})
     distinct = [start for k, start in enumerate(starts) if start not in starts[:k]]
     made_so_far, to_make = 0, len(distinct) * len(options)
+    ranks = sorted(options)
     for start in distinct:  # the same start would choose the same
         current = dict(start)
         chosen: dict[int, Trial[_Outcome]] = {}
-        for rank in sorted(options):
+        turn: Turn | None = None  # the last turn, while the schedule is as it ran
+        for k, rank in enumerate(ranks):
             plans = options[rank]
-            index = 0 if len(plans) == 1 else fastest(
-                given, costs, current, rank, [made_order(rank, k) for k in range(len(plans))],
-                [recompute_s(plan) for plan in plans])
+            if len(plans) == 1:
+                index, turn = 0, None
+            else:
+                # the run chosen is the next turn's run where that rank is still as given
+                then = ranks[k + 1] if (k + 1 < len(ranks) and ranks[k + 1] not in current
+                                        and len(options[ranks[k + 1]]) > 1) else None
+                turn = fastest(given, costs, current, rank,
+                               [made_order(rank, j) for j in range(len(plans))],
+                               [recompute_s(plan) for plan in plans],
+                               None if turn is None else turn.logged, then)
+                index = turn.index
             chosen[rank] = plans[index]
             current[rank] = made_order(rank, index)
             made_so_far += 1
             if progress is not None:
                 progress(made_so_far, to_make)
-        finished = step_time(given, costs, current)
+        finished = step_time(given, costs, current) if turn is None else turn.step
         if finished < best[0]:
             best = (finished, chosen)
-    return best[1]
+    return best[1], best[0]
 
 
 #: How far past a step a plan's bound may be and the plan still be able to match it: the
@@ -120,21 +140,68 @@ def beyond(bound: float, step: float) -> bool:
 
 
 def fastest(given: Schedule, costs: CostModel, current: Mapping[int, Order], rank: int,
-            orders: Sequence[Order], recompute_s: Sequence[float]) -> int:
+            orders: Sequence[Order], recompute_s: Sequence[float],
+            logged: Logged | None = None, then: int | None = None) -> Turn:
     """Which of ``orders`` (each ``rank``'s given order with swap or recompute steps added)
     gives the shortest step with the other ranks as ``current`` has them (the rest as
     given), then the least recompute, then the first: the same as simulating each, but
-    most are ruled out by a bound (see the module docstring)."""
-    logged = simulate_logged(replace(given, orders=tuple(
-        order if other == rank else current.get(other, order)
-        for other, order in enumerate(given.orders))), costs, rank)
+    most are ruled out by a bound (see the module docstring). ``logged``: that schedule's
+    run with ``rank`` as given, where one is at hand; with ``then``, the runs made here
+    are logged for rank ``then``'s turn, and the chosen one's log is returned."""
+    if logged is None:
+        logged = simulate_logged(replace(given, orders=tuple(
+            order if other == rank else current.get(other, order)
+            for other, order in enumerate(given.orders))), costs, rank)
     bounds = [least_step(logged, given, rank, order, costs) for order in orders]
-    steps: dict[int, float] = {}
+    runs: dict[int, tuple[float, Logged | None]] = {}
     for index in sorted(range(len(orders)), key=bounds.__getitem__):
-        if steps and beyond(bounds[index], min(steps.values())):
+        if runs and beyond(bounds[index], min(step for step, _ in runs.values())):
             break
-        steps[index] = step_time(given, costs, {**current, rank: orders[index]})
-    return min(steps, key=lambda index: (steps[index], recompute_s[index], index))
+        if then is None:
+            runs[index] = step_time(given, costs, {**current, rank: orders[index]}), None
+        else:
+            run = simulate_logged(replace(given, orders=tuple(
+                orders[index] if other == rank else current.get(other, order)
+                for other, order in enumerate(given.orders))), costs, then)
+            runs[index] = max(run.finishes, default=0.0), run
+    index = min(runs, key=lambda k: (runs[k][0], recompute_s[k], k))
+    return Turn(index, *runs[index])
+
+
+#: A rank's plan as the pipeline runs it: its recomputed layers per chunk, its placements.
+Plan = tuple[Mapping[ChunkKey, tuple[int, ...]], Mapping[ChunkKey, SwapPlacement]]
+
+
+def first_fastest(given: Schedule, costs: CostModel, choices: Sequence[Mapping[int, Plan]],
+                  plain_step: float, accepted: Callable[[SimulationResult], bool]
+                  ) -> dict[int, Order]:
+    """The orders of the choice (plans of some ranks; the rest as given) that gives the
+    shortest step among those whose run ``accepted`` takes, the first of equals ({} where
+    none is taken): the same as running each, but a choice whose recompute alone (its
+    orders without their swap steps) already makes a longer step than one found is not
+    run, since swap steps make no compute earlier. The choices share few ways of
+    recomputing (``plain_step``: the step of none), so few runs bound them all."""
+    alone: dict[tuple[tuple[int, frozenset[tuple[ChunkKey, tuple[int, ...]]]], ...],
+                float] = {}
+    bounds: list[float] = []
+    for choice in choices:
+        key = tuple((rank, frozenset(plan[0].items())) for rank, plan in sorted(choice.items())
+                    if plan[0])
+        if key not in alone:
+            alone[key] = step_time(given, costs, {
+                rank: placed(given.orders[rank], rank, recomputed, {})
+                for rank, (recomputed, _) in choice.items() if recomputed}) if key else plain_step
+        bounds.append(alone[key])
+    best: tuple[float, int, dict[int, Order]] = (math.inf, 0, {})
+    for index in sorted(range(len(choices)), key=lambda k: (bounds[k], k)):
+        if beyond(bounds[index], best[0]):
+            break
+        orders = {rank: placed(given.orders[rank], rank, recomputed, placements)
+                  for rank, (recomputed, placements) in choices[index].items()}
+        run = run_with(given, costs, orders)
+        if accepted(run) and (run.step_time, index) < best[:2]:
+            best = (run.step_time, index, orders)
+    return best[2]
 
 
 def least_step(logged: Logged, given: Schedule, rank: int, order: Order, costs: CostModel

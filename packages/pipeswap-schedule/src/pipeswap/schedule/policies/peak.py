@@ -12,7 +12,6 @@ chosen in the whole pipeline, the progress told) lives in the :class:`PeakPlanne
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
@@ -20,7 +19,7 @@ from pipeswap.schedule.costs import CostModel
 from pipeswap.schedule.errors import ScheduleError
 from pipeswap.schedule.policies._mixed import Trial, alike, layer_counts
 from pipeswap.schedule.policies._parallel import plan_ranks
-from pipeswap.schedule.policies._pipeline import choose, order_of, placed, run_with
+from pipeswap.schedule.policies._pipeline import choose, first_fastest
 from pipeswap.schedule.policies._rank_search import RankSearch
 from pipeswap.schedule.policies.base import (
     GRANULARITIES,
@@ -157,11 +156,8 @@ class PeakPolicy:
         # one rank choosing (each rank of pipeswap-train plans itself) replaces its own
         # order whatever the start: the start planned alike would only cost its search
         starts = [{}] if len(options) < 2 else [{}, self._alike_start(schedule, options)]
-        chosen = choose(schedule, self.costs, options, starts,
-                        lambda trial: trial.outcome.recompute_s, self.choosing)
-        step = run_with(schedule, self.costs, {
-            rank: order_of(schedule.orders[rank], rank, trial)
-            for rank, trial in chosen.items()}).step_time if chosen else None
+        chosen, step = choose(schedule, self.costs, options, starts,
+                              lambda trial: trial.outcome.recompute_s, self.choosing)
         return PeakPlanner(self, {
             rank: (schedule.orders[rank],
                    replace(trial, outcome=replace(trial.outcome, step_time=step)))
@@ -187,20 +183,12 @@ class PeakPolicy:
         layers_of = layer_counts(self.costs)
         plans = {rank: alike(swap_candidates(schedule.orders[rank], rank), layers_of,
                              self.granularity) for rank in over}
-        best: tuple[float, dict[int, Order]] = (math.inf, {})
-        for choice in sorted({choice for found in plans.values() for choice in found}):
-            orders: dict[int, Order] = {}
-            for rank in over:  # a rank with fewer layers a chunk: its nearest choice
-                found = plans[rank]
-                recomputed, placements = found[min(found, key=lambda mine: tuple(
-                    abs(m - c) for m, c in zip(mine, choice)))]
-                orders[rank] = placed(schedule.orders[rank], rank, recomputed, placements)
-            run = run_with(schedule, self.costs, orders)
-            if run.step_time < best[0] and all(
-                    run.ranks[rank].peak_activation_bytes <= (self.budget_for(rank) or 0)
-                    for rank in over):
-                best = (run.step_time, orders)
-        return best[1]
+        choices = [{rank: found[min(found, key=lambda mine: tuple(  # of fewer layers: nearest
+            abs(m - c) for m, c in zip(mine, choice)))] for rank, found in plans.items()}
+            for choice in sorted({choice for found in plans.values() for choice in found})]
+        return first_fastest(schedule, self.costs, choices, plain.step_time, lambda run: all(
+            run.ranks[rank].peak_activation_bytes <= (self.budget_for(rank) or 0)
+            for rank in over))
 
 
 @dataclass
