@@ -65,7 +65,7 @@ def _turns(kind: ScheduleKind, share: float, bandwidth: float,
             if len(orders) > 1:  # a rank with one plan has no choice to make
                 turns.append((given, costs, dict(current), rank, orders, seconds))
                 current[rank] = orders[_pipeline.fastest(given, costs, current, rank,
-                                                         orders, seconds).index]
+                                                         orders, seconds).choice]
             else:
                 current[rank] = orders[0]
         return _pipeline.choose(given, costs, options, starts, recompute_s, progress)
@@ -99,7 +99,7 @@ def test_the_bound_never_passes_a_plans_step_and_the_choice_is_the_one_simulatin
         assert all(bound <= step * (1 + 1e-9) for bound, step in zip(bounds, steps))
         assert max(bound / step for bound, step in zip(bounds, steps)) > 0.99  # not vacuous
         every = min(range(len(orders)), key=lambda k: (steps[k], seconds[k], k))
-        assert _pipeline.fastest(given, costs, current, rank, orders, seconds).index == every
+        assert _pipeline.fastest(given, costs, current, rank, orders, seconds).choice == every
 
 
 def test_a_turn_simulates_the_whole_schedule_for_few_of_its_plans(
@@ -145,3 +145,76 @@ def test_the_bound_allows_for_a_recompute_shortening_a_weight_gradient() -> None
                 changed = inject_recompute(plain, {key: layers})
                 bound = _pipeline.least_step(logged, plain, rank, changed.orders[rank], costs)
                 assert bound <= simulate(changed, costs).step_time * (1 + 1e-9), (rank, key)
+
+
+def test_a_turns_logged_run_is_the_next_ranks_run_and_the_step_is_the_last_runs() -> None:
+    """A turn whose next rank is still as given logs its chosen run for that rank's turn:
+    the log equals a fresh run logged for it (arrivals, finishes, tails), and the choice
+    made from it is the one made from a fresh run. The step returned is the chosen
+    orders' own."""
+    costs = replace(GEN4, link=Link(25e9, 25e9))
+    spec = ScheduleSpec(ScheduleKind.ONE_F_ONE_B, ranks=4, microbatches=8)
+    given = build_schedule(spec)
+    plain = simulate(given, costs)
+    policy = PeakPolicy(costs, int(max(r.peak_activation_bytes for r in plain.ranks) * 0.3),
+                        recompute="auto")
+    options = {rank: found for rank in range(4)
+               if (found := policy.options_for(given, rank)) is not None}
+    assert len(options[0]) > 1 and len(options[1]) > 1
+    orders = {rank: [_pipeline.order_of(given.orders[rank], rank, t) for t in found]
+              for rank, found in options.items()}
+    seconds = {rank: [t.outcome.recompute_s for t in found] for rank, found in options.items()}
+    first = _pipeline.fastest(given, costs, {}, 0, orders[0], seconds[0], then=1)
+    assert first.logged is not None
+    current = {0: orders[0][first.choice]}
+    fresh = simulate_logged(replace(given, orders=(current[0], *given.orders[1:])), costs, 1)
+    assert first.logged == fresh
+    assert first.step == max(fresh.finishes) == _pipeline.step_time(given, costs, current)
+    assert _pipeline.fastest(given, costs, current, 1, orders[1], seconds[1],
+                             first.logged) == _pipeline.fastest(given, costs, current, 1,
+                                                                orders[1], seconds[1])
+    chosen, step = _pipeline.choose(given, costs, options, [{}], lambda t: 0.0)
+    assert step == _pipeline.step_time(given, costs, {
+        rank: _pipeline.order_of(given.orders[rank], rank, t) for rank, t in chosen.items()})
+
+
+@pytest.mark.parametrize(("bandwidth", "share", "most"), [
+    (20e9, 0.2, 1.2),  # only much recompute fits: every choice that recomputes less is run
+    (55e9, 0.45, 0.6),
+])
+def test_the_alike_start_is_the_first_fastest_choice_and_runs_few_of_them(
+        bandwidth: float, share: float, most: float, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The start planned alike on every chunk is the choice that running every one of
+    them would keep (the shortest step among those within every budget, the first of
+    equals), though choices whose recompute alone is already slower are not run: the
+    runs, those of the recompute alone included, are at most ``most`` of the choices."""
+    costs = replace(GEN4, link=Link(bandwidth, bandwidth))
+    given = build_schedule(ScheduleSpec(ScheduleKind.ONE_F_ONE_B, ranks=4, microbatches=8))
+    plain = simulate(given, costs)
+    budget = int(max(r.peak_activation_bytes for r in plain.ranks) * share)
+    seen: list[Sequence[Mapping[int, _pipeline.Plan]]] = []
+    runs: list[int] = []
+    first_fastest, run_with = _pipeline.first_fastest, _pipeline.run_with
+
+    def spying(given: Schedule, costs: CostModel, choices: Sequence[Mapping[int, Any]],
+               plain_step: float, accepted: Callable[[Any], bool]) -> dict[int, Order]:
+        seen.append(choices)
+        return first_fastest(given, costs, choices, plain_step, accepted)
+
+    def counted(*args: Any) -> Any:
+        runs.append(1)
+        return run_with(*args)
+
+    monkeypatch.setattr(peak_policy, "first_fastest", spying)
+    monkeypatch.setattr(_pipeline, "run_with", counted)
+    start = PeakPolicy(costs, budget, recompute="auto")._alike_start(given, range(4))
+    (choices,) = seen
+    every = []
+    for index, choice in enumerate(choices):
+        orders = {rank: _pipeline.placed(given.orders[rank], rank, *plan)
+                  for rank, plan in choice.items()}
+        run = run_with(given, costs, orders)
+        if all(run.ranks[rank].peak_activation_bytes <= budget for rank in choice):
+            every.append((run.step_time, index, orders))
+    assert every and start == min(every, key=lambda found: found[:2])[2]
+    assert 0 < len(runs) <= most * len(choices)

@@ -68,10 +68,10 @@ def step_time(given: Schedule, costs: CostModel, orders: Mapping[int, Order]) ->
 
 
 class Turn(NamedTuple):
-    """What a rank's turn chose: the index of its plan, the step the whole schedule then
+    """What a rank's turn chose: its plan (an index), the step the whole schedule then
     makes, and (where asked) that run's log for the next rank's turn."""
 
-    index: int
+    choice: int
     step: float
     logged: Logged | None
 
@@ -115,7 +115,7 @@ def choose(given: Schedule, costs: CostModel,
                                [made_order(rank, j) for j in range(len(plans))],
                                [recompute_s(plan) for plan in plans],
                                None if turn is None else turn.logged, then)
-                index = turn.index
+                index = turn.choice
             chosen[rank] = plans[index]
             current[rank] = made_order(rank, index)
             made_so_far += 1
