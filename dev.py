@@ -35,6 +35,9 @@ commands:
                        e. build every package (sdist + wheel) into dist/, install the wheels
                           into a fresh venv, import them, run `pipeswap-schedule --help`,
                           `pipeswap-train --help` and a short two-rank training run
+                       f. build pipeswap-schedule's optional compiled wheel (mypyc), run the
+                          package's tests against it and check that it plans three cases
+                          exactly as the pure wheel of e. does (the same JSON)
                      Hatch envs are deleted first on CI (CI=true) and whenever a
                      pyproject.toml or __about__.py changed since they were built.
   test -- ARGS...    only phase b, over the whole suite, with ARGS passed to pytest
@@ -89,6 +92,7 @@ CACHE = ROOT / ".cache"
 WHEELS = CACHE / "wheels"
 CONSTRAINTS = CACHE / "constraints.txt"
 WHEEL_CHECK_VENV = CACHE / "wheel-check"
+COMPILED_CHECK_VENV = CACHE / "compiled-check"
 ENVS_FINGERPRINT = CACHE / "envs-fingerprint"
 DIST = ROOT / "dist"
 SUITE_REPORT = CACHE / "suite-report.xml"
@@ -371,6 +375,52 @@ def check_wheels() -> None:
     print("  two ranks from the wheels: losses bit-identical with and without swap")
 
 
+#: Plans the compiled build must make exactly as the pure-Python wheel does (same JSON):
+#: keep, swap or recompute chosen in the whole pipeline, three schedule families.
+SAME_PLANS = [
+    [*family, "--preset", "h100-pcie5", "--hidden", "8192", "--seq-len", "4096",
+     "--layers-per-stage", "4", "--swap", "--budget", "8.5GiB", "--d2h-bandwidth", "25GB",
+     "--h2d-bandwidth", "25GB", "--jobs", "1", "--format", "json"]
+    for family in (["--schedule", "1f1b", "--ranks", "8", "--microbatches", "16"],
+                   ["--schedule", "zbv", "--ranks", "4", "--microbatches", "8"],
+                   ["--schedule", "interleaved-zb", "--ranks", "4", "--stages-per-rank", "2",
+                    "--microbatches", "8"])]
+
+
+def check_compiled() -> None:
+    """pipeswap-schedule's optional compiled build (mypyc): built from the same source, its
+    package suite passes against it (less the tests that replace a module's function at
+    run time, which compiled modules never see) and it plans as the pure wheel does."""
+    package = ROOT / "packages" / "pipeswap-schedule"
+    built = CACHE / "compiled"
+    shutil.rmtree(built, ignore_errors=True)
+    run([BIN / "hatch", "build", "-t", "wheel", built], cwd=package,
+        env={**tools_env(), "HATCH_BUILD_HOOKS_ENABLE": "true"})
+    shutil.rmtree(COMPILED_CHECK_VENV, ignore_errors=True)
+    run([BIN / "uv", "venv", "-q", "--python", BIN / "python", COMPILED_CHECK_VENV],
+        env=tools_env())
+    python = COMPILED_CHECK_VENV / "bin" / "python"
+    run([BIN / "uv", "pip", "install", "-q", "--python", python, *built.glob("*.whl"), PYTEST,
+         "hypothesis~=6.170", "pytest-xdist~=3.8"], env=tools_env())
+    probe = ("import sys, pipeswap.schedule\n"
+             "compiled = sys.modules['pipeswap.schedule.simulate'].__file__\n"
+             "assert compiled.endswith('.so'), compiled\n")
+    run([python, "-c", probe], label=f"{python} -c <the simulator is the compiled one>")
+    run([python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "2", "-m",
+         "not source_only", "tests"], cwd=package)
+    for args in SAME_PLANS:
+        command = f"pipeswap-schedule simulate {shlex.join(args)}"
+        done = [subprocess.run([venv / "bin" / "pipeswap-schedule", "simulate", *args],
+                               capture_output=True, text=True, check=False)
+                for venv in (WHEEL_CHECK_VENV, COMPILED_CHECK_VENV)]
+        if any(d.returncode for d in done):
+            print("".join(d.stderr for d in done), file=sys.stderr)
+            raise Failure(f"`{command}` failed")
+        if done[0].stdout != done[1].stdout:
+            raise Failure(f"the compiled build plans otherwise than the pure wheel: {command}")
+    print(f"  {len(SAME_PLANS)} plans under a budget: the same JSON from both builds")
+
+
 def suite_tally() -> str:
     """'N passed, N failed, N skipped' for the whole-suite run, read from its JUnit report."""
     suite = ElementTree.parse(SUITE_REPORT).getroot()
@@ -404,7 +454,8 @@ def test(options: list[str]) -> None:
     ]
     if full:
         phases += [("d. each package alone", check_each_package),
-                   ("e. built wheels", check_wheels)]
+                   ("e. built wheels", check_wheels),
+                   ("f. compiled pipeswap-schedule", check_compiled)]
     if pytest_args:
         say(f"pytest arguments given: running phase b only, with {shlex.join(pytest_args)}")
         phases = [phases[1]]

@@ -34,6 +34,7 @@ def _budget(share: float) -> int:
     return int(max(rank.peak_activation_bytes for rank in plain.ranks) * share)
 
 
+@pytest.mark.source_only  # it replaces the fit the rank search calls
 def test_loads_two_layers_ahead_where_the_budget_allows(monkeypatch: pytest.MonkeyPatch
                                                          ) -> None:
     """Under half the peak: loads one layer ahead leave the step 9% over no swap; two ahead,

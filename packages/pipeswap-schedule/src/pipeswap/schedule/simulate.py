@@ -48,7 +48,7 @@ from __future__ import annotations
 
 import heapq
 from collections import defaultdict
-from collections.abc import Mapping
+from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -254,10 +254,13 @@ class _AllReady(dict[Message, float]):
 
 def _walk(orders: list[tuple[int, Order]], stage_ranks: tuple[int, ...] | None,
           last_stage: int, costs: CostModel, timeline: bool,
-          ready: dict[Message, float], log: MessageLog | None = None) -> list[RankState]:
+          ready: MutableMapping[Message, float], log: MessageLog | None = None
+          ) -> list[RankState]:
     """Run ``orders`` (rank, order) together, each rank's output published in ``ready``
     (and its computes and messages in ``log``); without ``stage_ranks`` (a rank alone) no
-    stage hands off to another on its rank."""
+    stage hands off to another on its rank. ``ready`` is typed as a mapping, not a dict:
+    the compiled build reads a dict with dict's own lookups, which would pass over the
+    ones :class:`_Against` and :class:`_AllReady` give."""
     walk = _Walk(orders, stage_ranks, last_stage, costs, timeline, ready, log)
     ranks, runnable, advance = walk.ranks, walk.runnable, walk.advance
     while runnable:
@@ -277,7 +280,7 @@ class _Walk:
 
     def __init__(self, orders: list[tuple[int, Order]], stage_ranks: tuple[int, ...] | None,
                  last_stage: int, costs: CostModel, timeline: bool,
-                 ready: dict[Message, float], log: MessageLog | None) -> None:
+                 ready: MutableMapping[Message, float], log: MessageLog | None) -> None:
         flat = [_flatten(order) for _, order in orders]
         self.ranks = [RankState(r, f.leaves, costs.rank_link(r), timeline, split=f.split,
                                 recomputed=f.recomputed) for (r, _), f in zip(orders, flat)]

@@ -94,7 +94,7 @@ class Profile:
         return total
 
     def clone(self) -> Profile:
-        other = Profile.__new__(Profile)
+        other = Profile(())  # by its constructor: the compiled build makes no bare object
         other.raw, other.highest, other.added = list(self.raw), list(self.highest), list(
             self.added)
         return other
