@@ -85,6 +85,19 @@ def test_swap_planning_times_every_phase_of_every_case() -> None:
         assert row[8].endswith("MiB |") and int(row[8].split()[0]) > 0, row
 
 
+def test_compiled_build_times_each_case_in_both_builds() -> None:
+    """Run with this interpreter as the compiled one too (the suite has no compiled build):
+    both runs of each case give the same figures."""
+    out = subprocess.run([sys.executable, str(BENCHMARKS / "compiled_build.py"), "--quick",
+                          "--compiled", sys.executable, "--json"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = json.loads(out.stdout)["rows"]
+    assert [row["case"].split(",")[0] for row in rows] == ["simulate --budget", "plan"]
+    for row in rows:
+        assert row["pure_s"] > 0 and row["compiled_s"] > 0 and row["same_figures"], row
+
+
 def test_plan_search_times_each_pipeline_degree() -> None:
     out = subprocess.run([sys.executable, str(BENCHMARKS / "plan_search.py"), "--quick",
                           "--json"], capture_output=True, text=True, timeout=300)

@@ -16,7 +16,9 @@ earlier, and one run with the rank as given bounds every plan's step from below 
 message it sends plus the least time the schedule needs after it. The plans are simulated
 in the order of their bounds until the next bound exceeds the shortest step found; the
 choice is the one simulating every plan would make, in a turn's few whole simulations
-rather than one per plan (planning every rank of 32 stages took minutes before).
+rather than one per plan (planning every rank of 32 stages took minutes before). Where the
+next rank is still as given, the run a turn chooses is that rank's run, logged as it ran.
+The start planned alike (:func:`first_fastest`) is bounded alike: by its recompute alone.
 """
 
 from __future__ import annotations

@@ -1,0 +1,110 @@
+"""pipeswap-schedule's optional compiled build (mypyc) against the pure-Python one, side by
+side: the keep, offload or recompute choice across the whole pipeline (``simulate
+--budget``: 1F1B, 4 layers a stage of hidden 8192 and 4096 tokens, a 25 GB/s duplex link,
+8.5 GiB a rank) at 16, 32 and 64 ranks, and ``plan`` for Llama 3 70B on 64 H100 SXM. Each
+case runs in a fresh process on one core, once per build; the figures each build gives
+(the step, the plan's table) must be the same.
+
+    python benchmarks/compiled_build.py            # print the table
+    python benchmarks/compiled_build.py --write    # also record it in BENCHMARKS.md
+    python benchmarks/compiled_build.py --quick    # 4 ranks, and the 8B plan (CI smoke)
+
+The pure build is this interpreter's; the compiled one is ``--compiled PYTHON``'s (default:
+the venv ``python3 dev.py test --full`` builds it into, ``.cache/compiled-check``).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _report import benchmark_parser, machine, one_core, publish  # noqa: E402
+
+SECTION = "## The compiled build (`benchmarks/compiled_build.py`)"
+ROOT = Path(__file__).resolve().parent.parent
+COMPILED = ROOT / ".cache" / "compiled-check" / "bin" / "python"
+
+#: A case: its name, and the code a child process runs (it prints one JSON line: seconds
+#: and figures).
+CHOICE = """
+import json, sys, time
+from dataclasses import replace
+from pipeswap.schedule import ScheduleKind, ScheduleSpec, build_schedule, parse_bytes
+from pipeswap.schedule.costs import Link, TransformerShape, from_preset
+from pipeswap.schedule.policies import PeakPolicy
+from pipeswap.schedule.simulate import simulate
+ranks, micros = {ranks}, {micros}
+costs = replace(from_preset("h100-pcie5", TransformerShape(hidden=8192, seq_len=4096, layers=4)),
+                link=Link(25e9, 25e9, duplex=True))
+spec = ScheduleSpec(ScheduleKind.ONE_F_ONE_B, ranks=ranks, microbatches=micros, swap=True)
+start = time.perf_counter()
+schedule = build_schedule(spec, PeakPolicy(costs, parse_bytes("8.5GiB"), recompute="auto"))
+seconds = time.perf_counter() - start
+run = simulate(schedule, costs, timeline=False)
+print(json.dumps({{"seconds": seconds, "figures": [run.step_time] + [
+    (r.peak_activation_bytes, r.exposed_copy, r.recompute_s) for r in run.ranks]}}))
+"""
+PLAN = """
+import json, time
+from pipeswap.schedule import Job, plan
+from pipeswap.schedule.jobplan import machine_preset, model_preset
+start = time.perf_counter()
+found = plan(model_preset("{model}"), Job({gpus}, {batch}, {seq}), machine_preset("h100-sxm"))
+seconds = time.perf_counter() - start
+print(json.dumps({{"seconds": seconds, "figures": [
+    (o.config.describe(), o.step_time) for o in found.ranked]}}))
+"""
+FULL = [("simulate --budget, 16 ranks, 64 microbatches", CHOICE.format(ranks=16, micros=64)),
+        ("simulate --budget, 32 ranks, 64 microbatches", CHOICE.format(ranks=32, micros=64)),
+        ("simulate --budget, 64 ranks, 128 microbatches", CHOICE.format(ranks=64, micros=128)),
+        ("plan, llama3-70b on 64 x h100-sxm",
+         PLAN.format(model="llama3-70b", gpus=64, batch=512, seq=4096))]
+QUICK = [("simulate --budget, 4 ranks, 8 microbatches", CHOICE.format(ranks=4, micros=8)),
+         ("plan, llama3-8b on 16 x h100-sxm",
+          PLAN.format(model="llama3-8b", gpus=16, batch=64, seq=4096))]
+
+
+def timed(python: str, code: str) -> dict[str, object]:
+    """The case run by ``python`` in a fresh process on one core: its seconds and figures."""
+    done = subprocess.run(one_core([python, "-c", code]), capture_output=True, text=True,
+                          check=False)
+    if done.returncode != 0:
+        raise SystemExit(f"compiled_build.py: {python} failed:\n{done.stderr[-2000:]}")
+    found: dict[str, object] = json.loads(done.stdout.strip().splitlines()[-1])
+    return found
+
+
+def main() -> int:
+    parser = benchmark_parser(__doc__, "4 ranks, and the 8B plan (CI smoke)")
+    parser.add_argument("--compiled", default=str(COMPILED), metavar="PYTHON",
+                        help="the interpreter with the compiled build (default: %(default)s)")
+    parser.add_argument("--json", action="store_true", help="one JSON object, not the table")
+    args = parser.parse_args()
+    if not Path(args.compiled).exists():
+        parser.error(f"no interpreter at {args.compiled}: build the compiled wheel with "
+                     "`python3 dev.py test --full` (phase f), or pass --compiled PYTHON")
+    rows = []
+    for name, code in QUICK if args.quick else FULL:
+        pure, compiled = timed(sys.executable, code), timed(args.compiled, code)
+        rows.append({"case": name, "pure_s": pure["seconds"], "compiled_s": compiled["seconds"],
+                     "same_figures": pure["figures"] == compiled["figures"]})
+    if args.json:
+        print(json.dumps({"rows": rows}))
+        return 0
+    lines = [f"Measured {time.strftime('%Y-%m-%d')} on {machine()}, one core per case "
+             "(`python benchmarks/compiled_build.py`).", "",
+             "| case | pure Python | compiled | speed-up | same figures |",
+             "| --- | ---: | ---: | ---: | --- |"]
+    for row in rows:
+        pure_s, compiled_s = float(str(row["pure_s"])), float(str(row["compiled_s"]))
+        lines.append(f"| {row['case']} | {pure_s:.1f} s | {compiled_s:.1f} s | "
+                     f"{pure_s / compiled_s:.2f}x | {'yes' if row['same_figures'] else 'NO'} |")
+    return publish(SECTION, "\n".join(lines), args.write)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
