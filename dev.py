@@ -153,6 +153,8 @@ def run_quietly(cmd: Sequence[str | Path]) -> None:
 def tools_env() -> dict[str, str]:
     """The environment for hatch and uv: the pinned tools first on PATH, torch from the cache."""
     env = dict(os.environ)
+    for name in ("HATCH_BUILD_HOOKS_ENABLE", "HATCH_BUILD_HOOK_ENABLE_CUSTOM"):
+        env.pop(name, None)  # every build but phase f's is the pure one
     env["PATH"] = f"{BIN}{os.pathsep}{env.get('PATH', '')}"
     env["UV_FIND_LINKS"] = str(WHEELS)  # pyproject.toml sets the same for the Hatch envs
     env["UV_CONSTRAINT"] = str(CONSTRAINTS)
@@ -403,21 +405,28 @@ def check_compiled() -> None:
     run([BIN / "uv", "pip", "install", "-q", "--python", python, *built.glob("*.whl"), PYTEST,
          "hypothesis~=6.170", "pytest-xdist~=3.8"], env=tools_env())
     probe = ("import sys, pipeswap.schedule\n"
-             "compiled = sys.modules['pipeswap.schedule.simulate'].__file__\n"
-             "assert compiled.endswith('.so'), compiled\n")
-    run([python, "-c", probe], label=f"{python} -c <the simulator is the compiled one>")
+             "found = sys.modules['pipeswap.schedule.simulate'].__file__\n"
+             "assert found.endswith(sys.argv[1]), found\n")
+    for venv, suffix, which in ((COMPILED_CHECK_VENV, ".so", "compiled"),
+                                (WHEEL_CHECK_VENV, ".py", "pure Python")):
+        run([venv / "bin" / "python", "-c", probe, suffix],
+            label=f"{venv / 'bin' / 'python'} -c <the simulator is the {which} one>")
     run([python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "2", "-m",
          "not source_only", "tests"], cwd=package)
     for args in SAME_PLANS:
         command = f"pipeswap-schedule simulate {shlex.join(args)}"
-        done = [subprocess.run([venv / "bin" / "pipeswap-schedule", "simulate", *args],
-                               capture_output=True, text=True, check=False)
-                for venv in (WHEEL_CHECK_VENV, COMPILED_CHECK_VENV)]
-        if any(d.returncode for d in done):
-            print("".join(d.stderr for d in done), file=sys.stderr)
-            raise Failure(f"`{command}` failed")
-        if done[0].stdout != done[1].stdout:
-            raise Failure(f"the compiled build plans otherwise than the pure wheel: {command}")
+        outputs = []
+        for venv, which in ((WHEEL_CHECK_VENV, "pure"), (COMPILED_CHECK_VENV, "compiled")):
+            done = subprocess.run([venv / "bin" / "pipeswap-schedule", "simulate", *args],
+                                  capture_output=True, text=True, check=False)
+            if done.returncode:
+                print(done.stderr, file=sys.stderr)
+                raise Failure(f"`{command}` failed in the {which} build ({venv})")
+            (COMPILED_CHECK_VENV / f"{which}.json").write_text(done.stdout)
+            outputs.append(done.stdout)
+        if outputs[0] != outputs[1]:
+            raise Failure(f"the compiled build plans otherwise than the pure wheel: {command} "
+                          f"(diff {COMPILED_CHECK_VENV}/pure.json and compiled.json)")
     print(f"  {len(SAME_PLANS)} plans under a budget: the same JSON from both builds")
 
 

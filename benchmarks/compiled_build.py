@@ -28,9 +28,13 @@ SECTION = "## The compiled build (`benchmarks/compiled_build.py`)"
 ROOT = Path(__file__).resolve().parent.parent
 COMPILED = ROOT / ".cache" / "compiled-check" / "bin" / "python"
 
-#: A case: its name, and the code a child process runs (it prints one JSON line: seconds
-#: and figures).
-CHOICE = """
+#: A case: its name, and the code a child process runs (it prints one JSON line: seconds,
+#: whether its simulator is compiled, and figures).
+WHICH = """
+import sys, pipeswap.schedule
+COMPILED = sys.modules["pipeswap.schedule.simulate"].__file__.endswith(".so")
+"""
+CHOICE = WHICH + """
 import json, sys, time
 from dataclasses import replace
 from pipeswap.schedule import ScheduleKind, ScheduleSpec, build_schedule, parse_bytes
@@ -45,17 +49,17 @@ start = time.perf_counter()
 schedule = build_schedule(spec, PeakPolicy(costs, parse_bytes("8.5GiB"), recompute="auto"))
 seconds = time.perf_counter() - start
 run = simulate(schedule, costs, timeline=False)
-print(json.dumps({{"seconds": seconds, "figures": [run.step_time] + [
+print(json.dumps({{"seconds": seconds, "compiled": COMPILED, "figures": [run.step_time] + [
     (r.peak_activation_bytes, r.exposed_copy, r.recompute_s) for r in run.ranks]}}))
 """
-PLAN = """
+PLAN = WHICH + """
 import json, time
 from pipeswap.schedule import Job, plan
 from pipeswap.schedule.jobplan import machine_preset, model_preset
 start = time.perf_counter()
 found = plan(model_preset("{model}"), Job({gpus}, {batch}, {seq}), machine_preset("h100-sxm"))
 seconds = time.perf_counter() - start
-print(json.dumps({{"seconds": seconds, "figures": [
+print(json.dumps({{"seconds": seconds, "compiled": COMPILED, "figures": [
     (o.config.describe(), o.step_time) for o in found.ranked]}}))
 """
 FULL = [("simulate --budget, 16 ranks, 64 microbatches", CHOICE.format(ranks=16, micros=64)),
@@ -91,10 +95,15 @@ def main() -> int:
     for name, code in QUICK if args.quick else FULL:
         pure, compiled = timed(sys.executable, code), timed(args.compiled, code)
         rows.append({"case": name, "pure_s": pure["seconds"], "compiled_s": compiled["seconds"],
-                     "same_figures": pure["figures"] == compiled["figures"]})
+                     "same_figures": pure["figures"] == compiled["figures"],
+                     "builds": [pure["compiled"], compiled["compiled"]]})
     if args.json:
         print(json.dumps({"rows": rows}))
         return 0
+    if any(row["builds"] != [False, True] for row in rows):
+        print(f"compiled_build.py: {sys.executable} must run the pure build and "
+              f"{args.compiled} the compiled one; nothing recorded", file=sys.stderr)
+        return 2
     lines = [f"Measured {time.strftime('%Y-%m-%d')} on {machine()}, one core per case "
              "(`python benchmarks/compiled_build.py`).", "",
              "| case | pure Python | compiled | speed-up | same figures |",

@@ -96,6 +96,7 @@ def test_compiled_build_times_each_case_in_both_builds() -> None:
     assert [row["case"].split(",")[0] for row in rows] == ["simulate --budget", "plan"]
     for row in rows:
         assert row["pure_s"] > 0 and row["compiled_s"] > 0 and row["same_figures"], row
+        assert row["builds"] == [False, False], row  # this suite runs the source
 
 
 def test_plan_search_times_each_pipeline_degree() -> None:

@@ -22,8 +22,19 @@ class CompiledBuild(MypycBuildHook):
     PLUGIN_NAME = "custom"
 
     def initialize(self, version: str, build_data: dict[str, Any]) -> None:
-        os.environ["MYPYPATH"] = os.path.join(self.root, "src")
-        super().initialize(version, build_data)
+        before = os.environ.get("MYPYPATH")
+        os.environ["MYPYPATH"] = os.pathsep.join(
+            [os.path.join(self.root, "src"), *([before] if before else [])])
+        try:
+            super().initialize(version, build_data)
+        except BaseException:
+            self.clean([version])  # what a failed compile left in the source tree
+            raise
+        finally:
+            if before is None:
+                del os.environ["MYPYPATH"]
+            else:
+                os.environ["MYPYPATH"] = before
 
     def finalize(self, version: str, build_data: dict[str, Any], artifact_path: str) -> None:
         """Leave no compiled module in the source tree once the wheel holds them: an
@@ -32,4 +43,6 @@ class CompiledBuild(MypycBuildHook):
 
 
 def get_build_hook() -> type[CompiledBuild]:
+    """This hook, named: the module also holds hatch-mypyc's, which Hatch would otherwise
+    find beside it."""
     return CompiledBuild

@@ -218,3 +218,54 @@ def test_the_alike_start_is_the_first_fastest_choice_and_runs_few_of_them(
             every.append((run.step_time, index, orders))
     assert every and start == min(every, key=lambda found: found[:2])[2]
     assert 0 < len(runs) <= most * len(choices)
+
+
+def test_choose_passes_on_only_true_runs_and_chooses_as_turns_made_afresh(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """From both starts, with a last rank whose one plan (its slowest) lengthens the
+    step: every run ``choose`` hands from a turn to the next equals a fresh run of
+    that rank's turn, and its choices and step are those of turns each made afresh."""
+    costs = replace(GEN4, link=Link(25e9, 25e9))
+    given = build_schedule(ScheduleSpec(ScheduleKind.ONE_F_ONE_B, ranks=4, microbatches=8))
+    plain = simulate(given, costs)
+    policy = PeakPolicy(costs, int(max(r.peak_activation_bytes for r in plain.ranks) * 0.3),
+                        recompute="auto")
+    last = 2  # rank 3 keeps its order: it has nothing to swap
+    options = {rank: policy.options_for(given, rank) or [] for rank in range(last + 1)}
+    options[last] = [max(options[last], key=lambda t: _pipeline.step_time(given, costs, {
+        last: _pipeline.order_of(given.orders[last], last, t)}))]
+    starts = [{}, policy._alike_start(given, options)]
+    assert sum(len(options[rank]) > 1 for rank in starts[1]) >= 2  # turns a start changes
+
+    def recompute_s(trial: Any) -> float:
+        return float(trial.outcome.recompute_s)
+
+    fastest = _pipeline.fastest
+    handed: list[int] = []
+
+    def checked(given: Schedule, costs: CostModel, current: Mapping[int, Order], rank: int,
+                orders: Sequence[Order], seconds: Sequence[float], logged: Any = None,
+                then: int | None = None) -> _pipeline.Turn:
+        if logged is not None:
+            handed.append(rank)
+            assert logged == simulate_logged(replace(given, orders=tuple(
+                order if other == rank else current.get(other, order)
+                for other, order in enumerate(given.orders))), costs, rank)
+        return fastest(given, costs, current, rank, orders, seconds, logged, then)
+
+    monkeypatch.setattr(_pipeline, "fastest", checked)
+    chosen, step = _pipeline.choose(given, costs, options, starts, recompute_s)
+    assert handed
+    afresh: list[tuple[float, dict[int, Any]]] = []
+    for start in starts:
+        current, picked = dict(start), {}
+        for rank in sorted(options):
+            orders = [_pipeline.order_of(given.orders[rank], rank, t) for t in options[rank]]
+            k = 0 if len(orders) == 1 else fastest(given, costs, current, rank, orders, [
+                recompute_s(t) for t in options[rank]]).choice
+            picked[rank], current[rank] = options[rank][k], orders[k]
+        afresh.append((_pipeline.step_time(given, costs, current), picked))
+        assert afresh[-1][0] != _pipeline.step_time(given, costs, {  # the last plan counts
+            rank: order for rank, order in current.items() if rank != last})
+    best = min(afresh, key=lambda found: found[0])
+    assert (step, chosen) == best
