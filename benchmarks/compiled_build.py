@@ -20,6 +20,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _report import benchmark_parser, machine, one_core, publish  # noqa: E402
@@ -72,14 +73,32 @@ QUICK = [("simulate --budget, 4 ranks, 8 microbatches", CHOICE.format(ranks=4, m
           PLAN.format(model="llama3-8b", gpus=16, batch=64, seq=4096))]
 
 
-def timed(python: str, code: str) -> dict[str, object]:
-    """The case run by ``python`` in a fresh process on one core: its seconds and figures."""
+class Run(NamedTuple):
+    """One case run by one interpreter."""
+
+    seconds: float
+    compiled: bool  # whether its simulator is the compiled one
+    figures: object
+
+
+class Row(NamedTuple):
+    """One case run by both builds."""
+
+    case: str
+    pure_s: float
+    compiled_s: float
+    same_figures: bool
+    builds: tuple[bool, bool]  # whether each interpreter ran the compiled build
+
+
+def timed(python: str, code: str) -> Run:
+    """The case run by ``python`` in a fresh process on one core."""
     done = subprocess.run(one_core([python, "-c", code]), capture_output=True, text=True,
                           check=False)
     if done.returncode != 0:
         raise SystemExit(f"compiled_build.py: {python} failed:\n{done.stderr[-2000:]}")
-    found: dict[str, object] = json.loads(done.stdout.strip().splitlines()[-1])
-    return found
+    found = json.loads(done.stdout.strip().splitlines()[-1])
+    return Run(float(found["seconds"]), bool(found["compiled"]), found["figures"])
 
 
 def main() -> int:
@@ -94,13 +113,12 @@ def main() -> int:
     rows = []
     for name, code in QUICK if args.quick else FULL:
         pure, compiled = timed(sys.executable, code), timed(args.compiled, code)
-        rows.append({"case": name, "pure_s": pure["seconds"], "compiled_s": compiled["seconds"],
-                     "same_figures": pure["figures"] == compiled["figures"],
-                     "builds": [pure["compiled"], compiled["compiled"]]})
+        rows.append(Row(name, pure.seconds, compiled.seconds, pure.figures == compiled.figures,
+                        (pure.compiled, compiled.compiled)))
     if args.json:
-        print(json.dumps({"rows": rows}))
+        print(json.dumps({"rows": [row._asdict() for row in rows]}))
         return 0
-    if any(row["builds"] != [False, True] for row in rows):
+    if any(row.builds != (False, True) for row in rows):
         print(f"compiled_build.py: {sys.executable} must run the pure build and "
               f"{args.compiled} the compiled one; nothing recorded", file=sys.stderr)
         return 2
@@ -109,9 +127,9 @@ def main() -> int:
              "| case | pure Python | compiled | speed-up | same figures |",
              "| --- | ---: | ---: | ---: | --- |"]
     for row in rows:
-        pure_s, compiled_s = float(str(row["pure_s"])), float(str(row["compiled_s"]))
-        lines.append(f"| {row['case']} | {pure_s:.1f} s | {compiled_s:.1f} s | "
-                     f"{pure_s / compiled_s:.2f}x | {'yes' if row['same_figures'] else 'NO'} |")
+        lines.append(f"| {row.case} | {row.pure_s:.1f} s | {row.compiled_s:.1f} s | "
+                     f"{row.pure_s / row.compiled_s:.2f}x | "
+                     f"{'yes' if row.same_figures else 'NO'} |")
     return publish(SECTION, "\n".join(lines), args.write)
 
 

@@ -147,37 +147,6 @@ def test_the_bound_allows_for_a_recompute_shortening_a_weight_gradient() -> None
                 assert bound <= simulate(changed, costs).step_time * (1 + 1e-9), (rank, key)
 
 
-def test_a_turns_logged_run_is_the_next_ranks_run_and_the_step_is_the_last_runs() -> None:
-    """A turn whose next rank is still as given logs its chosen run for that rank's turn:
-    the log equals a fresh run logged for it (arrivals, finishes, tails), and the choice
-    made from it is the one made from a fresh run. The step returned is the chosen
-    orders' own."""
-    costs = replace(GEN4, link=Link(25e9, 25e9))
-    spec = ScheduleSpec(ScheduleKind.ONE_F_ONE_B, ranks=4, microbatches=8)
-    given = build_schedule(spec)
-    plain = simulate(given, costs)
-    policy = PeakPolicy(costs, int(max(r.peak_activation_bytes for r in plain.ranks) * 0.3),
-                        recompute="auto")
-    options = {rank: found for rank in range(4)
-               if (found := policy.options_for(given, rank)) is not None}
-    assert len(options[0]) > 1 and len(options[1]) > 1
-    orders = {rank: [_pipeline.order_of(given.orders[rank], rank, t) for t in found]
-              for rank, found in options.items()}
-    seconds = {rank: [t.outcome.recompute_s for t in found] for rank, found in options.items()}
-    first = _pipeline.fastest(given, costs, {}, 0, orders[0], seconds[0], then=1)
-    assert first.logged is not None
-    current = {0: orders[0][first.choice]}
-    fresh = simulate_logged(replace(given, orders=(current[0], *given.orders[1:])), costs, 1)
-    assert first.logged == fresh
-    assert first.step == max(fresh.finishes) == _pipeline.step_time(given, costs, current)
-    assert _pipeline.fastest(given, costs, current, 1, orders[1], seconds[1],
-                             first.logged) == _pipeline.fastest(given, costs, current, 1,
-                                                                orders[1], seconds[1])
-    chosen, step = _pipeline.choose(given, costs, options, [{}], lambda t: 0.0)
-    assert step == _pipeline.step_time(given, costs, {
-        rank: _pipeline.order_of(given.orders[rank], rank, t) for rank, t in chosen.items()})
-
-
 @pytest.mark.parametrize(("bandwidth", "share", "most"), [
     (20e9, 0.2, 1.2),  # only much recompute fits: every choice that recomputes less is run
     (55e9, 0.45, 0.6),

@@ -56,12 +56,17 @@ def order_of(order: Order, rank: int, trial: Trial[_Outcome]) -> Order:
     return placed(order, rank, trial.recomputed, trial.placements)
 
 
+def with_orders(given: Schedule, orders: Mapping[int, Order]) -> Schedule:
+    """``given`` with ``orders`` in place of its own."""
+    return replace(given, orders=tuple(
+        orders.get(rank, order) for rank, order in enumerate(given.orders)))
+
+
 def run_with(given: Schedule, costs: CostModel, orders: Mapping[int, Order]
              ) -> SimulationResult:
     """The whole schedule simulated with ``orders`` in place of the given ones (made by the
     swap pass from valid orders: not validated again)."""
-    every = tuple(orders.get(rank, order) for rank, order in enumerate(given.orders))
-    return simulate(replace(given, orders=every), costs, timeline=False, check=False)
+    return simulate(with_orders(given, orders), costs, timeline=False, check=False)
 
 
 def step_time(given: Schedule, costs: CostModel, orders: Mapping[int, Order]) -> float:
@@ -151,9 +156,8 @@ def fastest(given: Schedule, costs: CostModel, current: Mapping[int, Order], ran
     run with ``rank`` as given, where one is at hand; with ``then``, the runs made here
     are logged for rank ``then``'s turn, and the chosen one's log is returned."""
     if logged is None:
-        logged = simulate_logged(replace(given, orders=tuple(
-            order if other == rank else current.get(other, order)
-            for other, order in enumerate(given.orders))), costs, rank)
+        logged = simulate_logged(with_orders(given, {**current, rank: given.orders[rank]}),
+                                 costs, rank)
     bounds = [least_step(logged, given, rank, order, costs) for order in orders]
     runs: dict[int, tuple[float, Logged | None]] = {}
     for index in sorted(range(len(orders)), key=bounds.__getitem__):
@@ -162,9 +166,8 @@ def fastest(given: Schedule, costs: CostModel, current: Mapping[int, Order], ran
         if then is None:
             runs[index] = step_time(given, costs, {**current, rank: orders[index]}), None
         else:
-            run = simulate_logged(replace(given, orders=tuple(
-                orders[index] if other == rank else current.get(other, order)
-                for other, order in enumerate(given.orders))), costs, then)
+            run = simulate_logged(with_orders(given, {**current, rank: orders[index]}),
+                                  costs, then)
             runs[index] = max(run.finishes, default=0.0), run
     index = min(runs, key=lambda k: (runs[k][0], recompute_s[k], k))
     return Turn(index, *runs[index])
