@@ -74,16 +74,20 @@ def test_a_fit_lowers_lags_and_depths_only_where_the_plan_goes_over() -> None:
         order_of = partial(placed, given, 0, recomputed)
         if simulate_alone(order_of(placements), 0, GEN4).peak_activation_bytes <= budget:
             continue
-        found = fit(placements, order_of, 0, GEN4, budget)
-        if found is None:
+        fitted = fit(placements, order_of, 0, GEN4, budget)
+        if fitted is None:
             continue
+        found = fitted.placements
         assert found.keys() == placements.keys()
         changed = [key for key in found if found[key] != placements[key]]
         assert changed and all(
             found[key].layer_lag <= placements[key].layer_lag
             and found[key].load_depth <= placements[key].load_depth
             and found[key][:2] == placements[key][:2] for key in changed)
-        assert simulate_alone(order_of(found), 0, GEN4).peak_activation_bytes <= budget
+        run = simulate_alone(order_of(found), 0, GEN4)
+        assert run.peak_activation_bytes <= budget
+        assert (run.step_time, run.peak_activation_bytes, run.exposed_copy) == (
+            fitted.run.step_time, fitted.run.peak_activation_bytes, fitted.run.exposed_copy)
         changes.append(len(changed))
     assert len(changes) >= 3 and min(changes) == 1
     recomputed, deep = plans[0, 4, 2, 0]

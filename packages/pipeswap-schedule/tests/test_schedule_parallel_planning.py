@@ -202,7 +202,7 @@ def test_ctrl_c_while_workers_plan_is_one_line(tmp_path: Path) -> None:
     plan: one line, exit 130, and no worker left."""
     args = ["--schedule", "1f1b", "--ranks", "32", "--microbatches", "64", "--preset",
             "h100-pcie5", "--hidden", "4096", "--seq-len", "4096", "--layers-per-stage", "4",
-            "--budget", "20GiB", "--jobs", "2"]
+            "--budget", "20GiB", "--jobs", "2", "--pipeline-choice", "turns"]
     command = subprocess.Popen([sys.executable, "-m", "pipeswap.schedule.cli", "simulate", *args],
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                start_new_session=True)

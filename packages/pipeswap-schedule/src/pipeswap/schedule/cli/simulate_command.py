@@ -29,15 +29,18 @@ from pipeswap.schedule.files import writing
 from pipeswap.schedule.plot import plot
 from pipeswap.schedule.policies import (
     GRANULARITIES,
+    PIPELINE_CHOICES,
     RECOMPUTE_MODES,
     CostModelPolicy,
     MemoryBudgetPolicy,
     MinGapPolicy,
     PeakPolicy,
+    PipelineChoice,
     RecomputeMode,
     RecomputePolicy,
     SwapPolicy,
 )
+from pipeswap.schedule.policies.peak import TURNS_UP_TO
 from pipeswap.schedule.schedule import Schedule
 from pipeswap.schedule.simulate import simulate
 from pipeswap.schedule.simulate_report import render_report, report
@@ -266,11 +269,21 @@ def policy_arguments() -> Parser:
              "inputs swapped where the link hides the copies. never: swap only, stalling "
              "compute for copies where the budget needs it")
     group.add_argument(
+        "--pipeline-choice", choices=PIPELINE_CHOICES, default=None,
+        help="how the peak policy chooses the ranks' plans under --budget in the whole "
+             "pipeline, where a copy's stall that another rank's slack absorbs costs "
+             f"nothing (default auto). turns: rank by rank, each among its own plans, from "
+             "two starts: the closest, but its time grows as ranks squared x microbatches "
+             "(minutes at 64 stages). alike: one plan alike on every chunk of every rank "
+             "(the same layers recomputed, the same lag and load depth), fitted to each "
+             "rank's budget where it goes over: seconds at 64 stages. auto: turns up to "
+             f"{TURNS_UP_TO} ranks x microbatches, alike beyond")
+    group.add_argument(
         "--jobs", type=count(MAX_JOBS), default=None, metavar="N",
-        help="processes that make the ranks' plans under --budget at once (default: one per "
-             "CPU core this process may use). Each rank's plans depend on its own order "
-             "alone, so any N gives the same plans; a pipeline of 64 stages makes them in "
-             "minutes on one core")
+        help="processes that make the ranks' plans under --budget at once for the turns "
+             "choice (default: one per CPU core this process may use). Each rank's plans "
+             "depend on its own order alone, so any N gives the same plans; a pipeline of "
+             "64 stages makes them in minutes on one core")
     return parent
 
 
@@ -289,6 +302,7 @@ def choose_policy(args: argparse.Namespace, costs: CostModel) -> SwapPolicy | No
     gap = getattr(args, "swap_min_gap", None)
     granularity = getattr(args, "swap_granularity", None)
     mode = getattr(args, "recompute", None)
+    choice: PipelineChoice | None = getattr(args, "pipeline_choice", None)
     _refuse_what_cannot_apply(args, gap, mode)
     if args.policy == "recompute":
         if args.budget is None:
@@ -317,6 +331,7 @@ def choose_policy(args: argparse.Namespace, costs: CostModel) -> SwapPolicy | No
         told = None if args.budget is None else _Progress()
         return PeakPolicy(costs, args.budget, granularity=granularity or "auto",
                           recompute="never" if args.budget is None else mode or "auto",
+                          pipeline_choice=choice or "auto",
                           progress=told, choosing=None if told is None else told.choosing,
                           jobs=getattr(args, "jobs", None) or usable_cores())
     if name == "cost":
@@ -349,6 +364,17 @@ def _refuse_what_cannot_apply(args: argparse.Namespace, gap: int | None,
         raise ScheduleError(f"--jobs {jobs} makes the peak policy's plans under --budget, "
                             "where it may recompute: give --budget BYTES (with --policy peak, "
                             "the default, and --recompute auto), or drop --jobs")
+    choice = getattr(args, "pipeline_choice", None)
+    if choice is not None and (args.budget is None or mode == "never"
+                               or args.policy not in (None, "peak")):
+        raise ScheduleError(f"--pipeline-choice {choice} says how the peak policy chooses "
+                            "the ranks' plans under --budget, where it may recompute: give "
+                            "--budget BYTES (with --policy peak, the default, and --recompute "
+                            "auto), or drop --pipeline-choice")
+    if choice == "alike" and jobs is not None and jobs > 1:
+        raise ScheduleError(f"--jobs {jobs} makes each rank's plans for the turns choice; "
+                            "--pipeline-choice alike makes none: drop --jobs, or use "
+                            "--pipeline-choice turns")
 
 
 #: After how many seconds a plan under a budget starts saying how far it is.

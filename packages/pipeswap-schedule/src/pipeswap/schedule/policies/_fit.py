@@ -16,6 +16,7 @@ fit gives up on it at once, and after a few changes.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
+from typing import NamedTuple
 
 from pipeswap.schedule.costs import CostModel
 from pipeswap.schedule.simulate import RankResult, SwappedChunk, simulate_alone
@@ -43,9 +44,16 @@ def stretches(run: RankResult, budget: int) -> int:
     return sum(1 for k, over in enumerate(held) if over and (k == 0 or not held[k - 1]))
 
 
+class Fitted(NamedTuple):
+    """A fit's placements, and the rank's order with them run alone (its memory too)."""
+
+    placements: dict[ChunkKey, SwapPlacement]
+    run: RankResult
+
+
 def fit(placements: Mapping[ChunkKey, SwapPlacement], order_of: Callable[
         [Mapping[ChunkKey, SwapPlacement]], Order], rank: int, costs: CostModel,
-        budget: int) -> dict[ChunkKey, SwapPlacement] | None:
+        budget: int) -> Fitted | None:
     """``placements`` with lags and load depths lowered chunk by chunk until the rank's
     order (``order_of(placements)``) meets ``budget``; None if no such change gets there
     within :data:`CHANGES_PER_CHUNK` of them."""
@@ -57,7 +65,7 @@ def fit(placements: Mapping[ChunkKey, SwapPlacement], order_of: Callable[
     for _ in range(changes):
         over = next((time for time, held in run.memory if held > budget), None)
         if over is None:
-            return current
+            return Fitted(current, run)
         best: tuple[tuple[int, float], dict[ChunkKey, SwapPlacement], RankResult] | None = None
         for key, lower in _changes(current, run.swapped, over, costs, rank):
             trial = {**current, key: lower}

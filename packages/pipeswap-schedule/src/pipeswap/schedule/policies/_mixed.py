@@ -174,10 +174,14 @@ def spread(count: int, k: int) -> tuple[int, ...]:
     return tuple(sorted({count - 1 - (i * count) // k for i in range(k)}))
 
 
+#: A plan alike on every chunk, as :func:`alike` names it: ``(k, d, e, s)``.
+AlikeName = tuple[int, int, int, int]
+
+
 def alike(candidates: Sequence[SwapCandidate], layers_of: Callable[[ChunkKey], int],
           granularity: Granularity
-          ) -> dict[tuple[int, int, int, int], tuple[dict[ChunkKey, tuple[int, ...]],
-                                                     dict[ChunkKey, SwapPlacement]]]:
+          ) -> dict[AlikeName, tuple[dict[ChunkKey, tuple[int, ...]],
+                                     dict[ChunkKey, SwapPlacement]]]:
     """The rank's plans alike on every chunk, by ``(k, d, e, s)``: ``k`` of its layers
     recomputed (``k`` from 0 to one short of its layers: each below
     :data:`RECOMPUTE_COUNTS`, and as many spread over a longer chunk; the first ``k`` for
@@ -192,28 +196,52 @@ def alike(candidates: Sequence[SwapCandidate], layers_of: Callable[[ChunkKey], i
     in a pipeline another rank's slack may absorb such a stall, and one recomputed layer a
     chunk instead of two saves more than it costs. Loads further ahead hide a load slower
     than a layer's backward for one more layer on the device."""
-    most = max((layer_counts_of := [layers_of(c.key) for c in candidates]), default=1)
+    counts = [layers_of(c.key) for c in candidates]
+    return {name: alike_plan(candidates, counts, name)
+            for name in alike_names(max(counts, default=1), granularity)}
+
+
+def alike_names(most: int, granularity: Granularity) -> list[AlikeName]:
+    """The names of :func:`alike`'s plans for a rank whose chunks hold at most ``most``
+    layers, in the order it makes them."""
     lags = [0] if granularity == "chunk" or most == 1 else sorted(
         {d for d in LAGS if d <= most} | {-(-most * share // 4) for share in range(1, 5)})
     counts = sorted(set(range(min(most, RECOMPUTE_COUNTS)))
                     | {(i * most) // RECOMPUTE_COUNTS for i in range(RECOMPUTE_COUNTS)})
-    plans = {}
-    for k in counts:
-        for shape in (0, 1) if spread(most, k) != tuple(range(k)) else (0,):
-            for lag in lags:
-                for depth in range(1, DEEPEST_LOAD + 1) if lag else (0,):
-                    recomputed: dict[ChunkKey, tuple[int, ...]] = {}
-                    placements: dict[ChunkKey, SwapPlacement] = {}
-                    for c, count in zip(candidates, layer_counts_of):
-                        if 0 < k < count:
-                            recomputed[c.key] = spread(count, k) if shape else tuple(range(k))
-                        if c.gap >= 2:
-                            streams = count > 1 and lag > 0
-                            placements[c.key] = SwapPlacement(
-                                1, min(1, c.gap - 2), min(lag, count) if streams else 0,
-                                min(depth, count) if streams else 1)
-                    plans[k, lag, depth, shape] = (recomputed, placements)
-    return plans
+    return [(k, lag, depth, shape)
+            for k in counts
+            for shape in ((0, 1) if spread(most, k) != tuple(range(k)) else (0,))
+            for lag in lags
+            for depth in (range(1, DEEPEST_LOAD + 1) if lag else (0,))]
+
+
+def alike_plan(candidates: Sequence[SwapCandidate], counts: Sequence[int], name: AlikeName
+               ) -> tuple[dict[ChunkKey, tuple[int, ...]], dict[ChunkKey, SwapPlacement]]:
+    """The plan :func:`alike` names ``name``, of ``candidates`` holding ``counts`` layers
+    each."""
+    k, lag, depth, shape = name
+    return (alike_recomputed(candidates, counts, k, shape),
+            alike_placements(candidates, counts, lag, depth))
+
+
+def alike_recomputed(candidates: Sequence[SwapCandidate], counts: Sequence[int], k: int,
+                     shape: int) -> dict[ChunkKey, tuple[int, ...]]:
+    """What a plan :func:`alike` names ``(k, _, _, shape)`` recomputes."""
+    return {c.key: spread(count, k) if shape else tuple(range(k))
+            for c, count in zip(candidates, counts) if 0 < k < count}
+
+
+def alike_placements(candidates: Sequence[SwapCandidate], counts: Sequence[int], lag: int,
+                     depth: int) -> dict[ChunkKey, SwapPlacement]:
+    """Where a plan :func:`alike` names ``(_, lag, depth, _)`` swaps."""
+    placements: dict[ChunkKey, SwapPlacement] = {}
+    for c, count in zip(candidates, counts):
+        if c.gap >= 2:
+            streams = count > 1 and lag > 0
+            placements[c.key] = SwapPlacement(
+                1, min(1, c.gap - 2), min(lag, count) if streams else 0,
+                min(depth, count) if streams else 1)
+    return placements
 
 
 def layer_counts(costs: CostModel) -> Callable[[ChunkKey], int]:

@@ -169,7 +169,7 @@ class RankSearch:
                 fitted = fit(placements, partial(placed, order, rank, recomputed), rank,
                              self.costs, budget)
                 if fitted is not None:
-                    trial = out[k] = exactly(replace(trial, placements=fitted))
+                    trial = out[k] = exactly(replace(trial, placements=fitted.placements))
             if not trial.outcome.shortfall:
                 beat = min(beat, trial.merit[1])
         return [out[k] for k in sorted(tried)]

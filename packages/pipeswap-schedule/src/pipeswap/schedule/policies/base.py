@@ -26,6 +26,12 @@ GRANULARITIES: tuple[Granularity, ...] = get_args(Granularity)
 #: than a stalled copy; never: swap only.
 RecomputeMode = Literal["auto", "never"]
 RECOMPUTE_MODES: tuple[RecomputeMode, ...] = get_args(RecomputeMode)
+#: How the peak policy chooses the ranks' plans in the whole pipeline. turns: rank by rank,
+#: each among its own plans (a search that grows as ranks squared x microbatches); alike:
+#: one plan alike on every chunk of every rank, fitted to each rank's budget (grows about
+#: as ranks x microbatches); auto: turns for a small pipeline, alike for a large one.
+PipelineChoice = Literal["auto", "turns", "alike"]
+PIPELINE_CHOICES: tuple[PipelineChoice, ...] = get_args(PipelineChoice)
 
 #: What a policy decides for one rank: the chunks to swap (each placed as
 #: :data:`~pipeswap.schedule.swap_plan.DEFAULT_PLACEMENT`), a placement for each, or the

@@ -17,14 +17,17 @@ from dataclasses import dataclass, field, replace
 
 from pipeswap.schedule.costs import CostModel
 from pipeswap.schedule.errors import ScheduleError
+from pipeswap.schedule.policies._alike_choice import alike_choice
 from pipeswap.schedule.policies._mixed import Trial, alike, layer_counts
 from pipeswap.schedule.policies._parallel import plan_ranks
 from pipeswap.schedule.policies._pipeline import choose, first_fastest
 from pipeswap.schedule.policies._rank_search import RankSearch
 from pipeswap.schedule.policies.base import (
     GRANULARITIES,
+    PIPELINE_CHOICES,
     RECOMPUTE_MODES,
     Granularity,
+    PipelineChoice,
     RecomputeMode,
 )
 from pipeswap.schedule.recompute_pass import recomputed_in
@@ -33,6 +36,12 @@ from pipeswap.schedule.simulate import simulate
 from pipeswap.schedule.steps import Order
 from pipeswap.schedule.swap_order import swap_candidates
 from pipeswap.schedule.swap_plan import PlanOutcome, RankPlan, SwapCandidate
+
+#: The largest pipeline (ranks x microbatches) whose plans the ``"auto"`` pipeline choice
+#: makes rank by rank: about 8 s on one core for 16 ranks and 64 microbatches, where the
+#: search grows as ranks squared x microbatches (minutes at 64 ranks); beyond it, one plan
+#: alike on every rank (``benchmarks/keep_offload_recompute.py`` compares the two).
+TURNS_UP_TO = 1024
 
 
 @dataclass(frozen=True)
@@ -90,6 +99,8 @@ class PeakPolicy:
     # choose among the ranks' plans in the whole pipeline where it can (see prepare); False:
     # each rank on its own timeline, much faster at scale (a search judging many schedules)
     whole_pipeline: bool = True
+    # how the whole pipeline chooses (see prepare): turns, alike, or auto (by its size)
+    pipeline_choice: PipelineChoice = "auto"
 
     def __post_init__(self) -> None:
         if self.granularity not in GRANULARITIES:
@@ -101,6 +112,12 @@ class PeakPolicy:
             raise ScheduleError(
                 f"unknown recompute mode {self.recompute!r}; use auto (recompute layers "
                 "where that meets the budget faster than swapping) or never")
+        if self.pipeline_choice not in PIPELINE_CHOICES:
+            raise ScheduleError(
+                f"unknown pipeline choice {self.pipeline_choice!r}; use one of "
+                f"{', '.join(PIPELINE_CHOICES)} (turns: rank by rank among each rank's "
+                "plans, alike: one plan alike on every rank, auto: turns up to "
+                f"{TURNS_UP_TO} ranks x microbatches, alike beyond)")
         if self.jobs < 1:
             raise ScheduleError(f"jobs must be 1 or more processes, not {self.jobs}")
 
@@ -129,7 +146,12 @@ class PeakPolicy:
         slack absorbs it costs nothing there, a recompute on the critical path costs in
         full. The ranks choose in turn from two starts: the other ranks as given, and each
         rank over its budget planned alike on every chunk (:meth:`_alike_start`; not where
-        one rank chooses, whose own order the start cannot change). A cost model that times
+        one rank chooses, whose own order the start cannot change). That grows as ranks
+        squared x microbatches; for a larger pipeline than :data:`TURNS_UP_TO` (or with
+        ``pipeline_choice="alike"``) the whole pipeline instead takes one plan alike on every
+        rank, fitted to each rank's budget
+        (:mod:`pipeswap.schedule.policies._alike_choice`), which grows about as ranks x
+        microbatches (:meth:`_alike_planner`). A cost model that times
         some stages only (a rank's own measurements) would leave the others at placeholder
         times and make every stall look absorbed: there each rank weighs its plans on its
         own timeline, in :meth:`PeakPlanner.select`."""
@@ -139,6 +161,10 @@ class PeakPolicy:
         if not (timed and self.whole_pipeline and self.recompute == "auto"
                 and self.budget is not None):
             return PeakPlanner(self, ranks=len(planning))
+        if self.pipeline_choice == "alike" or (
+                self.pipeline_choice == "auto" and len(planning) > 1
+                and len(schedule.orders) * schedule.num_microbatches > TURNS_UP_TO):
+            return self._alike_planner(schedule, planning)
 
         def done(rank: int, count: int) -> None:
             if self.progress is not None:
@@ -162,6 +188,27 @@ class PeakPolicy:
             rank: (schedule.orders[rank],
                    replace(trial, outcome=replace(trial.outcome, step_time=step)))
             for rank, trial in chosen.items()}, len(planning))
+
+    def _alike_planner(self, schedule: Schedule, planning: Sequence[int]) -> PeakPlanner:
+        """The planner holding the fastest choice alike on every rank over its budget (each
+        rank within it keeps its order as given); where no such choice keeps every rank
+        within its budget, each rank plans on its own timeline instead."""
+        budgets = {rank: budget for rank in planning
+                   if (budget := self.budget_for(rank)) is not None
+                   and not recomputed_in(schedule.orders[rank])
+                   and swap_candidates(schedule.orders[rank], rank)}
+        plain = simulate(schedule, self.costs, timeline=False)
+        found = alike_choice(schedule, self.costs, plain, budgets, self.granularity,
+                             self.choosing)
+        if found is None:
+            return PeakPlanner(self, ranks=len(planning))
+        kept = {rank: Trial({}, {}, PlanOutcome(
+            rank, peak, peak, 0.0, budgets[rank], step_time=found.step))
+            for rank in budgets if (peak := plain.ranks[rank].peak_activation_bytes)
+            <= budgets[rank]}
+        return PeakPlanner(self, {rank: (schedule.orders[rank], trial)
+                                  for rank, trial in {**kept, **found.plans}.items()},
+                           len(planning))
 
     def options_for(self, schedule: Schedule, rank: int) -> list[Trial[PlanOutcome]] | None:
         """``rank``'s plans that meet its budget (or its one best) for the pipeline to

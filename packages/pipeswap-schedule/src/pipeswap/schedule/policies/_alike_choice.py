@@ -1,0 +1,254 @@
+"""One choice alike on every rank: the whole-pipeline choice whose cost grows about as
+ranks x microbatches.
+
+Choosing rank by rank (:mod:`pipeswap.schedule.policies._pipeline`) needs each rank's plans
+(a search on its own timeline that grows with the chunks it holds at once) and a few runs
+of the whole schedule per rank: both grow as ranks squared x microbatches, minutes at 64
+stages. Across a pipeline the plans that win are mostly the same plan alike on every chunk
+(:func:`~pipeswap.schedule.policies._mixed.alike`: the same layers recomputed, the same
+lag and load depth) on every rank: its stalls are absorbed where the pipeline waits anyway,
+and a rank it takes over its budget at a few points (where the warm-up's last forwards meet
+the first loads) is fitted there (:func:`~pipeswap.schedule.policies._fit.fit`). So here a
+choice is one such name (``k``, lag, depth, shape), applied to every rank over its budget
+(a rank with fewer layers takes its nearest plan), each fitted where it goes over; the
+choice kept is the one whose whole-schedule run is shortest with every rank within its
+budget, the first of equals. A choice whose recompute alone (its orders without their swap
+steps, run in the whole schedule) already makes a longer step than one found is not run:
+swap steps make no compute earlier, and a choice recomputing at least the layers of one so
+bounded is bounded too, so few such runs bound all the choices.
+
+Each choice costs one run of each rank over its budget on its own, a fit where that run
+goes over, and one run of the whole schedule; the choices that are run are few (every
+choice without recompute, and those the bounds leave), so the whole grows about as ranks
+x microbatches.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from functools import partial
+from typing import NamedTuple
+
+from pipeswap.schedule.costs import CostModel
+from pipeswap.schedule.policies._fit import fit
+from pipeswap.schedule.policies._mixed import (
+    AlikeName,
+    Trial,
+    alike_names,
+    alike_placements,
+    alike_recomputed,
+    layer_counts,
+)
+from pipeswap.schedule.policies._pipeline import Plan, beyond, placed, run_with
+from pipeswap.schedule.policies.base import Granularity
+from pipeswap.schedule.schedule import Schedule
+from pipeswap.schedule.simulate import RankResult, SimulationResult, simulate_alone
+from pipeswap.schedule.steps import ChunkKey
+from pipeswap.schedule.swap_order import swap_candidates
+from pipeswap.schedule.swap_plan import PlanOutcome, SwapCandidate, SwapPlacement
+
+#: What a choice recomputes: per rank, its recomputed layers per chunk.
+_Recompute = frozenset[tuple[int, frozenset[tuple[ChunkKey, tuple[int, ...]]]]]
+
+
+class AlikeChoice(NamedTuple):
+    """The choice kept: its name (None where no rank is over its budget), each rank's plan
+    (the ranks over their budgets), the step the whole schedule makes with them, and how
+    many choices were run in the whole schedule (of ``names`` in all)."""
+
+    name: AlikeName | None
+    plans: dict[int, Trial[PlanOutcome]]
+    step: float
+    runs: int
+    names: int
+
+
+def alike_choice(given: Schedule, costs: CostModel, plain: SimulationResult,
+                 budgets: Mapping[int, int], granularity: Granularity,
+                 progress: Callable[[int, int], None] | None = None) -> AlikeChoice | None:
+    """The fastest choice alike on every rank of ``budgets`` over its budget (``plain``:
+    the given schedule's run), see the module docstring; None where no choice keeps them
+    all within their budgets. ``progress`` is told (choices looked at, choices) after
+    each."""
+    over = sorted((rank for rank, budget in budgets.items()
+                   if plain.ranks[rank].peak_activation_bytes > budget),
+                  key=lambda rank: -plain.ranks[rank].peak_activation_bytes)
+    if not over:
+        return AlikeChoice(None, {}, plain.step_time, 0, 0)
+    layers_of = layer_counts(costs)
+    found = {}
+    for rank in over:
+        candidates = swap_candidates(given.orders[rank], rank)
+        found[rank] = _RankPlans(candidates, [layers_of(c.key) for c in candidates],
+                                 granularity)
+    names = sorted(set().union(*(plans.names for plans in found.values())))
+    fitted = _Fitted(given, costs, budgets, found)
+    bounds = _Bounds(given, costs, plain.step_time, found)
+    best: tuple[float, int, dict[int, tuple[Plan, RankResult]]] = (math.inf, 0, {})
+    runs = 0
+    for index, name in enumerate(names):  # fewest layers recomputed first
+        if not beyond(bounds.least(over, name, best[0]), best[0]):
+            plans = _plans(fitted, over, name)
+            if plans is not None:
+                runs += 1
+                run = run_with(given, costs, {rank: placed(given.orders[rank], rank, *plan)
+                                              for rank, (plan, _) in plans.items()})
+                if (all(run.ranks[rank].peak_activation_bytes <= budgets[rank]
+                        for rank in over) and (run.step_time, index) < best[:2]):
+                    best = (run.step_time, index, plans)
+        if progress is not None:
+            progress(index + 1, len(names))
+    if not best[2]:
+        return None
+    step, index, chosen = best
+    return AlikeChoice(names[index], {
+        rank: _trial(rank, plan, alone, plain, budgets[rank], step)
+        for rank, (plan, alone) in chosen.items()}, step, runs, len(names))
+
+
+class _RankPlans:
+    """One rank's plans alike on every chunk, each part made when first asked for (what a
+    plan recomputes depends on its count and shape alone, where it swaps on its lag and
+    depth alone)."""
+
+    def __init__(self, candidates: Sequence[SwapCandidate], counts: Sequence[int],
+                 granularity: Granularity) -> None:
+        self.candidates, self.counts = candidates, counts
+        self.names = frozenset(alike_names(max(counts, default=1), granularity))
+        self.recomputes: dict[tuple[int, int], dict[ChunkKey, tuple[int, ...]]] = {}
+        self.swaps: dict[tuple[int, int], dict[ChunkKey, SwapPlacement]] = {}
+
+    def nearest(self, name: AlikeName) -> AlikeName:
+        """The rank's name nearest ``name``, field by field (a rank whose chunks hold fewer
+        layers has no plan of more of them recomputed, nor of a longer lag)."""
+        if name in self.names:
+            return name
+        return min(sorted(self.names),
+                   key=lambda mine: tuple(abs(m - n) for m, n in zip(mine, name)))
+
+    def recomputed(self, name: AlikeName) -> dict[ChunkKey, tuple[int, ...]]:
+        """What the rank's plan nearest ``name`` recomputes."""
+        k, _, _, shape = self.nearest(name)
+        if (k, shape) not in self.recomputes:
+            self.recomputes[k, shape] = alike_recomputed(self.candidates, self.counts, k,
+                                                         shape)
+        return self.recomputes[k, shape]
+
+    def plan(self, name: AlikeName) -> Plan:
+        """The rank's plan nearest ``name``."""
+        _, lag, depth, _ = self.nearest(name)
+        if (lag, depth) not in self.swaps:
+            self.swaps[lag, depth] = alike_placements(self.candidates, self.counts, lag,
+                                                      depth)
+        return self.recomputed(name), self.swaps[lag, depth]
+
+
+def _plans(fitted: _Fitted, over: Sequence[int], name: AlikeName
+           ) -> dict[int, tuple[Plan, RankResult]] | None:
+    """Each of ``over``'s plan of ``name`` within its budget and its run alone; None where
+    one has none."""
+    plans = {}
+    for rank in over:  # the rank holding most first: the likeliest not to fit
+        plan = fitted.plan(rank, name)
+        if plan is None:
+            return None
+        plans[rank] = plan
+    return plans
+
+
+class _Fitted:
+    """Each rank's plan of a name, fitted to the rank's budget where it goes over, made
+    once: a rank's run on its own and (where over) its fit are most of a choice's cost. A
+    plan holds no less than the same plan with lag and depth 1 everywhere, which a fit
+    cannot lower: where that one is over the budget, the plan is not fitted."""
+
+    def __init__(self, given: Schedule, costs: CostModel, budgets: Mapping[int, int],
+                 found: Mapping[int, _RankPlans]) -> None:
+        self.given, self.costs, self.budgets, self.found = given, costs, budgets, found
+        self.made: dict[tuple[int, AlikeName], tuple[Plan, RankResult] | None] = {}
+        self.runs: dict[tuple[int, AlikeName], RankResult] = {}
+
+    def plan(self, rank: int, name: AlikeName) -> tuple[Plan, RankResult] | None:
+        """``rank``'s plan of ``name`` within its budget (fitted where needed) and its run
+        alone; None where even a fit cannot keep it there."""
+        plans = self.found[rank]
+        mine = plans.nearest(name)
+        if (rank, mine) not in self.made:
+            recomputed, placements = plans.plan(mine)
+            budget = self.budgets[rank]
+            run = self._alone(rank, mine)
+            made: tuple[Plan, RankResult] | None = None
+            if run.peak_activation_bytes <= budget:
+                made = (recomputed, placements), run
+            elif self._may_fit(rank, mine, placements):
+                better = fit(placements, partial(placed, self.given.orders[rank], rank,
+                                                 recomputed), rank, self.costs, budget)
+                if better is not None:
+                    made = (recomputed, better.placements), better.run
+            self.made[rank, mine] = made
+        return self.made[rank, mine]
+
+    def _may_fit(self, rank: int, name: AlikeName, placements: Mapping[ChunkKey, SwapPlacement]
+                 ) -> bool:
+        """Whether a fit of ``rank``'s plan ``name`` could meet its budget: it streams, and
+        the same plan with lag and depth 1 is within the budget."""
+        k, _, _, shape = name
+        frugal = (k, 1, 1, shape)
+        return any(p.layer_lag for p in placements.values()) and (
+            frugal not in self.found[rank].names
+            or self._alone(rank, frugal).peak_activation_bytes <= self.budgets[rank])
+
+    def _alone(self, rank: int, name: AlikeName) -> RankResult:
+        """``rank``'s plan ``name`` run on its own, as named (not fitted)."""
+        if (rank, name) not in self.runs:
+            self.runs[rank, name] = simulate_alone(
+                placed(self.given.orders[rank], rank, *self.found[rank].plan(name)), rank,
+                self.costs)
+        return self.runs[rank, name]
+
+
+class _Bounds:
+    """The least step of a choice: the whole schedule run with its recompute alone, made
+    once per way of recomputing, and not at all where it recomputes at least the layers of
+    a way already bounded beyond the best."""
+
+    def __init__(self, given: Schedule, costs: CostModel, plain_step: float,
+                 found: Mapping[int, _RankPlans]) -> None:
+        self.given, self.costs, self.plain_step, self.found = given, costs, plain_step, found
+        self.steps: dict[_Recompute, float] = {}
+
+    def least(self, over: Sequence[int], name: AlikeName, best: float) -> float:
+        """A lower bound of the step of the choice ``name`` (infinite where a way bounded
+        beyond ``best`` recomputes no more than it)."""
+        layers = {rank: self.found[rank].recomputed(name) for rank in over}
+        key: _Recompute = frozenset((rank, frozenset(recomputed.items()))
+                                    for rank, recomputed in layers.items() if recomputed)
+        if not key:
+            return self.plain_step
+        if key not in self.steps:
+            if any(beyond(step, best) and _within(known, layers)
+                   for known, step in self.steps.items()):
+                return math.inf
+            self.steps[key] = run_with(self.given, self.costs, {
+                rank: placed(self.given.orders[rank], rank, recomputed, {})
+                for rank, recomputed in layers.items() if recomputed}).step_time
+        return self.steps[key]
+
+
+def _within(known: _Recompute, layers: Mapping[int, Mapping[ChunkKey, tuple[int, ...]]]
+            ) -> bool:
+    """Whether every layer ``known`` recomputes ``layers`` recomputes too."""
+    return all(set(chunk) <= set(layers.get(rank, {}).get(key, ()))
+               for rank, chunks in known for key, chunk in chunks)
+
+
+def _trial(rank: int, plan: Plan, alone: RankResult, plain: SimulationResult, budget: int,
+           step: float) -> Trial[PlanOutcome]:
+    """``plan`` as the rank's chosen trial, with the figures of its order run alone
+    (``alone``, as the plans chosen rank by rank carry them) and the pipeline's step."""
+    recomputed, placements = plan
+    return Trial(recomputed, dict(placements), PlanOutcome(
+        rank, alone.peak_activation_bytes, plain.ranks[rank].peak_activation_bytes,
+        alone.exposed_copy, budget, sum(len(layers) for layers in recomputed.values()),
+        alone.recompute_s, step))
