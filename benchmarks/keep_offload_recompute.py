@@ -17,10 +17,10 @@ the layers rank 0 recomputes a step. Each row also says how long the mixed plan 
 
 Then the set-up each rank pays at scale: 1F1B on the PCIe Gen4 link under 8.5 GiB, M = 2P,
 rank 0 planning only itself (as each rank of ``pipeswap-train --budget`` does), timed at
-P = 8, 16, 32 and 64. Last, the whole command's planning (every rank planned, then each
-rank's plan chosen in the whole pipeline, as ``simulate --budget`` does) at 16, 32 and 64
-ranks, in one process and in one worker process per core (``--jobs``), with the step each
-plan gives (the same, whatever the processes).
+P = 8, 16, 32 and 64. Last, the whole command's planning at 16, 32 and 64 ranks, both ways
+``simulate --budget`` may choose the ranks' plans in the whole pipeline: rank by rank (every
+rank planned, then each rank's plan chosen in turn; in one process and in one worker
+process per core, ``--jobs``) and one plan alike on every rank, with the step each gives.
 """
 
 from __future__ import annotations
@@ -41,7 +41,8 @@ from pipeswap.schedule import (
     parse_bytes,
 )
 from pipeswap.schedule.costs import CostModel, Link, TransformerShape, from_preset
-from pipeswap.schedule.policies import PeakPolicy, RecomputePolicy
+from pipeswap.schedule.policies import PeakPolicy, PipelineChoice, RecomputePolicy
+from pipeswap.schedule.policies.peak import TURNS_UP_TO
 from pipeswap.schedule.simulate import SimulationResult, simulate
 from pipeswap.schedule.cli.simulate_command import usable_cores
 
@@ -141,23 +142,27 @@ def plan_times(sizes: tuple[int, ...]) -> list[tuple[int, float]]:
 WHOLE = ((16, 64), (32, 64), (64, 128))
 
 
-def whole_times(sizes: tuple[tuple[int, int], ...]) -> list[tuple[int, int, int, float, float]]:
-    """(P, M, jobs, seconds, step time) for every rank planned under 8.5 GiB on the Gen4
-    link, in one process and in one per usable core."""
+def whole_times(sizes: tuple[tuple[int, int], ...]
+                ) -> list[tuple[int, int, PipelineChoice, int, float, float]]:
+    """(P, M, choice, jobs, seconds, step time) for every rank planned under 8.5 GiB on the
+    Gen4 link: rank by rank (in one process and in one per usable core) and alike."""
     costs: CostModel = replace(from_preset("h100-pcie5", SHAPE),
                                link=Link(25e9, 25e9, duplex=True))
     out = []
     for ranks, micros in sizes:
         spec = ScheduleSpec(ScheduleKind.ONE_F_ONE_B, ranks=ranks, microbatches=micros,
                             swap=True)
-        for jobs in sorted({1, usable_cores()}):
-            print(f"every rank at P={ranks} M={micros}, {jobs} process(es) ...",
+        runs: list[tuple[PipelineChoice, int]] = [
+            *(("turns", jobs) for jobs in sorted({1, usable_cores()})), ("alike", 1)]
+        for choice, jobs in runs:
+            print(f"every rank at P={ranks} M={micros}, {choice}, {jobs} process(es) ...",
                   file=sys.stderr, flush=True)
             started = time.perf_counter()
-            planned = build_schedule(spec, PeakPolicy(costs, parse_bytes("8.5GiB"),
-                                                      recompute="auto", jobs=jobs))
+            planned = build_schedule(spec, PeakPolicy(
+                costs, parse_bytes("8.5GiB"), recompute="auto", jobs=jobs,
+                pipeline_choice=choice))
             took = time.perf_counter() - started
-            out.append((ranks, micros, jobs, took,
+            out.append((ranks, micros, choice, jobs, took,
                         simulate(planned, costs, timeline=False).step_time))
     return out
 
@@ -176,8 +181,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps({"rows": [asdict(row) for row in rows],
                           "setup_s": {str(ranks): took for ranks, took in scale},
-                          "whole": [{"ranks": p, "microbatches": m, "jobs": j, "s": took,
-                                     "step_time_s": step} for p, m, j, took, step in whole]}))
+                          "whole": [{"ranks": p, "microbatches": m, "choice": c, "jobs": j,
+                                     "s": took, "step_time_s": step}
+                                    for p, m, c, j, took, step in whole]}))
         return 0
     table = "\n".join(f"| {row.link} | {row.budget} | {row.offload.cell()} | "
                       f"{row.recompute.cell()} | {row.mixed.cell()} | {row.mixed_plan_s:.1f} s |"
@@ -206,12 +212,15 @@ def main(argv: list[str] | None = None) -> int:
         "Set-up one rank pays at scale (1F1B, PCIe Gen4, 8.5 GiB, M = 2P, rank 0 planning "
         "only itself, as each rank of `pipeswap-train --budget` does): "
         + ", ".join(f"P={ranks} {took:.1f} s" for ranks, took in scale) + ".\n\n"
-        "The whole command's planning (every rank planned, then each rank's plan chosen in "
-        "the whole pipeline from two starts, as `simulate --budget` does; same link and "
-        "budget):\n\n"
-        "| P | M | processes (`--jobs`) | planning | step of the plan |\n|---|---|---|---|---|\n"
-        + "\n".join(f"| {p} | {m} | {j} | {took:.1f} s | {step:.4f} s |"
-                    for p, m, j, took, step in whole))
+        "The whole command's planning, as `simulate --budget` does it, same link and budget: "
+        "`turns` plans every rank, then chooses each rank's plan in the whole pipeline from "
+        "two starts (`--pipeline-choice turns`); `alike` takes one plan alike on every rank, "
+        "fitted to each rank's budget (`--pipeline-choice alike`). The default (`auto`) "
+        f"takes turns up to {TURNS_UP_TO} ranks x microbatches and alike beyond.\n\n"
+        "| P | M | choice | processes (`--jobs`) | planning | step of the plan |\n"
+        "|---|---|---|---|---|---|\n"
+        + "\n".join(f"| {p} | {m} | {c} | {j} | {took:.1f} s | {step:.4f} s |"
+                    for p, m, c, j, took, step in whole))
     return publish(SECTION, report, args.write)
 
 

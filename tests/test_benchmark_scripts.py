@@ -99,6 +99,18 @@ def test_compiled_build_times_each_case_in_both_builds() -> None:
         assert row["builds"] == [False, False], row  # this suite runs the source
 
 
+def test_pipeline_choice_plans_each_case_both_ways() -> None:
+    out = subprocess.run([sys.executable, str(BENCHMARKS / "pipeline_choice.py"), "--quick",
+                          "--json"], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = json.loads(out.stdout)["rows"]
+    assert [row["case"].split(",")[0] for row in rows] == ["1f1b", "zbv"]
+    for row in rows:
+        for choice in ("turns", "alike"):
+            assert row[choice]["met"] and row[choice]["seconds"] > 0, row
+        assert row["alike"]["step"] > 0 and row["turns"]["step"] > 0, row
+
+
 def test_plan_search_times_each_pipeline_degree() -> None:
     out = subprocess.run([sys.executable, str(BENCHMARKS / "plan_search.py"), "--quick",
                           "--json"], capture_output=True, text=True, timeout=300)
@@ -159,3 +171,7 @@ def test_keep_offload_recompute_plans_a_budget_three_ways() -> None:
     assert recompute["exposed_copy_s"] == 0.0 and recompute["ratio"] > 1.0
     assert mixed["ratio"] <= min(offload["ratio"], recompute["ratio"]) and row["mixed_plan_s"] > 0
     assert list(json.loads(out.stdout)["setup_s"]) == ["8"]
+    whole = json.loads(out.stdout)["whole"]
+    assert {entry["choice"] for entry in whole} == {"turns", "alike"}
+    assert len({entry["step_time_s"] for entry in whole if entry["choice"] == "turns"}) == 1
+    assert all(entry["s"] > 0 and entry["step_time_s"] > 0 for entry in whole)

@@ -12,19 +12,22 @@ the first loads) is fitted there (:func:`~pipeswap.schedule.policies._fit.fit`).
 choice is one such name (``k``, lag, depth, shape), applied to every rank over its budget
 (a rank with fewer layers takes its nearest plan), each fitted where it goes over; the
 choice kept is the one whose whole-schedule run is shortest with every rank within its
-budget, the first of equals. A choice whose recompute alone (its orders without their swap
-steps, run in the whole schedule) already makes a longer step than one found is not run:
-swap steps make no compute earlier, and a choice recomputing at least the layers of one so
-bounded is bounded too, so few such runs bound all the choices.
+budget, the first of equals.
 
-Each choice costs one run of each rank over its budget on its own, a fit where that run
-goes over, and one run of the whole schedule; the choices that are run are few (every
-choice without recompute, and those the bounds leave), so the whole grows about as ranks
-x microbatches.
+Few names are run. Every plan only adds swap and recompute steps to a rank's given order,
+so no compute and no message comes earlier, and three lower bounds of a name's step hold,
+each dearer and closer than the one before: the step of its recompute alone (its orders
+without their swap steps; a name recomputing at least the layers of another is bounded by
+that one's), and for each rank, its plan run against the given schedule's messages
+(:func:`~pipeswap.schedule.policies._pipeline.least_step`), the rank holding most first.
+The names are taken best bound first, each bound worked out only when the name comes up,
+and the search stops once the next bound passes the shortest step found: on the reference
+case at 64 ranks it fits the ranks of one name and runs the whole schedule once.
 """
 
 from __future__ import annotations
 
+import heapq
 import math
 from collections.abc import Callable, Mapping, Sequence
 from functools import partial
@@ -40,10 +43,16 @@ from pipeswap.schedule.policies._mixed import (
     alike_recomputed,
     layer_counts,
 )
-from pipeswap.schedule.policies._pipeline import Plan, beyond, placed, run_with
+from pipeswap.schedule.policies._pipeline import Plan, beyond, least_step, placed, run_with
 from pipeswap.schedule.policies.base import Granularity
 from pipeswap.schedule.schedule import Schedule
-from pipeswap.schedule.simulate import RankResult, SimulationResult, simulate_alone
+from pipeswap.schedule.simulate import (
+    Logged,
+    RankResult,
+    SimulationResult,
+    simulate_alone,
+    simulate_logged,
+)
 from pipeswap.schedule.steps import ChunkKey
 from pipeswap.schedule.swap_order import swap_candidates
 from pipeswap.schedule.swap_plan import PlanOutcome, SwapCandidate, SwapPlacement
@@ -83,28 +92,82 @@ def alike_choice(given: Schedule, costs: CostModel, plain: SimulationResult,
         found[rank] = _RankPlans(candidates, [layers_of(c.key) for c in candidates],
                                  granularity)
     names = sorted(set().union(*(plans.names for plans in found.values())))
-    fitted = _Fitted(given, costs, budgets, found)
-    bounds = _Bounds(given, costs, plain.step_time, found)
-    best: tuple[float, int, dict[int, tuple[Plan, RankResult]]] = (math.inf, 0, {})
-    runs = 0
-    for index, name in enumerate(names):  # fewest layers recomputed first
-        if not beyond(bounds.least(over, name, best[0]), best[0]):
-            plans = _plans(fitted, over, name)
-            if plans is not None:
-                runs += 1
-                run = run_with(given, costs, {rank: placed(given.orders[rank], rank, *plan)
-                                              for rank, (plan, _) in plans.items()})
-                if (all(run.ranks[rank].peak_activation_bytes <= budgets[rank]
-                        for rank in over) and (run.step_time, index) < best[:2]):
-                    best = (run.step_time, index, plans)
-        if progress is not None:
-            progress(index + 1, len(names))
-    if not best[2]:
+    search = _Search(given, costs, budgets, over, found, plain.step_time)
+    heap = [(plain.step_time, index, 0) for index in range(len(names))]  # sorted: a heap
+    settled = 0
+    while heap and not beyond(heap[0][0], search.best[0]):
+        key, index, level = heapq.heappop(heap)
+        then = search.refine(names[index], index, key, level)
+        if then is None:
+            settled += 1
+            if progress is not None:
+                progress(settled, len(names))
+        else:
+            heapq.heappush(heap, (then[0], index, then[1]))
+    if progress is not None and settled < len(names):
+        progress(len(names), len(names))  # the rest bounded beyond the step found
+    step, index, chosen = search.best
+    if not chosen:
         return None
-    step, index, chosen = best
     return AlikeChoice(names[index], {
         rank: _trial(rank, plan, alone, plain, budgets[rank], step)
-        for rank, (plan, alone) in chosen.items()}, step, runs, len(names))
+        for rank, (plan, alone) in chosen.items()}, step, search.runs, len(names))
+
+
+class _Search:
+    """The search's state: each rank's plans made and fitted so far, the recompute bounds
+    worked out, the given schedule's messages, and the best name found."""
+
+    def __init__(self, given: Schedule, costs: CostModel, budgets: Mapping[int, int],
+                 over: Sequence[int], found: Mapping[int, _RankPlans], plain_step: float
+                 ) -> None:
+        self.given, self.costs, self.budgets, self.over = given, costs, budgets, over
+        self.fitted = _Fitted(given, costs, budgets, found)
+        self.ways = _Ways(given, costs, plain_step, found)
+        self.log: Logged | None = None
+        self.best: tuple[float, int, dict[int, tuple[Plan, RankResult]]] = (math.inf, 0, {})
+        self.runs = 0
+
+    def refine(self, name: AlikeName, index: int, key: float, level: int
+               ) -> tuple[float, int] | None:
+        """The next bound of a name whose bound ``key`` is of ``level`` (0: of a way it
+        recomputes more than, 1: of its own recompute, 2: of its hungriest rank too), and
+        its level; None where the name is settled: run, or out (a rank it cannot keep
+        within the budget, or a rank's bound beyond the best)."""
+        if level == 0:
+            known, own = self.ways.known(self.over, name)
+            if own or known > key:
+                return known, int(own)
+            return self.ways.own(self.over, name), 1
+        if level == 1:
+            head = self._bounded(self.over[0], name)
+            return None if head is None else (max(key, head[0]), 2)
+        plans = {}
+        for rank in self.over:  # the rank holding most first: the likeliest not to fit
+            found = self._bounded(rank, name)
+            if found is None or beyond(found[0], self.best[0]):
+                return None
+            plans[rank] = found[1]
+        self.runs += 1
+        run = run_with(self.given, self.costs, {
+            rank: placed(self.given.orders[rank], rank, *plan)
+            for rank, (plan, _) in plans.items()})
+        if (all(run.ranks[rank].peak_activation_bytes <= self.budgets[rank]
+                for rank in self.over) and (run.step_time, index) < self.best[:2]):
+            self.best = (run.step_time, index, plans)
+        return None
+
+    def _bounded(self, rank: int, name: AlikeName
+                 ) -> tuple[float, tuple[Plan, RankResult]] | None:
+        """The rank's plan of ``name`` within its budget (and its run alone), and the least
+        step it gives with the others as given; None where it has no such plan."""
+        made = self.fitted.plan(rank, name)
+        if made is None:
+            return None
+        if self.log is None:
+            self.log = simulate_logged(self.given, self.costs, None)
+        return least_step(self.log, self.given, rank,
+                          placed(self.given.orders[rank], rank, *made[0]), self.costs), made
 
 
 class _RankPlans:
@@ -142,19 +205,6 @@ class _RankPlans:
             self.swaps[lag, depth] = alike_placements(self.candidates, self.counts, lag,
                                                       depth)
         return self.recomputed(name), self.swaps[lag, depth]
-
-
-def _plans(fitted: _Fitted, over: Sequence[int], name: AlikeName
-           ) -> dict[int, tuple[Plan, RankResult]] | None:
-    """Each of ``over``'s plan of ``name`` within its budget and its run alone; None where
-    one has none."""
-    plans = {}
-    for rank in over:  # the rank holding most first: the likeliest not to fit
-        plan = fitted.plan(rank, name)
-        if plan is None:
-            return None
-        plans[rank] = plan
-    return plans
 
 
 class _Fitted:
@@ -208,28 +258,37 @@ class _Fitted:
         return self.runs[rank, name]
 
 
-class _Bounds:
-    """The least step of a choice: the whole schedule run with its recompute alone, made
-    once per way of recomputing, and not at all where it recomputes at least the layers of
-    a way already bounded beyond the best."""
+class _Ways:
+    """The step of each way of recomputing a name's plans (its recompute alone, the given
+    schedule otherwise), run once per way; a way recomputing at least the layers of
+    another is bounded by it before it is run."""
 
     def __init__(self, given: Schedule, costs: CostModel, plain_step: float,
                  found: Mapping[int, _RankPlans]) -> None:
         self.given, self.costs, self.plain_step, self.found = given, costs, plain_step, found
         self.steps: dict[_Recompute, float] = {}
 
-    def least(self, over: Sequence[int], name: AlikeName, best: float) -> float:
-        """A lower bound of the step of the choice ``name`` (infinite where a way bounded
-        beyond ``best`` recomputes no more than it)."""
+    def _of(self, over: Sequence[int], name: AlikeName
+            ) -> tuple[_Recompute, dict[int, dict[ChunkKey, tuple[int, ...]]]]:
         layers = {rank: self.found[rank].recomputed(name) for rank in over}
-        key: _Recompute = frozenset((rank, frozenset(recomputed.items()))
-                                    for rank, recomputed in layers.items() if recomputed)
+        return frozenset((rank, frozenset(recomputed.items()))
+                         for rank, recomputed in layers.items() if recomputed), layers
+
+    def known(self, over: Sequence[int], name: AlikeName) -> tuple[float, bool]:
+        """The best bound of ``name``'s recompute known without a run, and whether it is
+        its own."""
+        key, layers = self._of(over, name)
         if not key:
-            return self.plain_step
+            return self.plain_step, True
+        if key in self.steps:
+            return self.steps[key], True
+        return max([self.plain_step] + [step for known, step in self.steps.items()
+                                        if _within(known, layers)]), False
+
+    def own(self, over: Sequence[int], name: AlikeName) -> float:
+        """The step of ``name``'s recompute alone."""
+        key, layers = self._of(over, name)
         if key not in self.steps:
-            if any(beyond(step, best) and _within(known, layers)
-                   for known, step in self.steps.items()):
-                return math.inf
             self.steps[key] = run_with(self.given, self.costs, {
                 rank: placed(self.given.orders[rank], rank, recomputed, {})
                 for rank, recomputed in layers.items() if recomputed}).step_time

@@ -75,8 +75,10 @@ class PeakPolicy:
     recompute, rank by rank (:mod:`pipeswap.schedule.policies._mixed`): the fastest of swap
     alone, recompute alone, mixes of the two and plans alike on every chunk, weighed in the
     whole pipeline where the cost model times every stage
-    (:mod:`pipeswap.schedule.policies._pipeline`); the rank's plan holds the layers, and the
-    swap pass adds their RC steps. ``jobs`` worker processes make the ranks' plans there
+    (:mod:`pipeswap.schedule.policies._pipeline`; for a pipeline larger than
+    :data:`TURNS_UP_TO`, or with ``pipeline_choice="alike"``, one plan alike on every rank:
+    :mod:`pipeswap.schedule.policies._alike_choice`); the rank's plan holds the layers, and
+    the swap pass adds their RC steps. ``jobs`` worker processes make the ranks' plans there
     (:meth:`prepare`), each rank's depending on its own order alone: any number gives the
     same plans.
     """
