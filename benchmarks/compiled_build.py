@@ -47,7 +47,8 @@ costs = replace(from_preset("h100-pcie5", TransformerShape(hidden=8192, seq_len=
                 link=Link(25e9, 25e9, duplex=True))
 spec = ScheduleSpec(ScheduleKind.ONE_F_ONE_B, ranks=ranks, microbatches=micros, swap=True)
 start = time.perf_counter()
-schedule = build_schedule(spec, PeakPolicy(costs, parse_bytes("8.5GiB"), recompute="auto"))
+schedule = build_schedule(spec, PeakPolicy(costs, parse_bytes("8.5GiB"), recompute="auto",
+                                           pipeline_choice="{choice}"))
 seconds = time.perf_counter() - start
 run = simulate(schedule, costs, timeline=False)
 print(json.dumps({{"seconds": seconds, "compiled": COMPILED, "figures": [run.step_time] + [
@@ -63,12 +64,18 @@ seconds = time.perf_counter() - start
 print(json.dumps({{"seconds": seconds, "compiled": COMPILED, "figures": [
     (o.config.describe(), o.step_time) for o in found.ranked]}}))
 """
-FULL = [("simulate --budget, 16 ranks, 64 microbatches", CHOICE.format(ranks=16, micros=64)),
-        ("simulate --budget, 32 ranks, 64 microbatches", CHOICE.format(ranks=32, micros=64)),
-        ("simulate --budget, 64 ranks, 128 microbatches", CHOICE.format(ranks=64, micros=128)),
+FULL = [("simulate --budget, 16 ranks, 64 microbatches (turns)",
+         CHOICE.format(ranks=16, micros=64, choice="turns")),
+        ("simulate --budget, 32 ranks, 64 microbatches (turns)",
+         CHOICE.format(ranks=32, micros=64, choice="turns")),
+        ("simulate --budget, 32 ranks, 64 microbatches (alike)",
+         CHOICE.format(ranks=32, micros=64, choice="alike")),
+        ("simulate --budget, 64 ranks, 128 microbatches (alike)",
+         CHOICE.format(ranks=64, micros=128, choice="alike")),
         ("plan, llama3-70b on 64 x h100-sxm",
          PLAN.format(model="llama3-70b", gpus=64, batch=512, seq=4096))]
-QUICK = [("simulate --budget, 4 ranks, 8 microbatches", CHOICE.format(ranks=4, micros=8)),
+QUICK = [("simulate --budget, 4 ranks, 8 microbatches",
+          CHOICE.format(ranks=4, micros=8, choice="auto")),
          ("plan, llama3-8b on 16 x h100-sxm",
           PLAN.format(model="llama3-8b", gpus=16, batch=64, seq=4096))]
 
