@@ -21,9 +21,9 @@ from pipeswap.schedule import (
     inject_swap,
     plan_swap,
 )
-from pipeswap.schedule.costs import CostModel, Link, TransformerShape, from_preset
-from pipeswap.schedule.policies import PeakPolicy, PipelineChoice
-from pipeswap.schedule.policies._alike_choice import alike_choice
+from pipeswap.schedule.costs import CostModel, Link, StageCosts, TransformerShape, from_preset
+from pipeswap.schedule.policies import Granularity, PeakPolicy, PipelineChoice
+from pipeswap.schedule.policies._alike_choice import _RankPlans, _Search, _step, alike_choice
 from pipeswap.schedule.policies._fit import fit
 from pipeswap.schedule.policies._mixed import alike, layer_counts
 from pipeswap.schedule.policies._pipeline import placed, run_with
@@ -41,50 +41,87 @@ GEN4 = replace(from_preset("h100-pcie5", TransformerShape(hidden=4096, seq_len=4
 
 
 def _setup(kind: ScheduleKind, share: float, bandwidth: float, microbatches: int = 8,
-           stages_per_rank: int = 1) -> tuple[Schedule, CostModel, dict[int, int]]:
-    """The plain schedule, its costs and every rank's budget: ``share`` of the largest peak."""
+           stages_per_rank: int = 1, layers: tuple[int, ...] = (), w_heavy: bool = False
+           ) -> tuple[Schedule, CostModel, dict[int, int]]:
+    """The plain schedule, its costs and every rank's budget: ``share`` of the largest peak.
+    ``layers``: each stage's layers (cycled), times and bytes in proportion; ``w_heavy``:
+    a 0.02 s forward, a 0.3 s input gradient and a 3 s weight gradient a chunk (default
+    bytes), where recomputing a layer (which moves its share of W to I) shortens the
+    step."""
     given = build_schedule(ScheduleSpec(kind, ranks=4, microbatches=microbatches,
                                         stages_per_rank=stages_per_rank))
     costs = replace(GEN4, link=Link(bandwidth, bandwidth))
+    if w_heavy:
+        costs = CostModel(forward=0.02, backward=3.3, layers=4, link=Link(bandwidth, bandwidth),
+                          stages={stage: StageCosts(0.02, 3.3, 0.3, 3.0)
+                                  for stage in range(given.num_stages)})
+    elif layers:
+        costs = replace(costs, stages={stage: StageCosts(
+            costs.forward * count / 4, costs.backward * count / 4, layers=count,
+            activation_bytes=costs.activation_bytes * count // 4)
+            for stage in range(given.num_stages)
+            for count in (layers[stage % len(layers)],)})
     plain = simulate(given, costs, timeline=False)
     budget = int(max(r.peak_activation_bytes for r in plain.ranks) * share)
     return given, costs, dict.fromkeys(range(len(given.orders)), budget)
 
 
-def _every_choice(given: Schedule, costs: CostModel, budgets: dict[int, int]
+def _every_choice(given: Schedule, costs: CostModel, budgets: dict[int, int],
+                  granularity: Granularity = "auto"
                   ) -> tuple[float, tuple[int, int, int, int]] | None:
-    """Every name run in the whole schedule, each rank over its budget fitted where its plan
-    goes over (no bound, no shortcut): the shortest step of those within every budget, the
-    first of equals, and its name."""
+    """Every name run in the whole schedule (a rank with fewer layers taking its nearest
+    name), each rank over its budget fitted where its plan goes over (no bound, no
+    shortcut): the shortest step of those within every budget, the first of equals, and
+    its name."""
+    steps = _every_step(given, costs, budgets, granularity)
+    best = min(((step, index) for index, (_, step) in enumerate(steps) if step is not None),
+               default=None)
+    return None if best is None else (best[0], steps[best[1]][0])
+
+
+def _every_step(given: Schedule, costs: CostModel, budgets: dict[int, int],
+                granularity: Granularity = "auto"
+                ) -> list[tuple[tuple[int, int, int, int], float | None]]:
+    """Each name and its step with every rank within its budget (None: not so)."""
     plain = simulate(given, costs, timeline=False)
     over = [r for r in budgets if plain.ranks[r].peak_activation_bytes > budgets[r]]
-    found = {r: alike(swap_candidates(given.orders[r], r), layer_counts(costs), "auto")
+    found = {r: alike(swap_candidates(given.orders[r], r), layer_counts(costs), granularity)
              for r in over}
-    names = sorted(set().union(*found.values()))
-    best: tuple[float, int] | None = None
-    for index, name in enumerate(names):
+    out: list[tuple[tuple[int, int, int, int], float | None]] = []
+    for name in sorted(set().union(*found.values())):
         orders = {}
         for r in over:
-            recomputed, placements = found[r][name]
+            mine = min(sorted(found[r]), key=lambda n: tuple(abs(a - b) for a, b in zip(n, name)))
+            recomputed, placements = found[r][mine]
             order_of = partial(placed, given.orders[r], r, recomputed)
             if simulate_alone(order_of(placements), r, costs).peak_activation_bytes > budgets[r]:
                 fitted = fit(placements, order_of, r, costs, budgets[r])
                 if fitted is None:
+                    out.append((name, None))
                     break
                 placements = fitted.placements
             orders[r] = order_of(placements)
         else:
             run = run_with(given, costs, orders)
-            if all(run.ranks[r].peak_activation_bytes <= budgets[r] for r in over) and (
-                    best is None or (run.step_time, index) < best):
-                best = (run.step_time, index)
-    return None if best is None else (best[0], names[best[1]])
+            out.append((name, run.step_time if all(
+                run.ranks[r].peak_activation_bytes <= budgets[r] for r in over) else None))
+    return out
 
 
 CASES = [
     pytest.param(ScheduleKind.ONE_F_ONE_B, 0.4, 55e9, 1, id="1f1b"),  # a fit wins
     pytest.param(ScheduleKind.ZBV, 0.5, 25e9, 1, id="zbv"),
     pytest.param(ScheduleKind.INTERLEAVED_1F1B, 0.4, 55e9, 2, id="interleaved"),
+]
+#: Cases off the beaten path: stages of different layer counts (a rank takes its nearest
+#: name), whole chunks only, and a weight gradient so long that recomputing shortens the step.
+ODD = [
+    pytest.param(ScheduleKind.ONE_F_ONE_B, 0.35, 25e9, 1, (4, 2, 8, 3), False, "auto",
+                 id="1f1b-mixed-layers"),
+    pytest.param(ScheduleKind.INTERLEAVED_1F1B, 0.6, 55e9, 2, (), False, "chunk",
+                 id="interleaved-whole-chunks"),
+    pytest.param(ScheduleKind.ZBV, 0.9, 1e10, 1, (), True, "auto", id="zbv-long-w"),
+    pytest.param(ScheduleKind.ZBV, 0.5, 1e12, 1, (), True, "auto", id="zbv-long-w-fast-link"),
 ]
 
 
@@ -132,6 +169,52 @@ def test_every_rank_over_its_budget_takes_the_name_fitted_and_meets_its_budget(
     assert all(plan.ranks[rank].chosen_in_pipeline for rank in found.plans)
 
 
+@pytest.mark.parametrize(("kind", "share", "bandwidth", "stages_per_rank", "layers", "w_heavy",
+                          "granularity"), ODD)
+def test_the_choice_is_the_one_running_every_name_keeps_off_the_beaten_path(
+        kind: ScheduleKind, share: float, bandwidth: float, stages_per_rank: int,
+        layers: tuple[int, ...], w_heavy: bool, granularity: Granularity) -> None:
+    given, costs, budgets = _setup(kind, share, bandwidth, stages_per_rank=stages_per_rank,
+                                   layers=layers, w_heavy=w_heavy)
+    plain = simulate(given, costs, timeline=False)
+    found = alike_choice(given, costs, plain, budgets, granularity)
+    every = _every_choice(given, costs, budgets, granularity)
+    assert every is not None and found is not None
+    assert (found.step, found.name) == every
+    if w_heavy:  # recompute made the step shorter than the given schedule's
+        assert found.step < plain.step_time and found.name is not None and found.name[0] > 0
+
+
+@pytest.mark.parametrize(("kind", "share", "bandwidth", "stages_per_rank", "layers", "w_heavy",
+                          "granularity"), [*ODD[:1], *ODD[2:]])
+def test_every_bound_is_at_most_the_step_it_bounds(
+        kind: ScheduleKind, share: float, bandwidth: float, stages_per_rank: int,
+        layers: tuple[int, ...], w_heavy: bool, granularity: Granularity) -> None:
+    """Each bound the search may prune with (before anything runs, the recompute alone,
+    each rank's plan against its messages) is at most the step of the name it bounds."""
+    given, costs, budgets = _setup(kind, share, bandwidth, stages_per_rank=stages_per_rank,
+                                   layers=layers, w_heavy=w_heavy)
+    plain = simulate(given, costs, timeline=False)
+    over = sorted(r for r in budgets if plain.ranks[r].peak_activation_bytes > budgets[r])
+    found = {r: _RankPlans(swap_candidates(given.orders[r], r), [
+        layer_counts(costs)(c.key) for c in swap_candidates(given.orders[r], r)], granularity)
+        for r in over}
+    search = _Search(given, costs, budgets, over, found, plain.step_time)
+    checked = 0
+    for name, step in _every_step(given, costs, budgets, granularity):
+        if step is None:
+            continue
+        ceiling = step * (1 + 1e-9)
+        assert search.ways.floor(over, name) <= ceiling
+        assert _step(search.ways.logged(over, name)) <= ceiling
+        assert search.ways.known(over, name)[0] <= ceiling
+        for rank in over:
+            bounded = search._bounded(rank, name)
+            assert bounded is not None and bounded[0] <= ceiling, (name, rank)
+        checked += 1
+    assert checked >= 3
+
+
 def _no_deeper(fitted: SwapPlacement, named: SwapPlacement) -> bool:
     """A fit lowers lags and load depths only."""
     return (fitted[:2] == named[:2] and fitted.layer_lag <= named.layer_lag
@@ -177,6 +260,22 @@ def test_a_pipeline_within_every_budget_keeps_its_orders() -> None:
     assert inject_swap(given, policy).orders == given.orders
 
 
+def test_per_rank_budgets_plan_the_ranks_over_them_and_keep_the_rest() -> None:
+    given, costs, budgets = _setup(ScheduleKind.ONE_F_ONE_B, 0.4, 55e9)
+    plain = simulate(given, costs, timeline=False)
+    budgets[3] = plain.ranks[3].peak_activation_bytes  # within it already
+    plan = plan_swap(given, PeakPolicy(costs, budgets, recompute="auto",
+                                       pipeline_choice="alike"))
+    run = simulate(apply_swap(given, plan), costs, timeline=False)
+    assert all(r.peak_activation_bytes <= budgets[r.rank] for r in run.ranks)
+    assert all(plan.ranks[rank].chosen_in_pipeline for rank in range(4))
+    assert plan.ranks[3].placements == {} and plan.ranks[3].recomputed == {}
+    assert all(plan.ranks[rank].placements for rank in range(3))
+    with pytest.raises(Exception, match="the memory budget gives no figure for rank 3"):
+        plan_swap(given, PeakPolicy(costs, {r: budgets[r] for r in range(3)},
+                                    recompute="auto", pipeline_choice="alike"))
+
+
 SMALL = ["--schedule", "1f1b", "--ranks", "4", "--microbatches", "8", "--preset", "h100-pcie5",
          "--hidden", "4096", "--seq-len", "4096", "--layers-per-stage", "4",
          "--d2h-bandwidth", "25e9", "--h2d-bandwidth", "25e9", "--format", "json"]
@@ -186,10 +285,13 @@ def test_the_command_line_chooses_as_asked(cli: Cli) -> None:
     said = {choice: cli("simulate", *SMALL, "--budget", "3GiB", "--pipeline-choice", choice)
             for choice in ("turns", "alike")}
     assert said["turns"][0] == said["alike"][0] == 0
-    default = cli("simulate", *SMALL, "--budget", "3GiB")
-    assert default == said["turns"]  # 4 x 8 is small: auto takes turns
-    steps = {choice: json.loads(out)["step_time_s"] for choice, (_, out, _) in said.items()}
-    assert steps["alike"] >= steps["turns"] > 0
+    assert cli("simulate", *SMALL, "--budget", "3GiB") == said["turns"]  # 4 x 8: turns
+    given = build_schedule(ScheduleSpec(ScheduleKind.ONE_F_ONE_B, ranks=4, microbatches=8))
+    costs = replace(GEN4, link=Link(25e9, 25e9))
+    for choice in ("turns", "alike"):
+        policy = PeakPolicy(costs, 3 * 2**30, recompute="auto", pipeline_choice=choice)
+        step = simulate(inject_swap(given, policy), costs, timeline=False).step_time
+        assert json.loads(said[choice][1])["step_time_s"] == step, choice
 
 
 @pytest.mark.parametrize(("extra", "message"), [

@@ -14,15 +14,19 @@ choice is one such name (``k``, lag, depth, shape), applied to every rank over i
 choice kept is the one whose whole-schedule run is shortest with every rank within its
 budget, the first of equals.
 
-Few names are run. Every plan only adds swap and recompute steps to a rank's given order,
-so no compute and no message comes earlier, and three lower bounds of a name's step hold,
-each dearer and closer than the one before: the step of its recompute alone (its orders
-without their swap steps; a name recomputing at least the layers of another is bounded by
-that one's), and for each rank, its plan run against the given schedule's messages
-(:func:`~pipeswap.schedule.policies._pipeline.least_step`), the rank holding most first.
-The names are taken best bound first, each bound worked out only when the name comes up,
-and the search stops once the next bound passes the shortest step found: on the reference
-case at 64 ranks it fits the ranks of one name and runs the whole schedule once.
+Few names are run. A name's plans add only swap steps to its way of recomputing (its
+orders with their RC steps alone), so no compute and no message comes earlier than in that
+way's run, and lower bounds of a name's step hold, each dearer and closer than the one
+before: the step of its way's run; then, for each rank, its plan (fitted) run against that
+run's messages (:func:`~pipeswap.schedule.policies._pipeline.least_step`), the rank holding
+most first. Where no backward splits, recompute only adds compute too, so the given
+schedule's step bounds every name before anything runs, and a way recomputing at least the
+layers of another is bounded by that one's step before it is run; where the backward
+splits (I and W steps), a recomputed layer's share of W moves to its I, a recompute may
+make the step shorter, and only a way's own run bounds it. The names are taken best bound
+first, each bound worked out only when the name comes up, and the search stops once the
+next bound passes the shortest step found: on the reference case at 64 ranks it fits the
+ranks of one name and runs the whole schedule three times.
 """
 
 from __future__ import annotations
@@ -43,7 +47,14 @@ from pipeswap.schedule.policies._mixed import (
     alike_recomputed,
     layer_counts,
 )
-from pipeswap.schedule.policies._pipeline import Plan, beyond, least_step, placed, run_with
+from pipeswap.schedule.policies._pipeline import (
+    Plan,
+    beyond,
+    least_step,
+    placed,
+    run_with,
+    with_orders,
+)
 from pipeswap.schedule.policies.base import Granularity
 from pipeswap.schedule.schedule import Schedule
 from pipeswap.schedule.simulate import (
@@ -53,7 +64,7 @@ from pipeswap.schedule.simulate import (
     simulate_alone,
     simulate_logged,
 )
-from pipeswap.schedule.steps import ChunkKey
+from pipeswap.schedule.steps import ChunkKey, StepType
 from pipeswap.schedule.swap_order import swap_candidates
 from pipeswap.schedule.swap_plan import PlanOutcome, SwapCandidate, SwapPlacement
 
@@ -93,7 +104,8 @@ def alike_choice(given: Schedule, costs: CostModel, plain: SimulationResult,
                                  granularity)
     names = sorted(set().union(*(plans.names for plans in found.values())))
     search = _Search(given, costs, budgets, over, found, plain.step_time)
-    heap = [(plain.step_time, index, 0) for index in range(len(names))]  # sorted: a heap
+    heap = [(search.ways.floor(over, name), index, 0) for index, name in enumerate(names)]
+    heapq.heapify(heap)
     settled = 0
     while heap and not beyond(heap[0][0], search.best[0]):
         key, index, level = heapq.heappop(heap)
@@ -124,7 +136,6 @@ class _Search:
         self.given, self.costs, self.budgets, self.over = given, costs, budgets, over
         self.fitted = _Fitted(given, costs, budgets, found)
         self.ways = _Ways(given, costs, plain_step, found)
-        self.log: Logged | None = None
         self.best: tuple[float, int, dict[int, tuple[Plan, RankResult]]] = (math.inf, 0, {})
         self.runs = 0
 
@@ -137,8 +148,8 @@ class _Search:
         if level == 0:
             known, own = self.ways.known(self.over, name)
             if own or known > key:
-                return known, int(own)
-            return self.ways.own(self.over, name), 1
+                return max(key, known), int(own)
+            return max(key, _step(self.ways.logged(self.over, name))), 1
         if level == 1:
             head = self._bounded(self.over[0], name)
             return None if head is None else (max(key, head[0]), 2)
@@ -164,9 +175,7 @@ class _Search:
         made = self.fitted.plan(rank, name)
         if made is None:
             return None
-        if self.log is None:
-            self.log = simulate_logged(self.given, self.costs, None)
-        return least_step(self.log, self.given, rank,
+        return least_step(self.ways.logged(self.over, name), self.given, rank,
                           placed(self.given.orders[rank], rank, *made[0]), self.costs), made
 
 
@@ -259,14 +268,20 @@ class _Fitted:
 
 
 class _Ways:
-    """The step of each way of recomputing a name's plans (its recompute alone, the given
-    schedule otherwise), run once per way; a way recomputing at least the layers of
-    another is bounded by it before it is run."""
+    """Each way of recomputing a name's plans run once, logged (its recompute alone, the
+    given schedule where it recomputes nothing): its step bounds the name's, and each
+    rank's plan (which only adds swap steps to it) is bounded against its messages. Where
+    no backward splits, recompute only adds compute, so the given schedule's step bounds
+    every way's, and a way recomputing at least the layers of another is bounded by that
+    one's before it is run; where the backward splits (I and W steps), a recomputed layer's
+    share of W moves to its I, so a recompute may make the step shorter, and neither
+    holds."""
 
     def __init__(self, given: Schedule, costs: CostModel, plain_step: float,
                  found: Mapping[int, _RankPlans]) -> None:
         self.given, self.costs, self.plain_step, self.found = given, costs, plain_step, found
-        self.steps: dict[_Recompute, float] = {}
+        self.adds_only = not _splits_backward(given)
+        self.logs: dict[_Recompute, Logged] = {}
 
     def _of(self, over: Sequence[int], name: AlikeName
             ) -> tuple[_Recompute, dict[int, dict[ChunkKey, tuple[int, ...]]]]:
@@ -274,25 +289,42 @@ class _Ways:
         return frozenset((rank, frozenset(recomputed.items()))
                          for rank, recomputed in layers.items() if recomputed), layers
 
+    def floor(self, over: Sequence[int], name: AlikeName) -> float:
+        """A bound of ``name``'s step known before anything is run."""
+        key, _ = self._of(over, name)
+        return self.plain_step if self.adds_only or not key else -math.inf
+
     def known(self, over: Sequence[int], name: AlikeName) -> tuple[float, bool]:
-        """The best bound of ``name``'s recompute known without a run, and whether it is
-        its own."""
+        """The best bound of ``name``'s step known without a run, and whether it is its
+        own way's step."""
         key, layers = self._of(over, name)
+        if key in self.logs:
+            return _step(self.logs[key]), True
         if not key:
             return self.plain_step, True
-        if key in self.steps:
-            return self.steps[key], True
-        return max([self.plain_step] + [step for known, step in self.steps.items()
+        if not self.adds_only:
+            return -math.inf, False
+        return max([self.plain_step] + [_step(log) for known, log in self.logs.items()
                                         if _within(known, layers)]), False
 
-    def own(self, over: Sequence[int], name: AlikeName) -> float:
-        """The step of ``name``'s recompute alone."""
+    def logged(self, over: Sequence[int], name: AlikeName) -> Logged:
+        """``name``'s way of recomputing run, logged for any rank's plan on top of it."""
         key, layers = self._of(over, name)
-        if key not in self.steps:
-            self.steps[key] = run_with(self.given, self.costs, {
+        if key not in self.logs:
+            self.logs[key] = simulate_logged(with_orders(self.given, {
                 rank: placed(self.given.orders[rank], rank, recomputed, {})
-                for rank, recomputed in layers.items() if recomputed}).step_time
-        return self.steps[key]
+                for rank, recomputed in layers.items() if recomputed}), self.costs, None)
+        return self.logs[key]
+
+
+def _step(log: Logged) -> float:
+    return max(log.finishes, default=0.0)
+
+
+def _splits_backward(schedule: Schedule) -> bool:
+    """Whether any rank's order runs a weight gradient (W) apart from its backward."""
+    return any(leaf.type is StepType.BWD_WEIGHT for order in schedule.orders
+               for step in order if step is not None for leaf in step.sub_steps or (step,))
 
 
 def _within(known: _Recompute, layers: Mapping[int, Mapping[ChunkKey, tuple[int, ...]]]

@@ -76,7 +76,8 @@ class PeakPolicy:
     alone, recompute alone, mixes of the two and plans alike on every chunk, weighed in the
     whole pipeline where the cost model times every stage
     (:mod:`pipeswap.schedule.policies._pipeline`; for a pipeline larger than
-    :data:`TURNS_UP_TO`, or with ``pipeline_choice="alike"``, one plan alike on every rank:
+    :data:`TURNS_UP_TO` where more than one rank plans, or with
+    ``pipeline_choice="alike"``, one plan alike on every rank:
     :mod:`pipeswap.schedule.policies._alike_choice`); the rank's plan holds the layers, and
     the swap pass adds their RC steps. ``jobs`` worker processes make the ranks' plans there
     (:meth:`prepare`), each rank's depending on its own order alone: any number gives the
@@ -91,8 +92,8 @@ class PeakPolicy:
     # are made: a search that takes minutes at 64 stages can say how far it is
     progress: Callable[[int, int, int], None] | None = field(
         default=None, repr=False, compare=False)
-    # told (choices made, choices to make) as the ranks choose their plans in the whole
-    # pipeline (each rank once from each start; see prepare)
+    # told (choices made, choices to make) as the plans are chosen in the whole pipeline
+    # (rank by rank: each rank once from each start; alike: each name settled; see prepare)
     choosing: Callable[[int, int], None] | None = field(default=None, repr=False,
                                                         compare=False)
     # processes that make the ranks' plans under a budget in prepare (1: this one; each
@@ -149,9 +150,9 @@ class PeakPolicy:
         full. The ranks choose in turn from two starts: the other ranks as given, and each
         rank over its budget planned alike on every chunk (:meth:`_alike_start`; not where
         one rank chooses, whose own order the start cannot change). That grows as ranks
-        squared x microbatches; for a larger pipeline than :data:`TURNS_UP_TO` (or with
-        ``pipeline_choice="alike"``) the whole pipeline instead takes one plan alike on every
-        rank, fitted to each rank's budget
+        squared x microbatches; for a larger pipeline than :data:`TURNS_UP_TO` where more
+        than one rank plans (or with ``pipeline_choice="alike"``) the whole pipeline instead
+        takes one plan alike on every rank, fitted to each rank's budget
         (:mod:`pipeswap.schedule.policies._alike_choice`), which grows about as ranks x
         microbatches (:meth:`_alike_planner`). A cost model that times
         some stages only (a rank's own measurements) would leave the others at placeholder
