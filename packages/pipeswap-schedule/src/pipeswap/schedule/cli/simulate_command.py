@@ -272,12 +272,12 @@ def policy_arguments() -> Parser:
         "--pipeline-choice", choices=PIPELINE_CHOICES, default=None,
         help="how the peak policy chooses the ranks' plans under --budget in the whole "
              "pipeline, where a copy's stall that another rank's slack absorbs costs "
-             f"nothing (default auto). turns: rank by rank, each among its own plans, from "
-             "two starts: the closest, but its time grows as ranks squared x microbatches "
-             "(minutes at 64 stages). alike: one plan alike on every chunk of every rank "
-             "(the same layers recomputed, the same lag and load depth), fitted to each "
-             "rank's budget where it goes over: seconds at 64 stages. auto: turns up to "
-             f"{TURNS_UP_TO} ranks x microbatches, alike beyond")
+             "nothing (default auto). turns: rank by rank, each among its own plans, from "
+             "two starts: each rank may get a plan of its own, but the time grows as ranks "
+             "squared x microbatches (minutes at 64 stages). alike: one plan alike on every "
+             "chunk of every rank (the same layers recomputed, the same lag and load "
+             "depth), fitted to each rank's budget where it goes over: seconds at 64 "
+             f"stages. auto: turns up to {TURNS_UP_TO} ranks x microbatches, alike beyond")
     group.add_argument(
         "--jobs", type=count(MAX_JOBS), default=None, metavar="N",
         help="processes that make the ranks' plans under --budget at once for the turns "
