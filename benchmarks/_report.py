@@ -1,5 +1,5 @@
-"""Shared by the benchmarks: the machine line, a command pinned to one core, and writing a
-section of BENCHMARKS.md."""
+"""Shared by the benchmarks: the machine line, a command pinned to one core (and a child
+process's last line), and writing a section of BENCHMARKS.md."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import argparse
 import os
 import platform
 import re
+import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -61,6 +62,16 @@ def one_core(argv: list[str]) -> list[str]:
     if hasattr(os, "sched_getaffinity") and _has_taskset():
         return ["taskset", "-c", str(min(os.sched_getaffinity(0))), *argv]
     return argv
+
+
+def child_line(python: str, code: str, what: str) -> str:
+    """The last line ``code`` prints, run by ``python`` in a fresh process on one core;
+    ends the benchmark with its stderr, naming ``what``, where it fails."""
+    done = subprocess.run(one_core([python, "-c", code]), capture_output=True, text=True,
+                          check=False)
+    if done.returncode != 0:
+        raise SystemExit(f"{what} failed:\n{done.stderr[-2000:]}")
+    return done.stdout.strip().splitlines()[-1]
 
 
 def _has_taskset() -> bool:

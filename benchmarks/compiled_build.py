@@ -16,14 +16,13 @@ the venv ``python3 dev.py test --full`` builds it into, ``.cache/compiled-check`
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import NamedTuple
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _report import benchmark_parser, machine, one_core, publish  # noqa: E402
+from _report import benchmark_parser, child_line, machine, publish  # noqa: E402
 
 SECTION = "## The compiled build (`benchmarks/compiled_build.py`)"
 ROOT = Path(__file__).resolve().parent.parent
@@ -100,11 +99,7 @@ class Row(NamedTuple):
 
 def timed(python: str, code: str) -> Run:
     """The case run by ``python`` in a fresh process on one core."""
-    done = subprocess.run(one_core([python, "-c", code]), capture_output=True, text=True,
-                          check=False)
-    if done.returncode != 0:
-        raise SystemExit(f"compiled_build.py: {python} failed:\n{done.stderr[-2000:]}")
-    found = json.loads(done.stdout.strip().splitlines()[-1])
+    found = json.loads(child_line(python, code, f"compiled_build.py: {python}"))
     return Run(float(found["seconds"]), bool(found["compiled"]), found["figures"])
 
 

@@ -19,14 +19,13 @@ stage, a duplex link.
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import NamedTuple
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _report import benchmark_parser, machine, one_core, publish  # noqa: E402
+from _report import benchmark_parser, child_line, machine, publish  # noqa: E402
 
 SECTION = "## Choosing in the whole pipeline: rank by rank or alike (`benchmarks/pipeline_choice.py`)"
 
@@ -92,12 +91,8 @@ class Planned(NamedTuple):
 def planned(case: Case, choice: str) -> Planned:
     """``case`` planned with ``choice`` in a fresh process on one core."""
     code = CHILD.format(choice=choice, **case._asdict())
-    done = subprocess.run(one_core([sys.executable, "-c", code]), capture_output=True,
-                          text=True, check=False)
-    if done.returncode != 0:
-        raise SystemExit(f"pipeline_choice.py: {case.label()} ({choice}) failed:\n"
-                         f"{done.stderr[-2000:]}")
-    found = json.loads(done.stdout.strip().splitlines()[-1])
+    found = json.loads(child_line(sys.executable, code,
+                                  f"pipeline_choice.py: {case.label()} ({choice})"))
     return Planned(float(found["seconds"]), float(found["step"]), bool(found["met"]))
 
 

@@ -151,7 +151,6 @@ def test_every_rank_over_its_budget_takes_the_name_fitted_and_meets_its_budget(
     plain = simulate(given, costs, timeline=False)
     found = alike_choice(given, costs, plain, budgets, "auto")
     assert found is not None and found.name is not None
-    k, lag, depth, shape = found.name
     for rank, trial in found.plans.items():
         named = alike(swap_candidates(given.orders[rank], rank), layer_counts(costs),
                       "auto")[found.name]

@@ -128,8 +128,8 @@ def alike_choice(given: Schedule, costs: CostModel, plain: SimulationResult,
 
 
 class _Search:
-    """The search's state: each rank's plans made and fitted so far, the recompute bounds
-    worked out, the given schedule's messages, and the best name found."""
+    """The search's state: each rank's plans made and fitted so far, the ways of
+    recomputing run (logged), and the best name found."""
 
     def __init__(self, given: Schedule, costs: CostModel, budgets: Mapping[int, int],
                  over: Sequence[int], found: Mapping[int, _RankPlans], plain_step: float
@@ -172,7 +172,8 @@ class _Search:
     def _bounded(self, rank: int, name: AlikeName
                  ) -> tuple[float, tuple[Plan, RankResult]] | None:
         """The rank's plan of ``name`` within its budget (and its run alone), and the least
-        step it gives with the others as given; None where it has no such plan."""
+        step it gives with the others as ``name``'s recompute alone runs them; None where it
+        has no such plan."""
         made = self.fitted.plan(rank, name)
         if made is None:
             return None
